@@ -1,0 +1,15 @@
+"""memspec: fast-weight memories as specs, compiled to PyTorch.
+
+Pipeline (one module per phase)::
+
+    spec file --frontend--> Spec --graph.lower--> networkx DiGraph --checks.verify-->
+    --schedule.analyse--> Schedule --codegen--> compiled/<name>.py --torch.compile-->
+"""
+from .errors import Diagnostic, Span, SpecError
+from .expr import parse_expr
+from .frontend import load, loads
+from .spec import Spec
+
+__version__ = "0.1.0"
+
+__all__ = ["Diagnostic", "Span", "Spec", "SpecError", "load", "loads", "parse_expr", "__version__"]

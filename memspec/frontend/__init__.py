@@ -1,0 +1,295 @@
+"""Frontend: a spec file (YAML or `.mem`) -> validated :class:`~memspec.spec.Spec`.
+
+``load(path)`` reads the file, resolves ``extends`` (relative to the file, cycles
+rejected), parses expression strings with their file positions, validates with
+pydantic and maps every validation error back to the spec's own line and column.
+All problems of a file are collected and raised together as one ``SpecError``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..errors import Collector, Span, SpecError, did_you_mean, remember_source
+from ..expr import Assign, Expr, FunDef, Num, SourcePos, parse_expr, parse_fundef, parse_stmt
+from ..spec import Gate, Param, Spec, State, View, Wiring
+from .mem_frontend import read_mem
+from .raw import RawSpec, merge_raw
+from .yaml_frontend import read_yaml
+
+MAX_BYTES = 1_000_000
+SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".mem": "mem"}
+
+
+def format_of(path: str | Path) -> str | None:
+    return SUFFIXES.get(Path(path).suffix.lower())
+
+
+def display_path(path: Path) -> str:
+    """Paths in messages are relative to the working directory when possible."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def read_source(path: Path, file: str, diags: Collector) -> str | None:
+    try:
+        size = path.stat().st_size
+    except OSError as err:
+        diags.error(f"cannot read spec: {err.strerror}", Span(file, 1, 1))
+        return None
+    if path.is_dir():
+        diags.error("is a directory, not a spec file", Span(file, 1, 1))
+        return None
+    if size > MAX_BYTES:
+        diags.error(f"file too large ({size / 1e6:.1f} MB); a spec is at most {MAX_BYTES // 1_000_000} MB",
+                    Span(file, 1, 1), hint="is this the right file?")
+        return None
+    data = path.read_bytes()
+    if b"\x00" in data:
+        i = data.index(b"\x00")
+        line = data[:i].count(b"\n") + 1
+        col = i - (data[:i].rfind(b"\n") + 1) + 1
+        diags.error("binary data (NUL byte) in spec file", Span(file, line, col), hint="a spec is UTF-8 text")
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        before = data[: err.start]
+        line = before.count(b"\n") + 1
+        col = len(before[before.rfind(b"\n") + 1 :].decode("utf-8", errors="replace")) + 1
+        diags.error("invalid UTF-8 in spec file", Span(file, line, col), hint="a spec is UTF-8 text")
+        return None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    remember_source(file, text)
+    return text
+
+
+def read_raw(path: Path, diags: Collector, chain: tuple[Path, ...] = (), via: Span | None = None) -> RawSpec | None:
+    """Read one file and everything it extends, merged."""
+    file = display_path(path)
+    fmt = format_of(path)
+    if fmt is None:
+        diags.error(f"unknown spec format {path.suffix!r}", via or Span(file, 1, 1),
+                    hint="spec files end in .yaml, .yml or .mem")
+        return None
+    if not path.exists():
+        diags.error(f"no such spec file: {file}", via or Span(file, 1, 1))
+        return None
+    text = read_source(path, file, diags)
+    if text is None:
+        return None
+    if not text.strip():
+        diags.error("empty spec", Span(file, 1, 1), hint="a spec needs at least name, state and read")
+        return None
+    raw = read_yaml(text, file, diags) if fmt == "yaml" else read_mem(text, file, diags)
+    if raw is None:
+        return None
+    if raw.extends is None:
+        _strip_drops(raw.data)
+        return raw
+    base_path = (path.parent / raw.extends).resolve()
+    if base_path in chain or base_path == path.resolve():
+        cycle = " -> ".join(display_path(p) for p in (*chain, path.resolve(), base_path))
+        diags.error(f"cycle of extends: {cycle}", raw.extends_span, hint="a spec cannot extend itself")
+        return None
+    base = read_raw(base_path, diags, chain + (path.resolve(),), raw.extends_span)
+    if base is None:
+        return None
+    merged = merge_raw(base, raw)
+    return merged
+
+
+def _strip_drops(d: dict) -> None:
+    for k in [k for k, v in d.items() if v is None and k in _SECTIONS_WITH_ENTRIES]:
+        pass
+    for sec in _SECTIONS_WITH_ENTRIES:
+        sub = d.get(sec)
+        if isinstance(sub, dict):
+            for k in [k for k, v in sub.items() if v is None]:
+                del sub[k]
+
+
+_SECTIONS_WITH_ENTRIES = ("dims", "constants", "views", "gates", "params", "state", "let")
+
+
+def _expression_paths(data: dict) -> list[tuple[tuple, str]]:
+    """Paths of expression-valued fields and which parser they need."""
+    out: list[tuple[tuple, str]] = []
+    for key, kind in (("model", "fundef"), ("loss", "expr"), ("read", "expr")):
+        if isinstance(data.get(key), str):
+            out.append(((key,), kind))
+    if isinstance(data.get("update"), list):
+        for i, s in enumerate(data["update"]):
+            if isinstance(s, str):
+                out.append((("update", i), "stmt"))
+    if isinstance(data.get("let"), dict):
+        for k, v in data["let"].items():
+            if isinstance(v, str):
+                out.append((("let", k), "expr"))
+    if isinstance(data.get("gates"), dict):
+        for k, v in data["gates"].items():
+            if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+                out.append((("gates", k), "expr"))
+            elif isinstance(v, dict) and isinstance(v.get("formula"), str):
+                out.append((("gates", k, "formula"), "expr"))
+    return out
+
+
+_PARSERS = {"expr": parse_expr, "stmt": parse_stmt, "fundef": parse_fundef}
+
+
+def parse_expressions(raw: RawSpec, diags: Collector) -> None:
+    """Replace expression strings in ``raw.data`` by AST, located in the file."""
+    for path, kind in _expression_paths(raw.data):
+        parent = raw.data
+        for k in path[:-1]:
+            parent = parent[k]
+        text = parent[path[-1]]
+        if not isinstance(text, str):
+            text = repr(text)
+        pos = raw.text_pos.get(path)
+        if pos is None:
+            sp = raw.span_of(path)
+            pos = SourcePos(sp.file, sp.line, sp.col)
+        try:
+            parent[path[-1]] = _PARSERS[kind](text, pos)
+        except SpecError as err:
+            diags.extend(err.diagnostics)
+            # placeholder: already reported; keep validating the rest of the spec
+            parent[path[-1]] = {"expr": Num(0), "stmt": Assign("_", Num(0)),
+                                "fundef": FunDef("_", "_", Num(0))}[kind]
+
+
+_MODELS = {
+    (): Spec,
+    ("views", "*"): View,
+    ("gates", "*"): Gate,
+    ("params", "*"): Param,
+    ("state", "*"): State,
+    ("wiring",): Wiring,
+}
+
+
+def _model_for(path: tuple):
+    for pat, model in _MODELS.items():
+        if len(pat) == len(path) and all(p == "*" or p == q for p, q in zip(pat, path)):
+            return model
+    return None
+
+
+def _plain(msg: str) -> str:
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def map_validation_errors(err: ValidationError, raw: RawSpec, diags: Collector) -> None:
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        typ = e["type"]
+        if typ == "extra_forbidden":
+            parent, key = loc[:-1], loc[-1]
+            model = _model_for(parent)
+            fields = list(model.model_fields) if model else []
+            if model is Spec:
+                fields.append("extends")
+            where = "spec" if not parent else " ".join(str(p) for p in parent)
+            hint = did_you_mean(str(key), fields) or (
+                "allowed: " + ", ".join(fields) if fields else None)
+            diags.error(f"unknown field {key!r} in {where}", raw.key_span_of(loc), hint=hint)
+        elif typ == "missing":
+            parent, key = loc[:-1], loc[-1]
+            where = "spec" if not parent else " ".join(str(p) for p in parent)
+            diags.error(f"missing field {key!r} in {where}", raw.key_span_of(parent) if parent else raw.span_of(()),
+                        hint=_missing_hint(str(key)))
+        else:
+            field = ".".join(str(p) for p in loc) or "spec"
+            inp = e.get("input")
+            msg = _plain(e["msg"])
+            if typ in ("dict_type", "model_type", "model_attributes_type"):
+                msg = f"expected a mapping, got {_kind(inp)}"
+            elif typ == "list_type":
+                msg = f"expected a list, got {_kind(inp)}"
+            elif typ in ("string_type",):
+                msg = f"expected text, got {_kind(inp)}"
+            elif typ in ("int_type", "int_parsing", "int_from_float"):
+                msg = f"expected an integer, got {_kind(inp)}"
+            elif typ in ("float_type", "float_parsing"):
+                msg = f"expected a number, got {_kind(inp)}"
+            elif typ == "literal_error":
+                msg = f"{_plain(e['msg'])}, got {inp!r}" if not isinstance(inp, (dict, list)) else _plain(e["msg"])
+            elif typ == "is_instance_of":
+                msg = f"expected an expression, got {_kind(inp)}"
+            diags.error(f"{field}: {msg}", raw.span_of(loc))
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "nothing (null)"
+    if isinstance(v, bool):
+        return f"a boolean ({str(v).lower()})"
+    if isinstance(v, (int, float)):
+        return f"a number ({v})"
+    if isinstance(v, str):
+        return f"text ({v!r})" if len(v) < 40 else "text"
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, Expr):
+        return "an expression"
+    return type(v).__name__
+
+
+def _missing_hint(key: str) -> str | None:
+    return {
+        "name": "give the memory a name: `name: my_memory`",
+        "read": "say how the memory is read, e.g. `read: f(q)`",
+        "shape": "give the state a shape in dims, e.g. `shape: [d_k, d_v]`",
+        "dim": "give the view a width, e.g. `dim: d_k`",
+    }.get(key)
+
+
+def spec_from_raw(raw: RawSpec, diags: Collector, path: str | None = None) -> Spec | None:
+    parse_expressions(raw, diags)
+    try:
+        spec = Spec.model_validate(raw.data)
+    except ValidationError as err:
+        map_validation_errors(err, raw, diags)
+        return None
+    if diags.errors:
+        return None
+    spec._spans = dict(raw.spans)
+    spec._key_spans = dict(raw.key_spans)
+    spec._path = path
+    return spec
+
+
+def load(path: str | Path) -> Spec:
+    """Load a spec from ``.yaml``/``.yml``/``.mem``; raises ``SpecError`` with all problems."""
+    p = Path(path)
+    diags = Collector()
+    raw = read_raw(p, diags)
+    spec = spec_from_raw(raw, diags, str(p)) if raw is not None and not diags.errors else None
+    diags.raise_if_errors()
+    assert spec is not None
+    return spec
+
+
+def loads(text: str, fmt: str = "yaml", file: str = "<string>") -> Spec:
+    """Load a spec from text (no ``extends``)."""
+    diags = Collector()
+    remember_source(file, text)
+    raw = read_yaml(text, file, diags) if fmt == "yaml" else read_mem(text, file, diags)
+    if raw is not None and raw.extends is not None:
+        diags.error("extends needs a file to resolve against; use load(path)", raw.extends_span)
+    spec = spec_from_raw(raw, diags) if raw is not None and not diags.errors else None
+    diags.raise_if_errors()
+    assert spec is not None
+    return spec

@@ -1,0 +1,157 @@
+"""YAML frontend: safe-load a spec file into a :class:`RawSpec` that keeps positions.
+
+Only YAML's core scalar types are accepted (no tags that construct objects).  Every
+mapping key and value keeps its line and column so that later phases can point
+at the spec's own text, including columns inside expression strings.
+"""
+from __future__ import annotations
+
+import yaml
+from yaml.constructor import SafeConstructor
+
+from ..errors import Collector, Span
+from ..expr import SourcePos
+from .raw import RawSpec
+
+MAX_DEPTH = 32
+_CORE_TAGS = {
+    "tag:yaml.org,2002:str",
+    "tag:yaml.org,2002:int",
+    "tag:yaml.org,2002:float",
+    "tag:yaml.org,2002:bool",
+    "tag:yaml.org,2002:null",
+    "tag:yaml.org,2002:map",
+    "tag:yaml.org,2002:seq",
+}
+
+
+def _span(node, file: str) -> Span:
+    s, e = node.start_mark, node.end_mark
+    return Span(file, s.line + 1, s.column + 1, e.line + 1, e.column + 1)
+
+
+def _text_pos(node, file: str, lines: list[str]) -> SourcePos:
+    """Where the characters of a string scalar start in the file."""
+    m = node.start_mark
+    style = node.style
+    if style in ("'", '"'):
+        return SourcePos(file, m.line + 1, m.column + 2, cont_col=1)
+    if style in ("|", ">"):
+        # content starts on the next line, at that line's indentation
+        ln = m.line + 1  # 0-based index of next line
+        while ln < len(lines) and not lines[ln].strip():
+            ln += 1
+        indent = len(lines[ln]) - len(lines[ln].lstrip(" ")) if ln < len(lines) else 0
+        return SourcePos(file, ln + 1, indent + 1, cont_col=indent + 1)
+    return SourcePos(file, m.line + 1, m.column + 1, cont_col=m.column + 1)
+
+
+def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
+    """Parse ``text`` (YAML) into a RawSpec; problems go to ``diags``."""
+    raw = RawSpec(file=file)
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        span = Span(file, mark.line + 1, mark.column + 1) if mark else Span(file, 1, 1)
+        problem = err.problem or err.context or "invalid YAML"
+        diags.error(f"YAML syntax error: {problem}", span, hint=_yaml_hint(err))
+        return None
+    except yaml.YAMLError as err:  # reader errors (control characters, bad encoding)
+        mark = getattr(err, "problem_mark", None)
+        pos = getattr(err, "position", None)
+        if mark is not None:
+            span = Span(file, mark.line + 1, mark.column + 1)
+        elif pos is not None:
+            before = text[:pos]
+            span = Span(file, before.count("\n") + 1, pos - (before.rfind("\n") + 1) + 1)
+        else:
+            span = Span(file, 1, 1)
+        reason = getattr(err, "reason", None) or "cannot read YAML"
+        diags.error(f"YAML error: {reason}", span, hint="a spec is UTF-8 text")
+        return None
+    except RecursionError:
+        diags.error(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", Span(file, 1, 1))
+        return None
+    if node is None:
+        diags.error("empty spec", Span(file, 1, 1), hint="a spec is a mapping with at least name, state and read")
+        return None
+    if not isinstance(node, yaml.MappingNode):
+        kind = "a list" if isinstance(node, yaml.SequenceNode) else "a single value"
+        diags.error(f"a spec must be a YAML mapping, got {kind}", _span(node, file),
+                    hint="start with `name: my_memory`")
+        return None
+    lines = text.splitlines()
+    constructor = SafeConstructor()
+    ok = True
+
+    def convert(n, path: tuple, depth: int):
+        nonlocal ok
+        raw.spans[path] = _span(n, file)
+        if depth > MAX_DEPTH:
+            diags.error(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", _span(n, file))
+            ok = False
+            return None
+        if n.tag not in _CORE_TAGS:
+            diags.error(f"YAML tag {n.tag!r} is not allowed in a spec", _span(n, file),
+                        hint="specs use plain YAML: mappings, lists, strings and numbers")
+            ok = False
+            return None
+        if isinstance(n, yaml.MappingNode):
+            out = {}
+            for kn, vn in n.value:
+                if not isinstance(kn, yaml.ScalarNode) or kn.tag not in _CORE_TAGS:
+                    diags.error("mapping keys must be plain names", _span(kn, file))
+                    ok = False
+                    continue
+                key = constructor.construct_object(kn)
+                if not isinstance(key, str):
+                    key = str(key) if key is not None else "null"
+                if key in out:
+                    diags.error(f"duplicate key {key!r}", _span(kn, file),
+                                hint="each key may appear once in a mapping")
+                    ok = False
+                    continue
+                raw.key_spans[path + (key,)] = _span(kn, file)
+                out[key] = convert(vn, path + (key,), depth + 1)
+            return out
+        if isinstance(n, yaml.SequenceNode):
+            return [convert(c, path + (i,), depth + 1) for i, c in enumerate(n.value)]
+        value = constructor.construct_object(n)
+        if isinstance(value, str):
+            raw.text_pos[path] = _text_pos(n, file, lines)
+        return value
+
+    try:
+        data = convert(node, (), 0)
+    except RecursionError:
+        diags.error(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", Span(file, 1, 1))
+        return None
+    except yaml.YAMLError as err:  # e.g. a malformed timestamp or number
+        diags.error(f"YAML error: {err}", Span(file, 1, 1))
+        return None
+    if not ok:
+        return None
+    raw.spans[()] = Span(file, 1, 1)
+    if "extends" in data:
+        ext = data.pop("extends")
+        raw.extends_span = raw.spans.get(("extends",))
+        if not isinstance(ext, str):
+            diags.error("extends must be a file name", raw.extends_span)
+            return None
+        raw.extends = ext
+    raw.data = data
+    return raw
+
+
+def _yaml_hint(err) -> str | None:
+    p = (err.problem or "") + " " + (err.context or "")
+    if "mapping values are not allowed" in p:
+        return "quote a value that contains ': '"
+    if "found character '\\t'" in p or "\\t" in p:
+        return "indent with spaces, not tabs"
+    if "found undefined alias" in p or "expected alphabetic or numeric character" in p:
+        return "'*' and '&' start YAML aliases; quote an expression that starts with them"
+    if "found unexpected end of stream" in p or "while scanning a quoted scalar" in p:
+        return "close the quote"
+    return None

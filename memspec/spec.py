@@ -1,0 +1,307 @@
+"""The typed spec: pydantic v2 models (frozen, ``extra="forbid"``).
+
+A :class:`Spec` is what both frontends (YAML, `.mem`) produce.  Expressions are
+AST values from :mod:`memspec.expr`; a plain string is accepted and parsed, so
+``Spec(read="f(q)", ...)`` works from Python too.
+
+Layout conventions (shared by every phase): views ``[B, T, H, D]``, gates
+``[B, T, H]``, state ``[B, H, *shape]``.  Shapes in a spec are written in named
+dims and exclude the batch and head axes.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from .expr import Assign, Expr, FunDef, Name, Call, parse_expr, parse_fundef, parse_stmt
+
+
+def _as_expr(v: Any) -> Any:
+    if isinstance(v, str):
+        return parse_expr(v)
+    if isinstance(v, bool):
+        raise ValueError("expected an expression, got a boolean")
+    if isinstance(v, (int, float)):
+        return parse_expr(repr(v) if isinstance(v, float) else str(v))
+    return v
+
+
+def _as_stmt(v: Any) -> Any:
+    return parse_stmt(v) if isinstance(v, str) else v
+
+
+def _as_fundef(v: Any) -> Any:
+    return parse_fundef(v) if isinstance(v, str) else v
+
+
+ExprField = Annotated[Expr, BeforeValidator(_as_expr)]
+StmtField = Annotated[Assign, BeforeValidator(_as_stmt)]
+FunDefField = Annotated[FunDef, BeforeValidator(_as_fundef)]
+
+
+def _as_shape(v: Any) -> Any:
+    if isinstance(v, str):
+        s = v.strip()
+        if not (s.startswith("[") and s.endswith("]")):
+            raise ValueError(f"a shape is written in dims, like [d_k, d_v]; got {v!r}")
+        inner = s[1:-1].strip()
+        return [p.strip() for p in inner.split(",")] if inner else []
+    return v
+
+
+Shape = Annotated[list[str], BeforeValidator(_as_shape)]
+
+INIT_RE = re.compile(
+    r"^(?:(?P<kind>zeros|ones|eye)|normal\((?P<std>[0-9.eE+-]+)\)"
+    r"|learned(?:\((?P<inner>zeros|ones|eye|normal\([0-9.eE+-]+\))\))?)$"
+)
+
+
+def parse_init(text: str) -> dict:
+    """``"learned(normal(0.02))"`` -> ``{"learned": True, "kind": "normal", "std": 0.02}``."""
+    s = text.replace(" ", "")
+    m = INIT_RE.match(s)
+    if not m:
+        raise ValueError(
+            f"unknown init {text!r}: use zeros, ones, eye, normal(std), learned or learned(<init>)"
+        )
+    if s.startswith("learned"):
+        inner = m.group("inner") or "normal(0.02)"
+        out = parse_init(inner)
+        out["learned"] = True
+        return out
+    if m.group("kind"):
+        return {"learned": False, "kind": m.group("kind"), "std": None}
+    std = float(m.group("std"))
+    if not std >= 0:
+        raise ValueError(f"normal(std) needs std >= 0, got {std}")
+    return {"learned": False, "kind": "normal", "std": std}
+
+
+def _canonical_init(v: Any) -> Any:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        d = parse_init(v)
+        base = d["kind"] if d["kind"] != "normal" else f"normal({d['std']!r})"
+        return f"learned({base})" if d["learned"] else base
+    return v
+
+
+SCHEDULE_RE = re.compile(r"^(auto|online|chunk\((\d+)\)|minibatch\((\d+)\))$")
+
+
+class Node(BaseModel):
+    """Base: frozen, no extra keys.  Equality compares fields only (never source spans)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and all(
+            getattr(self, f) == getattr(other, f) for f in type(self).model_fields
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class View(Node):
+    """A per-token projection of the layer input: ``[B, T, H, dim]``."""
+
+    dim: str
+
+
+class Gate(Node):
+    """A per-token scalar per head, ``[B, T, H]``: ``formula`` of ``logit = x @ w + bias``."""
+
+    formula: ExprField = Field(default_factory=lambda: parse_expr("sigmoid(logit)"))
+    bias: float = 0.0
+
+
+class Param(Node):
+    """A learned outer-loop tensor per head, ``[H, *shape]`` (e.g. LayerNorm weight)."""
+
+    shape: Shape = Field(default_factory=list)
+    init: Union[float, str] = "zeros"
+
+    @field_validator("init", mode="before")
+    @classmethod
+    def _canon(cls, v):
+        return _canonical_init(v)
+
+
+class State(Node):
+    """A fast-weight tensor ``[B, H, *shape]``, or a cache of past vectors ``[B, H, n, *shape]``."""
+
+    shape: Shape
+    init: str = "zeros"
+    cache: bool = False
+    window: int | None = None
+
+    @field_validator("init", mode="before")
+    @classmethod
+    def _canon(cls, v):
+        return _canonical_init(v)
+
+    @field_validator("window")
+    @classmethod
+    def _window_positive(cls, v):
+        if v is not None and v < 1:
+            raise ValueError("window must be a positive number of tokens")
+        return v
+
+    @model_validator(mode="after")
+    def _cache_rules(self):
+        if self.window is not None and not self.cache:
+            raise ValueError("window is only meaningful for a cache state (cache: true)")
+        if self.cache and self.init != "zeros":
+            raise ValueError("a cache starts empty; remove its init")
+        return self
+
+    @property
+    def learned(self) -> bool:
+        return isinstance(self.init, str) and self.init.startswith("learned")
+
+
+class Wiring(Node):
+    """How the memory is wired into a network (Titans §4): none, mac, mag or mal."""
+
+    kind: Literal["none", "mac", "mag", "mal"] = "none"
+    segment: int = 64
+    window: int = 64
+    persistent: int = 4
+
+    @field_validator("segment", "window")
+    @classmethod
+    def _positive(cls, v):
+        if v < 1:
+            raise ValueError("must be a positive number of tokens")
+        return v
+
+    @field_validator("persistent")
+    @classmethod
+    def _nonneg(cls, v):
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
+
+
+def _as_wiring(v: Any) -> Any:
+    if isinstance(v, str):
+        return {"kind": v}
+    if v is None:
+        return {"kind": "none"}
+    return v
+
+
+class Spec(Node):
+    """A memory layer: views, gates, state, model, loss, update program, read, schedule, wiring."""
+
+    name: str
+    description: str = ""
+    cite: str = ""
+    dims: dict[str, int] = Field(default_factory=dict)
+    constants: dict[str, float] = Field(default_factory=dict)
+    views: dict[str, View] = Field(default_factory=dict)
+    gates: dict[str, Gate] = Field(default_factory=dict)
+    params: dict[str, Param] = Field(default_factory=dict)
+    state: dict[str, State] = Field(default_factory=dict)
+    let: dict[str, ExprField] = Field(default_factory=dict)
+    model: FunDefField | None = None
+    loss: ExprField | None = None
+    update: list[StmtField] = Field(default_factory=list)
+    read: ExprField
+    order: Literal["write_read", "read_write"] = "write_read"
+    schedule: str = "auto"
+    wiring: Annotated[Wiring, BeforeValidator(_as_wiring)] = Field(default_factory=Wiring)
+
+    # Where each field came from (path tuple -> Span); never part of equality.
+    _spans: dict = PrivateAttr(default_factory=dict)
+    _key_spans: dict = PrivateAttr(default_factory=dict)
+    _path: str | None = PrivateAttr(default=None)
+
+    @field_validator("views", mode="before")
+    @classmethod
+    def _view_shorthand(cls, v):
+        if isinstance(v, dict):
+            return {k: ({"dim": x} if isinstance(x, str) else x) for k, x in v.items()}
+        return v
+
+    @field_validator("gates", mode="before")
+    @classmethod
+    def _gate_shorthand(cls, v):
+        if isinstance(v, dict):
+            return {k: ({"formula": x} if isinstance(x, (str, Expr)) else x) for k, x in v.items()}
+        return v
+
+    @field_validator("dims")
+    @classmethod
+    def _dims_positive(cls, v):
+        for k, n in v.items():
+            if n < 1:
+                raise ValueError(f"dim {k} must be a positive integer, got {n}")
+        return v
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _schedule_form(cls, v):
+        if isinstance(v, str):
+            v = v.replace(" ", "")
+            m = SCHEDULE_RE.match(v)
+            if not m:
+                raise ValueError(f"unknown schedule {v!r}: use auto, online, chunk(N) or minibatch(N)")
+            n = m.group(2) or m.group(3)
+            if n is not None and int(n) < 1:
+                raise ValueError("a chunk size must be >= 1")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name_form(cls, v):
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", v):
+            raise ValueError(
+                f"a spec name is a plain identifier (letters, digits, _), got {v!r}"
+            )
+        return v
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def schedule_kind(self) -> str:
+        return self.schedule.split("(")[0]
+
+    @property
+    def schedule_size(self) -> int | None:
+        m = SCHEDULE_RE.match(self.schedule)
+        n = m.group(2) or m.group(3) if m else None
+        return int(n) if n else None
+
+    def span(self, *path) -> Any:
+        """The source span of a field, e.g. ``spec.span("gates", "eta")``."""
+        return self._spans.get(tuple(path))
+
+    def key_span(self, *path) -> Any:
+        return self._key_spans.get(tuple(path)) or self._spans.get(tuple(path))
+
+    @property
+    def path(self) -> str | None:
+        return self._path
+
+    def with_dims(self, **dims: int) -> "Spec":
+        """A copy with some dims overridden (build-time sizes)."""
+        unknown = set(dims) - set(self.dims)
+        if unknown:
+            raise ValueError(f"unknown dims {sorted(unknown)}; this spec has {sorted(self.dims)}")
+        new = self.model_copy(update={"dims": {**self.dims, **dims}})
+        new._spans, new._key_spans, new._path = self._spans, self._key_spans, self._path
+        return new
+
+    def model_states(self) -> list[str]:
+        """State tensors the inner model reads (in declaration order)."""
+        if self.model is None:
+            return []
+        used = {n.id for n in self.model.body.walk() if isinstance(n, Name)}
+        return [s for s in self.state if s in used]
+
+
+SPEC_KEYS = tuple(Spec.model_fields)
