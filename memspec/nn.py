@@ -1,0 +1,145 @@
+"""Language-model blocks around compiled memory layers.
+
+``MemoryLM(spec, vocab_size, d_model, n_layers)``: embedding -> ``n_layers`` pre-norm
+residual :class:`Block` s (mixer = the spec's compiled Layer, wrapped in the spec's
+wiring when it is not ``none``; then an MLP) -> RMSNorm -> head (tied to the
+embedding by default).  Every mixer carries a state, so the model decodes token by
+token with the same outputs as the full-sequence forward::
+
+    lm = MemoryLM("specs/deltanet.yaml", vocab_size=64, d_model=64, n_layers=2)
+    logits = lm(tokens)                                   # [B, T, vocab]
+    logits, state = lm(tokens[:, :5], return_state=True)  # prefill
+    logits, state = lm(tokens[:, 5:6], state=state, return_state=True)  # one more token
+    out = lm.generate(prompt, max_new_tokens=8)           # greedy
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .wiring import wrap
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, ratio: int = 4):
+        super().__init__()
+        self.up = nn.Linear(d_model, ratio * d_model)
+        self.down = nn.Linear(ratio * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``.
+
+    ``forward(x, state=None, return_state=False)`` with x ``[B, T, d_model]``; the state is
+    the mixer's.
+    """
+
+    def __init__(self, mixer: nn.Module, d_model: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(d_model)
+        self.mixer = mixer
+        self.norm2 = nn.RMSNorm(d_model)
+        self.mlp = MLP(d_model, mlp_ratio)
+
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+        h, state = self.mixer(self.norm1(x), state=state, return_state=True)
+        x = x + h
+        x = x + self.mlp(self.norm2(x))
+        return (x, state) if return_state else x
+
+
+def _load_spec(spec):
+    from .frontend import load
+
+    return load(str(spec)) if isinstance(spec, (str, Path)) else spec
+
+
+def spec_text(spec, path=None) -> str:
+    """A self-contained text of the spec (canonical YAML when available; else the file)."""
+    try:
+        from .fmt import to_yaml
+
+        return to_yaml(spec)
+    except Exception:
+        p = path or getattr(spec, "path", None)
+        if p and Path(p).exists():
+            return Path(p).read_text(encoding="utf-8")
+        return spec.model_dump_json(indent=2)
+
+
+def _default_layer(spec, d_model: int, compile: bool, dims: dict) -> nn.Module:
+    from .build import build
+
+    extra = {"d_model": d_model} if "d_model" in spec.dims else {}
+    return build(spec, compile=compile, **extra, **dims)
+
+
+class MemoryLM(nn.Module):
+    """A small language model whose token mixers are the spec's memory layers.
+
+    ``make_layer(spec, d_model) -> nn.Module`` overrides how a mixer is built (default:
+    ``memspec.build(spec, d_model=d_model, compile=compile, **dims)``); the wiring
+    attention uses ``heads`` attention heads (the spec's ``heads`` dim when it divides
+    ``d_model``, else 1).
+    """
+
+    def __init__(self, spec, vocab_size: int, d_model: int, n_layers: int, *, tie_embeddings: bool = True,
+                 compile: bool = False, mlp_ratio: int = 4, make_layer: Callable | None = None, **dims):
+        super().__init__()
+        self.spec = _load_spec(spec)
+        self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
+        w = self.spec.wiring
+        heads = dims.get("heads", self.spec.dims.get("heads", 1))
+        heads = heads if d_model % heads == 0 else 1
+        blocks = []
+        for _ in range(n_layers):
+            layer = make_layer(self.spec, d_model) if make_layer else _default_layer(self.spec, d_model, compile, dims)
+            mixer = wrap(layer, w.kind, d_model, segment=w.segment, window=w.window,
+                         persistent=w.persistent, heads=heads)
+            blocks.append(Block(mixer, d_model, mlp_ratio))
+        self.embed = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.RMSNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, state=None, return_state: bool = False):
+        """tokens ``[B, T]`` (int) -> logits ``[B, T, vocab]``; state: one entry per block."""
+        x = self.embed(tokens)
+        states = list(state) if state is not None else [None] * len(self.blocks)
+        new = []
+        for block, st in zip(self.blocks, states):
+            x, st = block(x, state=st, return_state=True)
+            new.append(st)
+        logits = self.head(self.norm(x))
+        return (logits, new) if return_state else logits
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue ``tokens`` ``[B, T]`` by ``max_new_tokens`` (greedy when temperature is 0),
+        carrying every layer's state (one token per step after the prompt)."""
+        logits, state = self(tokens, return_state=True)
+        out = [tokens]
+        last = logits[:, -1]
+        for _ in range(max_new_tokens):
+            if temperature > 0:
+                probs = torch.softmax(last / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            else:
+                nxt = last.argmax(-1, keepdim=True)
+            out.append(nxt)
+            logits, state = self(nxt, state=state, return_state=True)
+            last = logits[:, -1]
+        return torch.cat(out, dim=1)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
