@@ -82,6 +82,8 @@ def cmd_graph(args) -> int:
     from .graph import render
 
     spec, graph = load_checked(args.file)
+    if args.format in ("svg", "png"):
+        return _graphviz(render(graph, "dot"), args.format, args.output)
     text = render(graph, args.format)
     if args.output:
         from .emit import write_atomic
@@ -89,6 +91,94 @@ def cmd_graph(args) -> int:
         write_atomic(Path(args.output), text)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+GRAPHVIZ_HINT = (
+    "install Graphviz (Debian/Ubuntu: `apt install graphviz`, macOS: `brew install graphviz`, "
+    "conda: `conda install graphviz`), or use --format mermaid or --format dot"
+)
+
+
+def _graphviz(dot_text: str, fmt: str, output: str | None) -> int:
+    """Render DOT text to svg/png with the `dot` program (Graphviz)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("dot")
+    if exe is None:
+        print(f"memspec: error: --format {fmt} needs the Graphviz `dot` program, which is not installed",
+              file=sys.stderr)
+        print(f"    hint: {GRAPHVIZ_HINT}", file=sys.stderr)
+        return 2
+    proc = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode("utf-8"), capture_output=True)
+    if proc.returncode != 0:
+        print(f"memspec: error: dot failed: {proc.stderr.decode('utf-8', 'replace').strip()}", file=sys.stderr)
+        return 1
+    if output:
+        import os
+        import tempfile
+
+        out = Path(output)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent if str(out.parent) else ".")
+        with os.fdopen(fd, "wb") as f:
+            f.write(proc.stdout)
+        os.replace(tmp, out)
+    else:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(proc.stdout)
+    return 0
+
+
+def cmd_diff(args) -> int:
+    import os
+
+    from .diff import diff, graph_edits, lower_graph, render_dot, render_json, render_markdown, render_text
+    from .frontend import load
+
+    try:
+        a, b = load(args.a), load(args.b)
+    except SpecError as err:  # like diff(1): trouble is exit status 2
+        _print_diags(err.diagnostics)
+        return 2
+    edits = diff(a, b)
+    graph: list | None = None
+    if args.format == "dot" or (edits and not args.no_graph):
+        try:
+            ga, gb = lower_graph(a), lower_graph(b)
+        except ImportError:
+            if args.format == "dot":
+                raise UsageError("--format dot needs the dataflow graph (memspec.graph), which is not available")
+            ga = gb = None
+        if ga is not None:
+            graph = graph_edits(ga, gb) if edits else []
+    status = 1 if edits else 0
+    if args.format == "dot":
+        text = render_dot(ga, gb, title=f"{a.name} -> {b.name}")
+    elif args.format == "json":
+        text = render_json(edits, graph)
+    elif args.format == "markdown":
+        heading = f"`{args.a}` → `{args.b}`"
+        text = render_markdown(edits, heading=heading)
+        if graph:
+            text += "\n" + render_markdown(graph, heading="dataflow graph")
+    else:
+        color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        text = ""
+        if edits:
+            text = render_text(edits, color=color, heading=f"--- {args.a}\n+++ {args.b}")
+        if graph:
+            text += render_text(graph, color=color)
+    sys.stdout.write(text)
+    return status
+
+
+def cmd_table(args) -> int:
+    from .frontend import load
+    from .table import render_table, rows
+
+    specs = [load(p) for p in args.files]
+    sys.stdout.write(render_table(rows(specs), args.format))
     return 0
 
 
@@ -110,9 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("graph", help="print the dataflow graph of one token step")
     s.add_argument("file")
-    s.add_argument("--format", choices=["text", "dot", "mermaid"], default="text")
+    s.add_argument("--format", choices=["text", "dot", "mermaid", "svg", "png"], default="text",
+                   help="svg and png need Graphviz's `dot` program")
     s.add_argument("-o", "--output")
     s.set_defaults(func=cmd_graph)
+
+    s = sub.add_parser("diff", help="semantic diff of two specs (exit 0 equal, 1 different, 2 trouble)")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--format", choices=["text", "markdown", "json", "dot"], default="text")
+    s.add_argument("--no-graph", action="store_true", help="leave out the dataflow-graph edits")
+    s.set_defaults(func=cmd_diff)
+
+    s = sub.add_parser("table", help="comparison table of specs (one row per spec)")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--format", choices=["markdown", "text", "csv"], default="markdown")
+    s.set_defaults(func=cmd_table)
 
     # --- further subcommands register here (compile, explain, bench, diff, table, lab, train)
     for register in _EXTRA_COMMANDS:
