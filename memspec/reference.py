@@ -1,0 +1,645 @@
+"""The reference interpreter: run a spec token by token with PyTorch.
+
+This is the numerical oracle every compiled schedule is tested against, so it
+favours clarity over speed: it walks the spec's expression AST directly, one token
+at a time, with exactly the semantics of ``docs/language.md`` ("Semantics of one
+token").  It never looks at the graph or shape modules; shapes are read off the
+tensors as they flow.
+
+Layout (shared by every phase)::
+
+    views   [B, T, H, D]       one tensor per view, D = the view's dim
+    gates   [B, T, H]          already computed gate values (not logits)
+    state   [B, H, *shape]     a cache state is [B, H, n, *shape] (n grows)
+    params  [H, *shape]        learned outer-loop tensors (and learned initial states)
+    output  [B, T, H, *read_shape]
+
+Inside the interpreter every value carries the leading ``[B, H]`` axes (numbers
+are ``[1, 1]`` tensors, params ``[1, H, ...]``), so the *named* part of a value is
+``tensor.shape[2:]`` and elementwise operators broadcast numpy-style on those
+trailing named axes.
+
+``grad(loss, W)`` is ``torch.autograd.grad`` with ``create_graph=True`` at the
+current values of all states (the chunk-start values under ``("minibatch", C)``),
+inside ``torch.enable_grad()`` so that it also works under ``torch.no_grad()``.
+The result stays differentiable for the outer loop: gradients flow into views,
+gates, params and learned initial states.
+
+Public API: :func:`run`, :func:`init_state`, :func:`apply_model`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import did_you_mean
+from .expr import Assign, BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from .spec import Spec, parse_init
+
+LAYERNORM_EPS = 1e-5   # layernorm(x[, w, b]): over the last axis
+NORM_EPS = 1e-6        # rmsnorm / l2norm: inside the square root
+
+__all__ = ["run", "init_state", "apply_model", "LAYERNORM_EPS", "NORM_EPS"]
+
+
+# ===================================================================== shapes
+def _with_dims(spec: Spec, dims: dict[str, int] | None) -> Spec:
+    return spec.with_dims(**dims) if dims else spec
+
+
+def _dim_size(spec: Spec, name: str) -> int:
+    if name.isdigit():
+        return int(name)
+    if name not in spec.dims:
+        hint = did_you_mean(name, spec.dims)
+        raise ValueError(f"unknown dim {name!r}" + (f"; {hint}" if hint else "")
+                         + f" (this spec has dims {sorted(spec.dims)})")
+    return spec.dims[name]
+
+
+def _sizes(spec: Spec, shape: list[str]) -> tuple[int, ...]:
+    return tuple(_dim_size(spec, d) for d in shape)
+
+
+def _notation(names: list[str]) -> str:
+    return "[" + ", ".join(names) + "]"
+
+
+def _expected(names: list[str], sizes: list[int | str]) -> str:
+    """``[B, T, H, d_k] = [2, 5, 1, 4]``."""
+    return f"{_notation(names)} = {_notation([str(s) for s in sizes])}"
+
+
+def _named(x: torch.Tensor) -> tuple[int, ...]:
+    """The named part of a value's shape (everything after ``[B, H]``)."""
+    return tuple(x.shape[2:])
+
+
+# ====================================================================== inits
+def _init_tensor(init: Any, shape: tuple[int, ...], lead: tuple[int, ...], *, what: str,
+                 dtype, device, generator=None, allow_random: bool = True) -> torch.Tensor:
+    """A tensor ``[*lead, *shape]`` from an init (number, zeros, ones, eye, normal(std))."""
+    if isinstance(init, (int, float)) and not isinstance(init, bool):
+        return torch.full((*lead, *shape), float(init), dtype=dtype, device=device)
+    d = parse_init(init)
+    kind = d["kind"]
+    if kind == "zeros":
+        return torch.zeros((*lead, *shape), dtype=dtype, device=device)
+    if kind == "ones":
+        return torch.ones((*lead, *shape), dtype=dtype, device=device)
+    if kind == "eye":
+        if len(shape) != 2 or shape[0] != shape[1]:
+            raise ValueError(f"{what}: init eye needs a square shape [d, d], got {list(shape)}")
+        return torch.eye(shape[0], dtype=dtype, device=device).expand(*lead, *shape).clone()
+    if not allow_random:
+        raise ValueError(
+            f"{what} has a random init ({init}); pass its value explicitly "
+            f"(params={{'{what.split()[-1]}': tensor}})"
+        )
+    out = torch.randn((*lead, *shape), dtype=dtype, device=device, generator=generator)
+    return out * d["std"]
+
+
+def _params(spec: Spec, given: dict | None, heads: int, dtype, device) -> dict[str, torch.Tensor]:
+    """Learned params ``[H, *shape]`` (given, or their deterministic init), checked."""
+    given = dict(given or {})
+    learned_states = {n for n, s in spec.state.items() if s.learned}
+    extra = set(given) - set(spec.params) - learned_states
+    if extra:
+        raise ValueError(
+            f"unexpected params {sorted(extra)}; this spec has params {sorted(spec.params)}"
+            + (f" and learned states {sorted(learned_states)}" if learned_states else "")
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, p in spec.params.items():
+        shape = _sizes(spec, p.shape)
+        if name in given:
+            out[name] = _check_shape(given[name], ["H", *p.shape], [heads, *shape], f"param {name!r}")
+        else:
+            out[name] = _init_tensor(p.init, shape, (heads,), what=f"param {name}",
+                                     dtype=dtype, device=device, allow_random=False)
+    for name in learned_states & set(given):
+        st = spec.state[name]
+        out[name] = _check_shape(given[name], ["H", *st.shape], [heads, *_sizes(spec, st.shape)],
+                                 f"learned initial state {name!r}")
+    return out
+
+
+def _check_shape(t: Any, names: list[str], sizes: list[int], what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor {_expected(names, sizes)}, got {type(t).__name__}")
+    if list(t.shape) != list(sizes):
+        raise ValueError(f"{what} must be {_expected(names, sizes)}, got {list(t.shape)}")
+    return t
+
+
+def init_state(spec: Spec, batch: int, heads: int, *, dims: dict | None = None,
+               dtype=torch.float32, device=None, params: dict | None = None,
+               generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Initial state: ``{name: [B, H, *shape]}``; a cache starts empty ``[B, H, 0, *shape]``.
+
+    ``zeros``/``ones``/``eye``/``normal(std)``; a ``learned(...)`` state takes
+    ``params[name]`` (``[H, *shape]``, broadcast over the batch) when given, else its
+    inner init.  Random inits draw one ``[H, *shape]`` tensor (from ``generator``)
+    shared by every sequence of the batch.
+    """
+    spec = _with_dims(spec, dims)
+    params = params or {}
+    out: dict[str, torch.Tensor] = {}
+    for name, st in spec.state.items():
+        shape = _sizes(spec, st.shape)
+        if st.cache:
+            out[name] = torch.zeros((batch, heads, 0, *shape), dtype=dtype, device=device)
+        elif st.learned and name in params:
+            p = _check_shape(params[name], ["H", *st.shape], [heads, *shape],
+                             f"learned initial state {name!r}")
+            out[name] = p.to(dtype=dtype).unsqueeze(0).expand(batch, heads, *shape)
+        else:
+            per_head = _init_tensor(st.init, shape, (heads,), what=f"state {name}",
+                                    dtype=dtype, device=device, generator=generator)
+            out[name] = per_head.unsqueeze(0).expand(batch, heads, *shape)
+    return out
+
+
+def _full_state(spec: Spec, given: dict | None, B: int, H: int, dtype, device,
+                params: dict) -> dict[str, torch.Tensor]:
+    """The given state (checked) completed by ``init_state`` for the missing entries."""
+    given = dict(given or {})
+    extra = set(given) - set(spec.state)
+    if extra:
+        raise ValueError(f"unexpected state {sorted(extra)}; this spec has state {sorted(spec.state)}")
+    missing = [n for n in spec.state if n not in given]
+    defaults = init_state(spec, B, H, dtype=dtype, device=device, params=params) if missing else {}
+    out = {}
+    for name, st in spec.state.items():
+        if name not in given:
+            out[name] = defaults[name]
+            continue
+        t = given[name]
+        shape = list(_sizes(spec, st.shape))
+        if st.cache:
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 + len(shape) \
+                    or list(t.shape[:2]) != [B, H] or list(t.shape[3:]) != shape:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"cache state {name!r} must be "
+                                 f"{_expected(['B', 'H', 'n', *st.shape], [B, H, 'n', *shape])}, got {got}")
+            out[name] = t
+        else:
+            out[name] = _check_shape(t, ["B", "H", *st.shape], [B, H, *shape], f"state {name!r}")
+    return out
+
+
+# ===================================================================== inputs
+def _check_inputs(spec: Spec, inputs: dict) -> tuple[int, int, int, torch.dtype, Any]:
+    """Check views ``[B, T, H, D]`` and gates ``[B, T, H]``; return B, T, H, dtype, device."""
+    expected = {n: ["B", "T", "H", v.dim] for n, v in spec.views.items()}
+    expected.update({n: ["B", "T", "H"] for n in spec.gates})
+    missing = [n for n in expected if n not in inputs]
+    extra = [n for n in inputs if n not in expected]
+    problems = []
+    if missing:
+        problems.append("missing " + ", ".join(f"{n} {_notation(expected[n])}" for n in missing))
+    if extra:
+        hints = [did_you_mean(n, expected) for n in extra]
+        problems.append("unexpected " + ", ".join(extra) + "".join(f" ({h})" for h in hints if h))
+    if problems:
+        raise ValueError("; ".join(problems) + f". This spec takes views {list(spec.views)} "
+                         f"[B, T, H, D] and gates {list(spec.gates)} [B, T, H]")
+    if not expected:
+        raise ValueError("this spec has no views or gates, so B, T and H cannot be inferred")
+    first = next(iter(expected))
+    t0 = inputs[first]
+    if not isinstance(t0, torch.Tensor) or t0.dim() < 3:
+        raise ValueError(f"{first} must be a tensor {_notation(expected[first])}, got "
+                         f"{list(t0.shape) if isinstance(t0, torch.Tensor) else type(t0).__name__}")
+    B, T, H = t0.shape[:3]
+    if not t0.is_floating_point():
+        raise ValueError(f"{first} must be a floating-point tensor, got {t0.dtype}")
+    if T < 1:
+        raise ValueError("the sequence is empty (T = 0); run needs at least one token")
+    for name, names in expected.items():
+        sizes = [B, T, H] + [_dim_size(spec, d) for d in names[3:]]
+        kind = "view" if name in spec.views else "gate"
+        _check_shape(inputs[name], names, sizes, f"{kind} {name!r}")
+    return B, T, H, t0.dtype, t0.device
+
+
+def _chunk_size(schedule: Any, spec: Spec) -> int | None:
+    """``None`` for online learning, ``C`` for mini-batch(C)."""
+    if schedule == "spec":
+        return spec.schedule_size if spec.schedule_kind == "minibatch" else None
+    if isinstance(schedule, (tuple, list)) and len(schedule) == 2 and schedule[0] == "minibatch":
+        c = schedule[1]
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"mini-batch size must be a positive integer, got {c!r}")
+        return c
+    if isinstance(schedule, str):
+        s = schedule.replace(" ", "")
+        if s in ("online", "auto") or re.fullmatch(r"chunk\(\d+\)", s):
+            return None  # chunked forms of exact schedules compute online learning
+        m = re.fullmatch(r"minibatch\((\d+)\)", s)
+        if m and int(m.group(1)) >= 1:
+            return int(m.group(1))
+    raise ValueError(f"unknown schedule {schedule!r}: use 'online', ('minibatch', C) or 'spec'")
+
+
+# ================================================================ interpreter
+@dataclass
+class _Scope:
+    """Names visible while evaluating one expression."""
+
+    token: dict[str, torch.Tensor]             # views, gates, lets of this token
+    state: dict[str, torch.Tensor]             # current state values
+    grad_state: dict[str, torch.Tensor] | None = None  # where grad(...) is taken (None: state)
+    local: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's argument
+
+
+class _EvalError(ValueError):
+    pass
+
+
+def _where(e: Expr) -> str:
+    s = e.span
+    return f"{s.file}:{s.line}:{s.col}: " if s is not None else ""
+
+
+def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numpy trailing alignment of the named axes (after the leading [B, H])."""
+    while a.dim() < b.dim():
+        a = a.unsqueeze(2)
+    while b.dim() < a.dim():
+        b = b.unsqueeze(2)
+    return a, b
+
+
+def _reduce_dims(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(2, x.dim()))
+
+
+_ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sqrt": torch.sqrt,
+    "exp": torch.exp,
+    "log": torch.log,
+    "abs": torch.abs,
+    "sign": torch.sign,
+    "sigmoid": torch.sigmoid,
+    "softplus": F.softplus,
+    "tanh": torch.tanh,
+    "relu": torch.relu,
+    "gelu": lambda x: F.gelu(x, approximate="none"),   # erf form
+    "silu": F.silu,
+    "elu": lambda x: F.elu(x, alpha=1.0),
+}
+
+
+class _Interpreter:
+    """Evaluates a spec's expressions on ``[B, H, ...]`` tensors."""
+
+    def __init__(self, spec: Spec, params: dict[str, torch.Tensor], dtype, device,
+                 needs_graph: bool):
+        self.spec = spec
+        self.dtype, self.device = dtype, device
+        self.needs_graph = needs_graph
+        self.params = {n: p.unsqueeze(0) for n, p in params.items() if n in spec.params}
+        self.constants = {n: self.number(v) for n, v in spec.constants.items()}
+        self.dims = {n: self.number(v) for n, v in spec.dims.items()}
+
+    def number(self, v: float) -> torch.Tensor:
+        return torch.tensor(float(v), dtype=self.dtype, device=self.device).reshape(1, 1)
+
+    # ------------------------------------------------------------ dispatch
+    def eval(self, e: Expr, scope: _Scope) -> torch.Tensor:
+        method = getattr(self, "eval_" + type(e).__name__, None)
+        if method is None:
+            raise _EvalError(f"{_where(e)}cannot evaluate {e!r}")
+        try:
+            return method(e, scope)
+        except (RuntimeError, IndexError) as err:
+            raise _EvalError(f"{_where(e)}cannot evaluate `{unparse(e)}`: {err}") from None
+
+    def eval_Num(self, e: Num, scope: _Scope) -> torch.Tensor:
+        return self.number(e.value)
+
+    def eval_Name(self, e: Name, scope: _Scope) -> torch.Tensor:
+        n = e.id
+        for table in (scope.local, scope.token, scope.state, self.params, self.constants, self.dims):
+            if n in table:
+                return table[n]
+        if n == "loss" and self.spec.loss is not None:
+            return self.eval(self.spec.loss, scope)
+        known = [*scope.local, *scope.token, *scope.state, *self.params, *self.constants, *self.dims]
+        hint = did_you_mean(n, known)
+        raise _EvalError(f"{_where(e)}unknown name {n!r}" + (f"; {hint}" if hint else ""))
+
+    def eval_Neg(self, e: Neg, scope: _Scope) -> torch.Tensor:
+        return -self.eval(e.operand, scope)
+
+    def eval_Transpose(self, e: Transpose, scope: _Scope) -> torch.Tensor:
+        x = self.eval(e.operand, scope)
+        if len(_named(x)) != 2:
+            raise _EvalError(f"{_where(e)}.T needs a matrix, got shape {list(_named(x))}")
+        return x.transpose(-1, -2)
+
+    def eval_BinOp(self, e: BinOp, scope: _Scope) -> torch.Tensor:
+        a, b = self.eval(e.left, scope), self.eval(e.right, scope)
+        if e.op == "@":
+            return self.matmul(a, b, e)
+        a, b = _align(a, b)
+        if e.op == "+":
+            return a + b
+        if e.op == "-":
+            return a - b
+        if e.op == "*":
+            return a * b
+        if e.op == "/":
+            return a / b
+        if e.op == "^":
+            return torch.pow(a, b)
+        raise _EvalError(f"{_where(e)}unknown operator {e.op!r}")
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, e: Expr) -> torch.Tensor:
+        """Row-vector convention: [n]@[n,m]->[m], [m,n]@[n,p]->[m,p], [m,n]@[n]->[m], [n]@[n]->[]."""
+        ra, rb = len(_named(a)), len(_named(b))
+        if ra == 1 and rb == 2:
+            return (a.unsqueeze(-2) @ b).squeeze(-2)
+        if ra >= 2 and rb == 2:
+            return a @ b
+        if ra >= 2 and rb == 1:
+            return (a @ b.unsqueeze(-1)).squeeze(-1)
+        if ra == 1 and rb == 1:
+            return (a * b).sum(-1)
+        raise _EvalError(f"{_where(e)}@ needs vectors or matrices, got shapes "
+                         f"{list(_named(a))} and {list(_named(b))}")
+
+    def eval_Call(self, e: Call, scope: _Scope) -> torch.Tensor:
+        model = self.spec.model
+        if model is not None and e.fn == model.name:
+            if len(e.args) != 1:
+                raise _EvalError(f"{_where(e)}{model.name} takes one argument")
+            return self.apply_model(self.eval(e.args[0], scope), scope)
+        method = getattr(self, "fn_" + e.fn, None)
+        if method is not None:
+            return method(e, scope)
+        if e.fn in _ELEMENTWISE:
+            return _ELEMENTWISE[e.fn](self.eval(e.args[0], scope))
+        raise _EvalError(f"{_where(e)}unknown function {e.fn!r}")
+
+    def apply_model(self, u: torch.Tensor, scope: _Scope) -> torch.Tensor:
+        """``f(u)`` with the scope's current state."""
+        model = self.spec.model
+        inner = replace(scope, local={model.arg: u})
+        return self.eval(model.body, inner)
+
+    def args(self, e: Call, scope: _Scope) -> list[torch.Tensor]:
+        return [self.eval(a, scope) for a in e.args]
+
+    # ------------------------------------------------------- reductions
+    def fn_sum(self, e, scope):
+        x = self.eval(e.args[0], scope)
+        return x.sum(dim=_reduce_dims(x)) if x.dim() > 2 else x
+
+    def fn_mean(self, e, scope):
+        x = self.eval(e.args[0], scope)
+        return x.mean(dim=_reduce_dims(x)) if x.dim() > 2 else x
+
+    def fn_norm(self, e, scope):
+        x = self.eval(e.args[0], scope)
+        return torch.linalg.vector_norm(x, dim=_reduce_dims(x)) if x.dim() > 2 else x.abs()
+
+    # ------------------------------------------------------ normalisers
+    def fn_layernorm(self, e, scope):
+        x, *wb = self.args(e, scope)
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(var + LAYERNORM_EPS)
+        if len(wb) >= 1:
+            y, w = _align(y, wb[0])
+            y = y * w
+        if len(wb) == 2:
+            y, b = _align(y, wb[1])
+            y = y + b
+        return y
+
+    def fn_rmsnorm(self, e, scope):
+        x, *w = self.args(e, scope)
+        y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + NORM_EPS)
+        if w:
+            y, w0 = _align(y, w[0])
+            y = y * w0
+        return y
+
+    def fn_l2norm(self, e, scope):
+        x = self.eval(e.args[0], scope)
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + NORM_EPS)
+
+    # ---------------------------------------------------- binary helpers
+    def fn_outer(self, e, scope):
+        a, b = self.args(e, scope)
+        if len(_named(a)) != 1 or len(_named(b)) != 1:
+            raise _EvalError(f"{_where(e)}outer needs two vectors, got shapes "
+                             f"{list(_named(a))} and {list(_named(b))}")
+        return a.unsqueeze(-1) * b.unsqueeze(-2)
+
+    def fn_min(self, e, scope):
+        return torch.minimum(*_align(*self.args(e, scope)))
+
+    def fn_max(self, e, scope):
+        return torch.maximum(*_align(*self.args(e, scope)))
+
+    def fn_clamp(self, e, scope):
+        x, lo, hi = self.args(e, scope)
+        x, lo = _align(x, lo)
+        x = torch.maximum(x, lo)
+        x, hi = _align(x, hi)
+        return torch.minimum(x, hi)
+
+    def fn_huber(self, e, scope):
+        x, d = _align(*self.args(e, scope))
+        ax = x.abs()
+        return torch.where(ax <= d, 0.5 * x * x, d * (ax - 0.5 * d))
+
+    def fn_solve(self, e, scope):
+        A, b = self.args(e, scope)
+        if len(_named(A)) != 2:
+            raise _EvalError(f"{_where(e)}solve needs a square matrix first, got {list(_named(A))}")
+        if len(_named(b)) == 1:
+            return torch.linalg.solve(A, b.unsqueeze(-1)).squeeze(-1)
+        return torch.linalg.solve(A, b)
+
+    def fn_eye(self, e, scope):
+        d = self.int_arg(e.args[0])
+        return torch.eye(d, dtype=self.dtype, device=self.device).reshape(1, 1, d, d)
+
+    def int_arg(self, a: Expr) -> int:
+        if isinstance(a, Num) and float(a.value).is_integer():
+            return int(a.value)
+        if isinstance(a, Name) and a.id in self.spec.dims:
+            return self.spec.dims[a.id]
+        raise _EvalError(f"{_where(a)}expected a dim or an integer, got `{unparse(a)}`")
+
+    # --------------------------------------------------------- caches
+    def fn_attend(self, e, scope):
+        """``softmax(scale * K q) V``: q [d], K [n, d], V [n, e], scale [] -> [e]."""
+        q, K, V, scale = self.args(e, scope)
+        scores = (K @ q.unsqueeze(-1)).squeeze(-1) * scale          # [B, H, n]
+        weights = torch.softmax(scores, dim=-1)
+        return (weights.unsqueeze(-2) @ V).squeeze(-2)
+
+    def fn_append(self, e, scope):
+        raise _EvalError(f"{_where(e)}append(K, k) is only allowed as a statement `K = append(K, k)`")
+
+    # ------------------------------------------------------------ grad
+    def grad_target(self, e: Call) -> str:
+        if len(e.args) == 2:
+            t = e.args[1]
+            if not isinstance(t, Name) or t.id not in self.spec.state:
+                raise _EvalError(f"{_where(t)}grad(loss, W) needs a state W, got `{unparse(t)}`")
+            return t.id
+        used = self.spec.model_states()
+        if len(used) != 1:
+            raise _EvalError(f"{_where(e)}grad(loss) needs a model that reads exactly one state "
+                             f"(it reads {used}); write grad(loss, W)")
+        return used[0]
+
+    def fn_grad(self, e: Call, scope: _Scope) -> torch.Tensor:
+        """d(loss)/dW at the grad-state values (current state online, chunk start in mini-batch).
+
+        The loss of each (batch, head) is independent, so summing them before
+        ``autograd.grad`` gives every (batch, head) its own gradient.
+        """
+        target = self.grad_target(e)
+        base = scope.grad_state if scope.grad_state is not None else scope.state
+        with torch.enable_grad():
+            w = base[target]
+            var = w if w.requires_grad else w.detach().requires_grad_(True)
+            inner = replace(scope, state={**base, target: var}, grad_state=None)
+            loss = self.eval(e.args[0], inner)
+            if _named(loss):
+                raise _EvalError(f"{_where(e.args[0])}grad needs a scalar loss, got shape "
+                                 f"{list(_named(loss))}")
+            if not loss.requires_grad:
+                return torch.zeros_like(w)
+            (g,) = torch.autograd.grad(loss.sum(), var, create_graph=self.needs_graph,
+                                       allow_unused=True)
+        return torch.zeros_like(w) if g is None else g
+
+    # ------------------------------------------------------- statements
+    def assign(self, stmt: Assign, scope: _Scope) -> None:
+        """Run one update statement; it sees (and changes) ``scope.state``."""
+        st = self.spec.state.get(stmt.target)
+        if st is None:
+            raise _EvalError(f"{_where(stmt)}update target {stmt.target!r} is not a state")
+        old = scope.state[stmt.target]
+        v = stmt.value
+        if isinstance(v, Call) and v.fn == "append":
+            scope.state[stmt.target] = self.append(st, old, v, scope)
+            return
+        new = self.eval(v, scope)
+        if new.dim() < old.dim():
+            new, _ = _align(new, old)
+        try:
+            new = new.expand(old.shape) if new.shape != old.shape else new
+        except RuntimeError:
+            raise _EvalError(f"{_where(stmt)}`{stmt}` gives shape {list(_named(new))}, but state "
+                             f"{stmt.target} is {_notation(st.shape)} = {list(_named(old))}") from None
+        scope.state[stmt.target] = new
+
+    def append(self, st, cache: torch.Tensor, call: Call, scope: _Scope) -> torch.Tensor:
+        """``K = append(K, k)``: concatenate along the cache axis, keep the last ``window``."""
+        if not st.cache:
+            raise _EvalError(f"{_where(call)}append needs a cache state")
+        item = self.eval(call.args[1], scope)
+        item = item.expand(cache.shape[0], cache.shape[1], *cache.shape[3:])
+        out = torch.cat([cache, item.unsqueeze(2)], dim=2)
+        if st.window is not None and out.shape[2] > st.window:
+            out = out[:, :, -st.window:]
+        return out
+
+
+# ======================================================================== run
+def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
+        dims: dict | None = None, params: dict | None = None,
+        **views_and_gates: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run ``spec`` over a sequence, token by token.
+
+    Args:
+        state: ``{name: [B, H, *shape]}`` initial state (missing entries from
+            :func:`init_state`; a cache is ``[B, H, n, *shape]``).
+        schedule: ``"online"`` (also ``"auto"``, ``"chunk(N)"``: the same numbers),
+            ``("minibatch", C)`` / ``"minibatch(C)"``, or ``"spec"`` (the spec's own).
+        dims: overrides of the spec's dims.
+        params: learned params ``{name: [H, *shape]}`` and learned initial states.
+        views_and_gates: each view ``[B, T, H, D]``, each gate ``[B, T, H]``.
+
+    Returns:
+        ``(outputs [B, T, H, *read_shape], final_state {name: [B, H, *shape]})``.
+    """
+    spec = _with_dims(spec, dims)
+    chunk = _chunk_size(schedule, spec)
+    B, T, H, dtype, device = _check_inputs(spec, views_and_gates)
+    params = _params(spec, params, H, dtype, device)
+    cur = _full_state(spec, state, B, H, dtype, device, params)
+    tensors = [*views_and_gates.values(), *params.values(), *cur.values()]
+    needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    interp = _Interpreter(spec, params, dtype, device, needs_graph)
+
+    outputs: list[torch.Tensor] = []
+    chunk_start: dict[str, torch.Tensor] | None = None
+    for t in range(T):
+        if chunk is not None and t % chunk == 0:
+            chunk_start = dict(cur)
+        token = _token_inputs(spec, views_and_gates, t)
+        scope = _Scope(token=token, state=cur, grad_state=chunk_start)
+        outputs.append(_step(interp, scope, B, H))
+    return torch.stack(outputs, dim=1), dict(cur)
+
+
+def _token_inputs(spec: Spec, inputs: dict, t: int) -> dict[str, torch.Tensor]:
+    """Views ``[B, H, D]`` and gates ``[B, H]`` of token ``t``."""
+    return {n: inputs[n][:, t] for n in (*spec.views, *spec.gates)}
+
+
+def _step(interp: _Interpreter, scope: _Scope, B: int, H: int) -> torch.Tensor:
+    """One token: lets, (read), update statements in order, (read).  Mutates ``scope.state``."""
+    spec = interp.spec
+    for name, expr in spec.let.items():
+        scope.token[name] = interp.eval(expr, scope)
+    out = None
+    if spec.order == "read_write":
+        out = interp.eval(spec.read, scope)
+    for stmt in spec.update:
+        interp.assign(stmt, scope)
+    if spec.order == "write_read":
+        out = interp.eval(spec.read, scope)
+    return out.expand(B, H, *out.shape[2:])
+
+
+# ================================================================ apply_model
+def apply_model(spec: Spec, state: dict[str, torch.Tensor], u: torch.Tensor,
+                dims: dict | None = None, params: dict | None = None) -> torch.Tensor:
+    """The inner model ``f(u)`` with a given state (e.g. to measure retrieval MSE).
+
+    ``u`` is ``[B, H, d_in]`` or ``[B, H, N, d_in]`` (N inputs, applied one by
+    one); returns ``[B, H, *out]`` or ``[B, H, N, *out]``.
+    """
+    spec = _with_dims(spec, dims)
+    if spec.model is None:
+        raise ValueError(f"spec {spec.name!r} has no model")
+    if not isinstance(u, torch.Tensor) or u.dim() not in (3, 4):
+        got = list(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+        raise ValueError(f"u must be [B, H, d_in] or [B, H, N, d_in], got {got}")
+    missing = [n for n in spec.model_states() if n not in state]
+    if missing:
+        raise ValueError(f"state is missing {missing}, which the model reads")
+    H = u.shape[1]
+    params = _params(spec, params, H, u.dtype, u.device)
+    needs_graph = torch.is_grad_enabled()
+    interp = _Interpreter(spec, params, u.dtype, u.device, needs_graph)
+    scope = _Scope(token={}, state=dict(state))
+    if u.dim() == 3:
+        return interp.apply_model(u, scope)
+    return torch.stack([interp.apply_model(u[:, :, n], scope) for n in range(u.shape[2])], dim=2)
