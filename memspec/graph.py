@@ -83,10 +83,7 @@ class _Lowering:
     def add(self, nid: str, op: str, role: str, shape, span, label: str, args=(), **extra) -> str:
         args = tuple(a for a in args if a is not None)
         self.g.add_node(nid, op=op, role=role, shape=shape, span=span, label=label, args=args, **extra)
-        for a in args:
-            if a in self.g:
-                self.g.add_edge(a, nid)
-        return nid
+        return nid  # edges are added at the end, when every node exists (lets may refer forward)
 
     def binding(self, name: str, scope: dict) -> Optional[str]:
         if name in scope:
@@ -233,6 +230,10 @@ class _Lowering:
         for n in spec.state:
             self.add(f"state_out:{n}", "state_out", "state", env.names.get(n), spec.key_span("state", n),
                      f"{n} (after)", (self.current.get(n),))
+        for nid in list(g.nodes):
+            for a in g.nodes[nid]["args"]:
+                if a in g:
+                    g.add_edge(a, nid)
         g.graph["diagnostics"] = self.diags.items
         return g
 
