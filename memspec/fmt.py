@@ -19,6 +19,8 @@ Rules of the canonical form:
   when it would not read back as the same string plain (single quotes, or double
   quotes with escapes for non-printable characters).  Every emitted scalar is
   checked to reload to itself;
+* long prose (description, cite) as a folded block scalar ``>-`` of lines of at most
+  88 characters when that reads back exactly;
 * ``extends`` is resolved: the printed spec is the merged one.
 
 A spec whose names are not identifiers (possible from YAML, rejected later by
@@ -116,6 +118,28 @@ def yaml_str(s: str, where: str = "value") -> str:
     raise ValueError(f"cannot write {s!r} as a YAML scalar")  # pragma: no cover - escapes cover all text
 
 
+_FOLD_WIDTH = 88
+
+
+def yaml_text(s: str, indent: str = "  ") -> str:
+    """Long prose (description, cite) as a folded block scalar ``>-`` when it reads back
+    exactly (single spaces between words, printable, one line); else as :func:`yaml_str`."""
+    if len(s) <= _FOLD_WIDTH or not all(c.isprintable() for c in s) or "  " in s or s != s.strip():
+        return yaml_str(s)
+    lines, cur = [], ""
+    for word in s.split(" "):
+        if cur and len(cur) + 1 + len(word) > _FOLD_WIDTH:
+            lines.append(cur)
+            cur = word
+        else:
+            cur = f"{cur} {word}" if cur else word
+    lines.append(cur)
+    text = ">-\n" + "\n".join(indent + ln for ln in lines)
+    if _loads_yaml(f"k: {text}\n") == {"k": s}:
+        return text
+    return yaml_str(s)
+
+
 def yaml_float(v: float) -> str:
     """A float YAML reads back as the same float (PyYAML needs a '.' in ``1.0e-06``)."""
     v = float(v)
@@ -156,9 +180,9 @@ def to_yaml(spec: Spec) -> str:
 
     out.append(f"name: {v(spec.name)}")
     if spec.description:
-        out.append(f"description: {v(spec.description)}")
+        out.append(f"description: {yaml_text(spec.description)}")
     if spec.cite:
-        out.append(f"cite: {v(spec.cite)}")
+        out.append(f"cite: {yaml_text(spec.cite)}")
     if spec.dims:
         out.append("dims:")
         out += [f"  {k(n)}: {d}" for n, d in spec.dims.items()]
