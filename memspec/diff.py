@@ -106,7 +106,7 @@ def describe(entry: Any) -> Any:
         return entry.dim
     if isinstance(entry, Gate):
         s = unparse(entry.formula)
-        return s if not entry.bias else f"{s} bias {format_number(entry.bias)}"
+        return s if not entry.bias else f"{s} bias {format_number(_pretty(entry.bias))}"
     if isinstance(entry, Param):
         init = entry.init if isinstance(entry.init, str) else format_number(entry.init)
         return f"{shape_text(entry.shape)} = {init}"

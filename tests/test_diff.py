@@ -1,0 +1,377 @@
+"""memspec diff: exact edit lists, normalisation, rendering and the CLI."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import memspec
+from memspec import cli
+from memspec.diff import (Added, Changed, Removed, align, collapse, diff, graph_diff, render_dot,
+                          render_json, render_markdown, render_text)
+from memspec.expr import parse_expr
+from memspec.normalize import canon, skeleton
+
+HERE = Path(__file__).resolve().parent
+D = HERE / "diff_specs"
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(monkeypatch):
+    # spans name files relative to the working directory
+    monkeypatch.chdir(HERE.parent)
+
+
+# ------------------------------------------------------------ normalisation
+EQUAL = [
+    ("a*b", "b*a"),
+    ("x - y", "x + (-1)*y"),
+    ("-x", "(-1)*x"),
+    ("0.5*sum(e^2)", "sum(e^2)/2"),
+    ("(a + b) + c", "c + (b + a)"),
+    ("a*(b*c)", "(c*a)*b"),
+    ("W - eta*grad(loss, W)", "-(grad(loss, W)*eta) + W"),
+    ("(2*a) @ b", "2*(a @ b)"),
+    ("a @ (b @ c)", "(a @ b) @ c"),
+    ("x.T.T", "x"),
+    ("x + x", "2*x"),
+    ("2*3*x", "6*x"),
+    ("x / 4", "0.25*x"),
+    ("(1 - alpha)*W", "W*(-alpha + 1)"),
+    ("sqrt(4)*x", "2*x"),
+    ("x^1", "x"),
+]
+DIFFERENT = [
+    ("a @ b", "b @ a"),          # @ is not commutative
+    ("(1 - a)*W", "W - a*W"),    # products are not distributed
+    ("x - y", "y - x"),
+    ("a / b", "b / a"),
+    ("x^2", "x^3"),
+]
+
+
+@pytest.mark.parametrize("x,y", EQUAL)
+def test_normal_form_equal(x, y):
+    assert canon(parse_expr(x)) == canon(parse_expr(y))
+
+
+@pytest.mark.parametrize("x,y", DIFFERENT)
+def test_normal_form_different(x, y):
+    assert canon(parse_expr(x)) != canon(parse_expr(y))
+
+
+def test_skeleton_numbers():
+    sk1, n1 = skeleton(canon(parse_expr("0.5*sum((f(k) - v)^2)")))
+    sk2, n2 = skeleton(canon(parse_expr("sum((v*(-1) + f(k))^2) / 4")))
+    assert sk1 == sk2
+    assert (n1, n2) == ([0.5, 1.0, -1.0, 2.0], [0.25, 1.0, -1.0, 2.0])
+
+
+def test_align_prefers_equal_statements():
+    # inserting a decay statement before the delta write is one insertion
+    assert align(["W"], ["W", "W"], lambda i, j: j == 1) == [("added", None, 0), ("matched", 0, 1)]
+    assert align(["U", "W"], ["W"], lambda i, j: False) == [("removed", 0, None), ("matched", 1, 0)]
+    assert align([], ["S"], lambda i, j: True) == [("added", None, 0)]
+
+
+# ------------------------------------------------------- exact edit lists
+def test_reformatted_spec_is_equal():
+    # spacing, reordered commutative operands, x - y as x + (-1)*y, 0.5*.. as ../2,
+    # another model name and argument, YAML vs .mem, lets and dims in another order
+    assert diff(D / "deltanet.yaml", D / "deltanet_reformatted.mem") == []
+    assert diff(D / "deltanet_reformatted.mem", D / "deltanet.yaml") == []
+
+
+def test_linear_attention_to_deltanet():
+    assert diff(D / "linear_attention.yaml", D / "deltanet.yaml") == [
+        Changed("meta", ("name",), "linear_attention", "deltanet"),
+        Changed("meta", ("cite",), "Katharopoulos et al., Transformers are RNNs (2020), §3.2",
+                "Schlag, Irie & Schmidhuber, Linear Transformers Are Secretly Fast Weight Programmers (2021), §4.2"),
+        Added("gates", ("gates", "eta"), None, "sigmoid(logit)"),
+        Removed("state", ("state", "S"), "[d_k, d_v] = zeros", None),
+        Removed("state", ("state", "z"), "[d_k] = zeros", None),       # the normaliser
+        Added("state", ("state", "W"), None, "[d_k, d_v] = zeros"),
+        Removed("let", ("let", "pk"), "elu(k) + 1", None),
+        Removed("let", ("let", "pq"), "elu(q) + 1", None),
+        Added("let", ("let", "kn"), None, "l2norm(k)"),
+        Added("let", ("let", "qn"), None, "l2norm(q)"),
+        Added("model", ("model",), None, "f(u) = u @ W"),
+        Added("loss", ("loss",), None, "0.5 * sum((f(kn) - v)^2)"),   # none -> squared error
+        Removed("update", ("update", 0), "S = S + outer(pk, v)", None),
+        Removed("update", ("update", 1), "z = z + pk", None),
+        Added("update", ("update", 0), None, "W = W - eta * grad(loss, W)"),
+        Changed("read", ("read",), "pq @ S / (pq @ z)", "f(qn)"),
+        Changed("schedule", ("schedule", "derived"), "additive chunk 64, exact", "delta chunk 64, exact"),
+    ]
+
+
+def test_deltanet_to_gated_deltanet():
+    edits = diff(D / "deltanet.yaml", D / "gated_deltanet.yaml")
+    assert edits == [
+        Changed("meta", ("name",), "deltanet", "gated_deltanet"),
+        Changed("meta", ("cite",),
+                "Schlag, Irie & Schmidhuber, Linear Transformers Are Secretly Fast Weight Programmers (2021), §4.2",
+                "Yang, Kautz & Hatamizadeh, Gated Delta Networks (2025), §3"),
+        Added("gates", ("gates", "alpha"), None, "sigmoid(logit) bias -4"),
+        Added("update", ("update", 0), None, "W = (1 - alpha) * W"),
+    ]
+    # both sides' source positions
+    gate, decay = edits[2], edits[3]
+    assert gate.old_span is None
+    assert (gate.new_span.file, gate.new_span.line, gate.new_span.col) == ("tests/diff_specs/gated_deltanet.yaml", 7, 3)
+    assert decay.new_span.line == 16 and decay.new_span.col == 5
+
+
+def test_ttt_mlp_to_titans():
+    assert diff(D / "ttt_mlp.yaml", D / "titans.yaml") == [
+        Changed("meta", ("name",), "ttt_mlp", "titans"),
+        Changed("meta", ("cite",), "Sun et al., Learning to (Learn at Test Time) (2024), §2",
+                "Behrouz, Zhong & Mirrokni, Titans: Learning to Memorize at Test Time (2025), §3.1"),
+        Added("gates", ("gates", "mu"), None, "sigmoid(logit)"),                 # momentum gate
+        Added("gates", ("gates", "alpha"), None, "sigmoid(logit) bias -4"),      # forget gate
+        Removed("params", ("params", "ln_w"), "[d_v] = ones", None),
+        Removed("params", ("params", "ln_b"), "[d_v] = zeros", None),
+        Changed("state", ("state", "W1", "init"), "learned(normal(0.02))", "normal(0.02)"),
+        Changed("state", ("state", "W2", "init"), "learned(normal(0.02))", "normal(0.02)"),
+        Added("state", ("state", "U1"), None, "[d_k, hidden] = zeros"),          # momentum states
+        Added("state", ("state", "U2"), None, "[hidden, d_v] = zeros"),
+        Changed("model", ("model",), "f(u) = u + layernorm(gelu(u @ W1) @ W2, ln_w, ln_b)",
+                "f(u) = silu(u @ W1) @ W2"),
+        Changed("loss", ("loss",), "0.5 * sum((f(k) - (v - k))^2)", "0.5 * sum((f(k) - v)^2)"),
+        Added("update", ("update", 0), None, "U1 = mu * U1 - eta * grad(loss, W1)"),
+        Added("update", ("update", 1), None, "U2 = mu * U2 - eta * grad(loss, W2)"),
+        Changed("update", ("update", 2), "W1 = W1 - eta * grad(loss, W1)", "W1 = (1 - alpha) * W1 + U1"),
+        Changed("update", ("update", 3), "W2 = W2 - eta * grad(loss, W2)", "W2 = (1 - alpha) * W2 + U2"),
+        Changed("wiring", ("wiring", "kind"), "none", "mac"),
+    ]
+
+
+def test_titans_mac_to_mag_is_wiring_only():
+    assert diff(D / "titans.yaml", D / "titans_mag.yaml") == [
+        Changed("wiring", ("wiring", "kind"), "mac", "mag"),
+    ]
+
+
+def test_extends_variant_shows_exactly_its_overrides():
+    edits = diff(D / "titans.yaml", D / "titans_huber.yaml")
+    assert edits == [
+        Changed("meta", ("name",), "titans", "titans_huber"),
+        Added("constants", ("constants", "delta"), None, 1),
+        Changed("loss", ("loss",), "0.5 * sum((f(k) - v)^2)", "sum(huber(f(k) - v, delta))"),
+    ]
+    # the new side points into the five-line variant, the old side into the base
+    assert {e.new_span.file for e in edits} == {"tests/diff_specs/titans_huber.yaml"}
+    assert [e.new_span.line for e in edits] == [2, 3, 4]
+    assert edits[2].old_span.file == "tests/diff_specs/titans.yaml" and edits[2].old_span.line == 15
+
+
+BASE = textwrap.dedent("""\
+    name: m
+    dims: {d_k: 4, d_v: 4}
+    views: {q: d_k, k: d_k, v: d_v}
+    gates: {eta: sigmoid(logit)}
+    state: {W: {shape: [d_k, d_v]}}
+    model: f(u) = u @ W
+    loss: 0.5 * sum((f(k) - v)^2)
+    update:
+      - W = W - eta * grad(loss, W)
+    read: f(q)
+    """)
+
+
+def _variant(**repl) -> memspec.Spec:
+    text = BASE
+    for old, new in repl.items():
+        text = text.replace(old.replace("_SP_", " "), new)
+    return memspec.loads(text)
+
+
+def test_changed_constant_is_a_constant_edit():
+    a = memspec.loads(BASE)
+    b = memspec.loads(BASE.replace("0.5 * sum", "0.25 * sum"))
+    assert diff(a, b) == [Changed("loss", ("loss", "const"), 0.5, 0.25)]
+    c = memspec.loads(BASE.replace("(f(k) - v)^2", "(f(k) - 2*v)^3"))
+    assert diff(a, c) == [Changed("loss", ("loss", "const", 2), -1, -2),
+                          Changed("loss", ("loss", "const", 3), 2, 3),
+                          # a cubic loss is no longer the delta rule
+                          Changed("schedule", ("schedule", "derived"), "delta chunk 64, exact",
+                                  "minibatch chunk 64, approximate")]
+    d = memspec.loads(BASE.replace("W - eta", "W + eta"))
+    assert diff(a, d) == [Changed("update", ("update", 0, "const"), -1, 1)]
+
+
+def test_field_level_edits():
+    a = memspec.loads(BASE)
+    b = memspec.loads(BASE.replace("{eta: sigmoid(logit)}", "{eta: {formula: sigmoid(logit), bias: -2}}")
+                      .replace("{W: {shape: [d_k, d_v]}}", "{W: {shape: [d_k, d_v], init: learned}}")
+                      .replace("d_v: 4}", "d_v: 8}")
+                      .replace("read: f(q)", "read: f(q)\norder: read_write\nschedule: chunk(64)"))
+    assert diff(a, b) == [
+        Changed("dims", ("dims", "d_v"), 4, 8),
+        Changed("gates", ("gates", "eta", "bias"), 0, -2),
+        Changed("state", ("state", "W", "init"), "zeros", "learned(normal(0.02))"),
+        Changed("order", ("order",), "write_read", "read_write"),
+        Changed("schedule", ("schedule", "declared"), "auto", "chunk(64)"),
+    ]
+
+
+def test_edits_are_typed_values():
+    e = Changed("loss", ("loss", "const"), 0.5, 0.25)
+    assert e.kind == "changed" and Added.kind == "added" and Removed.kind == "removed"
+    assert e.where() == "loss.const"
+    assert Added("update", ("update", 0), None, "x").where() == "update[0]"
+    assert e != Added("loss", ("loss", "const"), 0.5, 0.25)   # the type is part of the edit
+    with pytest.raises(Exception):
+        e.old = 1  # frozen
+
+
+# ------------------------------------------------------------- graph edits
+def test_graph_diff_deltanet_to_gated():
+    edits = graph_diff(D / "deltanet.yaml", D / "gated_deltanet.yaml")
+    nodes = sorted((type(e).__name__, e.path[1]) for e in edits if e.path[0] == "node")
+    assert nodes == [
+        ("Added", "gate:alpha"), ("Added", "grad:W@update:W#2"), ("Added", "logit:alpha"),
+        ("Added", "loss@update:W#2"), ("Added", "update:W#2"),
+        ("Changed", "update:W#1"),
+        ("Removed", "grad:W@update:W#1"), ("Removed", "loss@update:W#1"),
+    ]
+    changed = next(e for e in edits if e.path == ("node", "update:W#1"))
+    assert changed.old == "update [d_k, d_v] 'W = W - eta * grad(loss, W)'"
+    assert changed.new == "update [d_k, d_v] 'W = (1 - alpha) * W'"
+    edges = {(type(e).__name__,) + e.path[1:] for e in edges_of(edits)}
+    assert ("Added", "gate:alpha", "update:W#1") in edges
+    assert ("Added", "update:W#1", "update:W#2") in edges
+    assert ("Removed", "update:W#1", "read") in edges
+    assert ("Added", "update:W#2", "read") in edges
+
+
+def edges_of(edits):
+    return [e for e in edits if e.path[0] == "edge"]
+
+
+def test_graph_diff_equal_for_wiring_only_change():
+    assert graph_diff(D / "titans.yaml", D / "titans_mag.yaml") == []
+
+
+def test_collapse_merges_subexpressions():
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_node("view:k", op="view")
+    g.add_node("update:W#1", op="update")
+    g.add_node("update:W#1/e", op="add")
+    g.add_node("update:W#1/e.0", op="mul")
+    g.add_edges_from([("view:k", "update:W#1/e.0"), ("update:W#1/e.0", "update:W#1/e"),
+                      ("update:W#1/e", "update:W#1")])
+    c = collapse(g)
+    assert sorted(c.nodes) == ["update:W#1", "view:k"]
+    assert list(c.edges) == [("view:k", "update:W#1")]
+
+
+def test_render_dot_colours_union():
+    from memspec.diff import lower_graph
+
+    ga = lower_graph(memspec.load(D / "deltanet.yaml"))
+    gb = lower_graph(memspec.load(D / "gated_deltanet.yaml"))
+    dot = render_dot(ga, gb, title="x")
+    line = next(l for l in dot.splitlines() if l.startswith('  "gate:alpha" ['))
+    assert 'color="#2e7d32"' in line                      # added: green
+    line = next(l for l in dot.splitlines() if l.startswith('  "loss@update:W#1" ['))
+    assert 'color="#c62828"' in line and "dashed" in line  # removed: red, dashed
+    line = next(l for l in dot.splitlines() if l.startswith('  "update:W#1" ['))
+    assert 'color="#ef6c00"' in line                      # changed: orange
+    assert dot.startswith('digraph "x" {') and dot.rstrip().endswith("}")
+
+
+# -------------------------------------------------------------- rendering
+def test_render_text_plain_and_coloured():
+    edits = diff(D / "deltanet.yaml", D / "gated_deltanet.yaml")[2:]
+    plain = render_text(edits)
+    assert plain == (
+        "gates\n"
+        "  + gates.alpha: sigmoid(logit) bias -4\n"
+        "      + tests/diff_specs/gated_deltanet.yaml:7: alpha: {formula: sigmoid(logit), bias: -4.0}\n"
+        "update\n"
+        "  + update[0]: W = (1 - alpha) * W\n"
+        "      + tests/diff_specs/gated_deltanet.yaml:16: - W = (1 - alpha) * W\n"
+    )
+    assert "\x1b[" not in plain
+    coloured = render_text(edits, color=True)
+    assert "\x1b[32m  + gates.alpha" not in coloured and "\x1b[32m+ gates.alpha" in coloured
+
+
+def test_render_text_shows_both_sides():
+    edits = diff(D / "titans.yaml", D / "titans_mag.yaml")
+    assert render_text(edits) == (
+        "wiring\n"
+        "  ~ wiring.kind: mac -> mag\n"
+        "      - tests/diff_specs/titans.yaml:23: wiring: {kind: mac, segment: 64, persistent: 4, window: 64}\n"
+        "      + tests/diff_specs/titans_mag.yaml:3: wiring: {kind: mag}\n"
+    )
+
+
+def test_render_markdown_and_json():
+    edits = diff(D / "titans.yaml", D / "titans_mag.yaml")
+    md = render_markdown(edits)
+    assert md.splitlines() == [
+        "| | component | path | old | new | where |",
+        "|---|---|---|---|---|---|",
+        "| ~ | wiring | `wiring.kind` | `mac` | `mag` | tests/diff_specs/titans.yaml:23 → tests/diff_specs/titans_mag.yaml:3 |",
+    ]
+    assert render_markdown([]) == "No differences.\n"
+    doc = json.loads(render_json(edits))
+    assert doc == {"equal": False, "edits": [{
+        "kind": "changed", "component": "wiring", "path": ["wiring", "kind"], "old": "mac", "new": "mag",
+        "old_span": {"file": "tests/diff_specs/titans.yaml", "line": 23, "col": 10},
+        "new_span": {"file": "tests/diff_specs/titans_mag.yaml", "line": 3, "col": 10}}]}
+
+
+# --------------------------------------------------------------------- CLI
+def run_cli(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_exit_status(capsys, monkeypatch):
+    monkeypatch.chdir(HERE.parent)
+    rc, out, _ = run_cli(capsys, "diff", "tests/diff_specs/deltanet.yaml", "tests/diff_specs/deltanet_reformatted.mem")
+    assert (rc, out) == (0, "")
+    rc, out, _ = run_cli(capsys, "diff", "tests/diff_specs/titans.yaml", "tests/diff_specs/titans_mag.yaml")
+    assert rc == 1
+    assert out.startswith("--- tests/diff_specs/titans.yaml\n+++ tests/diff_specs/titans_mag.yaml\nwiring\n")
+    assert "\x1b[" not in out  # not a terminal: plain
+    rc, out, err = run_cli(capsys, "diff", "tests/diff_specs/nope.yaml", "tests/diff_specs/titans.yaml")
+    assert rc == 2 and out == ""
+    assert err.startswith("tests/diff_specs/nope.yaml:1:1: error: no such spec file")
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["diff", "only_one.yaml"])
+    assert ex.value.code == 2
+
+
+def test_cli_diff_formats(capsys, monkeypatch):
+    monkeypatch.chdir(HERE.parent)
+    a, b = "tests/diff_specs/deltanet.yaml", "tests/diff_specs/gated_deltanet.yaml"
+    rc, out, _ = run_cli(capsys, "diff", a, b, "--format", "json")
+    doc = json.loads(out)
+    assert rc == 1 and [e["path"] for e in doc["edits"]] == [
+        ["name"], ["cite"], ["gates", "alpha"], ["update", 0]]
+    assert ["node", "gate:alpha"] in [e["path"] for e in doc["graph"]]
+    rc, out, _ = run_cli(capsys, "diff", a, b, "--format", "markdown", "--no-graph")
+    assert rc == 1 and out.startswith(f"### `{a}` → `{b}`\n\n| | component |")
+    assert "dataflow graph" not in out
+    rc, out, _ = run_cli(capsys, "diff", a, b, "--format", "dot")
+    assert rc == 1 and out.startswith('digraph "deltanet -> gated_deltanet" {')
+    rc, out, _ = run_cli(capsys, "diff", a, b)
+    assert "\ngraph\n" in out and "  + node gate:alpha: gate [] 'alpha = sigmoid(logit)'\n" in out
+
+
+def test_graphviz_missing_says_how_to_install(capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    rc = cli._graphviz("digraph g {}", "svg", None)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "needs the Graphviz `dot` program" in err and "apt install graphviz" in err
