@@ -1,0 +1,248 @@
+"""Exact chunked kernels for the additive and delta families, and token-loop references.
+
+Every function here is standalone: it uses only ``torch`` (imported inside the
+function body), no memspec imports and no closures, because the code generator
+copies their source into the generated modules with ``inspect.getsource``.
+
+Layout (flash-linear-attention): views ``[B, T, H, D]``, per-token scalars
+``[B, T, H]``, states ``[B, H, K, V]``.  Row-vector convention: the probe of a state
+is ``q_t @ S`` and a write is ``outer(k_t, v_t)``.
+
+Decays enter as *log* decays ``log_gamma <= 0``; inside a chunk only
+``exp(L_t - L_s)`` with ``s <= t`` (differences of cumulative log decays, never
+positive) is ever exponentiated, and masked entries are set to ``-inf`` before
+``exp`` so that neither the values nor their gradients can overflow into NaN.
+All arithmetic runs in float32 or wider; the results are cast back to the input
+dtype.  T need not be a multiple of the chunk size: the tail is padded with
+zero-increment, decay-1 tokens and sliced off.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
+    """Token-loop reference for ``S_t = exp(log_gamma_t) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None (state only).
+        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
+        S0: ``[B, H, K, V]`` initial state, or None for zeros.
+        inclusive: True: o_t reads S_t (write, then read); False: o_t reads S_{t-1}.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
+    outs = []
+    for t in range(T):
+        S_prev = S
+        if log_gamma is not None:
+            S = torch.exp(log_gamma[:, t].to(dt))[:, :, None, None] * S
+        S = S + k[:, t].to(dt)[..., :, None] * v[:, t].to(dt)[..., None, :]   # [B, H, K, V]
+        if q is not None:
+            read = S if inclusive else S_prev
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dt), read))
+    o = torch.stack(outs, dim=1).to(v.dtype) if q is not None else None
+    return o, S.to(S0.dtype if S0 is not None else v.dtype)
+
+
+def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True):
+    """Exact chunked form of ``S_t = exp(log_gamma_t) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
+
+    Inside a chunk of C tokens with cumulative log decays ``L_t``:
+    ``o_t = exp(L_t) q_t @ S_start + sum_{s <= t} exp(L_t - L_s) (q_t . k_s) v_s`` and
+    ``S_end = exp(L_C) S_start + sum_s exp(L_C - L_s) outer(k_s, v_s)``.
+    (``inclusive=False`` uses ``L_{t-1}`` and ``s < t``: o_t reads the state before token t.)
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None (state only).
+        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
+        S0: ``[B, H, K, V]`` initial state, or None for zeros.
+        chunk: chunk size C.
+        inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    C = max(1, min(int(chunk), T))
+    N = (T + C - 1) // C
+    pad = N * C - T
+
+    def blocks(x):  # [B, T, H, *D] -> [B, H, N, C, *D], zero-padded on T
+        x = x.to(dt)
+        if pad:
+            x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
+        x = x.movedim(2, 1)
+        return x.reshape(B, H, N, C, *x.shape[3:])
+
+    kc, vc = blocks(k), blocks(v)                                  # [B, H, N, C, K], [B, H, N, C, V]
+    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
+    if log_gamma is not None:
+        lg = blocks(log_gamma)                                     # [B, H, N, C]
+        L = torch.cumsum(lg, dim=-1)                               # [B, H, N, C]
+        L_last = L[..., -1:]                                       # [B, H, N, 1]
+        kd = kc * torch.exp(L_last - L)[..., None]                 # [B, H, N, C, K]
+        chunk_decay = torch.exp(L_last[..., 0])                    # [B, H, N]
+    else:
+        kd = kc
+    dS = kd.transpose(-1, -2) @ vc                                 # [B, H, N, K, V]
+    starts = []
+    for n in range(N):
+        starts.append(S)
+        S = (S * chunk_decay[:, :, n, None, None] if log_gamma is not None else S) + dS[:, :, n]
+    if q is None:
+        return None, S.to(S0.dtype if S0 is not None else v.dtype)
+    S_start = torch.stack(starts, dim=2)                           # [B, H, N, K, V]
+    qc = blocks(q)                                                 # [B, H, N, C, K]
+    scores = qc @ kc.transpose(-1, -2)                             # [B, H, N, C, C]
+    idx = torch.arange(C, device=k.device)
+    mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
+    if log_gamma is not None:
+        Lq = L if inclusive else L - lg                            # [B, H, N, C]
+        diff = (Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf"))
+        scores = scores * torch.exp(diff)                          # [B, H, N, C, C]
+        o = (qc * torch.exp(Lq)[..., None]) @ S_start + scores @ vc  # [B, H, N, C, V]
+    else:
+        o = qc @ S_start + scores.masked_fill(~mask, 0.0) @ vc     # [B, H, N, C, V]
+    o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)          # [B, T, H, V]
+    return o.to(v.dtype), S.to(S0.dtype if S0 is not None else v.dtype)
+
+
+def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
+    """Token-loop reference for the (gated) delta rule.
+
+    ``S_t = gamma_t S_{t-1} + outer(k_t, beta_t (v_t - rho_t k_t @ S_{t-1}))`` with
+    ``gamma_t = exp(log_gamma_t)`` and ``rho_t = exp(log_rho_t)`` (default rho = gamma:
+    ``S_t = gamma_t (I - beta_t k_t^T k_t) S_{t-1} + beta_t outer(k_t, v_t)``), ``o_t = q_t @ S_t``.
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        beta: ``[B, T, H]`` step sizes.
+        log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
+        S0: ``[B, H, K, V]`` or None.
+        log_rho: ``[B, T, H]`` log of the decay the error term sees, or None (= log_gamma).
+        inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
+    if log_rho is None:
+        log_rho = log_gamma
+    outs = []
+    for t in range(T):
+        k_t, v_t, b_t = k[:, t].to(dt), v[:, t].to(dt), beta[:, t].to(dt)       # [B, H, K], [B, H, V], [B, H]
+        pred = torch.einsum("bhk,bhkv->bhv", k_t, S)                               # [B, H, V]
+        if log_rho is not None:
+            pred = pred * torch.exp(log_rho[:, t].to(dt))[..., None]
+        u_t = b_t[..., None] * (v_t - pred)                                        # [B, H, V]
+        S_prev = S
+        if log_gamma is not None:
+            S = torch.exp(log_gamma[:, t].to(dt))[:, :, None, None] * S
+        S = S + k_t[..., :, None] * u_t[..., None, :]                              # [B, H, K, V]
+        if q is not None:
+            read = S if inclusive else S_prev
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dt), read))
+    o = torch.stack(outs, dim=1).to(v.dtype) if q is not None else None
+    return o, S.to(S0.dtype if S0 is not None else v.dtype)
+
+
+def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True):
+    """Exact chunked (gated) delta rule through the WY / UT representation.
+
+    Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
+    ``u_t = beta_t (v_t - rho_t k_t @ S_{t-1})`` (rho = gamma unless ``log_rho`` is given).
+    Inside a chunk (cumulative log decays ``L_t``, ``R_t = L_{t-1} + log rho_t``), the
+    corrections solve the unit-lower-triangular system
+    ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @ S_start)``,
+    i.e. ``u = T (beta v) - T (beta exp(R) k) @ S_start`` with ``T = (I + A)^-1`` -- one
+    ``solve_triangular`` per chunk, in parallel over all chunks; then a short loop over
+    chunks carries the state.
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        beta: ``[B, T, H]`` step sizes.
+        log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
+        S0: ``[B, H, K, V]`` or None.
+        chunk: chunk size C.
+        log_rho: ``[B, T, H]`` (<= 0) or None (= log_gamma).
+        inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    C = max(1, min(int(chunk), T))
+    N = (T + C - 1) // C
+    pad = N * C - T
+
+    def blocks(x):  # [B, T, H, *D] -> [B, H, N, C, *D], zero-padded on T
+        x = x.to(dt)
+        if pad:
+            x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
+        x = x.movedim(2, 1)
+        return x.reshape(B, H, N, C, *x.shape[3:])
+
+    kc, vc, bc = blocks(k), blocks(v), blocks(beta)                # [B,H,N,C,K], [B,H,N,C,V], [B,H,N,C]
+    idx = torch.arange(C, device=k.device)
+    strict = idx[:, None] > idx[None, :]                           # [C, C]
+    gram = kc @ kc.transpose(-1, -2)                               # [B, H, N, C, C]
+    if log_gamma is not None or log_rho is not None:
+        lg = blocks(log_gamma) if log_gamma is not None else torch.zeros_like(bc)
+        L = torch.cumsum(lg, dim=-1)                               # [B, H, N, C]
+        R = L if log_rho is None else L - lg + blocks(log_rho)    # [B, H, N, C]
+        diff = (R[..., :, None] - L[..., None, :]).masked_fill(~strict, float("-inf"))
+        A = gram * torch.exp(diff) * bc[..., None]                 # [B, H, N, C, C] strictly lower
+        kr = kc * (bc * torch.exp(R))[..., None]                   # [B, H, N, C, K]
+    else:
+        A = gram.masked_fill(~strict, 0.0) * bc[..., None]         # [B, H, N, C, C]
+        kr = kc * bc[..., None]                                    # [B, H, N, C, K]
+    eye = torch.eye(C, dtype=dt, device=k.device)
+    rhs = torch.cat([vc * bc[..., None], kr], dim=-1)              # [B, H, N, C, V + K]
+    sol = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    U0, Wk = sol[..., :V], sol[..., V:]                            # [B,H,N,C,V], [B,H,N,C,K]
+    decayed = log_gamma is not None
+    if decayed:
+        L_last = L[..., -1:]                                       # [B, H, N, 1]
+        kd = kc * torch.exp(L_last - L)[..., None]                 # [B, H, N, C, K]
+        chunk_decay = torch.exp(L_last[..., 0])                    # [B, H, N]
+    else:
+        kd = kc
+    if q is not None:
+        qc = blocks(q)                                             # [B, H, N, C, K]
+        incl = idx[:, None] >= idx[None, :] if inclusive else strict
+        scores = qc @ kc.transpose(-1, -2)                         # [B, H, N, C, C]
+        if decayed:
+            Lq = L if inclusive else L - lg                        # [B, H, N, C]
+            scores = scores * torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~incl, float("-inf")))
+            qd = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
+        else:
+            scores = scores.masked_fill(~incl, 0.0)
+            qd = qc
+    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
+    outs = []
+    for n in range(N):
+        u = U0[:, :, n] - Wk[:, :, n] @ S                          # [B, H, C, V]
+        if q is not None:
+            outs.append(qd[:, :, n] @ S + scores[:, :, n] @ u)     # [B, H, C, V]
+        S_new = kd[:, :, n].transpose(-1, -2) @ u                  # [B, H, K, V]
+        S = (S * chunk_decay[:, :, n, None, None] if decayed else S) + S_new
+    S_out = S.to(S0.dtype if S0 is not None else v.dtype)
+    if q is None:
+        return None, S_out
+    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)  # [B, T, H, V]
+    return o.to(v.dtype), S_out
