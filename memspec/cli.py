@@ -182,6 +182,12 @@ def cmd_table(args) -> int:
     return 0
 
 
+def cmd_lab(args) -> int:
+    from .lab.cli import main as lab_main
+
+    return lab_main(args, UsageError)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="memspec", description="Fast-weight memories as specs, compiled to PyTorch.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -216,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("files", nargs="+")
     s.add_argument("--format", choices=["markdown", "text", "csv"], default="markdown")
     s.set_defaults(func=cmd_table)
+
+    s = sub.add_parser("lab", help="the seed course's experiments, reproduced from specs (list, run NAME)")
+    from .lab.cli import add_arguments as _lab_arguments
+    _lab_arguments(s)
+    s.set_defaults(func=cmd_lab)
 
     # --- further subcommands register here (compile, explain, bench, diff, table, lab, train)
     for register in _EXTRA_COMMANDS:
