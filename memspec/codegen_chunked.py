@@ -1,0 +1,208 @@
+"""Emission of the exact chunked schedules (additive and delta families).
+
+The generator framework (:mod:`memspec.codegen`) calls two functions:
+
+* :func:`kernel_sources` -- the source of the kernel(s) the module needs, copied
+  from :mod:`memspec.kernels` with ``inspect.getsource`` (plain torch functions);
+* :func:`emit_chunked_forward` -- the body lines of a forward pass over all T
+  tokens at once: the token-local values the plan needs (vectorised over time with
+  the framework's :class:`~memspec.codegen.ExprEmitter`), one kernel call per
+  linear probe of each state, and the read computed from the probe outputs.
+
+Contract of the emitted lines (they run inside ``forward``):
+
+* in scope: every view ``[B, T, H, D]`` and gate ``[B, T, H]`` as a local of its spec
+  name, ``self.<param>`` / ``self.<dim>`` as the emitter writes them, and the
+  incoming state tensors ``[B, H, *shape]`` under the codes of ``state_in``;
+* they bind every let (``[B, T, H, ...]``, unless ``lets=False``), the output
+  ``out`` ``[B, T, H, *read_shape]`` and the final states under ``state_out``
+  (default ``<S>_new``).
+"""
+from __future__ import annotations
+
+import inspect
+
+from . import kernels
+from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from .schedule import AdditivePlan, DeltaPlan, ScheduleDecision, simplify
+
+KERNELS = {"additive": ("chunk_additive",), "delta": ("chunk_delta",)}
+LOG_FLOOR = 1e-30   # decays are clamped to >= 1e-30 before the log: log_gamma >= -69
+
+
+def kernel_sources(decision: ScheduleDecision) -> str:
+    """Source of the kernels the decision's family calls (empty for other families)."""
+    names = KERNELS.get(decision.family, ())
+    return "\n\n".join(inspect.getsource(getattr(kernels, n)) for n in names)
+
+
+def _fmt_shape(shape) -> str:
+    return "[" + ", ".join(("B", "T", "H") + tuple(shape)) + "]"
+
+
+class _Writer:
+    def __init__(self, spec, emitter, taken):
+        self.spec = spec
+        self.em = emitter
+        self.lines: list[str] = []
+        self.taken = set(taken)
+        self.taken |= set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.state) | set(spec.params)
+        self.taken |= {"torch", "nn", "F", "math", "self", "state", "schedule", "x", "o"}
+        # the lets, inlined, for folding plan expressions back into readable let names
+        from .schedule import Algebra
+        self.alg = Algebra(spec)
+        self.let_of = [(inl, n) for n, inl in self.alg.lets.items()]
+        self.first_view = next(iter(spec.views), None)
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 2
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+    def fold(self, e: Expr) -> Expr:
+        """Replace subexpressions equal to a let's (inlined) value by the let's name."""
+        for inl, n in self.let_of:
+            if e == inl:
+                return Name(n)
+        if isinstance(e, BinOp):
+            return BinOp(e.op, self.fold(e.left), self.fold(e.right))
+        if isinstance(e, Neg):
+            return Neg(self.fold(e.operand))
+        if isinstance(e, Transpose):
+            return Transpose(self.fold(e.operand))
+        if isinstance(e, Call):
+            return Call(e.fn, tuple(self.fold(a) for a in e.args))
+        return e
+
+    def per_token(self, e: Expr) -> bool:
+        """Does ``e`` vary per token (uses a view, gate or let)?"""
+        tok = set(self.spec.views) | set(self.spec.gates) | set(self.spec.let)
+        return any(isinstance(n, Name) and n.id in tok for n in e.walk())
+
+    def value(self, e: Expr, base: str, *, vector: bool) -> str:
+        """Code of a token-local value ``[B, T, H]`` (scalar) or ``[B, T, H, d]`` (vector);
+        a plain name is used as is, anything else is bound to a fresh local."""
+        e = self.fold(simplify(e))
+        code = self.em.emit(e)
+        shape = self.em.shape(e)
+        if not self.per_token(e):  # a number, a dim or a param: broadcast over [B, T, H]
+            ref = self.first_view
+            if vector:
+                code = f"torch.as_tensor({code}, dtype={ref}.dtype).expand(*{ref}.shape[:3], -1)"
+            else:
+                code = f"torch.full_like({ref}[..., 0], {code})"
+        if isinstance(e, Name) and self.per_token(e):
+            return code
+        name = self.fresh(base)
+        self.lines.append(f"{name} = {code}  # {_fmt_shape(shape)}")
+        return name
+
+    def log_decay(self, gamma: Expr | None, base: str) -> str:
+        if gamma is None:
+            return "None"
+        g = self.value(gamma, base.replace("log_", ""), vector=False)
+        name = self.fresh(base)
+        self.lines.append(f"{name} = torch.log({g}.clamp(min={LOG_FLOOR}))  # [B, T, H]")
+        return name
+
+
+def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in: dict | None = None,
+                         state_out: dict | None = None, out: str = "o", chunk: str = "self.chunk",
+                         lets: bool = True, taken=()) -> list[str]:
+    """Body lines of the chunked forward over all tokens (see the module docstring)."""
+    plan = decision.plans.get(decision.family, decision.plan) if decision.family in KERNELS else None
+    if not isinstance(plan, (AdditivePlan, DeltaPlan)):
+        raise ValueError(f"schedule family {decision.family!r} has no chunked form")
+    state_in = {n: state_in[n] if state_in and n in state_in else f'state["{n}"]' for n in spec.state}
+    w = _Writer(spec, emitter, taken)
+    state_out = {n: (state_out or {}).get(n) or w.fresh(f"{n}_new") for n in spec.state}
+    inclusive = plan.inclusive
+    exact = "exact"
+    if lets and spec.let:
+        w.lines.append("# token-local values of all tokens at once")
+        for n, e in spec.let.items():
+            w.lines.append(f"{n} = {emitter.emit(e)}  # {_fmt_shape(emitter.shape(e))}")
+    probe_names: dict[str, str] = {}
+    probe_shapes: dict[str, tuple] = {}
+    if isinstance(plan, AdditivePlan):
+        w.lines.append(f"# additive chunked schedule ({exact}): S <- gamma * S + outer(a, b); "
+                       f"the read sees the state only through probes p @ S")
+        for st in plan.states:
+            S = st.name
+            lg = w.log_decay(st.gamma, f"{S}_log_gamma")
+            probes = [p for p in plan.probes if p.state == S]
+            pcodes = [w.value(p.vector, f"{S}_probe{i}", vector=True) for i, p in enumerate(probes)] or ["None"]
+            S0 = state_in[S] + (".unsqueeze(-1)" if st.vector else "")
+            finals = []
+            outs: dict[int, list[str]] = {i: [] for i in range(len(probes))}
+            for ti, (a, b) in enumerate(st.terms):
+                ac = w.value(a, f"{S}_a" if len(st.terms) == 1 else f"{S}_a{ti}", vector=True)
+                if st.vector:
+                    if isinstance(b, Num) and float(b.value) == 1.0:
+                        bc = f"torch.ones_like({ac}[..., :1])"
+                    else:
+                        bc = w.value(b, f"{S}_b" if len(st.terms) == 1 else f"{S}_b{ti}", vector=False)
+                        bc = f"{bc}.unsqueeze(-1)"
+                else:
+                    bc = w.value(b, f"{S}_b" if len(st.terms) == 1 else f"{S}_b{ti}", vector=True)
+                init = S0 if ti == 0 else "None"
+                for pi, pc in enumerate(pcodes):
+                    o_name = w.fresh(f"{S}_read{pi}" if len(st.terms) == 1 else f"{S}_read{pi}_{ti}") \
+                        if pc != "None" else "_"
+                    s_name = w.fresh(f"{S}_T{ti}") if pi == 0 else "_"
+                    w.lines.append(f"{o_name}, {s_name} = chunk_additive({pc}, {ac}, {bc}, {lg}, {init}, "
+                                   f"{chunk}, inclusive={inclusive})")
+                    if pc != "None":
+                        outs[pi].append(o_name)
+                    if pi == 0:
+                        finals.append(s_name)
+            total = " + ".join(finals) if finals else S0
+            w.lines.append(f"{state_out[S]} = {total}{'.squeeze(-1)' if st.vector else ''}  "
+                           f"# [B, H, {', '.join(spec.state[S].shape)}]")
+            for pi, p in enumerate(probes):
+                name = w.fresh(f"{S}_probe_out{pi}" if len(probes) > 1 else f"{S}_probe_out")
+                w.lines.append(f"{name} = {' + '.join(outs[pi])}{'.squeeze(-1)' if st.vector else ''}")
+                probe_names[p.name] = name
+                probe_shapes[name] = () if st.vector else (spec.state[S].shape[1],)
+        for n in spec.state:
+            if n not in {s.name for s in plan.states}:
+                w.lines.append(f"{state_out[n]} = {state_in[n]}")
+    else:
+        W = plan.state
+        w.lines.append(f"# delta chunked schedule ({exact}): {W} <- gamma * {W} + outer(k, beta * (v - rho * k @ {W})),"
+                       f" WY / UT form with one triangular solve per chunk")
+        lg = w.log_decay(plan.gamma, f"{W}_log_gamma")
+        lr = w.log_decay(plan.rho, f"{W}_log_rho") if plan.rho is not None else "None"
+        kc = w.value(plan.k, f"{W}_k", vector=True)
+        vc = w.value(plan.v, f"{W}_v", vector=True)
+        bc = w.value(plan.beta, f"{W}_beta", vector=False)
+        pcodes = [w.value(p.vector, f"{W}_probe{i}", vector=True) for i, p in enumerate(plan.probes)] or ["None"]
+        for pi, pc in enumerate(pcodes):
+            o_name = w.fresh(f"{W}_probe_out{pi}" if len(pcodes) > 1 else f"{W}_probe_out") if pc != "None" else "_"
+            s_name = state_out[W] if pi == 0 else "_"
+            w.lines.append(f"{o_name}, {s_name} = chunk_delta({pc}, {kc}, {vc}, {bc}, {lg}, {state_in[W]}, {chunk}, "
+                           f"log_rho={lr}, inclusive={inclusive})")
+            if pc != "None":
+                probe_names[plan.probes[pi].name] = o_name
+                probe_shapes[o_name] = (spec.state[W].shape[1],)
+    read = _rename(plan.read, probe_names)
+    read = w.fold(read)
+    em = emitter.with_scope(**probe_shapes)
+    w.lines.append(f"{out} = {em.emit(read)}  # {_fmt_shape(em.shape(read))}")
+    return w.lines
+
+
+def _rename(e: Expr, names: dict) -> Expr:
+    if isinstance(e, Name):
+        return Name(names.get(e.id, e.id))
+    if isinstance(e, BinOp):
+        return BinOp(e.op, _rename(e.left, names), _rename(e.right, names))
+    if isinstance(e, Neg):
+        return Neg(_rename(e.operand, names))
+    if isinstance(e, Transpose):
+        return Transpose(_rename(e.operand, names))
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_rename(a, names) for a in e.args))
+    return e
