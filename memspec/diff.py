@@ -96,6 +96,12 @@ def _jsonable(v: Any) -> Any:
 
 
 # ------------------------------------------------------------ describing
+# the wiring parameters each kind uses (memspec.wiring): MAC cuts segments, MAG and
+# MAL run sliding-window attention; all have persistent tokens
+WIRING_FIELDS = {"none": (), "mac": ("segment", "persistent"), "mag": ("window", "persistent"),
+                 "mal": ("window", "persistent")}
+
+
 def shape_text(shape: Iterable[str]) -> str:
     return "[" + ", ".join(shape) + "]"
 
@@ -117,7 +123,8 @@ def describe(entry: Any) -> Any:
     if isinstance(entry, Wiring):
         if entry.kind == "none":
             return "none"
-        return f"{entry.kind}(segment = {entry.segment}, persistent = {entry.persistent}, window = {entry.window})"
+        args = ", ".join(f"{f} = {getattr(entry, f)}" for f in WIRING_FIELDS[entry.kind])
+        return f"{entry.kind}({args})"
     if isinstance(entry, (Expr, FunDef)):
         return str(entry)
     return _pretty(entry)
@@ -300,11 +307,13 @@ class _Differ:
             self.value("schedule", ("schedule", "derived"), schedule_text(da), schedule_text(db))
 
     def _wiring(self):
+        # only the parameters the wiring kind uses take part; a change of kind is one edit
         wa, wb = self.a.wiring, self.b.wiring
-        self.value("wiring", ("wiring", "kind"), wa.kind, wb.kind)
-        if wa.kind != "none" and wb.kind != "none":
-            for f in ("segment", "persistent", "window"):
-                self.value("wiring", ("wiring", f), getattr(wa, f), getattr(wb, f))
+        if wa.kind != wb.kind:
+            self.changed("wiring", ("wiring",), describe(wa), describe(wb), span_path=("wiring", "kind"))
+            return
+        for f in WIRING_FIELDS[wa.kind]:
+            self.value("wiring", ("wiring", f), getattr(wa, f), getattr(wb, f))
 
 
 def _pretty(v: Any) -> Any:

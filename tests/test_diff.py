@@ -143,13 +143,13 @@ def test_ttt_mlp_to_titans():
         Added("update", ("update", 1), None, "U2 = mu * U2 - eta * grad(loss, W2)"),
         Changed("update", ("update", 2), "W1 = W1 - eta * grad(loss, W1)", "W1 = (1 - alpha) * W1 + U1"),
         Changed("update", ("update", 3), "W2 = W2 - eta * grad(loss, W2)", "W2 = (1 - alpha) * W2 + U2"),
-        Changed("wiring", ("wiring", "kind"), "none", "mac"),
+        Changed("wiring", ("wiring",), "none", "mac(segment = 64, persistent = 4)"),
     ]
 
 
 def test_titans_mac_to_mag_is_wiring_only():
     assert diff(D / "titans.yaml", D / "titans_mag.yaml") == [
-        Changed("wiring", ("wiring", "kind"), "mac", "mag"),
+        Changed("wiring", ("wiring",), "mac(segment = 64, persistent = 4)", "mag(window = 64, persistent = 4)"),
     ]
 
 
@@ -305,7 +305,7 @@ def test_render_text_shows_both_sides():
     edits = diff(D / "titans.yaml", D / "titans_mag.yaml")
     assert render_text(edits) == (
         "wiring\n"
-        "  ~ wiring.kind: mac -> mag\n"
+        "  ~ wiring: mac(segment = 64, persistent = 4) -> mag(window = 64, persistent = 4)\n"
         "      - tests/diff_specs/titans.yaml:23: wiring: {kind: mac, segment: 64, persistent: 4, window: 64}\n"
         "      + tests/diff_specs/titans_mag.yaml:3: wiring: {kind: mag}\n"
     )
@@ -317,12 +317,13 @@ def test_render_markdown_and_json():
     assert md.splitlines() == [
         "| | component | path | old | new | where |",
         "|---|---|---|---|---|---|",
-        "| ~ | wiring | `wiring.kind` | `mac` | `mag` | tests/diff_specs/titans.yaml:23 → tests/diff_specs/titans_mag.yaml:3 |",
+        "| ~ | wiring | `wiring` | `mac(segment = 64, persistent = 4)` | `mag(window = 64, persistent = 4)` | tests/diff_specs/titans.yaml:23 → tests/diff_specs/titans_mag.yaml:3 |",
     ]
     assert render_markdown([]) == "No differences.\n"
     doc = json.loads(render_json(edits))
     assert doc == {"equal": False, "edits": [{
-        "kind": "changed", "component": "wiring", "path": ["wiring", "kind"], "old": "mac", "new": "mag",
+        "kind": "changed", "component": "wiring", "path": ["wiring"],
+        "old": "mac(segment = 64, persistent = 4)", "new": "mag(window = 64, persistent = 4)",
         "old_span": {"file": "tests/diff_specs/titans.yaml", "line": 23, "col": 10},
         "new_span": {"file": "tests/diff_specs/titans_mag.yaml", "line": 3, "col": 10}}]}
 
