@@ -188,6 +188,26 @@ def cmd_lab(args) -> int:
     return lab_main(args, UsageError)
 
 
+def cmd_explain(args) -> int:
+    from .schedule import explain
+
+    status = 0
+    for path in args.files:
+        try:
+            spec, _ = load_checked(path)
+            sys.stdout.write(explain(spec))
+        except SpecError as err:
+            _print_diags(err.diagnostics)
+            status = 1
+    return status
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_cli
+
+    return run_cli(args, load_checked, UsageError)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="memspec", description="Fast-weight memories as specs, compiled to PyTorch.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -227,6 +247,24 @@ def build_parser() -> argparse.ArgumentParser:
     from .lab.cli import add_arguments as _lab_arguments
     _lab_arguments(s)
     s.set_defaults(func=cmd_lab)
+
+    s = sub.add_parser("explain", help="the derived schedule of each spec and the algebra behind it")
+    s.add_argument("files", nargs="+")
+    s.set_defaults(func=cmd_explain)
+
+    s = sub.add_parser("bench", help="time every schedule a spec admits, side by side (writes JSON)")
+    s.add_argument("files", nargs="+")
+    s.add_argument("--T", type=int, default=2048)
+    s.add_argument("--B", type=int, default=1)
+    s.add_argument("--H", type=int, default=4)
+    s.add_argument("--D", type=int, default=64, help="d_k = d_v = D (other dims keep the spec's sizes)")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
+    s.add_argument("--repeat", type=int, default=5, help="timed runs per schedule (median reported)")
+    s.add_argument("--grad", action="store_true", help="time forward + backward")
+    s.add_argument("--schedules", help="comma-separated subset of the admitted schedules")
+    s.add_argument("--json", help="write the JSON record here")
+    s.set_defaults(func=cmd_bench)
 
     # --- further subcommands register here (compile, explain, bench, diff, table, lab, train)
     for register in _EXTRA_COMMANDS:

@@ -26,6 +26,7 @@ Families, in order of preference (all admitted ones are listed in ``admits``):
 """
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,8 +215,27 @@ def _names(e: Expr) -> set[str]:
     return {n.id for n in e.walk() if isinstance(n, Name)}
 
 
+_SHOW_LETS: contextvars.ContextVar = contextvars.ContextVar("_SHOW_LETS", default=())
+
+
+def _fold_lets(e: Expr, lets) -> Expr:
+    """Write subexpressions equal to a let's inlined value as the let's name (for messages)."""
+    for inl, n in lets:
+        if e == inl:
+            return Name(n)
+    if isinstance(e, BinOp):
+        return BinOp(e.op, _fold_lets(e.left, lets), _fold_lets(e.right, lets))
+    if isinstance(e, (Neg, Transpose)):
+        return type(e)(_fold_lets(e.operand, lets))
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_fold_lets(a, lets) for a in e.args))
+    return e
+
+
 def _txt(e: Expr) -> str:
-    return unparse(simplify(e))
+    e = simplify(e)
+    lets = _SHOW_LETS.get()
+    return unparse(_fold_lets(e, lets) if lets else e)
 
 
 # ------------------------------------------------------------- context
@@ -1045,6 +1065,14 @@ def _why_not_online_fast(alg: Algebra) -> list[str]:
 def analyse(spec) -> ScheduleDecision:
     """Decide the schedule of a spec from its algebra; raise SpecError if a forced one is impossible."""
     alg = Algebra(spec)
+    token = _SHOW_LETS.set(tuple((inl, n) for n, inl in alg.lets.items() if not isinstance(inl, Name)))
+    try:
+        return _analyse(spec, alg)
+    finally:
+        _SHOW_LETS.reset(token)
+
+
+def _analyse(spec, alg: Algebra) -> ScheduleDecision:
     mb_chunk = spec.schedule_size if spec.schedule_kind == "minibatch" else DEFAULT_CHUNK
     ck_chunk = spec.schedule_size if spec.schedule_kind == "chunk" else DEFAULT_CHUNK
     plans: dict[str, Any] = {}
@@ -1085,6 +1113,11 @@ def analyse(spec) -> ScheduleDecision:
         fam = admits[0]
         chunk = {"additive": ck_chunk, "delta": ck_chunk, "minibatch": mb_chunk}.get(fam)
     reasons = list(whys[fam])
+    if fam == "online" and "additive" in rej and _additive_states_ok(alg):
+        reasons.append(f"the updates of {', '.join(alg.states)} are additive running sums (S <- g*S + A, A "
+                       f"independent of the state), but {rej['additive']}: the read needs the full state of every "
+                       f"token, so a chunk form would only batch the state materialisation while the per-token "
+                       f"read dominates")
     if kind != "auto":
         reasons.insert(0, f"forced by schedule {spec.schedule}")
     plan = plans[fam]
@@ -1127,21 +1160,18 @@ def explain(spec) -> str:
     lines.append("  because:")
     lines += [f"    - {r}" for r in d.reasons]
     rej = dict(d.rejected)
-    better = [f for f in FAMILIES if FAMILIES.index(f) < FAMILIES.index(d.family) and f in rej]
+    better = [f for f in FAMILIES if FAMILIES.index(f) < FAMILIES.index(d.family) and f in rej
+              and (f != "cache" or any(st.cache for st in spec.state.values()))]
     if better:
         lines.append("  not faster, because:")
         for f in better:
             lines.append(f"    - {f}: {rej[f]}")
-    alg = Algebra(spec)
-    if d.family == "online" and "additive" in rej and _additive_states_ok(alg):
-        lines.append("    - the updates are additive running sums (an exact chunk form exists for the states),"
-                     " but the read needs the full states of every token, so chunking would only batch the"
-                     " state materialisation while the per-token read dominates: online")
     if d.family == "minibatch":
         lines.append("  note: mini-batch evaluates every grad(...) of a chunk at the chunk-start state;"
                      " it approximates online learning and equals it at chunk 1 (schedule minibatch(1))")
+    relevant = {"additive": True, "delta": spec.model is not None, "minibatch": grad_calls_in_spec(spec)}
     hints = [f for f in ("additive", "delta", "minibatch") if FAMILIES.index(f) < FAMILIES.index(d.family)
-             and f in rej and f in _FASTER]
+             and f in rej and relevant[f]]
     if hints:
         lines.append("  for a faster schedule:")
         lines += [f"    - {f}: {_FASTER[f]}" for f in hints]
