@@ -20,7 +20,8 @@ are ``[1, 1]`` tensors, params ``[1, H, ...]``), so the *named* part of a value 
 trailing named axes.
 
 ``grad(loss, W)`` is ``torch.autograd.grad`` with ``create_graph=True`` at the
-current values of all states (the chunk-start values under ``("minibatch", C)``),
+current values of all states (under ``("minibatch", C)``: at the chunk-start
+values, carried through the token's own earlier statements; see :func:`_step`),
 inside ``torch.enable_grad()`` so that it also works under ``torch.no_grad()``.
 The result stays differentiable for the outer loop: gradients flow into views,
 gates, params and learned initial states.
@@ -254,7 +255,7 @@ class _Scope:
 
     token: dict[str, torch.Tensor]             # views, gates, lets of this token
     state: dict[str, torch.Tensor]             # current state values
-    grad_state: dict[str, torch.Tensor] | None = None  # where grad(...) is taken (None: state)
+    grad_memo: dict[int, torch.Tensor] | None = None  # mini-batch: grads taken on the shadow
     local: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's argument
 
 
@@ -506,17 +507,28 @@ class _Interpreter:
         return used[0]
 
     def fn_grad(self, e: Call, scope: _Scope) -> torch.Tensor:
-        """d(loss)/dW at the grad-state values (current state online, chunk start in mini-batch).
+        """d(loss)/dW at the scope's current state values.
 
-        The loss of each (batch, head) is independent, so summing them before
+        Under mini-batch the statement was first run on the shadow state (see
+        :func:`_step`), which recorded this gradient in ``scope.grad_memo``.  The
+        loss of each (batch, head) is independent, so summing them before
         ``autograd.grad`` gives every (batch, head) its own gradient.
         """
+        memo = scope.grad_memo
+        if memo is not None and id(e) in memo:
+            return memo[id(e)]
+        g = self.gradient(e, scope)
+        if memo is not None:
+            memo[id(e)] = g
+        return g
+
+    def gradient(self, e: Call, scope: _Scope) -> torch.Tensor:
         target = self.grad_target(e)
-        base = scope.grad_state if scope.grad_state is not None else scope.state
+        base = scope.state
         with torch.enable_grad():
             w = base[target]
             var = w if w.requires_grad else w.detach().requires_grad_(True)
-            inner = replace(scope, state={**base, target: var}, grad_state=None)
+            inner = replace(scope, state={**base, target: var}, grad_memo=None)
             loss = self.eval(e.args[0], inner)
             if _named(loss):
                 raise _EvalError(f"{_where(e.args[0])}grad needs a scalar loss, got shape "
@@ -588,13 +600,13 @@ def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
     interp = _Interpreter(spec, params, dtype, device, needs_graph)
 
     outputs: list[torch.Tensor] = []
-    chunk_start: dict[str, torch.Tensor] | None = None
+    chunk_start: dict[str, torch.Tensor] = {}
     for t in range(T):
         if chunk is not None and t % chunk == 0:
             chunk_start = dict(cur)
         token = _token_inputs(spec, views_and_gates, t)
-        scope = _Scope(token=token, state=cur, grad_state=chunk_start)
-        outputs.append(_step(interp, scope, B, H))
+        shadow = dict(chunk_start) if chunk is not None else None
+        outputs.append(_step(interp, token, cur, shadow, B, H))
     return torch.stack(outputs, dim=1), dict(cur)
 
 
@@ -603,19 +615,38 @@ def _token_inputs(spec: Spec, inputs: dict, t: int) -> dict[str, torch.Tensor]:
     return {n: inputs[n][:, t] for n in (*spec.views, *spec.gates)}
 
 
-def _step(interp: _Interpreter, scope: _Scope, B: int, H: int) -> torch.Tensor:
-    """One token: lets, (read), update statements in order, (read).  Mutates ``scope.state``."""
+def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
+          B: int, H: int) -> torch.Tensor:
+    """One token: lets, (read), update statements in order, (read).  Mutates ``state``.
+
+    Online (``shadow is None``) every ``grad`` is taken at the current state.
+    Mini-batch: ``shadow`` starts as the chunk-start state and the token's
+    statements are replayed on it first; each ``grad`` is taken there (so at the
+    chunk-start values, carried through this token's own earlier statements, e.g.
+    a decay written before the gradient) and reused by the real statement.  With
+    C = 1 the shadow equals the state, so mini-batch(1) is online learning exactly.
+    """
     spec = interp.spec
+    scope = _Scope(token=token, state=state)
     for name, expr in spec.let.items():
-        scope.token[name] = interp.eval(expr, scope)
+        token[name] = interp.eval(expr, scope)
     out = None
     if spec.order == "read_write":
         out = interp.eval(spec.read, scope)
-    for stmt in spec.update:
-        interp.assign(stmt, scope)
+    last_grad = max((i for i, st in enumerate(spec.update) if _has_grad(st.value)), default=-1)
+    for i, stmt in enumerate(spec.update):
+        memo = None
+        if shadow is not None and i <= last_grad:
+            memo = {}
+            interp.assign(stmt, _Scope(token=token, state=shadow, grad_memo=memo))
+        interp.assign(stmt, _Scope(token=token, state=state, grad_memo=memo))
     if spec.order == "write_read":
         out = interp.eval(spec.read, scope)
     return out.expand(B, H, *out.shape[2:])
+
+
+def _has_grad(e: Expr) -> bool:
+    return any(isinstance(n, Call) and n.fn == "grad" for n in e.walk())
 
 
 # ================================================================ apply_model

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,6 +287,88 @@ def test_minibatch_of_one_equals_online_exactly():
     mb3, _ = R.run(spec, params=params, schedule=("minibatch", 3), **inputs)
     assert torch.equal(mb3[:, :1], online[:, :1])    # the first token of a chunk is online
     assert not torch.allclose(mb3, online)
+
+
+GATED_TWO_STATES = """\
+name: gated_two
+dims: {d_k: 2, d_v: 2}
+views: {q: d_k, k: d_k, v: d_v}
+gates: {eta: sigmoid(logit), alpha: sigmoid(logit)}
+state:
+  W: {shape: [d_k, d_v], init: zeros}
+  b: {shape: [d_v], init: zeros}
+model: f(u) = u @ W + b
+loss: 0.5 * sum((f(k) - v)^2)
+update:
+  - W = (1 - alpha) * W
+  - W = W - eta * grad(loss, W)
+  - b = b - eta * grad(loss, b)
+read: f(q)
+"""
+
+
+def test_minibatch_gradient_sees_the_tokens_own_earlier_statements():
+    """Mini-batch: grad at the chunk-start state carried through this token's earlier
+    statements (here the decay, and W's own step before b's gradient); so C = 1 is
+    online learning exactly even when statements precede the gradient."""
+    spec = spec_of(GATED_TWO_STATES)
+    g = torch.Generator().manual_seed(11)
+    T, C = 5, 2
+    q, k, v = (torch.randn(1, T, 1, 2, generator=g, dtype=D64) for _ in range(3))
+    eta, alpha = (torch.rand(1, T, 1, generator=g, dtype=D64) * 0.5 for _ in range(2))
+    inputs = dict(q=q, k=k, v=v, eta=eta, alpha=alpha)
+
+    def by_hand(chunk):
+        W, b = torch.zeros(2, 2, dtype=D64), torch.zeros(2, dtype=D64)
+        reads = []
+        for t in range(T):
+            if t % chunk == 0:
+                W0, b0 = W.clone(), b.clone()
+            kt, vt, et, at = k[0, t, 0], v[0, t, 0], eta[0, t, 0], alpha[0, t, 0]
+            Ws = (1 - at) * W0                               # shadow: decay of this token
+            gW = torch.outer(kt, kt @ Ws + b0 - vt)
+            W = (1 - at) * W - et * gW
+            Ws = Ws - et * gW                                # shadow: W's own step
+            gb = kt @ Ws + b0 - vt
+            b = b - et * gb
+            reads.append(q[0, t, 0] @ W + b)
+        return torch.stack(reads), W, b
+
+    for chunk in (1, C):
+        out, st = R.run(spec, schedule=("minibatch", chunk), **inputs)
+        reads, W, b = by_hand(chunk)
+        assert torch.allclose(out[0, :, 0], reads, atol=1e-12, rtol=0)
+        assert torch.allclose(st["W"][0, 0], W, atol=1e-12, rtol=0)
+        assert torch.allclose(st["b"][0, 0], b, atol=1e-12, rtol=0)
+    online, s_on = R.run(spec, **inputs)
+    mb1, s_mb = R.run(spec, schedule=("minibatch", 1), **inputs)
+    assert torch.equal(online, mb1) and torch.equal(s_on["b"], s_mb["b"])
+
+
+SHIPPED = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_spec_runs_causally_and_minibatch_one_is_online(path):
+    spec = memspec.load(path)
+    small = {d: (2 if d == "heads" else 3) for d in spec.dims}
+    spec = spec.with_dims(**small)
+    B, T, H = 2, 5, small.get("heads", 2)
+    g = torch.Generator().manual_seed(12)
+    inputs = {n: torch.randn(B, T, H, spec.dims[v.dim], generator=g, dtype=D64) for n, v in spec.views.items()}
+    inputs.update({n: torch.rand(B, T, H, generator=g, dtype=D64) * 0.5 for n in spec.gates})
+    params = {n: torch.randn(H, *(spec.dims[d] for d in p.shape), generator=g, dtype=D64) * 0.1
+              for n, p in spec.params.items() if "normal" in str(p.init)}
+    state = R.init_state(spec, B, H, dtype=D64, params=params, generator=g)
+    out, _ = R.run(spec, state=state, params=params, **inputs)
+    assert out.shape[:3] == (B, T, H) and torch.isfinite(out).all()
+    mb1, _ = R.run(spec, state=state, params=params, schedule=("minibatch", 1), **inputs)
+    assert torch.equal(out, mb1)
+    for schedule in ("online", ("minibatch", 2)):
+        ref, _ = R.run(spec, state=state, params=params, schedule=schedule, **inputs)
+        bumped = {n: torch.cat([x[:, :3], x[:, 3:] * 0.5 + 0.2], dim=1) for n, x in inputs.items()}
+        out2, _ = R.run(spec, state=state, params=params, schedule=schedule, **bumped)
+        assert torch.equal(out2[:, :3], ref[:, :3])
 
 
 @pytest.mark.parametrize("schedule", ["online", ("minibatch", 3)])
