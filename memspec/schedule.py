@@ -176,11 +176,16 @@ def simplify(e: Expr) -> Expr:
                 return simplify(Neg(b))
             if _is_num(b, -1):
                 return simplify(Neg(a))
-            if isinstance(a, Neg) and isinstance(b, Neg):
-                return simplify(BinOp("*", a.operand, b.operand))
+            if isinstance(a, Neg) or isinstance(b, Neg):
+                x = a.operand if isinstance(a, Neg) else a
+                y = b.operand if isinstance(b, Neg) else b
+                inner = simplify(BinOp("*", x, y))
+                return inner if isinstance(a, Neg) and isinstance(b, Neg) else simplify(Neg(inner))
         if op == "/":
             if _is_num(b, 1):
                 return a
+            if isinstance(a, Neg):
+                return simplify(Neg(BinOp("/", a.operand, b)))
             if _is_num(a, 0):
                 return ZERO
         if op == "@" and (_is_num(a, 0) or _is_num(b, 0)):
@@ -833,7 +838,8 @@ def _outer_terms(alg: Algebra, A: Expr, S: str) -> list[tuple[Expr, Expr]]:
             if A.op == "*" and alg.is_scalar(A.left):
                 inner, factor = A.right, A.left
             if alg.is_scalar(factor):
-                return [(a, simplify(BinOp(A.op, b, factor))) for a, b in _outer_terms(alg, inner, S)]
+                return [(a, simplify(BinOp("*", factor, b) if A.op == "*" else BinOp("/", b, factor)))
+                        for a, b in _outer_terms(alg, inner, S)]
         raise NotAdmitted(f"the increment {_txt(A)} of {S} is not a sum of outer products")
     if rank == 1:
         if isinstance(A, BinOp) and A.op in "*/" and alg.rank(A) == 1:

@@ -1,0 +1,423 @@
+"""Schedule analysis: decisions from the algebra, forced schedules, explain, chunked emission."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import memspec
+from memspec import reference
+from memspec.errors import SpecError
+from memspec.schedule import AdditivePlan, DeltaPlan, MinibatchPlan, CachePlan, analyse, explain
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ROOT / "specs"
+
+# the family the seed text would name for each paper memory
+PAPER_FAMILIES = {
+    "linear_attention": "additive",
+    "deltanet": "delta",
+    "gated_deltanet": "delta",
+    "longhorn": "delta",
+    "ttt_linear": "minibatch",
+    "ttt_mlp": "minibatch",
+    "titans": "minibatch",
+    "moneta": "minibatch",
+    "yaad": "minibatch",
+    "mesa": "online",
+    "softmax_attention": "cache",
+    "sliding_window_attention": "cache",
+}
+
+
+def mem(text: str):
+    return memspec.loads(textwrap.dedent(text), "mem")
+
+
+DELTA_HEAD = """
+memory m
+dims { d_k = 6, d_v = 5 }
+view q : d_k
+view k : d_k
+view v : d_v
+gate eta = sigmoid(logit)
+gate alpha = sigmoid(logit) bias -2.0
+state W : [d_k, d_v] = zeros
+model f(u) = u @ W
+"""
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_FAMILIES))
+@pytest.mark.parametrize("fmt", ["yaml", "mem"])
+def test_paper_specs_get_the_seed_family(name, fmt):
+    path = SPECS / f"{name}.{fmt}"
+    if not path.exists():
+        pytest.skip(f"{path.name} not shipped")
+    d = analyse(memspec.load(path))
+    assert d.family == PAPER_FAMILIES[name]
+    assert "online" in d.admits
+    assert d.exact == (d.family != "minibatch")
+    text = explain(memspec.load(path))
+    assert text.splitlines()[0].startswith(f"{name}: {'mini-batch' if d.family == 'minibatch' else d.family}")
+
+
+def test_linear_attention_plan():
+    s = mem("""
+        memory la
+        dims { d_k = 4, d_v = 3 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        let qf = elu(q) + 1
+        let kf = elu(k) + 1
+        state S : [d_k, d_v] = zeros
+        state z : [d_k] = zeros
+        update {
+          S = S + outer(kf, v)
+          z = z + kf
+        }
+        read = (qf @ S) / (qf @ z + 1e-6)
+    """)
+    d = analyse(s)
+    assert (d.family, d.exact, d.chunk, d.admits) == ("additive", True, 64, ("additive", "online"))
+    plan = d.plan
+    assert isinstance(plan, AdditivePlan) and plan.inclusive
+    assert [(st.name, st.gamma, st.vector) for st in plan.states] == [("S", None, False), ("z", None, True)]
+    assert [str(p.vector) for p in plan.probes] == ["elu(q) + 1", "elu(q) + 1"]
+    assert [p.state for p in plan.probes] == ["S", "z"]
+    assert any("update of S is affine in S" in r and "outer(kf, v)" in r for r in d.reasons)
+    assert any("linear probes qf @ S, qf @ z" in r for r in d.reasons)
+
+
+GATED_VARIANTS = {
+    # decay, then gradient at the decayed memory (the gated delta rule)
+    "gated": """
+        loss = 0.5 * sum((f(k) - v)^2)
+        update { W = (1 - alpha) * W
+                 W = W - eta * grad(loss, W) }
+        read = f(q)
+    """,
+    # renamed everything, x - y written as x + (-1)*y, decay written as W - alpha*W
+    "renamed": """
+        loss = sum((f(k) + (-1) * v)^2) / 2
+        update { W = W - alpha * W
+                 W = W + (-1) * eta * grad(loss, W) }
+        read = f(q)
+    """,
+}
+
+
+def renamed(text: str) -> str:
+    return (text.replace("W", "Mem").replace("f(", "g(").replace("eta", "lr").replace("alpha", "forget")
+            .replace("q", "query").replace(" k ", " key ").replace("(k)", "(key)").replace("k :", "key :"))
+
+
+def test_rewritten_and_renamed_variants_get_the_same_decision():
+    base = analyse(mem(DELTA_HEAD + GATED_VARIANTS["gated"]))
+    other = analyse(mem(renamed(DELTA_HEAD + GATED_VARIANTS["renamed"])))
+    assert base.family == other.family == "delta"
+    assert base.admits == other.admits == ("delta", "minibatch", "online")
+    pb, po = base.plan, other.plan
+    assert str(pb.beta) == "eta" and str(po.beta) == "lr"
+    assert str(pb.gamma) == "1 - alpha" and str(po.gamma) == "1 - forget"
+    assert pb.rho is None and po.rho is None        # gradient at the decayed memory
+
+
+def test_decay_after_rescales_the_target():
+    d = analyse(mem(DELTA_HEAD + """
+        loss = 0.5 * sum((f(k) - v)^2)
+        update { W = W - eta * grad(loss, W)
+                 W = (1 - alpha) * W }
+        read = f(q)
+    """))
+    assert d.family == "delta"
+    assert str(d.plan.v) == "(1 - alpha) * v"
+    assert str(d.plan.gamma) == "1 - alpha" and d.plan.rho is None
+    assert any("target rescaled" in r for r in d.reasons)
+
+
+def test_decay_in_the_gradient_statement_uses_rho_one():
+    d = analyse(mem(DELTA_HEAD + """
+        loss = 0.5 * sum((f(k) - v)^2)
+        update { W = (1 - alpha) * W - eta * grad(loss, W) }
+        read = f(q)
+    """))
+    assert d.family == "delta"
+    assert str(d.plan.gamma) == "1 - alpha" and str(d.plan.rho) == "1"
+    assert str(d.plan.v) == "v" and str(d.plan.beta) == "eta"
+
+
+def test_mean_loss_and_longhorn_step():
+    d = analyse(mem(DELTA_HEAD + """
+        loss = mean((f(k) - v)^2)
+        let beta = eta / (1 + eta * sum(k * k))
+        update { W = W - beta * grad(loss, W) }
+        read = f(q)
+    """))
+    assert d.family == "delta"
+    assert str(d.plan.beta) == "eta / (1 + eta * sum(k * k)) * (2 * (1 / d_v))"
+
+
+def test_linear_loss_is_additive():
+    """A Hebbian write: grad of a loss linear in the model output does not depend on W."""
+    d = analyse(mem(DELTA_HEAD + """
+        loss = -sum(f(k) * v)
+        update { W = (1 - alpha) * W - eta * grad(loss, W) }
+        read = f(q)
+    """))
+    assert d.family == "additive"
+    st = d.plan.states[0]
+    assert str(st.gamma) == "1 - alpha"
+    assert [(str(a), str(b)) for a, b in st.terms] == [("k", "eta * v")]
+
+
+def test_nonlinear_model_is_minibatch_and_forced_chunk_is_located_error():
+    text = DELTA_HEAD.replace("model f(u) = u @ W", "model f(u) = gelu(u @ W)") + """
+        loss = 0.5 * sum((f(k) - v)^2)
+        update { W = W - eta * grad(loss, W) }
+        read = f(q)
+        schedule chunk(32)
+    """
+    with pytest.raises(SpecError) as ei:
+        analyse(memspec.loads(textwrap.dedent(text), "mem", file="bad.mem"))
+    (diag,) = ei.value.diagnostics
+    assert diag.span is not None and diag.span.file == "bad.mem"
+    assert "needs an exact chunk form" in diag.message
+    assert "not polynomial in W (gelu(u @ W))" in diag.hint and "minibatch(N)" in diag.hint
+    auto = analyse(mem(text.replace("schedule chunk(32)", "")))
+    assert auto.family == "minibatch" and not auto.exact and auto.chunk == 64
+    assert isinstance(auto.plan, MinibatchPlan)
+
+
+def test_forced_schedules():
+    la = DELTA_HEAD + """
+        loss = 0.5 * sum((f(k) - v)^2)
+        update { W = W - eta * grad(loss, W) }
+        read = f(q)
+    """
+    d = analyse(mem(la + "schedule chunk(16)"))
+    assert (d.family, d.chunk, d.exact) == ("delta", 16, True)
+    assert d.reasons[0] == "forced by schedule chunk(16)"
+    d = analyse(mem(la + "schedule minibatch(8)"))
+    assert (d.family, d.chunk, d.exact) == ("minibatch", 8, False) and d.plan.chunk == 8
+    d = analyse(mem(la + "schedule online"))
+    assert (d.family, d.chunk) == ("online", None)
+    hebb = """
+        memory h
+        dims { d_k = 4 }
+        view k : d_k
+        state S : [d_k, d_k] = zeros
+        update { S = S + outer(k, k) }
+        read = k @ S
+        schedule minibatch(4)
+    """
+    with pytest.raises(SpecError) as ei:
+        analyse(mem(hebb))
+    assert "needs gradient writes" in ei.value.diagnostics[0].message
+
+
+def test_titans_recurrences():
+    d = analyse(mem("""
+        memory t
+        dims { d_k = 4, d_v = 4, hid = 8 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        gate eta = sigmoid(logit)
+        gate mu = sigmoid(logit)
+        gate alpha = sigmoid(logit)
+        state W1 : [d_k, hid] = normal(0.1)
+        state W2 : [hid, d_v] = zeros
+        state U1 : [d_k, hid] = zeros
+        state U2 : [hid, d_v] = zeros
+        model f(u) = silu(u @ W1) @ W2
+        loss = sum((f(k) - v)^2)
+        update {
+          U1 = mu * U1 - eta * grad(loss, W1)
+          U2 = mu * U2 - eta * grad(loss, W2)
+          W1 = (1 - alpha) * W1 + U1
+          W2 = (1 - alpha) * W2 + U2
+        }
+        read = f(q)
+    """))
+    assert d.family == "minibatch" and d.admits == ("minibatch", "online")
+    coef = d.plan.coef
+    assert {k: str(v) for k, v in coef["W1"].items()} == {"W1": "1 - alpha", "U1": "mu"}
+    assert {k: str(v) for k, v in coef["U2"].items()} == {"U2": "mu"}
+    assert any("W1 <- (1 - alpha) * W1 + mu * U1 - eta * grad(loss, W1)" in r for r in d.reasons)
+
+
+def test_cache_and_windows():
+    d = analyse(mem("""
+        memory sm
+        dims { d_k = 4, d_v = 3 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        state K : cache [d_k] window 16
+        state V : cache [d_v] window 16
+        update { K = append(K, k)
+                 V = append(V, v) }
+        read = attend(q, K, V, 1 / sqrt(d_k))
+    """))
+    assert d.family == "cache" and d.exact and d.chunk is None
+    assert isinstance(d.plan, CachePlan) and d.plan.windows == {"K": 16, "V": 16}
+
+
+def test_mesa_is_online_with_the_reason():
+    d = analyse(mem("""
+        memory me
+        dims { d_k = 4, d_v = 3 }
+        const lam = 1.0
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        state H : [d_k, d_k] = zeros
+        state G : [d_k, d_v] = zeros
+        update { H = H + outer(k, k)
+                 G = G + outer(k, v) }
+        read = q @ solve(H + lam * eye(d_k), G)
+    """))
+    assert d.family == "online" and d.admits == ("online",)
+    assert any("additive running sums" in r and "solve(H + lam * eye(d_k), G)" in r for r in d.reasons)
+
+
+def test_cli_explain_and_error(tmp_path):
+    good = tmp_path / "g.mem"
+    good.write_text(textwrap.dedent(DELTA_HEAD + GATED_VARIANTS["gated"]))
+    bad = tmp_path / "b.mem"
+    bad.write_text(textwrap.dedent(DELTA_HEAD.replace("u @ W", "tanh(u @ W)") + """
+        loss = 0.5 * sum((f(k) - v)^2)
+        update { W = W - eta * grad(loss, W) }
+        read = f(q)
+        schedule chunk(8)
+    """))
+    r = subprocess.run([sys.executable, "-m", "memspec", "explain", str(good)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("m: delta") and "gated delta rule" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "memspec", "explain", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert ":20:" in r.stderr or "error: schedule chunk(8)" in r.stderr
+    assert "hint:" in r.stderr
+
+
+# ------------------------------------------------------- chunked emission vs reference
+def _build(spec):
+    from memspec.codegen import ExprEmitter, helper_source
+    from memspec.codegen_chunked import emit_chunked_forward, kernel_sources
+
+    d = analyse(spec)
+    em = ExprEmitter(spec)
+    lines = emit_chunked_forward(spec, d, em, chunk="chunk", state_out={n: f"new_{n}" for n in spec.state})
+    args = ", ".join([*spec.views, *spec.gates])
+    ret = ", ".join(f'"{n}": new_{n}' for n in spec.state)
+    body = textwrap.indent("\n".join(lines), "    ")
+    src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + kernel_sources(d) + "\n\n"
+           + helper_source(em.helpers) + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n"
+           f"    return o, {{{ret}}}\n")
+    ns: dict = {}
+    exec(compile(src, f"<chunked {spec.name}>", "exec"), ns)
+    return ns["forward"], src
+
+
+def _inputs(spec, B=2, T=11, H=2, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    vg = {n: torch.randn(B, T, H, spec.dims[v.dim], generator=g, dtype=dtype) for n, v in spec.views.items()}
+    for n in spec.gates:
+        vg[n] = torch.sigmoid(torch.randn(B, T, H, generator=g, dtype=dtype))
+    st = reference.init_state(spec, B, H, dtype=dtype)
+    st = {k: torch.randn(x.shape, generator=g, dtype=dtype) * 0.3 for k, x in st.items()}
+    return vg, st
+
+
+CHUNKED = {
+    "linear_attention": """
+        memory la
+        dims { d_k = 5, d_v = 3 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        gate alpha = sigmoid(logit)
+        let qf = elu(q) + 1
+        let kf = elu(k) + 1
+        state S : [d_k, d_v] = zeros
+        state z : [d_k] = zeros
+        update {
+          S = (1 - 0.5 * alpha) * S + outer(kf, v)
+          z = z - 0.5 * alpha * z + 2 * alpha * kf
+        }
+        read = (qf @ S) / (qf @ z + 1)
+    """,
+    "read_write": """
+        memory rw
+        dims { d_k = 4, d_v = 6 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        gate eta = sigmoid(logit)
+        state S : [d_k, d_v] = zeros
+        update { S = 0.9 * S + eta * outer(k, v) - outer(q, v) }
+        read = tanh(q @ S) + k @ S
+        order read_write
+    """,
+    "gated": DELTA_HEAD + GATED_VARIANTS["gated"],
+    "renamed": renamed(DELTA_HEAD + GATED_VARIANTS["renamed"]),
+    "decay_after": DELTA_HEAD + """
+        loss = 0.5 * sum((f(k) - v)^2)
+        let kn = l2norm(k)
+        update { W = W - eta * grad(loss, W)
+                 W = (1 - alpha) * W }
+        read = f(q)
+    """,
+    "same_statement": DELTA_HEAD + """
+        loss = 0.5 * sum((f(l2norm(k)) - v)^2)
+        update { W = (1 - alpha) * W - eta * grad(loss, W) }
+        read = f(q) * 2
+        order read_write
+    """,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKED))
+def test_chunked_forward_matches_reference(name):
+    spec = mem(CHUNKED[name])
+    d = analyse(spec)
+    assert d.family in ("additive", "delta")
+    fwd, src = _build(spec)
+    assert "chunk_" in src
+    vg, st = _inputs(spec)
+    leaves = [x.requires_grad_() for x in [*vg.values(), *st.values()]]
+    o_ref, s_ref = reference.run(spec, state=st, **vg)
+    self = type("M", (), dict(spec.dims))()
+    for chunk in (4, 64):
+        o, s = fwd(self, *vg.values(), st, chunk)
+        assert torch.allclose(o, o_ref, rtol=1e-9, atol=1e-10)
+        for n in spec.state:
+            assert torch.allclose(s[n], s_ref[n], rtol=1e-9, atol=1e-10)
+    w = torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(3))
+    loss_ref = (o_ref * w).sum() + sum(x.square().sum() for x in s_ref.values())
+    loss = (o * w).sum() + sum(x.square().sum() for x in s.values())
+    g_ref = torch.autograd.grad(loss_ref, leaves)
+    g = torch.autograd.grad(loss, leaves)
+    for a, b in zip(g, g_ref):
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["linear_attention", "deltanet", "gated_deltanet", "longhorn"])
+def test_shipped_chunked_specs_match_reference(name):
+    path = SPECS / f"{name}.yaml"
+    if not path.exists():
+        pytest.skip("not shipped")
+    spec = memspec.load(path).with_dims(d_k=6, d_v=5)
+    fwd, _ = _build(spec)
+    vg, st = _inputs(spec, T=13, dtype=torch.float32)
+    o_ref, s_ref = reference.run(spec, state=st, **vg)
+    self = type("M", (), dict(spec.dims))()
+    o, s = fwd(self, *vg.values(), st, 4)
+    assert ((o - o_ref).norm() / o_ref.norm()).item() <= 1e-5
+    for n in spec.state:
+        assert ((s[n] - s_ref[n]).norm() / s_ref[n].norm()).item() <= 1e-5
