@@ -214,3 +214,18 @@ def test_seed_memory_reproduces_the_snippet():
     assert base["after"] < nomom["after"] < nomom["before"] / 5
     assert forget["after"] > 2 * base["after"]
     assert all(x["before"] == pytest.approx(1 / 32) for x in (nomom, forget))
+
+
+def test_lab_specs_pass_the_checker():
+    from memspec.checks import check
+
+    for path in sorted(common.LAB_SPECS.glob("*.yaml")):
+        spec = memspec_load(path)
+        _, diags = check(spec)
+        assert [d.render() for d in diags] == [], path
+
+
+def memspec_load(path):
+    from memspec import load
+
+    return load(path)
