@@ -14,9 +14,11 @@ Contract of the emitted lines (they run inside ``forward``):
 * in scope: every view ``[B, T, H, D]`` and gate ``[B, T, H]`` as a local of its spec
   name, ``self.<param>`` / ``self.<dim>`` as the emitter writes them, and the
   incoming state tensors ``[B, H, *shape]`` under the codes of ``state_in``;
-* they bind every let (``[B, T, H, ...]``, unless ``lets=False``), the output
-  ``out`` ``[B, T, H, *read_shape]`` and the final states under ``state_out``
-  (default ``<S>_new``).
+* the lets ``[B, T, H, ...]`` are locals too (the framework binds them first), or,
+  with ``lets=True``, the emitted lines bind them;
+* they bind the output ``out`` ``[B, T, H, *read_shape]`` and the final states under
+  ``state_out`` (default ``<S>_new``) and, with ``ret=True`` (default), end with
+  ``return o, {"S": S_new, ...}``.
 """
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ class _Writer:
 
 def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in: dict | None = None,
                          state_out: dict | None = None, out: str = "o", chunk: str = "self.chunk",
-                         lets: bool = True, taken=()) -> list[str]:
+                         lets: bool = False, ret: bool = True, taken=()) -> list[str]:
     """Body lines of the chunked forward over all tokens (see the module docstring)."""
     plan = decision.plans.get(decision.family, decision.plan) if decision.family in KERNELS else None
     if not isinstance(plan, (AdditivePlan, DeltaPlan)):
@@ -191,6 +193,8 @@ def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in:
     read = w.fold(read)
     em = emitter.with_scope(**probe_shapes)
     w.lines.append(f"{out} = {em.emit(read)}  # {_fmt_shape(em.shape(read))}")
+    if ret:
+        w.lines.append(f"return {out}, {{{', '.join(f'{n!r}: {state_out[n]}' for n in spec.state)}}}")
     return w.lines
 
 

@@ -312,13 +312,11 @@ def _build(spec):
 
     d = analyse(spec)
     em = ExprEmitter(spec)
-    lines = emit_chunked_forward(spec, d, em, chunk="chunk", state_out={n: f"new_{n}" for n in spec.state})
+    lines = emit_chunked_forward(spec, d, em, chunk="chunk", lets=True)
     args = ", ".join([*spec.views, *spec.gates])
-    ret = ", ".join(f'"{n}": new_{n}' for n in spec.state)
     body = textwrap.indent("\n".join(lines), "    ")
     src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + kernel_sources(d) + "\n\n"
-           + helper_source(em.helpers) + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n"
-           f"    return o, {{{ret}}}\n")
+           + helper_source(em.helpers) + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n")
     ns: dict = {}
     exec(compile(src, f"<chunked {spec.name}>", "exec"), ns)
     return ns["forward"], src
