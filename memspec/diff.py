@@ -483,14 +483,22 @@ def _value(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+MAX_TEXT = 100
+
+
+def _short(v: Any) -> str:
+    s = " ".join(_value(v).split())
+    return s if len(s) <= MAX_TEXT else s[: MAX_TEXT - 1] + "…"
+
+
 def _summary(e: Edit) -> str:
     if e.component == "graph" and e.path[:1] == ("edge",) and not (e.old or e.new):
         return e.where()
     if isinstance(e, Added):
-        return f"{e.where()}: {_value(e.new)}"
+        return f"{e.where()}: {_short(e.new)}"
     if isinstance(e, Removed):
-        return f"{e.where()}: {_value(e.old)}"
-    return f"{e.where()}: {_value(e.old)} -> {_value(e.new)}"
+        return f"{e.where()}: {_short(e.old)}"
+    return f"{e.where()}: {_short(e.old)} -> {_short(e.new)}"
 
 
 def _grouped(edits: list[Edit]) -> list[tuple[str, list[Edit]]]:

@@ -376,3 +376,147 @@ def test_graphviz_missing_says_how_to_install(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert rc == 2
     assert "needs the Graphviz `dot` program" in err and "apt install graphviz" in err
+
+
+# ------------------------------------------------------ the shipped specs
+SPECS = HERE.parent / "specs"
+
+
+def _meta(a: str, b: str) -> list:
+    """name / description / cite edits between two shipped specs (their prose differs)."""
+    sa, sb = memspec.load(SPECS / f"{a}.yaml"), memspec.load(SPECS / f"{b}.yaml")
+    return [Changed("meta", (f,), getattr(sa, f), getattr(sb, f))
+            for f in ("name", "description", "cite") if getattr(sa, f) != getattr(sb, f)]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SPECS.glob("*.yaml") if p.with_suffix(".mem").exists()))
+def test_shipped_yaml_and_mem_are_equal(name):
+    assert diff(SPECS / f"{name}.yaml", SPECS / f"{name}.mem") == []
+
+
+def test_shipped_linear_attention_to_deltanet():
+    assert diff(SPECS / "linear_attention.yaml", SPECS / "deltanet.yaml") == _meta("linear_attention", "deltanet") + [
+        Removed("constants", ("constants", "eps"), 1e-06, None),
+        Added("gates", ("gates", "eta"), None, "sigmoid(logit)"),
+        Removed("state", ("state", "S"), "[d_k, d_v] = zeros", None),
+        Removed("state", ("state", "z"), "[d_k] = zeros", None),       # the normaliser is gone
+        Added("state", ("state", "W"), None, "[d_k, d_v] = zeros"),
+        Removed("let", ("let", "qf"), "elu(q) + 1", None),
+        Removed("let", ("let", "kf"), "elu(k) + 1", None),
+        Added("let", ("let", "qn"), None, "l2norm(q)"),
+        Added("let", ("let", "kn"), None, "l2norm(k)"),
+        Added("model", ("model",), None, "f(u) = u @ W"),
+        Added("loss", ("loss",), None, "0.5 * sum((f(kn) - v)^2)"),   # none -> squared error
+        Removed("update", ("update", 0), "S = S + outer(kf, v)", None),
+        Removed("update", ("update", 1), "z = z + kf", None),
+        Added("update", ("update", 0), None, "W = W - eta * grad(loss, W)"),
+        Changed("read", ("read",), "qf @ S / (qf @ z + eps)", "f(qn)"),  # the read changes
+        Changed("schedule", ("schedule", "derived"), "additive chunk 64, exact", "delta chunk 64, exact"),
+    ]
+
+
+def test_shipped_deltanet_to_gated_deltanet():
+    assert diff(SPECS / "deltanet.yaml", SPECS / "gated_deltanet.yaml") == _meta("deltanet", "gated_deltanet") + [
+        Added("gates", ("gates", "alpha"), None, "1 - exp(-softplus(logit)) bias -4"),   # the forget gate
+        Added("update", ("update", 0), None, "W = (1 - alpha) * W"),                     # and its decay
+    ]
+
+
+def test_shipped_ttt_mlp_to_titans():
+    # The shipped specs differ in more than the mechanism (sizes, gate biases, lets,
+    # biases b1/b2, LayerNorm params, the mini-batch size); all of it is listed.
+    assert diff(SPECS / "ttt_mlp.yaml", SPECS / "titans.yaml") == _meta("ttt_mlp", "titans") + [
+        Changed("dims", ("dims", "hidden"), 256, 128),
+        Added("dims", ("dims", "d_v"), None, 64),
+        Removed("constants", ("constants", "base_lr"), 0.1, None),
+        Changed("views", ("views", "v", "dim"), "d_k", "d_v"),
+        Changed("gates", ("gates", "eta", "formula"), "base_lr * sigmoid(logit) / d_k", "sigmoid(logit)"),
+        Changed("gates", ("gates", "eta", "bias"), 0, -2),
+        Added("gates", ("gates", "mu"), None, "sigmoid(logit) bias 2"),          # momentum gate
+        Added("gates", ("gates", "alpha"), None, "sigmoid(logit) bias -4"),      # forget gate
+        Removed("params", ("params", "ln_w"), "[d_k] = ones", None),
+        Removed("params", ("params", "ln_b"), "[d_k] = zeros", None),
+        Removed("state", ("state", "b1"), "[hidden] = learned(zeros)", None),
+        Changed("state", ("state", "W2", "shape"), "[hidden, d_k]", "[hidden, d_v]"),
+        Removed("state", ("state", "b2"), "[d_k] = learned(zeros)", None),
+        Added("state", ("state", "U1"), None, "[d_k, hidden] = zeros"),          # momentum states
+        Added("state", ("state", "U2"), None, "[hidden, d_v] = zeros"),
+        Added("let", ("let", "qn"), None, "l2norm(silu(q))"),
+        Added("let", ("let", "kn"), None, "l2norm(silu(k))"),
+        Added("let", ("let", "vs"), None, "silu(v)"),
+        Changed("model", ("model",), "f(u) = u + layernorm(gelu(u @ W1 + b1) @ W2 + b2, ln_w, ln_b)",
+                "f(u) = gelu(u @ W1) @ W2"),
+        Changed("loss", ("loss",), "0.5 * sum((f(k) - v)^2)", "0.5 * sum((f(kn) - vs)^2)"),
+        Added("update", ("update", 0), None, "U1 = mu * U1 - eta * grad(loss, W1)"),
+        Added("update", ("update", 1), None, "U2 = mu * U2 - eta * grad(loss, W2)"),
+        Changed("update", ("update", 2), "W1 = W1 - eta * grad(loss, W1)", "W1 = (1 - alpha) * W1 + U1"),
+        Removed("update", ("update", 1), "b1 = b1 - eta * grad(loss, b1)", None),
+        Changed("update", ("update", 3), "W2 = W2 - eta * grad(loss, W2)", "W2 = (1 - alpha) * W2 + U2"),
+        Removed("update", ("update", 3), "b2 = b2 - eta * grad(loss, b2)", None),
+        Changed("read", ("read",), "f(q)", "f(qn)"),
+        Changed("schedule", ("schedule", "declared"), "minibatch(16)", "minibatch(64)"),
+        Changed("schedule", ("schedule", "derived"), "minibatch chunk 16, approximate",
+                "minibatch chunk 64, approximate"),
+    ]
+
+
+def test_shipped_titans_mac_to_mag_is_wiring_only():
+    edits = diff(SPECS / "titans_mac.yaml", SPECS / "titans_mag.yaml")
+    assert edits == _meta("titans_mac", "titans_mag") + [
+        Changed("wiring", ("wiring",), "mac(segment = 128, persistent = 16)", "mag(window = 128, persistent = 16)"),
+    ]
+    assert {e.component for e in edits} == {"meta", "wiring"}
+    assert graph_diff(SPECS / "titans_mac.yaml", SPECS / "titans_mag.yaml") == []
+
+
+def test_shipped_reformatted_spec_is_equal(tmp_path):
+    (tmp_path / "g.mem").write_text(textwrap.dedent("""\
+        # gated DeltaNet, rewritten: other spacing and order, x - y as x + (-1)*y, /2 for 0.5*
+        memory gated_deltanet
+        description "%s"
+        cite "%s"
+        dims { d_v = 64, d_k = 64, heads = 4, d_model = 256 }
+        view v : d_v
+        view k : d_k
+        view q : d_k
+        gate alpha = (-1)*exp(-softplus(logit)) + 1 bias -4
+        gate eta = sigmoid(logit)
+        state W : [d_k, d_v] = zeros
+        let kn = l2norm(k)
+        let qn = l2norm(q)
+        model g(x) = x@W
+        loss = sum((g(kn) + (-1)*v)^2)/2
+        update {
+          W = W*(1 + (-1)*alpha)
+          W = W + (-1)*(grad(loss, W)*eta)
+        }
+        read = g(qn)
+        """) % tuple(getattr(memspec.load(SPECS / "gated_deltanet.yaml"), f).replace('"', '\\"')
+                     for f in ("description", "cite")))
+    assert diff(SPECS / "gated_deltanet.yaml", tmp_path / "g.mem") == []
+
+
+def test_shipped_five_line_variant_shows_exactly_its_overrides(tmp_path):
+    (tmp_path / "titans_huber.yaml").write_text(textwrap.dedent(f"""\
+        extends: {SPECS / 'titans.yaml'}
+        name: titans_huber
+        constants: {{delta: 1.0}}
+        loss: sum(huber(f(kn) - vs, delta))
+        schedule: minibatch(16)
+        """))
+    edits = diff(SPECS / "titans.yaml", tmp_path / "titans_huber.yaml")
+    assert edits == [
+        Changed("meta", ("name",), "titans", "titans_huber"),
+        Added("constants", ("constants", "delta"), None, 1),
+        Changed("loss", ("loss",), "0.5 * sum((f(kn) - vs)^2)", "sum(huber(f(kn) - vs, delta))"),
+        Changed("schedule", ("schedule", "declared"), "minibatch(64)", "minibatch(16)"),
+        Changed("schedule", ("schedule", "derived"), "minibatch chunk 64, approximate",
+                "minibatch chunk 16, approximate"),
+    ]
+    assert [e.new_span.line for e in edits] == [2, 3, 4, 5, 5]
+
+
+def test_cli_text_golden(capsys):
+    rc, out, _ = run_cli(capsys, "diff", "specs/deltanet.yaml", "specs/gated_deltanet.yaml")
+    assert rc == 1
+    assert out == (HERE / "golden" / "diff_deltanet_gated_deltanet.txt").read_text(encoding="utf-8")
