@@ -229,3 +229,14 @@ def memspec_load(path):
     from memspec import load
 
     return load(path)
+
+
+@pytest.mark.parametrize("argv", [["lab"], ["lab", "run", "drift", "--seed", "-1"],
+                                  ["lab", "run", "drift", "--seed", str(2**70)], ["lab", "run", "drift", "--seed", "x"]])
+def test_lab_usage_errors_exit_2_without_traceback(argv, capsys):
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        status = e.code
+    assert status == 2
+    assert "Traceback" not in capsys.readouterr().err

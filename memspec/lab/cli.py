@@ -9,12 +9,27 @@ DEFAULT_OUT = "lab_results"
 NO_PLOT = "matplotlib is not installed: no plot (install it with `pip install 'memspec[plot]'`)"
 
 
+MAX_SEED = 2**31 - 1 - 1000  # bandwidth draws its stream with seed + 1000
+
+
+def _seed(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid seed {text!r}: an integer from 0 to {MAX_SEED}") from None
+    if not 0 <= n <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"seed {n} out of range: use 0 to {MAX_SEED}")
+    return n
+
+
 def add_arguments(s) -> None:
     sub = s.add_subparsers(dest="lab_command", metavar="{list,run}", parser_class=type(s))
     sub.add_parser("list", help="list the experiments")
     r = sub.add_parser("run", help="run one experiment: print its table, save table, numbers and plot")
     r.add_argument("name", help="an experiment (see `memspec lab list`)")
-    r.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    r.add_argument("--seed", type=_seed, default=0, help=f"random seed, 0 to {MAX_SEED} (default 0)")
     r.add_argument("--out", default=DEFAULT_OUT,
                    help=f"folder for NAME.txt, NAME.json and NAME.png (default {DEFAULT_OUT})")
 
