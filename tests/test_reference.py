@@ -610,3 +610,51 @@ def test_dims_override():
     q = torch.zeros(1, 2, 1, 4)
     out, st = R.run(spec, dims={"d_k": 4, "d_v": 4}, q=q, k=q, v=q, eta=torch.zeros(1, 2, 1))
     assert out.shape == (1, 2, 1, 4) and st["W"].shape == (1, 1, 4, 4)
+
+
+def test_init_state_kinds():
+    spec = spec_of("""\
+    name: inits
+    dims: {d: 3, e: 2}
+    views: {q: d}
+    params:
+      c: {shape: [e], init: 0.25}
+    state:
+      Z: {shape: [d, e], init: zeros}
+      O: {shape: [e], init: ones}
+      I: {shape: [d, d], init: eye}
+      N: {shape: [d, e], init: normal(2.0)}
+      L: {shape: [d], init: learned(ones)}
+      K: {shape: [d], cache: true, window: 4}
+    read: q @ I + sum(O * c) + sum(L)
+    """)
+    st = R.init_state(spec, 2, 3, generator=torch.Generator().manual_seed(0))
+    assert st["Z"].shape == (2, 3, 3, 2) and st["Z"].abs().sum() == 0
+    assert st["O"].shape == (2, 3, 2) and bool((st["O"] == 1).all())
+    assert torch.equal(st["I"][1, 2], torch.eye(3))
+    again = R.init_state(spec, 2, 3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(st["N"], again["N"])
+    expected = torch.randn(3, 3, 2, generator=torch.Generator().manual_seed(0)) * 2.0
+    assert torch.equal(st["N"][0], expected) and torch.equal(st["N"][1], expected)  # shared by the batch
+    assert st["K"].shape == (2, 3, 0, 3)
+    assert bool((st["L"] == 1).all())
+    L = torch.arange(9.0).reshape(3, 3)
+    assert torch.equal(R.init_state(spec, 2, 3, params={"L": L})["L"][1], L)
+    out, _ = R.run(spec, q=torch.ones(2, 1, 3, 3), params={"L": L})
+    # q @ I = (1,1,1); sum(O * c) = 2 * 0.25; sum(L) per head = 3, 12, 21
+    assert out[0, 0, :, 0].tolist() == [1 + 0.5 + 3, 1 + 0.5 + 12, 1 + 0.5 + 21]
+
+
+def test_a_shape_error_inside_an_expression_is_located():
+    spec = spec_of("""\
+    name: bad
+    dims: {d: 3, e: 2}
+    views: {q: d, v: e}
+    read: q @ v
+    """)
+    with pytest.raises(ValueError, match=r"<string>:4:7: cannot evaluate `q @ v`"):
+        R.run(spec, q=torch.ones(1, 2, 1, 3), v=torch.ones(1, 2, 1, 2))
+    spec = spec_of(DELTA.replace("read: f(q)", "read: f(qq)"))
+    q = torch.zeros(1, 2, 1, 2)
+    with pytest.raises(ValueError, match=r"unknown name 'qq'; did you mean 'q'\?"):
+        R.run(spec, q=q, k=q, v=q, eta=torch.zeros(1, 2, 1))
