@@ -9,7 +9,8 @@ from .errors import Diagnostic, Span, SpecError
 from .expr import parse_expr
 from .frontend import load, loads
 from .spec import Spec
+from .build import build, compile  # noqa: A004  (memspec.compile: spec -> compiled/<name>.py)
 
 __version__ = "0.1.0"
 
-__all__ = ["Diagnostic", "Span", "Spec", "SpecError", "load", "loads", "parse_expr", "__version__"]
+__all__ = ["build", "compile", "Diagnostic", "Span", "Spec", "SpecError", "load", "loads", "parse_expr", "__version__"]

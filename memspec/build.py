@@ -84,6 +84,23 @@ def compile(spec_or_path: SpecLike, out_dir: Union[str, Path] = "compiled") -> P
     return out
 
 
+def compile_checked(spec: Spec, path: Union[str, Path], out_dir: Union[str, Path] = "compiled"):
+    """For the CLI: ``spec`` already loaded and checked from ``path``; writes the module and
+    returns ``(out_path, "schedule: ...")``."""
+    p = Path(path)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = None
+    decision = decide(spec)
+    code = generate(spec, decision, source_path=_display(p), source_text=text)
+    out = Path(out_dir) / f"{spec.name}.py"
+    write_atomic(out, code)
+    kind = "exact" if decision.exact else "approximate"
+    chunk = f"({decision.chunk})" if decision.chunk and decision.family != "cache" else ""
+    return out, f"schedule {decision.family}{chunk}, {kind}"
+
+
 def load_module(text: str, name: str) -> types.ModuleType:
     """Execute generated module text as a fresh module; its source is registered in
     linecache under a pseudo file name, so tracebacks show the generated lines."""

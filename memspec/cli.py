@@ -202,6 +202,24 @@ def cmd_explain(args) -> int:
     return status
 
 
+def cmd_compile(args) -> int:
+    from .build import compile_checked
+
+    status = 0
+    for path in args.files:
+        try:
+            spec, _ = load_checked(path)
+            out, decision_text = compile_checked(spec, path, args.output)
+            print(f"wrote {out} ({decision_text})")
+        except SpecError as err:
+            _print_diags(err.diagnostics)
+            status = 1
+        except OSError as err:
+            print(f"memspec: error: cannot write {args.output}: {err.strerror}", file=sys.stderr)
+            return 2
+    return status
+
+
 def cmd_bench(args) -> int:
     from .bench import run_cli
 
@@ -251,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("explain", help="the derived schedule of each spec and the algebra behind it")
     s.add_argument("files", nargs="+")
     s.set_defaults(func=cmd_explain)
+
+    s = sub.add_parser("compile", help="generate the standalone PyTorch module of each spec (compiled/<name>.py)")
+    s.add_argument("files", nargs="+")
+    s.add_argument("-o", "--output", default="compiled", help="output folder (default: compiled)")
+    s.set_defaults(func=cmd_compile)
 
     s = sub.add_parser("bench", help="time every schedule a spec admits, side by side (writes JSON)")
     s.add_argument("files", nargs="+")

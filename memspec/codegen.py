@@ -1505,7 +1505,8 @@ class ModuleWriter:
             L('"""' + f"The exact {self.chunked} chunked form over chunks of self.chunk tokens." + '"""')
             em = self.emitter()
             self._lets(L, em, "B, T, H")
-            for line in codegen_chunked.emit_chunked_forward(spec, self.decision, em):
+            for line in codegen_chunked.emit_chunked_forward(spec, self.decision, em, lets=False,
+                                                             taken=tuple(sorted(self.spec_names))):
                 L.block(line)
         L()
         src = codegen_chunked.kernel_sources(self.decision)
