@@ -70,13 +70,13 @@ LAYER_DIMS = frozenset({"d_model", "heads"})
 
 def identifier_problem(name: str) -> Optional[tuple[str, str]]:
     """Why ``name`` cannot be a spec identifier, as (message tail, hint), or None."""
+    if isinstance(name, str) and name.startswith("_") and IDENT_RE.fullmatch("a" + name.lstrip("_")):
+        return ("starts with '_'", "names starting with '_' (and dunders like __class__) belong to Python")
     if not isinstance(name, str) or not IDENT_RE.fullmatch(name):
         return ("is not a plain identifier",
                 "names are a letter followed by letters, digits or '_' (no spaces or punctuation)")
     if keyword.iskeyword(name):
         return ("is a Python keyword", "generated code would not compile; choose another name")
-    if name.startswith("_") or (name.startswith("__") and name.endswith("__")):
-        return ("starts with '_'", "names may not start with '_'")
     if name in FUNCTIONS:
         return (f"is the name of the function {name}(...)", "choose a name that is not a function")
     if name in RESERVED_NAMES:
@@ -92,8 +92,10 @@ class _Checker:
         self.spec = spec
         self.g = graph
         self.d = Collector()
-        self.bad_names: set[str] = set()
+        self.bad_names: set[str] = set()   # declared names that are not safe identifiers
+        self.dup_names: set[str] = set()   # names declared in two sections
         self.first_kind: dict[str, str] = {}
+        self.unknown_target = False
 
     def span(self, *path) -> Optional[Span]:
         return self.spec.key_span(*path) or self.spec.span(*path)
@@ -113,6 +115,7 @@ class _Checker:
                     self.bad_names.add(n)
                     self.d.error(f"{word} name {_q(n)} {prob[0]}", sp, hint=prob[1], code="E-identifier")
                 if n in seen:
+                    self.dup_names.add(n)
                     kind, first = seen[n]
                     where = f" at line {first.line}" if first is not None else ""
                     self.d.error(f"{_q(n)} is declared twice: as a {kind}{where} and as a {word}", sp,
@@ -215,8 +218,11 @@ class _Checker:
         for st in spec.update:
             kind = self.first_kind.get(st.target)
             tsp = st.target_span or st.span
+            if st.target in self.dup_names:
+                continue  # reported as a duplicate
             if kind is None:
-                states = list(spec.state)
+                self.unknown_target = True
+                states = [s for s in spec.state if s not in self.bad_names]
                 self.d.error(f"update of unknown state {_q(st.target)}", tsp,
                              hint=did_you_mean(st.target, states) or
                              (("states: " + ", ".join(states)) if states else "declare it under state"),
@@ -295,12 +301,14 @@ class _Checker:
         spec, g = self.spec, self.g
         written = {st.target for st in spec.update}
         for n in spec.state:
-            if n in self.bad_names or self.first_kind.get(n) != "state":
+            if n in self.bad_names or self.first_kind.get(n) != "state" or self.unknown_target:
                 continue
             if n not in written:
                 self.d.error(f"state {_q(n)} is never written", self.span("state", n),
                              hint=f"add an update statement `{n} = ...`; a learned tensor that the memory does not "
                                   "change is a param", code="E-state-unwritten")
+        if self.expression_errors():
+            return  # the graph is incomplete; what reaches the output is not known
         reach = {n: nx.descendants(g, f"state_in:{n}") for n in spec.state if f"state_in:{n}" in g}
         live = {n for n, r in reach.items() if "output" in r}
         changed = True
@@ -368,6 +376,9 @@ class _Checker:
         for st in self.spec.update:
             yield st.value
 
+    def expression_errors(self) -> bool:
+        return any(d.severity == "error" and d.code in _EXPRESSION_CODES for d in self.d.items)
+
     def run(self) -> list[Diagnostic]:
         self.identifiers()
         self.dims_in_shapes()
@@ -377,10 +388,16 @@ class _Checker:
         self.cycles()
         self.updates()
         self.loss_scalar()
-        self.grad_dependence()
         self.states()
-        self.unused()
+        # warnings only for an otherwise valid spec: with errors they are mostly echoes
+        if not self.d.errors:
+            self.grad_dependence()
+            self.unused()
         return _dedupe(sorted_diagnostics(self.d.items))
+
+
+_EXPRESSION_CODES = frozenset({"E-unknown-name", "E-unknown-function", "E-arity", "E-shape", "E-grad",
+                               "E-cache", "E-cycle", "E-unknown-dim"})
 
 
 def _q(name: str) -> str:

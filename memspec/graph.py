@@ -132,12 +132,12 @@ class _Lowering:
         m = self.spec.model
         if e.fn == "grad" and role == "update":
             return self.grad(e, owner, scope, shape)
-        if m is not None and e.fn == m.name and len(e.args) == 1:
-            a = self.expr(e.args[0], owner, path + ".0", role, scope)
+        if m is not None and e.fn == m.name:
+            a = [self.expr(x, owner, f"{path}.{i}", role, scope) for i, x in enumerate(e.args)]
             reads = []
             for n in dict.fromkeys(x.id for x in m.body.walk() if isinstance(x, Name) and x.id != m.arg):
                 reads.append(self.binding(n, scope))
-            return self.add(nid, "apply", "model", shape, e.span, _short(unparse(e), 32), (a, *reads),
+            return self.add(nid, "apply", "model", shape, e.span, _short(unparse(e), 32), (*a, *reads),
                             model=m.name)
         if e.fn == "eye":
             args = []

@@ -125,7 +125,10 @@ class ShapeEnv:
         return env
 
     def _declare(self, name: str, shape, kind: str) -> None:
-        # the first declaration wins; duplicates are reported by the checks
+        # the first declaration wins; duplicates are reported by the checks.  A shape
+        # naming an undeclared dim is unknown (reported once, by the checks).
+        if shape is not None and any(d not in self.spec.dims and d != self.cache_axis for d in shape):
+            shape = None
         if name not in self.kinds:
             self.names[name] = shape
             self.kinds[name] = kind
@@ -240,7 +243,7 @@ class ShapeEnv:
             ctx.diags.error(f"'{n}' is a function; call it with arguments", e.span,
                             hint=f"{n}: {FUNCTIONS[n][2]}", code="E-unknown-name")
             return None
-        cands = list(self.names) + list(ctx.scope)
+        cands = [c for c in list(self.names) + list(ctx.scope) if _plain(c)]
         ctx.diags.error(f"unknown name '{n}'", e.span, hint=did_you_mean(n, cands) or _declared_hint(self),
                         code="E-unknown-name")
         return None
@@ -303,8 +306,11 @@ class ShapeEnv:
                                 code="E-unknown-function")
             else:
                 cands = list(FUNCTIONS) + ([m.name] if m is not None else [])
+                hint = _FUNCTION_HINTS.get(fn) or did_you_mean(fn, cands)
+                if hint is None and m is not None and len(e.args) == 1:
+                    hint = f"the model is {m.name}({m.arg}); other functions are " + _fn_examples()
                 ctx.diags.error(f"unknown function '{fn}'", span,
-                                hint=did_you_mean(fn, cands) or "functions are " + _fn_examples(),
+                                hint=hint or "functions are " + _fn_examples(),
                                 code="E-unknown-function")
             for a in e.args:
                 self._infer(a, ctx)
@@ -551,6 +557,24 @@ class ShapeEnv:
             else:
                 ctx.diags.items.append(d)
         return out if not sub.errors else None
+
+
+_FUNCTION_HINTS = {
+    "softmax": "softmax attention over a cache is attend(q, K, V, scale)",
+    "transpose": "write A.T",
+    "matmul": "write a @ b",
+    "dot": "write a @ b for vectors",
+    "pow": "write a^b",
+    "square": "write x^2",
+    "inv": "write solve(A, B) for A^-1 B",
+    "inverse": "write solve(A, B) for A^-1 B",
+    "normalize": "l2norm(x) normalises over the last axis",
+}
+
+
+def _plain(name: str) -> bool:
+    """Only plain identifiers are offered as did-you-mean suggestions."""
+    return isinstance(name, str) and name.isidentifier() and not name.startswith("_")
 
 
 def _where(span: Span | None) -> str:
