@@ -53,6 +53,7 @@ def read_source(path: Path, file: str, diags: Collector) -> str | None:
         i = data.index(b"\x00")
         line = data[:i].count(b"\n") + 1
         col = i - (data[:i].rfind(b"\n") + 1) + 1
+        remember_source(file, "")  # never quote binary junk
         diags.error("binary data (NUL byte) in spec file", Span(file, line, col), hint="a spec is UTF-8 text")
         return None
     try:
@@ -78,7 +79,8 @@ def read_raw(path: Path, diags: Collector, chain: tuple[Path, ...] = (), via: Sp
                     hint="spec files end in .yaml, .yml or .mem")
         return None
     if not path.exists():
-        diags.error(f"no such spec file: {file}", via or Span(file, 1, 1))
+        diags.error(f"no such spec file: {file}", via or Span(file, 1, 1),
+                    hint="extends paths are relative to the spec file that extends" if via else None)
         return None
     text = read_source(path, file, diags)
     if text is None:

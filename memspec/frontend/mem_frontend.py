@@ -81,6 +81,10 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
         diags.extend([d])
         return None
     tree = ExprBuilder(pos).transform(tree)
+    if not tree.children:
+        diags.error("empty spec: no declarations", Span(file, 1, 1),
+                    hint="a .mem spec starts with `memory NAME` and declares at least state and read")
+        return None
     raw = RawSpec(file=file)
     raw.spans[()] = Span(file, 1, 1)
     data: dict = {}
