@@ -446,7 +446,8 @@ class ShapeEnv:
                 if states:
                     ctx.diags.error(f"grad(loss) is ambiguous: the model reads {len(states)} states "
                                     f"({', '.join(states)})", span,
-                                    hint=f"name the state: grad(loss, {states[0]})", code="E-grad")
+                                    hint="name the state: " + " or ".join(f"grad(loss, {s})" for s in states),
+                                    code="E-grad")
                 else:
                     ctx.diags.error("grad(loss) needs a model that reads a state", span,
                                     hint="name the state: grad(loss, W)", code="E-grad")
