@@ -9,8 +9,10 @@ from .errors import Diagnostic, Span, SpecError
 from .expr import parse_expr
 from .frontend import load, loads
 from .spec import Spec
+from .graph import lower
+from .checks import check
 from .build import build, compile  # noqa: A004  (memspec.compile: spec -> compiled/<name>.py)
 
 __version__ = "0.1.0"
 
-__all__ = ["build", "compile", "Diagnostic", "Span", "Spec", "SpecError", "load", "loads", "parse_expr", "__version__"]
+__all__ = ["build", "check", "compile", "lower", "Diagnostic", "Span", "Spec", "SpecError", "load", "loads", "parse_expr", "__version__"]
