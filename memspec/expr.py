@@ -185,6 +185,8 @@ def format_number(v: Union[int, float]) -> str:
     if isinstance(v, int):
         return str(v)
     r = repr(float(v))
+    if r in ("inf", "-inf"):  # `1e999` parses to inf; print it so that it parses back
+        return r.replace("inf", "1e999")
     return r
 
 
@@ -198,7 +200,7 @@ def unparse(e: Expr) -> str:
         return f"{e.fn}({', '.join(unparse(a) for a in e.args)})"
     if isinstance(e, Transpose):
         inner = unparse(e.operand)
-        if _prec(e.operand) < _PREC["post"]:
+        if _prec(e.operand) < _PREC["post"] or isinstance(e.operand, Num):  # `2.T` would lex as `2.` `T`
             inner = f"({inner})"
         return f"{inner}.T"
     if isinstance(e, Neg):
