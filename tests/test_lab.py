@@ -214,6 +214,17 @@ def test_seed_memory_reproduces_the_snippet():
     assert base["after"] < nomom["after"] < nomom["before"] / 5
     assert forget["after"] > 2 * base["after"]
     assert all(x["before"] == pytest.approx(1 / 32) for x in (nomom, forget))
+    assert v["backend"] == "compiled module"
+
+
+def test_seed_memory_compiled_module_agrees_with_the_interpreter():
+    from memspec.lab import seed_memory
+
+    b1, a1, online1, how1 = seed_memory.stream("seed_memory_forget", 0, compiled=True)
+    b2, a2, online2, how2 = seed_memory.stream("seed_memory_forget", 0, compiled=False)
+    assert (how1, how2) == ("compiled module", "reference interpreter")
+    assert b1 == pytest.approx(b2) and a1 == pytest.approx(a2, rel=1e-4)
+    assert torch.allclose(online1, online2, rtol=1e-4, atol=1e-7)
 
 
 def test_lab_specs_pass_the_checker():

@@ -14,7 +14,7 @@ random numbers are the snippet's: with ``torch.manual_seed(seed)`` the keys, the
 values, the order and W1 are drawn in the snippet's order, and W1 is passed in as
 the initial state.
 
-Backend: the compiled module (``memspec.build(spec, compile=False).memory``) when
+Backend: the compiled module (``memspec.build.build_memory(spec, compile=False)``) when
 the compiler is available, else the reference interpreter; the table says which.
 """
 from __future__ import annotations
@@ -66,17 +66,19 @@ def initial_state(spec, w1: torch.Tensor) -> dict[str, torch.Tensor]:
     return state
 
 
-def backend(spec) -> tuple[Callable, str]:
+def backend(spec, compiled: bool = True) -> tuple[Callable, str]:
     """``forward(state, q=, k=, v=) -> (o, state)`` of the compiled module, else of the interpreter."""
-    try:
-        from .. import build  # the compiler (memspec.build); absent in builds without codegen
-    except ImportError:
-        build = None
-    if build is not None:
-        memory = build(spec, compile=False).memory
+    build_memory = None
+    if compiled:
+        try:
+            from ..build import build_memory  # the compiler; absent in builds without codegen
+        except ImportError:
+            pass
+    if build_memory is not None:
+        memory = build_memory(spec, compile=False)
 
         def forward(state, **views):
-            return memory(*(views[n] for n in spec.views), state=state)
+            return memory(**views, state=state, schedule="online")
 
         return forward, "compiled module"
 
@@ -95,11 +97,11 @@ def retrieval_mse(forward, state, keys, values) -> float:
     return float(((out[:, 0, 0] - values) ** 2).mean())
 
 
-def stream(spec_name: str, seed: int = 0):
+def stream(spec_name: str, seed: int = 0, *, compiled: bool = True):
     """Run one variant over the snippet's stream; returns before, after, online errors, backend."""
     spec = load_spec(spec_name)
     keys, values, order, w1 = snippet_data(seed)
-    forward, label = backend(spec)
+    forward, label = backend(spec, compiled)
     state0 = initial_state(spec, w1)
     before = retrieval_mse(forward, state0, keys, values)
     ks, vs = as_tokens(keys[order]), as_tokens(values[order])
