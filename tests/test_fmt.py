@@ -284,6 +284,18 @@ def test_to_mem_refuses_names_that_are_not_identifiers(tmp_path, capsys):
     assert "odd.yaml:3:3: error: view 'q k'" in capsys.readouterr().err
 
 
+def test_infinite_constant_prints_in_yaml_and_is_refused_in_mem(tmp_path):
+    p = tmp_path / "inf.yaml"
+    p.write_text("name: i\nconstants:\n  big: .inf\nread: big\n")
+    spec = memspec.load(p)
+    assert "  big: .inf\n" in to_yaml(spec) and memspec.loads(to_yaml(spec), "yaml") == spec
+    with pytest.raises(SpecError) as err:
+        to_mem(spec)
+    d = err.value.diagnostics[0]
+    assert d.message == "constant big is inf, which .mem cannot write"
+    assert (d.span.line, d.span.col) == (3, 8)
+
+
 def _random_expr(rng: random.Random, depth: int):
     if depth == 0 or rng.random() < 0.25:
         r = rng.random()
