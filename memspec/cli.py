@@ -44,9 +44,21 @@ def load_checked(path: str, *, warnings: bool = True):
 
 
 # ------------------------------------------------------------------ commands
+def expand_spec_paths(paths: list[str]) -> list[str]:
+    """Files as given; a directory stands for the spec files under it (sorted)."""
+    out: list[str] = []
+    for p in paths:
+        d = Path(p)
+        if d.is_dir():
+            out.extend(str(f) for f in sorted(d.rglob("*")) if f.suffix in (".yaml", ".yml", ".mem"))
+        else:
+            out.append(p)
+    return out
+
+
 def cmd_check(args) -> int:
     status = 0
-    for path in args.files:
+    for path in expand_spec_paths(args.files):
         try:
             load_checked(path)
         except SpecError as err:

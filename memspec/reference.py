@@ -486,7 +486,10 @@ class _Interpreter:
     def fn_attend(self, e, scope):
         """``softmax(scale * K q) V``: q [d], K [n, d], V [n, e], scale [] -> [e]."""
         q, K, V, scale = self.args(e, scope)
-        scores = (K @ q.unsqueeze(-1)).squeeze(-1) * scale          # [B, H, n]
+        scores = (K @ q.unsqueeze(-1)).squeeze(-1)                  # [B, H, n]
+        if torch.is_tensor(scale) and scale.dim() >= 2:              # per-head scale [B, H]
+            scale = scale.unsqueeze(-1)
+        scores = scores * scale
         weights = torch.softmax(scores, dim=-1)
         return (weights.unsqueeze(-2) @ V).squeeze(-2)
 
