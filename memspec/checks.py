@@ -24,6 +24,8 @@ at the offending span and carries its own code:
                        reading state, applying the model or using a later let)
 ``E-state-unwritten``  a state no update statement assigns
 ``E-state-unread``     a state whose value never reaches the output
+``W-state-temporary``  (warning) a state always overwritten before it is read in a
+                       step (a per-token temporary carried for nothing)
 ``W-unused``           (warning) a let/view/gate/param/constant/dim/model/loss
                        that nothing uses
 ``W-grad-zero``        (warning) grad(loss, W) where the loss does not depend on W
@@ -324,10 +326,12 @@ class _Checker:
             succ = set(g.successors(f"state_in:{n}")) - {f"state_out:{n}"}
             named = any(isinstance(x, Name) and x.id == n for e in self.all_exprs() for x in e.walk())
             if not succ and named:
-                self.d.error(f"state {_q(n)} is overwritten before it is read: its value from the previous token "
-                             "is never used", self.span("state", n),
-                             hint="a value computed afresh each token is not state; use the expression directly "
-                                  "(a let cannot read state, but an update statement can)", code="E-state-unread")
+                # a per-token temporary (e.g. g = grad(loss, W); W = W - eta * g): legal, but carried for nothing
+                self.d.warning(f"state {_q(n)} is overwritten before it is read: its value from the previous token "
+                               "is never used", self.span("state", n),
+                               hint="fine for a per-token temporary, but it is carried in the state; "
+                                    "write the expression into the statements that use it to avoid that",
+                               code="W-state-temporary")
             elif not succ:
                 self.d.error(f"state {_q(n)} is never read", self.span("state", n),
                              hint="use it in the model, an update or the read, or remove it", code="E-state-unread")
