@@ -419,3 +419,42 @@ def test_shipped_chunked_specs_match_reference(name):
     assert ((o - o_ref).norm() / o_ref.norm()).item() <= 1e-5
     for n in spec.state:
         assert ((s[n] - s_ref[n]).norm() / s_ref[n].norm()).item() <= 1e-5
+
+
+# ------------------------------------------------------------------ bench (fields only)
+def test_bench_record_fields(tmp_path):
+    from memspec.bench import bench, render
+
+    path = tmp_path / "g.mem"
+    path.write_text(textwrap.dedent(DELTA_HEAD + GATED_VARIANTS["gated"]))
+    rec = bench([path], T=9, B=1, H=1, D=4, repeat=1)
+    assert rec["config"] == {"T": 9, "B": 1, "H": 1, "D": 4, "dtype": "float32", "grad": False,
+                             "compile": False, "repeat": 1}
+    assert rec["machine"]["bmm_64x64_peak_gflops"] > 0
+    by = {r["schedule"]: r for r in rec["results"]}
+    assert set(by) == {"delta", "minibatch", "online"}
+    for name in ("delta", "online"):
+        r = by[name]
+        assert r["median_ms"] > 0 and r["tokens_per_s"] == pytest.approx(9 / (r["median_ms"] / 1e3))
+        assert r["exact"] is True and r["gflop"] >= 0 and r["peak_mem_mb"] > 0
+    assert by["delta"]["chunk"] == 64 and by["online"]["chunk"] is None
+    assert by["online"]["speedup_vs_online"] == 1.0
+    assert by["delta"]["speedup_vs_online"] == pytest.approx(by["online"]["median_ms"] / by["delta"]["median_ms"])
+    assert "delta" in render(rec)
+    json.dumps(rec)
+
+
+def test_bench_cli_json(tmp_path, capsys):
+    from memspec.cli import main
+
+    path = tmp_path / "g.mem"
+    path.write_text(textwrap.dedent(DELTA_HEAD + GATED_VARIANTS["gated"]))
+    out = tmp_path / "b.json"
+    rc = main(["bench", str(path), "--T", "5", "--D", "4", "--H", "1", "--repeat", "1",
+               "--schedules", "delta", "--json", str(out)])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    assert [x["schedule"] for x in rec["results"]] == ["delta"]
+    assert "median ms" in capsys.readouterr().out
+    assert main(["bench", str(path), "--T", "0"]) == 2
+    assert "--T must be >= 1" in capsys.readouterr().err
