@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from memspec import SpecError, load
 from memspec.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,8 +121,13 @@ def test_missing_file_and_directory(tmp_path, at_root):
     assert rc == 1 and err.startswith("tests/bad_specs/does_not_exist.yaml:1:1: error: no such spec file")
     d = tmp_path / "dir.yaml"
     d.mkdir()
-    rc, _, err = run_check(str(d))
-    assert rc == 1 and "is a directory" in err and "Traceback" not in err
+    with pytest.raises(SpecError, match="is a directory, not a spec file"):
+        load(d)
+    (d / "bad.mem").write_text("memory x\nread = q +\n", encoding="utf-8")
+    rc, _, err = run_check(str(d))  # `check DIR` checks the specs under it
+    assert rc == 1 and err.endswith("bad.mem:2:11: error: unexpected end of .mem file\n    read = q +\n              ^\n"
+                                  "    hint: expected '(', '-', a name, a number\n") \
+        and "Traceback" not in err, err
 
 
 def test_usage_error_exit_2(at_root):
