@@ -50,6 +50,8 @@ IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 RESERVED_NAMES = frozenset({
     # modules and names the generated code binds itself
     "torch", "nn", "F", "math", "warnings", "self", "state", "schedule", "x", "o",
+    # fixed parameter names of the generated modules: forward(..., **unknown), __init__(..., chunk=)
+    "unknown", "chunk",
     # names with a fixed meaning in the language
     "logit", "loss",
 })

@@ -217,7 +217,7 @@ def test_valid_texts_are_valid(tmp_path, at_root):
         assert rc == 0 and err == "", err
 
 
-@pytest.mark.parametrize("fmt,text", [("yaml", VALID_YAML), ("mem", VALID_MEM)])
+@pytest.mark.parametrize("fmt,text", [("yaml", VALID_YAML), ("mem", VALID_MEM)], ids=["yaml", "mem"])
 def test_mutations_never_raise(fmt, text, tmp_path, at_root):
     rng = random.Random(20240 + len(fmt))
     counts = {0: 0, 1: 0}
