@@ -146,10 +146,9 @@ def cmd_diff(args) -> int:
     import os
 
     from .diff import diff, graph_edits, lower_graph, render_dot, render_json, render_markdown, render_text
-    from .frontend import load
 
     try:
-        a, b = load(args.a), load(args.b)
+        a, b = load_checked(args.a, warnings=False)[0], load_checked(args.b, warnings=False)[0]
     except SpecError as err:  # like diff(1): trouble is exit status 2
         _print_diags(err.diagnostics)
         return 2
@@ -186,10 +185,9 @@ def cmd_diff(args) -> int:
 
 
 def cmd_table(args) -> int:
-    from .frontend import load
     from .table import render_table, rows
 
-    specs = [load(p) for p in args.files]
+    specs = [load_checked(p, warnings=False)[0] for p in args.files]
     sys.stdout.write(render_table(rows(specs), args.format))
     return 0
 
@@ -236,6 +234,31 @@ def cmd_bench(args) -> int:
     from .bench import run_cli
 
     return run_cli(args, load_checked, UsageError)
+
+
+def cmd_train(args) -> int:
+    from .train import run_cli as train_cli
+
+    return train_cli(args, UsageError)
+
+
+def _train_arguments(s, compare: bool) -> None:
+    """Options of `train` and `compare` (defaults: memspec.train.TrainConfig)."""
+    s.add_argument("files", nargs="+" if compare else 1, metavar="SPEC")
+    s.add_argument("--task", choices=["mqar"], default="mqar")
+    for flag, kind, dest, help_ in [
+        ("--steps", int, "steps", "optimizer steps"), ("--batch", int, "batch", "global batch (sequences)"),
+        ("--seq-len", int, "seq_len", "tokens per sequence"), ("--pairs", int, "pairs", "key-value pairs"),
+        ("--vocab", int, "vocab", "vocabulary size"), ("--d-model", int, "d_model", "model width"),
+        ("--layers", int, "layers", "blocks"), ("--heads", int, "heads", "memory heads"),
+        ("--lr", float, "lr", "peak learning rate"), ("--seed", int, "seed", "seed (model and data)"),
+        ("--eval-size", int, "eval_size", "held-out sequences")]:
+        s.add_argument(flag, type=kind, dest=dest, help=help_)
+    s.add_argument("--lr-schedule", choices=["cosine", "constant"], dest="lr_schedule")
+    s.add_argument("--compile", action="store_true", help="torch.compile the memory steps")
+    s.add_argument("--out", help="folder for log.json and checkpoint.pt" + (" (one subfolder per spec)" if compare else ""))
+    s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    s.set_defaults(compare=compare)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,6 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedules", help="comma-separated subset of the admitted schedules")
     s.add_argument("--json", help="write the JSON record here")
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("train", help="train a small LM with the memory on a synthetic task (MQAR)")
+    _train_arguments(s, compare=False)
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("compare", help="train each spec under the same budget and seed (Markdown table)")
+    _train_arguments(s, compare=True)
+    s.set_defaults(func=cmd_train)
 
     # --- further subcommands register here (compile, explain, bench, diff, table, lab, train)
     for register in _EXTRA_COMMANDS:

@@ -151,11 +151,18 @@ def derived_schedule(spec: Spec) -> Any | None:
 
 # --------------------------------------------------------------- the diff
 def _as_spec(x: Spec | str | Path) -> Spec:
+    """A spec as given, or loaded from a path and verified (raises ``SpecError``)."""
     if isinstance(x, Spec):
         return x
+    from .checks import check, errors_of
+    from .errors import SpecError
     from .frontend import load
 
-    return load(x)
+    spec = load(x)
+    _, diags = check(spec)
+    if errors_of(diags):
+        raise SpecError(errors_of(diags))
+    return spec
 
 
 def _span(spec: Spec, path: tuple, node: Any = None) -> Span | None:

@@ -128,11 +128,14 @@ def test_ttt_mlp_to_titans():
         Changed("meta", ("name",), "ttt_mlp", "titans"),
         Changed("meta", ("cite",), "Sun et al., Learning to (Learn at Test Time) (2024), §2",
                 "Behrouz, Zhong & Mirrokni, Titans: Learning to Memorize at Test Time (2025), §3.1"),
+        Added("dims", ("dims", "d_v"), None, 4),
+        Changed("views", ("views", "v", "dim"), "d_k", "d_v"),
         Added("gates", ("gates", "mu"), None, "sigmoid(logit)"),                 # momentum gate
         Added("gates", ("gates", "alpha"), None, "sigmoid(logit) bias -4"),      # forget gate
-        Removed("params", ("params", "ln_w"), "[d_v] = ones", None),
-        Removed("params", ("params", "ln_b"), "[d_v] = zeros", None),
+        Removed("params", ("params", "ln_w"), "[d_k] = ones", None),
+        Removed("params", ("params", "ln_b"), "[d_k] = zeros", None),
         Changed("state", ("state", "W1", "init"), "learned(normal(0.02))", "normal(0.02)"),
+        Changed("state", ("state", "W2", "shape"), "[hidden, d_k]", "[hidden, d_v]"),
         Changed("state", ("state", "W2", "init"), "learned(normal(0.02))", "normal(0.02)"),
         Added("state", ("state", "U1"), None, "[d_k, hidden] = zeros"),          # momentum states
         Added("state", ("state", "U2"), None, "[hidden, d_v] = zeros"),
@@ -484,7 +487,7 @@ def test_shipped_reformatted_spec_is_equal(tmp_path):
         state W : [d_k, d_v] = zeros
         let kn = l2norm(k)
         let qn = l2norm(q)
-        model g(x) = x@W
+        model g(z) = z@W
         loss = sum((g(kn) + (-1)*v)^2)/2
         update {
           W = W*(1 + (-1)*alpha)
@@ -520,3 +523,25 @@ def test_cli_text_golden(capsys):
     rc, out, _ = run_cli(capsys, "diff", "specs/deltanet.yaml", "specs/gated_deltanet.yaml")
     assert rc == 1
     assert out == (HERE / "golden" / "diff_deltanet_gated_deltanet.txt").read_text(encoding="utf-8")
+
+
+def test_graph_svg_through_dot(tmp_path, monkeypatch, capsys):
+    # a stand-in `dot` on PATH: memspec pipes the DOT text through it and writes the result
+    fake = tmp_path / "bin" / "dot"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho \"<svg fmt=$1>\"\ncat >/dev/null\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    out = tmp_path / "g.svg"
+    assert cli.main(["graph", "specs/deltanet.yaml", "--format", "svg", "-o", str(out)]) == 0
+    assert out.read_text() == "<svg fmt=-Tsvg>\n"
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert cli.main(["graph", "specs/deltanet.yaml", "--format", "png"]) == 2
+    assert "needs the Graphviz `dot` program" in capsys.readouterr().err
+
+
+def test_invalid_spec_is_trouble_not_a_traceback(capsys):
+    rc, out, err = run_cli(capsys, "diff", "specs/deltanet.yaml", "tests/bad_specs/arity.mem")
+    assert rc == 2 and out == "" and "tests/bad_specs/arity.mem:" in err and "error:" in err
+    with pytest.raises(memspec.SpecError):
+        diff("specs/deltanet.yaml", "tests/bad_specs/arity.mem")
