@@ -545,3 +545,10 @@ def test_invalid_spec_is_trouble_not_a_traceback(capsys):
     assert rc == 2 and out == "" and "tests/bad_specs/arity.mem:" in err and "error:" in err
     with pytest.raises(memspec.SpecError):
         diff("specs/deltanet.yaml", "tests/bad_specs/arity.mem")
+
+
+def test_exported_from_the_package():
+    assert memspec.diff(D / "titans.yaml", D / "titans_mag.yaml") == diff(D / "titans.yaml", D / "titans_mag.yaml")
+    assert memspec.graph_diff(D / "titans.yaml", D / "titans_mag.yaml") == []
+    a = memspec.load(D / "deltanet.yaml")
+    assert memspec.diff(a, a) == []
