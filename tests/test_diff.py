@@ -552,3 +552,16 @@ def test_exported_from_the_package():
     assert memspec.graph_diff(D / "titans.yaml", D / "titans_mag.yaml") == []
     a = memspec.load(D / "deltanet.yaml")
     assert memspec.diff(a, a) == []
+
+
+def test_colour_only_on_a_terminal_without_no_color(capsys, monkeypatch):
+    import sys
+
+    args = ["diff", "tests/diff_specs/titans.yaml", "tests/diff_specs/titans_mag.yaml"]
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    rc, out, _ = run_cli(capsys, *args)
+    assert rc == 1 and "\x1b[33m  ~ wiring" not in out and "\x1b[33m~ wiring: mac" in out
+    monkeypatch.setenv("NO_COLOR", "1")
+    rc, out, _ = run_cli(capsys, *args)
+    assert rc == 1 and "\x1b[" not in out
