@@ -193,11 +193,9 @@ class Normalizer:
         for o in ops:
             p = self.poly(o)
             t = _term(p)
-            if t:
+            if t:  # a scalar coefficient moves out of the product (it is bilinear)
                 coef *= t[0]
                 canons.append(t[1])
-            elif _const(p) is not None:  # a scalar inside @ (rare): keep it as an operand
-                canons.append(canon_poly(p))
             else:
                 canons.append(canon_poly(p))
         flat_canons: list[Canon] = []

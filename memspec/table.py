@@ -30,7 +30,7 @@ from __future__ import annotations
 import csv
 import io
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .diff import WIRING_FIELDS, derived_schedule
