@@ -537,7 +537,7 @@ def render_text(edits: list[Edit], *, color: bool = False, heading: str | None =
 
 
 def _md(s: Any) -> str:
-    return _value(s).replace("|", "\\|").replace("\n", " ")
+    return _short(s).replace("|", "\\|")
 
 
 def render_markdown(edits: list[Edit], *, heading: str | None = None) -> str:
