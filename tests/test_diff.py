@@ -565,3 +565,13 @@ def test_colour_only_on_a_terminal_without_no_color(capsys, monkeypatch):
     monkeypatch.setenv("NO_COLOR", "1")
     rc, out, _ = run_cli(capsys, *args)
     assert rc == 1 and "\x1b[" not in out
+
+
+def test_diff_with_graph_appends_graph_edits():
+    sem = diff(D / "deltanet.yaml", D / "gated_deltanet.yaml")
+    both = diff(D / "deltanet.yaml", D / "gated_deltanet.yaml", graph=True)
+    assert both[: len(sem)] == sem
+    assert both[len(sem):] == graph_diff(D / "deltanet.yaml", D / "gated_deltanet.yaml")
+    assert {e.component for e in both[len(sem):]} == {"graph"}
+    detail = graph_diff(D / "deltanet.yaml", D / "gated_deltanet.yaml", detail=True)
+    assert len(detail) > len(both) - len(sem)   # every operation node, not only owners
