@@ -168,8 +168,9 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     corrections solve the unit-lower-triangular system
     ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @ S_start)``,
     i.e. ``u = T (beta v) - T (beta exp(R) k) @ S_start`` with ``T = (I + A)^-1`` -- one
-    ``solve_triangular`` per chunk, in parallel over all chunks; then a short loop over
-    chunks carries the state.
+    ``solve_triangular`` per chunk, in parallel over all chunks.  The loop over chunks
+    then only carries the state (one ``[K, K] @ [K, V]`` product per chunk); the
+    outputs of all chunks come from one batched product afterwards.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
@@ -201,20 +202,32 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     idx = torch.arange(C, device=k.device)
     strict = idx[:, None] > idx[None, :]                           # [C, C]
     gram = kc @ kc.transpose(-1, -2)                               # [B, H, N, C, C]
+    decay = None
     if log_gamma is not None or log_rho is not None:
         lg = blocks(log_gamma) if log_gamma is not None else torch.zeros_like(bc)
         L = torch.cumsum(lg, dim=-1)                               # [B, H, N, C]
         R = L if log_rho is None else L - lg + blocks(log_rho)    # [B, H, N, C]
-        diff = (R[..., :, None] - L[..., None, :]).masked_fill(~strict, float("-inf"))
-        A = gram * torch.exp(diff) * bc[..., None]                 # [B, H, N, C, C] strictly lower
+        if log_rho is None and inclusive and q is not None:
+            # one decay matrix exp(L_t - L_s), s <= t, serves both the solve and the read
+            decay = torch.exp((L[..., :, None] - L[..., None, :]).masked_fill(~(idx[:, None] >= idx[None, :]),
+                                                                            float("-inf")))
+            A = (gram * decay).masked_fill(~strict, 0.0) * bc[..., None]  # [B, H, N, C, C]
+        else:
+            decay = None
+            diff = (R[..., :, None] - L[..., None, :]).masked_fill(~strict, float("-inf"))
+            A = gram * torch.exp(diff) * bc[..., None]             # [B, H, N, C, C] strictly lower
         kr = kc * (bc * torch.exp(R))[..., None]                   # [B, H, N, C, K]
     else:
         A = gram.masked_fill(~strict, 0.0) * bc[..., None]         # [B, H, N, C, C]
         kr = kc * bc[..., None]                                    # [B, H, N, C, K]
     eye = torch.eye(C, dtype=dt, device=k.device)
-    rhs = torch.cat([vc * bc[..., None], kr], dim=-1)              # [B, H, N, C, V + K]
-    sol = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
-    U0, Wk = sol[..., :V], sol[..., V:]                            # [B,H,N,C,V], [B,H,N,C,K]
+    # (I + A) X = [beta v, kr] solved in transposed form, X^T (I + A)^T = [beta v, kr]^T, whose
+    # row-major layout is the fast one for batched triangular solves on CPU
+    rhs_t = torch.cat([(vc * bc[..., None]).transpose(-1, -2), kr.transpose(-1, -2)], dim=-2)  # [B,H,N,V+K,C]
+    sol_t = torch.linalg.solve_triangular((A + eye).transpose(-1, -2), rhs_t, upper=True, left=False,
+                                          unitriangular=True)     # [B, H, N, V + K, C]
+    U0 = sol_t[..., :V, :].transpose(-1, -2)                       # [B, H, N, C, V]
+    Wk = sol_t[..., V:, :].transpose(-1, -2)                       # [B, H, N, C, K]
     decayed = log_gamma is not None
     if decayed:
         L_last = L[..., -1:]                                       # [B, H, N, 1]
@@ -228,21 +241,28 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         scores = qc @ kc.transpose(-1, -2)                         # [B, H, N, C, C]
         if decayed:
             Lq = L if inclusive else L - lg                        # [B, H, N, C]
-            scores = scores * torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~incl, float("-inf")))
+            if decay is None:
+                decay = torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~incl, float("-inf")))
+            scores = scores * decay                                # [B, H, N, C, C]
             qd = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
         else:
             scores = scores.masked_fill(~incl, 0.0)
             qd = qc
+    # everything that does not depend on the chunk-start state, for all chunks at once:
+    #   u_n = U0_n - Wk_n @ S_n,  S_{n+1} = decay_n S_n + kd_n^T u_n = decay_n S_n + G_n - P_n @ S_n,
+    #   o_n = qd_n @ S_n + scores_n @ u_n = Q_eff_n @ S_n + O0_n
+    G = kd.transpose(-1, -2) @ U0                                  # [B, H, N, K, V]
+    P = kd.transpose(-1, -2) @ Wk                                  # [B, H, N, K, K]
     S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
-    outs = []
-    for n in range(N):
-        u = U0[:, :, n] - Wk[:, :, n] @ S                          # [B, H, C, V]
-        if q is not None:
-            outs.append(qd[:, :, n] @ S + scores[:, :, n] @ u)     # [B, H, C, V]
-        S_new = kd[:, :, n].transpose(-1, -2) @ u                  # [B, H, K, V]
-        S = (S * chunk_decay[:, :, n, None, None] if decayed else S) + S_new
+    starts = []
+    for n in range(N):                                             # the only sequential part
+        starts.append(S)
+        S = (S * chunk_decay[:, :, n, None, None] if decayed else S) + G[:, :, n] - P[:, :, n] @ S
     S_out = S.to(S0.dtype if S0 is not None else v.dtype)
     if q is None:
         return None, S_out
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)  # [B, T, H, V]
+    S_start = torch.stack(starts, dim=2)                           # [B, H, N, K, V]
+    q_eff = qd - scores @ Wk                                       # [B, H, N, C, K]
+    o = q_eff @ S_start + scores @ U0                              # [B, H, N, C, V]
+    o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)          # [B, T, H, V]
     return o.to(v.dtype), S_out
