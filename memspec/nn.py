@@ -33,25 +33,54 @@ class MLP(nn.Module):
         return self.down(nn.functional.gelu(self.up(x)))
 
 
-class Block(nn.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``.
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over the last ``kernel`` tokens (initialised to the identity).
 
-    ``forward(x, state=None, return_state=False)`` with x ``[B, T, d_model]``; the state is
-    the mixer's.
+    ``forward(x, state=None) -> (y, state)`` with x, y ``[B, T, d]``; state ``[B, kernel - 1, d]``
+    holds the last inputs.  Fast-weight layers use it so that a token's key can see its
+    predecessor (the short convolution of DeltaNet / Zoology's models).
     """
 
-    def __init__(self, mixer: nn.Module, d_model: int, mlp_ratio: int = 4):
+    def __init__(self, d: int, kernel: int = 4):
+        super().__init__()
+        self.kernel = kernel
+        w = torch.zeros(d, kernel)
+        w[:, -1] = 1.0
+        self.weight = nn.Parameter(w)                                  # [d, kernel]
+
+    def forward(self, x: torch.Tensor, state=None):
+        B, T, d = x.shape
+        past = state if state is not None else x.new_zeros(B, self.kernel - 1, d)
+        xx = torch.cat([past, x], dim=1)                               # [B, kernel - 1 + T, d]
+        y = nn.functional.conv1d(xx.transpose(1, 2), self.weight.unsqueeze(1), groups=d)
+        return y.transpose(1, 2), xx[:, xx.shape[1] - (self.kernel - 1):]
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + mixer(conv(norm(x)))``, then ``x + mlp(norm(x))``.
+
+    ``conv`` is an optional :class:`ShortConv` of ``conv`` taps (0 = none).
+    ``forward(x, state=None, return_state=False)`` with x ``[B, T, d_model]``; the state is
+    ``{"mixer": <the mixer's state>, "conv": [B, conv - 1, d_model]}``.
+    """
+
+    def __init__(self, mixer: nn.Module, d_model: int, mlp_ratio: int = 4, conv: int = 0):
         super().__init__()
         self.norm1 = nn.RMSNorm(d_model)
+        self.conv = ShortConv(d_model, conv) if conv > 1 else None
         self.mixer = mixer
         self.norm2 = nn.RMSNorm(d_model)
         self.mlp = MLP(d_model, mlp_ratio)
 
     def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
-        h, state = self.mixer(self.norm1(x), state=state, return_state=True)
+        st = state if state is not None else {"mixer": None, "conv": None}
+        u, conv_state = self.norm1(x), None
+        if self.conv is not None:
+            u, conv_state = self.conv(u, st["conv"])
+        h, mixer_state = self.mixer(u, state=st["mixer"], return_state=True)
         x = x + h
         x = x + self.mlp(self.norm2(x))
-        return (x, state) if return_state else x
+        return (x, {"mixer": mixer_state, "conv": conv_state}) if return_state else x
 
 
 def _load_spec(spec):
@@ -86,11 +115,12 @@ class MemoryLM(nn.Module):
     ``make_layer(spec, d_model) -> nn.Module`` overrides how a mixer is built (default:
     ``memspec.build(spec, d_model=d_model, compile=compile, **dims)``); the wiring
     attention uses ``heads`` attention heads (the spec's ``heads`` dim when it divides
-    ``d_model``, else 1).
+    ``d_model``, else 1); ``conv`` taps of causal short convolution before each mixer
+    (0 or 1 = none).
     """
 
     def __init__(self, spec, vocab_size: int, d_model: int, n_layers: int, *, tie_embeddings: bool = True,
-                 compile: bool = False, mlp_ratio: int = 4, make_layer: Callable | None = None, **dims):
+                 compile: bool = False, mlp_ratio: int = 4, conv: int = 4, make_layer: Callable | None = None, **dims):
         super().__init__()
         self.spec = _load_spec(spec)
         self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
@@ -102,7 +132,7 @@ class MemoryLM(nn.Module):
             layer = make_layer(self.spec, d_model) if make_layer else _default_layer(self.spec, d_model, compile, dims)
             mixer = wrap(layer, w.kind, d_model, segment=w.segment, window=w.window,
                          persistent=w.persistent, heads=heads)
-            blocks.append(Block(mixer, d_model, mlp_ratio))
+            blocks.append(Block(mixer, d_model, mlp_ratio, conv))
         self.embed = nn.Embedding(vocab_size, d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
         self.blocks = nn.ModuleList(blocks)
