@@ -21,7 +21,8 @@ at the offending span and carries its own code:
 ``E-cycle``            a cycle within one token step (lets using each other)
 ``E-order``            something that uses a value only available later (a gate
                        using anything but logit/constants/dims/params; a let
-                       reading state, applying the model or using a later let)
+                       reading state, applying the model or using a later let;
+                       a model using a view, gate or let: the model is f(u; state))
 ``E-state-unwritten``  a state no update statement assigns
 ``E-state-unread``     a state whose value never reaches the output
 ``W-state-temporary``  (warning) a state always overwritten before it is read in a
@@ -180,6 +181,21 @@ class _Checker:
                 if isinstance(x, Call) and spec.model is not None and x.fn == spec.model.name:
                     self.d.error(f"gate {_q(n)} applies the model {x.fn}; a gate formula may use only logit, "
                                  "constants, dims and params", x.fn_span or x.span, code="E-order")
+
+    def model_scope(self) -> None:
+        """The model is f(u; state): its argument, states, params, constants and dims."""
+        m = self.spec.model
+        if m is None:
+            return
+        allowed = {"dim", "constant", "param", "state"}
+        for x in m.body.walk():
+            if isinstance(x, Name) and x.id != m.arg:
+                kind = self.first_kind.get(x.id)
+                if kind is not None and kind not in allowed:
+                    self.d.error(f"the model uses the {kind} {_q(x.id)}; a model may use only its argument "
+                                 f"{_q(m.arg)}, states, params, constants and dims", x.span,
+                                 hint=f"pass it in as the argument, e.g. {m.name}({x.id}), or use it in the loss",
+                                 code="E-order")
 
     def lets(self) -> None:
         spec = self.spec
@@ -390,6 +406,7 @@ class _Checker:
         self.dims_in_shapes()
         self.d.extend(self.g.graph.get("diagnostics", []))
         self.gates()
+        self.model_scope()
         self.lets()
         self.cycles()
         self.updates()

@@ -105,8 +105,7 @@ def spec_text(spec, path=None) -> str:
 def _default_layer(spec, d_model: int, compile: bool, dims: dict) -> nn.Module:
     from .build import build
 
-    extra = {"d_model": d_model} if "d_model" in spec.dims else {}
-    return build(spec, compile=compile, **extra, **dims)
+    return build(spec, compile=compile, d_model=d_model, **dims)
 
 
 class MemoryLM(nn.Module):

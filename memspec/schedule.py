@@ -749,6 +749,93 @@ def replace_grads(e: Expr, alg: Algebra, table: dict) -> Expr:
     return e
 
 
+# ----------------------------------------------------------- value ranges
+INF = float("inf")
+_RANGES = {"sigmoid": (0.0, 1.0), "softplus": (0.0, INF), "relu": (0.0, INF), "abs": (0.0, INF),
+           "sqrt": (0.0, INF), "norm": (0.0, INF), "tanh": (-1.0, 1.0), "sign": (-1.0, 1.0),
+           "elu": (-1.0, INF), "gelu": (-0.2, INF), "silu": (-0.3, INF)}
+
+
+def value_range(alg: Algebra, e: Expr, logit=(-INF, INF)) -> tuple[float, float]:
+    """An interval containing every value of ``e`` (interval arithmetic; gates through their formula)."""
+    def mul(a, b):
+        prods = []
+        for x in a:
+            for y in b:
+                prods.append(0.0 if (x == 0 or y == 0) else x * y)
+        return min(prods), max(prods)
+
+    if isinstance(e, Num):
+        return float(e.value), float(e.value)
+    if isinstance(e, Name):
+        spec = alg.spec
+        if e.id == "logit":
+            return logit
+        if e.id in spec.constants:
+            return float(spec.constants[e.id]), float(spec.constants[e.id])
+        if e.id in spec.dims:
+            return 1.0, INF
+        if e.id in spec.gates:
+            return value_range(alg, spec.gates[e.id].formula)
+        if e.id in alg.lets:
+            return value_range(alg, alg.lets[e.id])
+        return -INF, INF
+    if isinstance(e, Neg):
+        lo, hi = value_range(alg, e.operand, logit)
+        return -hi, -lo
+    if isinstance(e, BinOp):
+        a, b = value_range(alg, e.left, logit), value_range(alg, e.right, logit)
+        if e.op == "+":
+            return a[0] + b[0], a[1] + b[1]
+        if e.op == "-":
+            return a[0] - b[1], a[1] - b[0]
+        if e.op == "*":
+            if e.left == e.right:
+                lo, hi = mul(a, a)
+                return max(lo, 0.0), hi
+            return mul(a, b)
+        if e.op == "/" and (b[0] > 0 or b[1] < 0):
+            inv = (1.0 / b[1] if b[1] != INF else 0.0, 1.0 / b[0] if b[0] != -INF else 0.0)
+            return mul(a, tuple(sorted(inv)))
+        if e.op == "^" and isinstance(e.right, Num) and float(e.right.value) % 2 == 0:
+            return 0.0, INF
+        return -INF, INF
+    if isinstance(e, Call):
+        if e.fn == "exp":
+            lo, hi = value_range(alg, e.args[0], logit)
+            import math
+            return (math.exp(lo) if lo != -INF else 0.0), (math.exp(hi) if hi < 700 else INF)
+        if e.fn in ("sigmoid", "tanh"):
+            return _RANGES[e.fn]
+        if e.fn in _RANGES:
+            return _RANGES[e.fn]
+        if e.fn == "clamp":
+            lo, hi = value_range(alg, e.args[1], logit)[0], value_range(alg, e.args[2], logit)[1]
+            return lo, hi
+        if e.fn in ("min", "max"):
+            a, b = value_range(alg, e.args[0], logit), value_range(alg, e.args[1], logit)
+            f = min if e.fn == "min" else max
+            return f(a[0], b[0]), f(a[1], b[1])
+        if e.fn in ("sum", "mean") and isinstance(e.args[0], BinOp) and e.args[0].op in "*^":
+            inner = value_range(alg, e.args[0], logit)
+            return (0.0, INF) if inner[0] >= 0 else (-INF, INF)
+    return -INF, INF
+
+
+def _check_decay(alg: Algebra, gamma: Expr | None, where: str) -> str | None:
+    """A reason line when the decay is provably >= 0, else raise NotAdmitted (the chunk form takes its log)."""
+    if gamma is None:
+        return None
+    lo, hi = value_range(alg, gamma)
+    if lo < 0:
+        raise NotAdmitted(f"the decay {_txt(gamma)} {where} is not provably >= 0 (the chunk form takes its log)")
+    return f"the decay {_txt(gamma)} {where} lies in [{_fmt_bound(lo)}, {_fmt_bound(hi)}]"
+
+
+def _fmt_bound(x: float) -> str:
+    return "inf" if x == INF else format(x, "g")
+
+
 # ------------------------------------------------------------- families
 def _updates(alg: Algebra) -> list[tuple[str, Expr]]:
     return [(s.target, alg.inline(s.value)) for s in alg.spec.update]
@@ -895,6 +982,7 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
         if _is_num(gamma, 0):
             raise NotAdmitted(f"the update of {n} overwrites it (decay 0): not a recurrence")
         terms = _outer_terms(alg, rest, n)
+        dr = _check_decay(alg, None if _is_num(gamma, 1) else gamma, f"of {n}")
         inc: Expr = ZERO
         for a, b in terms:
             inc = BinOp("+", inc, Call("outer", (a, b)) if len(st.shape) == 2 else BinOp("*", b, a))
@@ -902,6 +990,8 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
         decay = "no decay" if _is_num(gamma, 1) else f"a token-local scalar decay {_txt(gamma)}"
         reasons.append(f"update of {n} is affine in {n}: {n} <- {rec}, with {decay} "
                        f"and an increment {_txt(inc)} independent of the state")
+        if dr:
+            reasons.append(dr)
         states.append(AdditiveState(n, None if _is_num(gamma, 1) else gamma, tuple(terms), len(st.shape) == 1))
     read, probes = find_probes(alg, alg.inline(spec.read), set(alg.states))
     reasons.append("the read is a function of the linear probes "
@@ -999,6 +1089,9 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     v = simplify(_mul(g_post, Neg(gf.r)))
     if _is_num(gamma, 0):
         raise NotAdmitted(f"the update of {W} has decay 0")
+    decay_lines = [r for r in (_check_decay(alg, None if _is_num(gamma, 1) else gamma, f"of {W}"),
+                               _check_decay(alg, None if rho in (gamma, ONE) else rho,
+                                            "seen by the error term")) if r]
     btxt = _txt(beta)
     G = Call("grad", (Name("loss"), Name(W)))
     stmt = BinOp("+", BinOp("*", c, Name(W)), BinOp("*", dg, G))
@@ -1015,6 +1108,7 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
         "-", Name("v"), BinOp("*", rho, BinOp("@", Name("k"), Wp)))))))
     rec = f"{W} <- {_txt(rec_e)} with k = {_txt(gf.p)}, v = {_txt(v)}, beta = {btxt}"
     reasons.append(("gated delta rule: " if not _is_num(gamma, 1) else "delta rule: ") + rec)
+    reasons += decay_lines
     read, probes = find_probes(alg, alg.inline(spec.read), {W})
     reasons.append("the read is a function of the linear probes "
                    + ", ".join(_txt(BinOp("@", p.vector, Name(p.state))) for p in probes) if probes

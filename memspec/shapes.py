@@ -494,6 +494,8 @@ class ShapeEnv:
         if not ok or sq is None or ss is None:
             return None
         sk, sv = self.names[K.id], self.names[V.id]
+        if sk is None or sv is None:
+            return None
         if len(sq) != 1 or sq[0] != sk[-1]:
             ctx.diags.error(f"shape mismatch in attend: the query is {fmt_shape(sq)}, the keys are {fmt_shape(sk)}",
                             q.span or e.span, hint=f"the query must be [{sk[-1]}]", code="E-shape")
@@ -516,7 +518,7 @@ class ShapeEnv:
             return None
         sK = self.names[K.id]
         sk = self._infer(k, ctx)
-        if sk is None:
+        if sk is None or sK is None:
             return None
         if tuple(sk) != tuple(sK[1:]):
             ctx.diags.error(f"shape mismatch in append: cache '{K.id}' holds {fmt_shape(sK[1:])}, got {fmt_shape(sk)}",

@@ -183,6 +183,8 @@ _NOISE = list("[]{}()<>:;,.=+-*/@^'\"#!&|%$\\\t\n ") + ["\x00", "é", "\ufeff", 
 def _mutate(text: str, rng: random.Random) -> str:
     kind = rng.randrange(7)
     n = len(text)
+    if n == 0:
+        return rng.choice(_NOISE)
     if kind == 0:  # truncate
         return text[: rng.randrange(n + 1)]
     if kind == 1:  # delete a run of characters
