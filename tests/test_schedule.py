@@ -458,3 +458,21 @@ def test_bench_cli_json(tmp_path, capsys):
     assert "median ms" in capsys.readouterr().out
     assert main(["bench", str(path), "--T", "0"]) == 2
     assert "--T must be >= 1" in capsys.readouterr().err
+
+
+def test_decay_must_be_provably_nonnegative():
+    text = """
+        memory d
+        dims { d_k = 4 }
+        view k : d_k
+        gate alpha = sigmoid(logit)
+        state S : [d_k, d_k] = zeros
+        update { S = (1 - 2 * alpha) * S + outer(k, k) }
+        read = k @ S
+    """
+    d = analyse(mem(text))
+    assert d.family == "online"
+    assert "not provably >= 0" in dict(d.rejected)["additive"]
+    d = analyse(mem(text.replace("(1 - 2 * alpha)", "exp(-softplus(alpha))")))
+    assert d.family == "additive"
+    assert "the decay exp(-softplus(alpha)) of S lies in [0, 1]" in d.reasons
