@@ -1164,7 +1164,12 @@ def _why_not_online_fast(alg: Algebra) -> list[str]:
 # ------------------------------------------------------------- decision
 def analyse(spec) -> ScheduleDecision:
     """Decide the schedule of a spec from its algebra; raise SpecError if a forced one is impossible."""
-    alg = Algebra(spec)
+    try:
+        alg = Algebra(spec)
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError, RecursionError) as err:
+        raise SpecError([Diagnostic("error", f"cannot analyse the schedule of {spec.name}: "
+                                             f"{type(err).__name__}: {err}", spec.span("update"),
+                                    hint="run `memspec check` on the spec", code="E-schedule")]) from None
     token = _SHOW_LETS.set(tuple((inl, n) for n, inl in alg.lets.items() if not isinstance(inl, Name)))
     try:
         return _analyse(spec, alg)
@@ -1184,6 +1189,9 @@ def _analyse(spec, alg: Algebra) -> ScheduleDecision:
             plans[fam], whys[fam] = fn()
         except NotAdmitted as err:
             rejected.append((fam, str(err)))
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError, RecursionError) as err:
+            # a spec the checks would reject (wrong arity, unknown names): never a traceback here
+            rejected.append((fam, f"the algebra cannot be read ({type(err).__name__}); run `memspec check`"))
     plans["online"], whys["online"] = None, ["online: one token at a time, always exact"]
     admits = tuple(f for f in FAMILIES if f in plans)
     kind = spec.schedule_kind
