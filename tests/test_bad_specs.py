@@ -94,6 +94,7 @@ CHECK_CODES_BY_FILE = {
     "update_target": "update statements assign states",
     "model_shadow": "the model",
     "unknown_dim": "unknown dim",
+    "model_scope": "a model may use only its argument",
 }
 
 

@@ -131,6 +131,17 @@ def test_lets():
     assert [d.code for d in ds] == ["E-order"] and "cannot apply the model" in ds[0].message
 
 
+def test_model_scope():
+    ds = diags_of(BASE.replace("f(u) = u @ W", "f(u) = (u + q) @ W * eta"))
+    assert [(d.code, d.message) for d in ds] == [
+        ("E-order", "the model uses the view 'q'; a model may use only its argument 'u', states, params, constants "
+                    "and dims"),
+        ("E-order", "the model uses the gate 'eta'; a model may use only its argument 'u', states, params, "
+                    "constants and dims")]
+    ok = BASE.replace("dims: {", "constants: {c: 2.0}\nparams: {s: {shape: [d_v], init: ones}}\ndims: {")
+    assert diags_of(ok.replace("f(u) = u @ W", "f(u) = c * (u @ W) * s + d_k")) == []
+
+
 CACHE = """name: c
 dims: {d_model: 8, heads: 2, d_k: 4, d_v: 4}
 views: {q: d_k, k: d_k, v: d_v}
