@@ -131,7 +131,13 @@ def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in:
     if isinstance(plan, AdditivePlan):
         w.lines.append(f"# additive chunked schedule ({exact}): S <- gamma * S + outer(a, b); "
                        f"the read sees the state only through probes p @ S")
+        done = set()
+        for group in _shared_calls(plan):
+            _emit_shared(w, spec, plan, group, state_in, state_out, chunk, inclusive, probe_names, probe_shapes)
+            done |= {st.name for st in group}
         for st in plan.states:
+            if st.name in done:
+                continue
             S = st.name
             lg = w.log_decay(st.gamma, f"{S}_log_gamma")
             probes = [p for p in plan.probes if p.state == S]
@@ -196,6 +202,78 @@ def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in:
     if ret:
         w.lines.append(f"return {out}, {{{', '.join(f'{n!r}: {state_out[n]}' for n in spec.state)}}}")
     return w.lines
+
+
+def _shared_calls(plan: AdditivePlan) -> list[list]:
+    """Groups of single-term states with the same decay, the same key ``a`` and the same probe
+    vectors: one kernel call serves them all, their values concatenated on the last axis
+    (e.g. linear attention's numerator S and normaliser z)."""
+    groups: list[list] = []
+    keys: list = []
+    for st in plan.states:
+        if len(st.terms) != 1:
+            continue
+        key = (st.gamma, st.terms[0][0], tuple(p.vector for p in plan.probes if p.state == st.name))
+        if key in keys:
+            groups[keys.index(key)].append(st)
+        else:
+            keys.append(key)
+            groups.append([st])
+    return [g for g in groups if len(g) > 1]
+
+
+def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, inclusive, probe_names, probe_shapes):
+    names = "_".join(st.name for st in group)
+    first = group[0]
+    lg = w.log_decay(first.gamma, f"{names}_log_gamma")
+    probes = {st.name: [p for p in plan.probes if p.state == st.name] for st in group}
+    pcodes = [w.value(p.vector, f"{names}_probe{i}", vector=True) for i, p in enumerate(probes[first.name])]
+    ac = w.value(first.terms[0][0], f"{names}_a", vector=True)
+    bcs, inits, widths, wnames = [], [], [], []
+    for st in group:
+        b = st.terms[0][1]
+        if st.vector:
+            if isinstance(b, Num) and float(b.value) == 1.0:
+                bcs.append(f"torch.ones_like({ac}[..., :1])")
+            else:
+                bcs.append(w.value(b, f"{st.name}_b", vector=False) + ".unsqueeze(-1)")
+            inits.append(f"{state_in[st.name]}.unsqueeze(-1)")
+            widths.append("1")
+            wnames.append("1")
+        else:
+            bcs.append(w.value(b, f"{st.name}_b", vector=True))
+            inits.append(state_in[st.name])
+            widths.append(w.em.emit(Name(spec.state[st.name].shape[1])))
+            wnames.append(spec.state[st.name].shape[1])
+    bname, sname = w.fresh(f"{names}_b"), w.fresh(f"{names}_0")
+    w.lines.append(f"# one kernel call for {', '.join(st.name for st in group)}: same decay, key and probes; "
+                   f"values side by side")
+    w.lines.append(f"{bname} = torch.cat([{', '.join(bcs)}], dim=-1)  # [B, T, H, {' + '.join(wnames)}]")
+    w.lines.append(f"{sname} = torch.cat([{', '.join(inits)}], dim=-1)  # [B, H, {spec.state[first.name].shape[0]}, "
+                   f"{' + '.join(wnames)}]")
+    split = f"[{', '.join(widths)}]"
+    final = w.fresh(f"{names}_T")
+    for pi, pc in enumerate(pcodes or ["None"]):
+        o_name = w.fresh(f"{names}_read{pi}") if pc != "None" else "_"
+        s_name = final if pi == 0 else "_"
+        w.lines.append(f"{o_name}, {s_name} = chunk_additive({pc}, {ac}, {bname}, {lg}, {sname}, {chunk}, "
+                       f"inclusive={inclusive})")
+        if pc != "None":
+            outs = [w.fresh(f"{st.name}_probe_out{pi}" if len(pcodes) > 1 else f"{st.name}_probe_out")
+                    for st in group]
+            w.lines.append(f"{', '.join(outs)} = torch.split({o_name}, {split}, dim=-1)")
+            for st, out in zip(group, outs):
+                p = probes[st.name][pi]
+                if st.vector:
+                    w.lines.append(f"{out} = {out}.squeeze(-1)  # [B, T, H]")
+                probe_names[p.name] = out
+                probe_shapes[out] = () if st.vector else (spec.state[st.name].shape[1],)
+    outs = [state_out[st.name] for st in group]
+    w.lines.append(f"{', '.join(outs)} = torch.split({final}, {split}, dim=-1)")
+    for st in group:
+        if st.vector:
+            w.lines.append(f"{state_out[st.name]} = {state_out[st.name]}.squeeze(-1)  # [B, H, "
+                           f"{spec.state[st.name].shape[0]}]")
 
 
 def _rename(e: Expr, names: dict) -> Expr:
