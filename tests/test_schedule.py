@@ -350,6 +350,21 @@ CHUNKED = {
         }
         read = (qf @ S) / (qf @ z + 1)
     """,
+    "two_decays": """
+        memory td
+        dims { d_k = 3, d_v = 4 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        gate alpha = sigmoid(logit)
+        state S : [d_k, d_v] = zeros
+        state z : [d_k] = zeros
+        update {
+          S = (1 - alpha) * S + outer(k, v) + outer(q, 2 * v)
+          z = z + alpha * k
+        }
+        read = (q @ S) * (k @ z) + q @ z
+    """,
     "read_write": """
         memory rw
         dims { d_k = 4, d_v = 6 }
@@ -387,6 +402,7 @@ def test_chunked_forward_matches_reference(name):
     assert d.family in ("additive", "delta")
     fwd, src = _build(spec)
     assert "chunk_" in src
+    assert ("one kernel call for S, z" in src) == (name == "linear_attention")
     vg, st = _inputs(spec)
     leaves = [x.requires_grad_() for x in [*vg.values(), *st.values()]]
     o_ref, s_ref = reference.run(spec, state=st, **vg)
