@@ -31,9 +31,9 @@ rules of that place (``grad`` only in updates, ``logit`` only in gates); the def
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
-from .errors import Collector, Diagnostic, Span, SpecError, did_you_mean
+from .errors import Collector, Span, SpecError, did_you_mean
 from .expr import FUNCTIONS, ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
 
 Shape = tuple  # tuple[str, ...]
@@ -244,7 +244,7 @@ class ShapeEnv:
                             hint=f"{n}: {FUNCTIONS[n][2]}", code="E-unknown-name")
             return None
         cands = [c for c in list(self.names) + list(ctx.scope) if _plain(c)]
-        ctx.diags.error(f"unknown name '{n}'", e.span, hint=did_you_mean(n, cands) or _declared_hint(self),
+        ctx.diags.error(f"unknown name '{n}'", e.span, hint=did_you_mean(n, cands),
                         code="E-unknown-name")
         return None
 
@@ -586,10 +586,6 @@ def _where(span: Span | None) -> str:
 
 def _fn_examples() -> str:
     return "sum, mean, sqrt, exp, sigmoid, layernorm, outer, grad, attend, ... (see docs/language.md)"
-
-
-def _declared_hint(env: ShapeEnv) -> Optional[str]:
-    return None
 
 
 def let_order(lets: dict) -> list:
