@@ -122,7 +122,10 @@ class _Checker:
                 if n in seen:
                     self.dup_names.add(n)
                     kind, first = seen[n]
-                    where = f" at line {first.line}" if first is not None else ""
+                    where = ""
+                    if first is not None:
+                        where = f" at line {first.line}" if sp is None or first.file == sp.file else \
+                            f" at {first.file}:{first.line}"
                     self.d.error(f"{_q(n)} is declared twice: as a {kind}{where} and as a {word}", sp,
                                  hint="every name is declared once across dims, constants, views, gates, params, "
                                       "state and let", code="E-duplicate")
