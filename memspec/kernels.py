@@ -94,25 +94,27 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True):
         chunk_decay = torch.exp(L_last[..., 0])                    # [B, H, N]
     else:
         kd = kc
-    dS = kd.transpose(-1, -2) @ vc                                 # [B, H, N, K, V]
-    starts = []
-    for n in range(N):
-        starts.append(S)
-        S = (S * chunk_decay[:, :, n, None, None] if log_gamma is not None else S) + dS[:, :, n]
+    if q is not None:
+        qc = blocks(q)                                             # [B, H, N, C, K]
+        scores = qc @ kc.transpose(-1, -2)                         # [B, H, N, C, C]
+        if log_gamma is not None:
+            Lq = L if inclusive else L - lg                        # [B, H, N, C]
+            idx = torch.arange(C, device=k.device)
+            mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
+            scores = scores * torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")))
+            qc = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
+        else:
+            scores = scores.tril(0 if inclusive else -1)           # [B, H, N, C, C]
+        o_intra = scores @ vc                                      # [B, H, N, C, V]
+    kd_t = kd.transpose(-1, -2)                                    # [B, H, N, K, C]
+    outs = []
+    for n in range(N):                                             # the only sequential part
+        if q is not None:
+            outs.append(qc[:, :, n] @ S)                           # [B, H, C, V]
+        S = (S * chunk_decay[:, :, n, None, None] if log_gamma is not None else S) + kd_t[:, :, n] @ vc[:, :, n]
     if q is None:
         return None, S.to(S0.dtype if S0 is not None else v.dtype)
-    S_start = torch.stack(starts, dim=2)                           # [B, H, N, K, V]
-    qc = blocks(q)                                                 # [B, H, N, C, K]
-    scores = qc @ kc.transpose(-1, -2)                             # [B, H, N, C, C]
-    idx = torch.arange(C, device=k.device)
-    mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
-    if log_gamma is not None:
-        Lq = L if inclusive else L - lg                            # [B, H, N, C]
-        diff = (Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf"))
-        scores = scores * torch.exp(diff)                          # [B, H, N, C, C]
-        o = (qc * torch.exp(Lq)[..., None]) @ S_start + scores @ vc  # [B, H, N, C, V]
-    else:
-        o = qc @ S_start + scores.masked_fill(~mask, 0.0) @ vc     # [B, H, N, C, V]
+    o = torch.stack(outs, dim=2) + o_intra                         # [B, H, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)          # [B, T, H, V]
     return o.to(v.dtype), S.to(S0.dtype if S0 is not None else v.dtype)
 
