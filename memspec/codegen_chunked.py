@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 
 from . import kernels
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose
 from .schedule import AdditivePlan, DeltaPlan, ScheduleDecision, simplify
 
 KERNELS = {"additive": ("chunk_additive",), "delta": ("chunk_delta",)}
@@ -121,7 +121,6 @@ def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in:
     w = _Writer(spec, emitter, taken)
     state_out = {n: (state_out or {}).get(n) or w.fresh(f"{n}_new") for n in spec.state}
     inclusive = plan.inclusive
-    exact = "exact"
     if lets and spec.let:
         w.lines.append("# token-local values of all tokens at once")
         for n, e in spec.let.items():
@@ -129,7 +128,7 @@ def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in:
     probe_names: dict[str, str] = {}
     probe_shapes: dict[str, tuple] = {}
     if isinstance(plan, AdditivePlan):
-        w.lines.append(f"# additive chunked schedule ({exact}): S <- gamma * S + outer(a, b); "
+        w.lines.append(f"# additive chunked schedule (exact): S <- gamma * S + outer(a, b); "
                        f"the read sees the state only through probes p @ S")
         done = set()
         for group in _shared_calls(plan):
@@ -179,7 +178,7 @@ def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in:
                 w.lines.append(f"{state_out[n]} = {state_in[n]}")
     else:
         W = plan.state
-        w.lines.append(f"# delta chunked schedule ({exact}): {W} <- gamma * {W} + outer(k, beta * (v - rho * k @ {W})),"
+        w.lines.append(f"# delta chunked schedule (exact): {W} <- gamma * {W} + outer(k, beta * (v - rho * k @ {W})),"
                        f" WY / UT form with one triangular solve per chunk")
         lg = w.log_decay(plan.gamma, f"{W}_log_gamma")
         lr = w.log_decay(plan.rho, f"{W}_log_rho") if plan.rho is not None else "None"

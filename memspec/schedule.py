@@ -127,9 +127,6 @@ class NotAdmitted(Exception):
 
 # ---------------------------------------------------------- expressions
 ZERO, ONE = Num(0), Num(1)
-_ELEMENTWISE = {"sqrt", "exp", "log", "abs", "sign", "sigmoid", "softplus", "tanh", "relu",
-                "gelu", "silu", "elu"}
-
 
 def _is_num(e: Expr, v: float | None = None) -> bool:
     return isinstance(e, Num) and (v is None or float(e.value) == v)
@@ -1155,10 +1152,6 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
 
 def _gtxt(e: Expr, grads: dict) -> str:
     return unparse(substitute(e, {k: v for k, v in grads.items()}))
-
-
-def _why_not_online_fast(alg: Algebra) -> list[str]:
-    return []
 
 
 # ------------------------------------------------------------- decision
