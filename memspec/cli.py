@@ -255,6 +255,8 @@ def _train_arguments(s, compare: bool) -> None:
         ("--eval-size", int, "eval_size", "held-out sequences")]:
         s.add_argument(flag, type=kind, dest=dest, help=help_)
     s.add_argument("--lr-schedule", choices=["cosine", "constant"], dest="lr_schedule")
+    s.add_argument("--dim", action="append", metavar="NAME=N",
+                   help="set a build-time dim of the memory (e.g. hidden=32, chunk=16); ignored by specs without it")
     s.add_argument("--compile", action="store_true", help="torch.compile the memory steps")
     s.add_argument("--out", help="folder for log.json and checkpoint.pt" + (" (one subfolder per spec)" if compare else ""))
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

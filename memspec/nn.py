@@ -34,7 +34,11 @@ class MLP(nn.Module):
 
 
 class ShortConv(nn.Module):
-    """Causal depthwise convolution over the last ``kernel`` tokens (initialised to the identity).
+    """Causal depthwise convolution over the last ``kernel`` tokens.
+
+    Initialised as a token shift: half of the channels carry the current token, the other
+    half the previous one (so that from the start a key can be associated with the token
+    after it, as associative recall needs).
 
     ``forward(x, state=None) -> (y, state)`` with x, y ``[B, T, d]``; state ``[B, kernel - 1, d]``
     holds the last inputs.  Fast-weight layers use it so that a token's key can see its
@@ -45,7 +49,8 @@ class ShortConv(nn.Module):
         super().__init__()
         self.kernel = kernel
         w = torch.zeros(d, kernel)
-        w[:, -1] = 1.0
+        w[: d - d // 2, -1] = 1.0                                      # current token
+        w[d - d // 2:, -2] = 1.0                                       # previous token (token shift)
         self.weight = nn.Parameter(w)                                  # [d, kernel]
 
     def forward(self, x: torch.Tensor, state=None):

@@ -46,7 +46,8 @@ class TrainConfig:
     d_model: int = 64
     layers: int = 2
     heads: int = 4                  # memory heads; dims d_k and d_v default to d_model // heads
-    lr: float = 3e-3
+    dims: dict = field(default_factory=dict)   # other build-time dims (e.g. hidden, chunk)
+    lr: float = 5e-3
     lr_schedule: str = "cosine"     # cosine | constant
     warmup: int = 20
     weight_decay: float = 0.1
@@ -103,13 +104,17 @@ def schedule_name(spec) -> str:
 
 def model_dims(spec, cfg: TrainConfig) -> dict:
     """Build-time dims of the memory at training size: ``heads``, and ``d_k`` / ``d_v``
-    (when the spec has them) set to ``d_model // heads``; other dims keep the spec's values."""
+    (when the spec has them) set to ``d_model // heads``; then ``cfg.dims`` (those the spec
+    has, and ``chunk``); other dims keep the spec's values."""
     if cfg.d_model % cfg.heads:
         raise ValueError(f"d_model={cfg.d_model} is not divisible by heads={cfg.heads}")
     dims = {"heads": cfg.heads} if "heads" in spec.dims else {}
     for name in ("d_k", "d_v"):
         if name in spec.dims:
             dims[name] = cfg.d_model // cfg.heads
+    for name, value in cfg.dims.items():
+        if name in spec.dims or name == "chunk":
+            dims[name] = value
     return dims
 
 
@@ -312,7 +317,14 @@ def config_from_args(args, usage_error=ValueError) -> TrainConfig:
             raise usage_error(f"--{k.replace('_', '-')} must be >= 1, got {over[k]}")
     if "lr" in over and not over["lr"] > 0:
         raise usage_error(f"--lr must be > 0, got {over['lr']}")
-    cfg = TrainConfig(task=args.task, compile=args.compile, out=args.out, progress=not args.no_progress, **over)
+    dims = {}
+    for item in getattr(args, "dim", None) or []:
+        name, _, value = item.partition("=")
+        if not name.isidentifier() or not value.isdigit() or int(value) < 1:
+            raise usage_error(f"--dim expects NAME=N with N >= 1, got {item!r}")
+        dims[name] = int(value)
+    cfg = TrainConfig(task=args.task, compile=args.compile, out=args.out, progress=not args.no_progress,
+                      dims=dims, **over)
     try:
         cfg.task_()
         _, world = dist_env()
