@@ -85,13 +85,20 @@ def test_training_smoke_loss_decreases(tmp_path):
         assert torch.isfinite(lm(x)).all()
 
 
-@pytest.mark.slow
+LEARN = replace(TINY, steps=300, batch=32, seq_len=24, pairs=4, vocab=24, d_model=32, layers=1, heads=2,
+                lr=5e-3, warmup=20, eval_size=128)
+
+
 def test_mqar_learning_far_above_chance():
-    cfg = replace(TINY, steps=300, batch=32, seq_len=24, pairs=4, vocab=24, d_model=32, layers=1, heads=2,
-                  lr=5e-3, warmup=20, eval_size=128)
-    r = train(DELTANET, cfg)
-    assert r.chance < 0.1
-    assert r.accuracy > 0.5, r.accuracy
+    r = train(DELTANET, LEARN)                  # about 15 s on one CPU thread
+    assert r.chance < 0.09
+    assert r.accuracy > 0.6, r.accuracy          # measured: 0.99
+    assert r.losses[-1] < 0.5 * r.losses[0]
+
+
+def test_write_disabled_memory_stays_near_chance():
+    r = train(NO_WRITE, LEARN)
+    assert r.accuracy < 2.5 * r.chance, r.accuracy
 
 
 def test_compare_table_and_write_disabled_control():
