@@ -145,7 +145,7 @@ class MAC(nn.Module):
         if state is None:
             return None
         if isinstance(state, torch.Tensor):
-            return state.repeat_interleave(times, dim=0)
+            return state.repeat_interleave(times, dim=0) if state.dim() else state
         if isinstance(state, dict):
             return {key: MAC._repeat_state(val, times) for key, val in state.items()}
         if isinstance(state, (list, tuple)):
