@@ -1135,6 +1135,16 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
             raise NotAdmitted(f"the update of {n} is not a linear recurrence with token-local coefficients")
         coef[n] = {k: simplify(v) for k, v in c.items() if not _is_num(simplify(v), 0)}
         rest[n] = simplify(r)
+    # the scans solve the recurrences one state after another: off-diagonal dependencies must be acyclic
+    done: list[str] = []
+    pending = list(alg.states)
+    while pending:
+        ready = [n for n in pending if all(r == n or r in done for r in coef[n])]
+        if not ready:
+            raise NotAdmitted(f"the recurrences of {', '.join(pending)} feed each other's previous values "
+                              f"(a coupled system, not a chain of scalar recurrences)")
+        done.append(ready[0])
+        pending.remove(ready[0])
     grads = {name: call for name, call in table.values()}
     reasons = []
     for n in alg.states:

@@ -492,3 +492,15 @@ def test_decay_must_be_provably_nonnegative():
     d = analyse(mem(text.replace("(1 - 2 * alpha)", "exp(-softplus(alpha))")))
     assert d.family == "additive"
     assert "the decay exp(-softplus(alpha)) of S lies in [0, 1]" in d.reasons
+
+
+def test_coupled_recurrences_are_not_minibatch():
+    d = analyse(mem(DELTA_HEAD.replace("state W : [d_k, d_v] = zeros",
+                                       "state W : [d_k, d_v] = zeros\nstate U : [d_k, d_v] = zeros") + """
+        loss = 0.5 * sum((f(k) - v)^2)
+        update { U = 0.5 * U + 0.1 * W - eta * grad(loss, W)
+                 W = W + 0.5 * U }
+        read = f(q)
+    """))
+    assert d.family == "online"
+    assert "feed each other's previous values" in dict(d.rejected)["minibatch"]
