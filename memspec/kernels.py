@@ -96,25 +96,25 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True):
         kd = kc
     if q is not None:
         qc = blocks(q)                                             # [B, H, N, C, K]
-        scores = qc @ kc.transpose(-1, -2)                         # [B, H, N, C, C]
         if log_gamma is not None:
             Lq = L if inclusive else L - lg                        # [B, H, N, C]
             idx = torch.arange(C, device=k.device)
             mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
-            scores = scores * torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")))
-            qc = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
+            decay = torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")))
+            qd = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
         else:
-            scores = scores.tril(0 if inclusive else -1)           # [B, H, N, C, C]
-        o_intra = scores @ vc                                      # [B, H, N, C, V]
+            qd = qc
     kd_t = kd.transpose(-1, -2)                                    # [B, H, N, K, C]
     outs = []
-    for n in range(N):                                             # the only sequential part
+    for n in range(N):                                             # one chunk at a time (cache-friendly on CPU)
         if q is not None:
-            outs.append(qc[:, :, n] @ S)                           # [B, H, C, V]
+            s_n = qc[:, :, n] @ kc[:, :, n].transpose(-1, -2)      # [B, H, C, C]
+            s_n = s_n * decay[:, :, n] if log_gamma is not None else s_n.tril(0 if inclusive else -1)
+            outs.append(qd[:, :, n] @ S + s_n @ vc[:, :, n])       # [B, H, C, V]
         S = (S * chunk_decay[:, :, n, None, None] if log_gamma is not None else S) + kd_t[:, :, n] @ vc[:, :, n]
     if q is None:
         return None, S.to(S0.dtype if S0 is not None else v.dtype)
-    o = torch.stack(outs, dim=2) + o_intra                         # [B, H, N, C, V]
+    o = torch.stack(outs, dim=2)                                   # [B, H, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)          # [B, T, H, V]
     return o.to(v.dtype), S.to(S0.dtype if S0 is not None else v.dtype)
 
