@@ -226,7 +226,7 @@ def run_cli(args, load_checked, usage_error) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise usage_error("--device cuda: no CUDA device is available")
     record = bench(args.files, T=args.T, B=args.B, H=args.H, D=args.D, device=args.device, dtype=args.dtype,
-                   repeat=args.repeat, grad=args.grad, schedules=schedules,
+                   repeat=args.repeat, grad=args.grad, schedules=schedules, compile=getattr(args, "compile", False),
                    loader=lambda p: load_checked(p)[0])
     sys.stdout.write(render(record))
     if args.json:

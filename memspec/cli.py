@@ -322,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
     s.add_argument("--repeat", type=int, default=5, help="timed runs per schedule (median reported)")
     s.add_argument("--grad", action="store_true", help="time forward + backward")
+    s.add_argument("--compile", action="store_true", help="build with torch.compile (first-call time includes it)")
     s.add_argument("--schedules", help="comma-separated subset of the admitted schedules")
     s.add_argument("--json", help="write the JSON record here")
     s.set_defaults(func=cmd_bench)
