@@ -92,14 +92,16 @@ def load_spec(path: str):
 
 
 def schedule_name(spec) -> str:
-    """The memory's derived schedule, e.g. ``delta(64)``, or the spec's own preference."""
+    """The memory's derived schedule, e.g. ``delta(64)`` (or the spec's own preference),
+    and the wiring when there is one: ``minibatch(64), mac``."""
     try:
         from .schedule import analyse
 
         d = analyse(spec)
-        return f"{d.family}({d.chunk})" if d.chunk else d.family
+        name = f"{d.family}({d.chunk})" if d.chunk else d.family
     except Exception:
-        return spec.schedule
+        name = spec.schedule
+    return name if spec.wiring.kind == "none" else f"{name}, {spec.wiring.kind}"
 
 
 def model_dims(spec, cfg: TrainConfig) -> dict:
