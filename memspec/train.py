@@ -91,14 +91,15 @@ def load_spec(path: str):
     return load_checked(path, warnings=False)[0]
 
 
-def schedule_name(spec) -> str:
+def schedule_name(spec, chunk: int | None = None) -> str:
     """The memory's derived schedule, e.g. ``delta(64)`` (or the spec's own preference),
     and the wiring when there is one: ``minibatch(64), mac``."""
     try:
         from .schedule import analyse
 
         d = analyse(spec)
-        name = f"{d.family}({d.chunk})" if d.chunk else d.family
+        size = chunk if chunk and d.chunk else d.chunk          # a --dim chunk=N override
+        name = f"{d.family}({size})" if size else d.family
     except Exception:
         name = spec.schedule
     return name if spec.wiring.kind == "none" else f"{name}, {spec.wiring.kind}"
@@ -265,7 +266,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
     bar.close()
 
     acc = evaluate(model, task, cfg, device)
-    result = RunResult(spec=label, schedule=schedule_name(spec), parameters=n_params, accuracy=acc,
+    result = RunResult(spec=label, schedule=schedule_name(spec, cfg.dims.get("chunk")), parameters=n_params, accuracy=acc,
                        chance=task.chance, tokens_per_s=tokens / max(t_train, 1e-9), seconds=t_train,
                        losses=losses, out=cfg.out)
     if cfg.out and main_process:
