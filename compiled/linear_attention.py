@@ -97,7 +97,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True):
         if pad:
             x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
         x = x.movedim(2, 1)
-        return x.reshape(B, H, N, C, *x.shape[3:])
+        return x.reshape(B, H, N, C, *x.shape[3:]).contiguous()  # one copy here, none inside matmul
 
     kc, vc = blocks(k), blocks(v)                                  # [B, H, N, C, K], [B, H, N, C, V]
     S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
@@ -109,25 +109,27 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True):
         chunk_decay = torch.exp(L_last[..., 0])                    # [B, H, N]
     else:
         kd = kc
-    dS = kd.transpose(-1, -2) @ vc                                 # [B, H, N, K, V]
-    starts = []
-    for n in range(N):
-        starts.append(S)
-        S = (S * chunk_decay[:, :, n, None, None] if log_gamma is not None else S) + dS[:, :, n]
+    if q is not None:
+        qc = blocks(q)                                             # [B, H, N, C, K]
+        if log_gamma is not None:
+            Lq = L if inclusive else L - lg                        # [B, H, N, C]
+            idx = torch.arange(C, device=k.device)
+            mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
+            decay = torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")))
+            qd = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
+        else:
+            qd = qc
+    kd_t = kd.transpose(-1, -2)                                    # [B, H, N, K, C]
+    outs = []
+    for n in range(N):                                             # one chunk at a time (cache-friendly on CPU)
+        if q is not None:
+            s_n = qc[:, :, n] @ kc[:, :, n].transpose(-1, -2)      # [B, H, C, C]
+            s_n = s_n * decay[:, :, n] if log_gamma is not None else s_n.tril(0 if inclusive else -1)
+            outs.append(qd[:, :, n] @ S + s_n @ vc[:, :, n])       # [B, H, C, V]
+        S = (S * chunk_decay[:, :, n, None, None] if log_gamma is not None else S) + kd_t[:, :, n] @ vc[:, :, n]
     if q is None:
         return None, S.to(S0.dtype if S0 is not None else v.dtype)
-    S_start = torch.stack(starts, dim=2)                           # [B, H, N, K, V]
-    qc = blocks(q)                                                 # [B, H, N, C, K]
-    scores = qc @ kc.transpose(-1, -2)                             # [B, H, N, C, C]
-    idx = torch.arange(C, device=k.device)
-    mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
-    if log_gamma is not None:
-        Lq = L if inclusive else L - lg                            # [B, H, N, C]
-        diff = (Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf"))
-        scores = scores * torch.exp(diff)                          # [B, H, N, C, C]
-        o = (qc * torch.exp(Lq)[..., None]) @ S_start + scores @ vc  # [B, H, N, C, V]
-    else:
-        o = qc @ S_start + scores.masked_fill(~mask, 0.0) @ vc     # [B, H, N, C, V]
+    o = torch.stack(outs, dim=2)                                   # [B, H, N, C, V]
     o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)          # [B, T, H, V]
     return o.to(v.dtype), S.to(S0.dtype if S0 is not None else v.dtype)
 
@@ -273,12 +275,14 @@ class LinearAttentionMemory(nn.Module):
         qf = F.elu(q) + 1  # [B, T, H, d_k]
         kf = F.elu(k) + 1  # [B, T, H, d_k]
         # additive chunked schedule (exact): S <- gamma * S + outer(a, b); the read sees the state only through probes p @ S
-        S_read0, S_T0 = chunk_additive(qf, kf, v, None, state["S"], self.chunk, inclusive=True)
-        S_new = S_T0  # [B, H, d_k, d_v]
-        S_probe_out = S_read0
-        z_read0, z_T0 = chunk_additive(qf, kf, torch.ones_like(kf[..., :1]), None, state["z"].unsqueeze(-1), self.chunk, inclusive=True)
-        z_new = z_T0.squeeze(-1)  # [B, H, d_k]
-        z_probe_out = z_read0.squeeze(-1)
+        # one kernel call for S, z: same decay, key and probes; values side by side
+        S_z_b = torch.cat([v, torch.ones_like(kf[..., :1])], dim=-1)  # [B, T, H, d_v + 1]
+        S_z_0 = torch.cat([state["S"], state["z"].unsqueeze(-1)], dim=-1)  # [B, H, d_k, d_v + 1]
+        S_z_read0, S_z_T = chunk_additive(qf, kf, S_z_b, None, S_z_0, self.chunk, inclusive=True)
+        S_probe_out, z_probe_out = torch.split(S_z_read0, [self.d_v, 1], dim=-1)
+        z_probe_out = z_probe_out.squeeze(-1)  # [B, T, H]
+        S_new, z_new = torch.split(S_z_T, [self.d_v, 1], dim=-1)
+        z_new = z_new.squeeze(-1)  # [B, H, d_k]
         o = S_probe_out / (z_probe_out + 1e-06)[..., None]  # [B, T, H, d_v]
         return o, {'S': S_new, 'z': z_new}
 

@@ -287,21 +287,28 @@ class SeedTitansMemory(nn.Module):
             state["minibatch.b2"] = b2_start
         return torch.cat(outputs, dim=1), state
 
+    def _token_grads(self, W1, b1, W2, b2, k, v):
+        """One token's gradients for the mini-batch schedule: its update statements replayed on
+        the chunk-start state (W1, b1, W2, b2 [B, H, ...]); each grad(...) taken there.
+        """
+        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.grad(self.inner_loss, argnums=(0, 1, 2, 3))(W1, b1, W2, b2, k, v)  # at the chunk-start state (carried through this token)
+        return (grad_W1, grad_b1, grad_W2, grad_b2)
+
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q, k, v):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v];
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2: the state before the chunk's first token [B, H, ...].
         Returns (o [B, C, H, d_v], the state after the chunk).
         """
-        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.vmap(torch.func.grad(self.inner_loss, argnums=(0, 1, 2, 3)), in_dims=(None, None, None, None, 1, 1), out_dims=1)(W1_start, b1_start, W2_start, b2_start, k, v)  # every token's gradient at the chunk-start state
+        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.vmap(self._token_grads, in_dims=(None, None, None, None, 1, 1), out_dims=1)(W1_start, b1_start, W2_start, b2_start, k, v)  # [B, C, H, ...]: every token's gradients
         U_W1_seq = _linear_scan(0.5, -(0.005 * grad_W1), U_W1)  # [B, C, H, d_k, hidden]: U_W1_i = (mu) U_W1_(i-1) + ...
-        W1_seq = W1.unsqueeze(1) + U_W1_seq.cumsum(1)  # [B, C, H, d_k, hidden]
+        W1_seq = W1.unsqueeze(1) + U_W1_seq.cumsum(1)  # [B, C, H, d_k, hidden]: W1_i = W1_(i-1) + ...
         U_b1_seq = _linear_scan(0.5, -(0.005 * grad_b1), U_b1)  # [B, C, H, hidden]: U_b1_i = (mu) U_b1_(i-1) + ...
-        b1_seq = b1.unsqueeze(1) + U_b1_seq.cumsum(1)  # [B, C, H, hidden]
+        b1_seq = b1.unsqueeze(1) + U_b1_seq.cumsum(1)  # [B, C, H, hidden]: b1_i = b1_(i-1) + ...
         U_W2_seq = _linear_scan(0.5, -(0.005 * grad_W2), U_W2)  # [B, C, H, hidden, d_v]: U_W2_i = (mu) U_W2_(i-1) + ...
-        W2_seq = W2.unsqueeze(1) + U_W2_seq.cumsum(1)  # [B, C, H, hidden, d_v]
+        W2_seq = W2.unsqueeze(1) + U_W2_seq.cumsum(1)  # [B, C, H, hidden, d_v]: W2_i = W2_(i-1) + ...
         U_b2_seq = _linear_scan(0.5, -(0.005 * grad_b2), U_b2)  # [B, C, H, d_v]: U_b2_i = (mu) U_b2_(i-1) + ...
-        b2_seq = b2.unsqueeze(1) + U_b2_seq.cumsum(1)  # [B, C, H, d_v]
+        b2_seq = b2.unsqueeze(1) + U_b2_seq.cumsum(1)  # [B, C, H, d_v]: b2_i = b2_(i-1) + ...
         o = self.f(q, W1_seq, b1_seq, W2_seq, b2_seq)  # [B, C, H, d_v]: each token reads its own state
         return o, (W1_seq[:, -1], b1_seq[:, -1], W2_seq[:, -1], b2_seq[:, -1], U_W1_seq[:, -1], U_b1_seq[:, -1], U_W2_seq[:, -1], U_b2_seq[:, -1])
 

@@ -293,6 +293,13 @@ class TitansMalMemory(nn.Module):
             state["minibatch.W2"] = W2_start
         return torch.cat(outputs, dim=1), state
 
+    def _token_grads(self, W1, W2, eta, mu, kn, vs):
+        """One token's gradients for the mini-batch schedule: its update statements replayed on
+        the chunk-start state (W1, W2 [B, H, ...]); each grad(...) taken there.
+        """
+        grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=(0, 1))(W1, W2, kn, vs)  # at the chunk-start state (carried through this token)
+        return (grad_W1, grad_W2)
+
     def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, q, k, v, eta, mu, alpha):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H], mu [B, C, H], alpha [B, C, H];
         W1_start, W2_start: the chunk-start state the gradients are taken at;
@@ -302,7 +309,7 @@ class TitansMalMemory(nn.Module):
         qn = l2norm(F.silu(q))  # [B, C, H, d_k]
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]
         vs = F.silu(v)  # [B, C, H, d_v]
-        grad_W1, grad_W2 = torch.func.vmap(torch.func.grad(self.inner_loss, argnums=(0, 1)), in_dims=(None, None, 1, 1), out_dims=1)(W1_start, W2_start, kn, vs)  # every token's gradient at the chunk-start state
+        grad_W1, grad_W2 = torch.func.vmap(self._token_grads, in_dims=(None, None, 1, 1, 1, 1), out_dims=1)(W1_start, W2_start, eta, mu, kn, vs)  # [B, C, H, ...]: every token's gradients
         U1_seq = _linear_scan(mu, -(eta[..., None, None] * grad_W1), U1)  # [B, C, H, d_k, hidden]: U1_i = (mu) U1_(i-1) + ...
         W1_seq = _linear_scan(1 - alpha, U1_seq, W1)  # [B, C, H, d_k, hidden]: W1_i = (1 - alpha) W1_(i-1) + ...
         U2_seq = _linear_scan(mu, -(eta[..., None, None] * grad_W2), U2)  # [B, C, H, hidden, d_v]: U2_i = (mu) U2_(i-1) + ...

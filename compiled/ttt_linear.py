@@ -213,7 +213,7 @@ class TttLinearMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W, = state['W']
+        W = state['W']
         outputs = []
         for t in range(q.shape[1]):
             o_t, (W,) = self._token_fn(W, q[:, t], k[:, t], v[:, t], eta[:, t])
@@ -238,14 +238,14 @@ class TttLinearMemory(nn.Module):
         state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
-        W, = state['W']
+        W = state['W']
         pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
-        W_start, = state.get("minibatch.W", W)
+        W_start = state.get("minibatch.W", W)
         outputs = []
         t = 0
         while t < T:
             if pos == 0:
-                W_start, = W,  # a new chunk starts here
+                W_start = W  # a new chunk starts here
             n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
             o_c, (W,) = fn(W_start, W, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n])
@@ -257,14 +257,21 @@ class TttLinearMemory(nn.Module):
             state["minibatch.W"] = W_start
         return torch.cat(outputs, dim=1), state
 
+    def _token_grads(self, W, k, v, eta):
+        """One token's gradients for the mini-batch schedule: its update statements replayed on
+        the chunk-start state (W [B, H, ...]); each grad(...) taken there.
+        """
+        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, k, v)  # at the chunk-start state (carried through this token)
+        return (grad_W,)
+
     def _chunk_step(self, W_start, W, q, k, v, eta):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta [B, C, H];
         W_start: the chunk-start state the gradients are taken at;
         W: the state before the chunk's first token [B, H, ...].
         Returns (o [B, C, H, d_k], the state after the chunk).
         """
-        grad_W, = torch.func.vmap(torch.func.grad(self.inner_loss, argnums=(0,)), in_dims=(None, 1, 1), out_dims=1)(W_start, k, v)  # every token's gradient at the chunk-start state
-        W_seq = W.unsqueeze(1) + (-(eta[..., None, None] * grad_W)).cumsum(1)  # [B, C, H, d_k, d_k]
+        grad_W, = torch.func.vmap(self._token_grads, in_dims=(None, 1, 1, 1), out_dims=1)(W_start, k, v, eta)  # [B, C, H, ...]: every token's gradients
+        W_seq = W.unsqueeze(1) + (-(eta[..., None, None] * grad_W)).cumsum(1)  # [B, C, H, d_k, d_k]: W_i = W_(i-1) + ...
         o = self.f(q, W_seq)  # [B, C, H, d_k]: each token reads its own state
         return o, (W_seq[:, -1],)
 

@@ -276,17 +276,30 @@ class TttMlpMemory(nn.Module):
             state["minibatch.b2"] = b2_start
         return torch.cat(outputs, dim=1), state
 
+    def _token_grads(self, W1, b1, W2, b2, k, v, eta):
+        """One token's gradients for the mini-batch schedule: its update statements replayed on
+        the chunk-start state (W1, b1, W2, b2 [B, H, ...]); each grad(...) taken there.
+        """
+        grad_W1, = torch.func.grad(self.inner_loss, argnums=(0,))(W1, b1, W2, b2, k, v)  # at the chunk-start state (carried through this token)
+        W1 = W1 - eta[..., None, None] * grad_W1  # [B, H, d_k, hidden]
+        grad_b1, = torch.func.grad(self.inner_loss, argnums=(1,))(W1, b1, W2, b2, k, v)  # at the chunk-start state (carried through this token)
+        b1 = b1 - eta[..., None] * grad_b1  # [B, H, hidden]
+        grad_W2, = torch.func.grad(self.inner_loss, argnums=(2,))(W1, b1, W2, b2, k, v)  # at the chunk-start state (carried through this token)
+        W2 = W2 - eta[..., None, None] * grad_W2  # [B, H, hidden, d_k]
+        grad_b2, = torch.func.grad(self.inner_loss, argnums=(3,))(W1, b1, W2, b2, k, v)  # at the chunk-start state (carried through this token)
+        return (grad_W1, grad_b1, grad_W2, grad_b2)
+
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, eta):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta [B, C, H];
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2: the state before the chunk's first token [B, H, ...].
         Returns (o [B, C, H, d_k], the state after the chunk).
         """
-        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.vmap(torch.func.grad(self.inner_loss, argnums=(0, 1, 2, 3)), in_dims=(None, None, None, None, 1, 1), out_dims=1)(W1_start, b1_start, W2_start, b2_start, k, v)  # every token's gradient at the chunk-start state
-        W1_seq = W1.unsqueeze(1) + (-(eta[..., None, None] * grad_W1)).cumsum(1)  # [B, C, H, d_k, hidden]
-        b1_seq = b1.unsqueeze(1) + (-(eta[..., None] * grad_b1)).cumsum(1)  # [B, C, H, hidden]
-        W2_seq = W2.unsqueeze(1) + (-(eta[..., None, None] * grad_W2)).cumsum(1)  # [B, C, H, hidden, d_k]
-        b2_seq = b2.unsqueeze(1) + (-(eta[..., None] * grad_b2)).cumsum(1)  # [B, C, H, d_k]
+        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.vmap(self._token_grads, in_dims=(None, None, None, None, 1, 1, 1), out_dims=1)(W1_start, b1_start, W2_start, b2_start, k, v, eta)  # [B, C, H, ...]: every token's gradients
+        W1_seq = W1.unsqueeze(1) + (-(eta[..., None, None] * grad_W1)).cumsum(1)  # [B, C, H, d_k, hidden]: W1_i = W1_(i-1) + ...
+        b1_seq = b1.unsqueeze(1) + (-(eta[..., None] * grad_b1)).cumsum(1)  # [B, C, H, hidden]: b1_i = b1_(i-1) + ...
+        W2_seq = W2.unsqueeze(1) + (-(eta[..., None, None] * grad_W2)).cumsum(1)  # [B, C, H, hidden, d_k]: W2_i = W2_(i-1) + ...
+        b2_seq = b2.unsqueeze(1) + (-(eta[..., None] * grad_b2)).cumsum(1)  # [B, C, H, d_k]: b2_i = b2_(i-1) + ...
         o = self.f(q, W1_seq, b1_seq, W2_seq, b2_seq)  # [B, C, H, d_k]: each token reads its own state
         return o, (W1_seq[:, -1], b1_seq[:, -1], W2_seq[:, -1], b2_seq[:, -1])
 

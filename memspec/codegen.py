@@ -425,6 +425,26 @@ class _Affine:
     rest: Optional[Expr]
 
 
+def _replace_calls(e: Expr, table: dict) -> Expr:
+    """``e`` with every call whose ``unparse`` is a key of ``table`` replaced by its value."""
+    if isinstance(e, Call) and unparse(e) in table:
+        return table[unparse(e)]
+    if isinstance(e, BinOp):
+        return BinOp(e.op, _replace_calls(e.left, table), _replace_calls(e.right, table), span=e.span)
+    if isinstance(e, Neg):
+        return Neg(_replace_calls(e.operand, table), span=e.span)
+    if isinstance(e, Transpose):
+        return Transpose(_replace_calls(e.operand, table), span=e.span)
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_replace_calls(a, table) for a in e.args), fn_span=e.fn_span, span=e.span)
+    return e
+
+
+def _parse_call(text: str) -> Expr:
+    from .expr import parse_expr
+    return parse_expr(text)
+
+
 class NotRecurrence(Exception):
     """The update program is not a set of linear recurrences (``str`` says why)."""
 
@@ -449,10 +469,15 @@ class Recurrence:
     grads: tuple
 
 
-def minibatch_recurrence(spec) -> Recurrence:
+def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
     """Extract the :class:`Recurrence` of ``spec``'s update program, or raise
-    :class:`NotRecurrence` (then the spec does not admit the mini-batch schedule)."""
+    :class:`NotRecurrence` (then the spec does not admit the mini-batch schedule).
+
+    ``values`` (optional) replaces the right-hand sides of the update statements, e.g.
+    with each ``grad(...)`` already replaced by a placeholder name whose shape is in
+    ``scope``; the placeholders are token-local inputs."""
     env = ShapeEnv.from_spec(spec)
+    values = [st.value for st in spec.update] if values is None else list(values)
     states = list(spec.state)
     model = spec.model.name if spec.model is not None else None
     grads: dict = {}
@@ -469,7 +494,7 @@ def minibatch_recurrence(spec) -> Recurrence:
         return all(local(c) for c in e.children())
 
     def scalar(e: Expr) -> bool:
-        shape = env.infer(e)
+        shape = env.infer(e, scope=scope)
         return shape is not None and tuple(shape) == ()
 
     def negated(v: _Affine) -> _Affine:
@@ -510,8 +535,8 @@ def minibatch_recurrence(spec) -> Recurrence:
     for i, stmt in enumerate(spec.update):
         if spec.state[stmt.target].cache:
             raise NotRecurrence(f"state {stmt.target} is a cache")
-        cur[stmt.target] = walk(stmt.value, cur, i)
-    if not grads:
+        cur[stmt.target] = walk(values[i], cur, i)
+    if not grads and scope is None:
         raise NotRecurrence("the update takes no gradient")
     coeff = {s: {k: c for k, c in cur[s].coeffs.items() if c is not None} for s in states}
     order: list = []
@@ -1226,8 +1251,9 @@ class ModuleWriter:
                 known = set()
         return groups
 
-    def _grad_call_line(self, L, group, em_names, vmap: bool, taken: set, start_names=None) -> dict:
-        """Emit `g1, g2 = torch.func.grad(self.inner_loss, argnums=...)(...)`; returns key -> local."""
+    def _grad_call_line(self, L, group, taken: set, where: str) -> dict:
+        """Emit `grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=...)(...)`;
+        returns ``unparse(call) -> local``."""
         targets = []
         for c in group:
             t = self._grad_target(c)
@@ -1235,18 +1261,9 @@ class ModuleWriter:
                 targets.append(t)
         argnums = tuple(self.loss_args.index(t) for t in targets)
         outs = {t: fresh(f"grad_{t}", taken) for t in targets}
-        args = [(start_names or {}).get(a, em_names.get(a, a)) for a in self.loss_args]
         lhs = ", ".join(outs[t] for t in targets) + ("," if len(targets) == 1 else "")
         an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
-        fn = f"torch.func.grad(self.inner_loss, argnums={an})"
-        if vmap:
-            in_dims = ", ".join("None" if a in self.loss_states else "1" for a in self.loss_args)
-            in_dims = f"({in_dims},)" if len(self.loss_args) == 1 else f"({in_dims})"
-            fn = f"torch.func.vmap({fn}, in_dims={in_dims}, out_dims=1)"
-            where = "every token's gradient at the chunk-start state"
-        else:
-            where = "at the current state"
-        L(f"{lhs} = {fn}({', '.join(args)})", where)
+        L(f"{lhs} = torch.func.grad(self.inner_loss, argnums={an})({', '.join(self.loss_args)})", where)
         return {unparse(c): outs[self._grad_target(c)] for c in group}
 
     # ------------------------------------------------------------ online
@@ -1257,8 +1274,7 @@ class ModuleWriter:
         L(f"def _forward_online(self, {', '.join(sv + ['state'])}):")
         with L.indent():
             L('"""' + "Token by token: the per-token step (compiled once when compile=True) in a Python loop." + '"""')
-            L(f"{', '.join(self.states)}{',' if len(self.states) == 1 else ''} = "
-              f"{', '.join(f'state[{s!r}]' for s in self.states)}")
+            L(f"{', '.join(self.states)} = {', '.join(f'state[{s!r}]' for s in self.states)}")
             outs = fresh("outputs", taken)
             t = fresh("t", taken)
             o_t = fresh("o_t", taken)
@@ -1266,8 +1282,7 @@ class ModuleWriter:
             L(f"for {t} in range({self.first}.shape[1]):")
             with L.indent():
                 args = self.states + [f"{x}[:, {t}]" for x in sv]
-                L(f"{o_t}, ({', '.join(self.states)}{',' if len(self.states) == 1 else ''}) = "
-                  f"self._token_fn({', '.join(args)})")
+                L(f"{o_t}, {self._tuple(self.states)} = self._token_fn({', '.join(args)})")
                 L(f"{outs}.append({o_t})")
             L(f"return torch.stack({outs}, dim=1), {{{', '.join(f'{s!r}: {s}' for s in self.states)}}}")
         L()
@@ -1288,29 +1303,68 @@ class ModuleWriter:
             o = "o"
             if spec.order == "read_write":
                 L(f"{o} = {em.emit(spec.read)}", _shape_text("B, H", self.read_shape()) + " (read before the write)")
-            groups = self._grad_groups() if self._has_grads() else [[] for _ in spec.update]
-            for stmt, group in zip(spec.update, groups):
-                if group:
-                    em.grads.update(self._grad_call_line(L, group, {}, False, taken))
-                st = spec.state[stmt.target]
-                v = stmt.value
-                if isinstance(v, Call) and v.fn == "append":
-                    self.helpers.add("append")
-                    item = em.emit(v.args[1])
-                    win = f", {st.window}" if st.window else ""
-                    L(f"{stmt.target} = append({stmt.target}, {item}{win})",
-                      _shape_text("B, H", ("n",) + tuple(st.shape)))
-                    continue
-                code = em._emit(v)
-                text = code.text
-                if code.rank < len(st.shape) or code.number:
-                    text = f"({text}) * torch.ones_like({stmt.target})" if code.number else \
-                        f"{em._lift(code, len(st.shape))}.expand_as({stmt.target})"
-                L(f"{stmt.target} = {text}", _shape_text("B, H", st.shape))
+            self._updates(L, em, taken, "at the current state")
             if spec.order == "write_read":
                 L(f"{o} = {em.emit(spec.read)}", _shape_text("B, H", self.read_shape()))
-            L(f"return {o}, ({', '.join(self.states)}{',' if len(self.states) == 1 else ''})")
+            L(f"return {o}, {self._tuple(self.states)}")
         L()
+
+    @staticmethod
+    def _tuple(names) -> str:
+        return f"({', '.join(names)}{',' if len(names) == 1 else ''})"
+
+    def _updates(self, L, em, taken, where, keep=None, stop=None) -> list:
+        """Emit the update statements [0, stop) in order, each preceded by the gradients it
+        needs (computed jointly at the same state values).  Assignments only for the
+        statement indices in ``keep`` (None: all).  Returns, per statement, the map
+        ``unparse(grad call) -> local`` in effect at that statement."""
+        spec = self.spec
+        groups = self._grad_groups() if self._has_grads() else [[] for _ in spec.update]
+        maps = []
+        for i, (stmt, group) in enumerate(zip(spec.update, groups)):
+            if stop is not None and i >= stop:
+                break
+            if group:
+                em.grads.update(self._grad_call_line(L, group, taken, where))
+            maps.append(dict(em.grads))
+            if keep is not None and i not in keep:
+                continue
+            st = spec.state[stmt.target]
+            v = stmt.value
+            if isinstance(v, Call) and v.fn == "append":
+                self.helpers.add("append")
+                item = em.emit(v.args[1])
+                win = f", {st.window}" if st.window else ""
+                L(f"{stmt.target} = append({stmt.target}, {item}{win})",
+                  _shape_text("B, H", ("n",) + tuple(st.shape)))
+                continue
+            code = em._emit(v)
+            text = code.text
+            if code.number:
+                text = f"({text}) * torch.ones_like({stmt.target})"
+            elif code.rank < len(st.shape):
+                text = f"{em._lift(code, len(st.shape))}.expand_as({stmt.target})"
+            L(f"{stmt.target} = {text}", _shape_text("B, H", st.shape))
+        return maps
+
+    def _shadow_plan(self):
+        """For the mini-batch gradients: (statements to replay, states they start from, last).
+
+        In a chunk, token i's statements are replayed on the chunk-start state (the shadow)
+        and each grad(...) is taken there, i.e. at the chunk-start values carried through
+        the token's own earlier statements (memspec.reference's rule; C = 1 is online)."""
+        spec = self.spec
+        last = max(i for i, st in enumerate(spec.update)
+                   if any(isinstance(c, Call) and c.fn == "grad" for c in st.value.walk()))
+        needed = set(self.loss_states)
+        keep = set()
+        for j in range(last - 1, -1, -1):
+            stmt = spec.update[j]
+            if stmt.target in needed:
+                keep.add(j)
+                needed |= {n.id for n in stmt.value.walk() if isinstance(n, Name) and n.id in spec.state}
+        starts = [s for s in self.states if s in needed]
+        return keep, starts, last
 
     def _lets(self, L, em, prefix):
         for n in self._let_order():
@@ -1321,7 +1375,7 @@ class ModuleWriter:
         spec = self.spec
         taken = set(self.spec_names)
         sv = self.views + self.gates
-        starts = {s: fresh(f"{s}_start", taken) for s in self.loss_states}
+        starts = {s: fresh(f"{s}_start", taken) for s in self._shadow_plan()[1]}
         cur = self.states
         c = fresh("C", taken)
         t = fresh("t", taken)
@@ -1340,10 +1394,10 @@ class ModuleWriter:
             L("state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.")
             L('"""')
             L(f"{c}, {T} = self.chunk, {self.first}.shape[1]")
-            L(f"{', '.join(cur)}{',' if len(cur) == 1 else ''} = {', '.join(f'state[{s!r}]' for s in cur)}")
+            L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
             L(f"{pos} = int(state[\"minibatch.pos\"]) if \"minibatch.pos\" in state else 0")
             if starts:
-                L(f"{', '.join(starts.values())}{',' if len(starts) == 1 else ''} = "
+                L(f"{', '.join(starts.values())} = "
                   f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
             L(f"{outs} = []")
             L(f"{t} = 0")
@@ -1351,14 +1405,13 @@ class ModuleWriter:
             with L.indent():
                 L(f"if {pos} == 0:")
                 if starts:
-                    L(f"    {', '.join(starts.values())}{',' if len(starts) == 1 else ''} = "
-                      f"{', '.join(starts)}{',' if len(starts) == 1 else ''}", "a new chunk starts here")
+                    L(f"    {', '.join(starts.values())} = {', '.join(starts)}", "a new chunk starts here")
                 else:
                     L("    pass")
                 L(f"{n} = min({c} - {pos}, {T} - {t})")
                 L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
                 args = list(starts.values()) + cur + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
-                L(f"{o_c}, ({', '.join(cur)}{',' if len(cur) == 1 else ''}) = fn({', '.join(args)})")
+                L(f"{o_c}, {self._tuple(cur)} = fn({', '.join(args)})")
                 L(f"{outs}.append({o_c})")
                 L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
             L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
@@ -1369,13 +1422,41 @@ class ModuleWriter:
                     L(f"state[\"minibatch.{s}\"] = {v}")
             L(f"return torch.cat({outs}, dim=1), state")
         L()
+        self.shadow_grads(L)
         self.chunk_step(L)
+
+    def shadow_grads(self, L):
+        """The method that computes one token's gradients from the chunk-start state."""
+        spec = self.spec
+        keep, starts, last = self._shadow_plan()
+        taken = set(self.spec_names)
+        used = set(self.loss_args)
+        for j in range(last + 1):
+            used |= {n.id for n in spec.update[j].value.walk() if isinstance(n, Name)}
+        inputs = [n for n in self.views + self.gates + self._let_order() if n in used]
+        self.shadow_inputs = inputs
+        self.shadow_starts = starts
+        L(f"def _token_grads(self, {', '.join(starts + inputs)}):")
+        with L.indent():
+            L('"""' + "One token's gradients for the mini-batch schedule: its update statements replayed on")
+            L("the chunk-start state (" + ", ".join(starts) + " [B, H, ...]); each grad(...) taken there.")
+            L('"""')
+            em = self.emitter()
+            maps = self._updates(L, em, taken, "at the chunk-start state (carried through this token)",
+                                 keep=keep, stop=last + 1)
+            self.grad_locals = []
+            for mp in maps:
+                for key, local in mp.items():
+                    if local not in self.grad_locals:
+                        self.grad_locals.append(local)
+            self.grad_maps = maps
+            L(f"return {self._tuple(self.grad_locals)}")
+        L()
 
     def chunk_step(self, L):
         spec = self.spec
-        rec = self.recurrence
         taken = set(self.spec_names)
-        starts = {s: fresh(f"{s}_start", taken) for s in self.loss_states}
+        starts = {s: fresh(f"{s}_start", taken) for s in self.shadow_starts}
         L(f"def _chunk_step(self, {', '.join(list(starts.values()) + self.states + self.views + self.gates)}):")
         with L.indent():
             L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in self.views)
@@ -1387,13 +1468,22 @@ class ModuleWriter:
             L('"""')
             em = self.emitter()
             self._lets(L, em, "B, C, H")
-            # all gradients of the chunk at once
-            seen: dict = {}
-            for g in rec.grads:
-                seen.setdefault(unparse(g), g)
-            group = list(seen.values())
-            if group:
-                em.grads.update(self._grad_call_line(L, group, {}, True, taken, start_names=starts))
+            # every token's gradients at once: vmap over the chunk's tokens
+            locals_ = [fresh(g, taken) for g in self.grad_locals]
+            ren = dict(zip(self.grad_locals, locals_))
+            in_dims = ["None"] * len(starts) + ["1"] * len(self.shadow_inputs)
+            in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
+            L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
+              f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + self.shadow_inputs)})",
+              "[B, C, H, ...]: every token's gradients")
+            # statement values with each grad(...) replaced by its per-token value
+            values, scope = [], {}
+            for i, stmt in enumerate(spec.update):
+                mp = self.grad_maps[i] if i < len(self.grad_maps) else {}
+                values.append(_replace_calls(stmt.value, {k: Name(ren[v]) for k, v in mp.items()}))
+                for k, v in mp.items():
+                    scope[ren[v]] = self.shape(_parse_call(k))
+            rec = minibatch_recurrence(spec, values, scope)
             # the recurrences in solve order
             seq = {s: fresh(f"{s}_seq", taken) for s in self.states}
             prev: dict = {}
@@ -1401,7 +1491,7 @@ class ModuleWriter:
                 coeffs = rec.coeff[s]
                 shape = tuple(spec.state[s].shape)
                 terms = rec.rest[s]
-                scope = {}
+                sc = dict(scope)
                 names = {}
                 for (when, r), cf in coeffs.items():
                     if when == "prev" and r == s:
@@ -1411,31 +1501,34 @@ class ModuleWriter:
                         L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
                           _shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
                     ph = f"{r}__{when}"
-                    scope[ph] = tuple(spec.state[r].shape)
+                    sc[ph] = tuple(spec.state[r].shape)
                     names[ph] = prev[r] if when == "prev" else seq[r]
                     terms = _add(terms, _mul(cf, Name(ph)))
-                sub = ExprEmitter(spec, names=names, grads=em.grads, like=self.first, attr=self.attr,
-                                  helpers=self.helpers, scope=scope)
+                sub = ExprEmitter(spec, names=names, like=self.first, attr=self.attr,
+                                  helpers=self.helpers, scope=sc)
                 decay = coeffs.get(("prev", s))
                 if terms is None:
                     x = f"torch.zeros_like({s}).unsqueeze(1).expand(-1, {self.first}.shape[1], *{s}.shape[1:])"
                 else:
                     xc = sub._emit(terms)
-                    x = xc.text if xc.rank == len(shape) and not xc.number else \
-                        (f"({xc.text}) * torch.ones_like({s}.unsqueeze(1))" if xc.number else
-                         f"{sub._lift(xc, len(shape))} * torch.ones_like({s}.unsqueeze(1))")
+                    if xc.number:
+                        x = f"({xc.text}) * torch.ones_like({s}.unsqueeze(1))"
+                    elif xc.rank < len(shape):
+                        x = f"{sub._lift(xc, len(shape))} * torch.ones_like({s}.unsqueeze(1))"
+                    else:
+                        x = xc.text
+                comment = _shape_text("B, C, H", shape)
                 if decay is None:
-                    L(f"{seq[s]} = {x}", _shape_text("B, C, H", shape))
+                    L(f"{seq[s]} = {x}", comment)
                 elif _is_num(decay, 1):
-                    L(f"{seq[s]} = {s}.unsqueeze(1) + ({x}).cumsum(1)" if not x.isidentifier() else
-                      f"{seq[s]} = {s}.unsqueeze(1) + {x}.cumsum(1)", _shape_text("B, C, H", shape))
+                    xs = x if x.isidentifier() else f"({x})"
+                    L(f"{seq[s]} = {s}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
                 else:
-                    self._needs_scan = True
+                    if _LINEAR_SCAN not in self.module_parts:
+                        self.module_parts.append(_LINEAR_SCAN)
                     a = sub._emit(decay)
                     L(f"{seq[s]} = _linear_scan({a.text}, {x}, {s})",
-                      _shape_text("B, C, H", shape) + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
-            if getattr(self, "_needs_scan", False) and _LINEAR_SCAN not in self.module_parts:
-                self.module_parts.append(_LINEAR_SCAN)
+                      comment + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
             # the read of every token with its own state
             if spec.order == "write_read":
                 names = {s: seq[s] for s in self.states}
@@ -1448,7 +1541,7 @@ class ModuleWriter:
                 names = {s: prev[s] for s in self.states}
             rd = ExprEmitter(spec, names=names, like=self.first, attr=self.attr, helpers=self.helpers)
             L(f"o = {rd.emit(spec.read)}", _shape_text("B, C, H", self.read_shape()) + ": each token reads its own state")
-            L(f"return o, ({', '.join(f'{seq[s]}[:, -1]' for s in self.states)}{',' if len(self.states) == 1 else ''})")
+            L(f"return o, {self._tuple([seq[s] + '[:, -1]' for s in self.states])}")
         L()
 
     # ------------------------------------------------------------ cache
