@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import memspec
+from memspec.expr import Call, Name
 from memspec import reference
 from memspec.build import build_memory
 
@@ -31,7 +32,7 @@ def make(spec, dims, chunk=4, dtype=torch.float64, seed=0, compile=False):
     m = build_memory(spec, compile=compile, chunk=chunk, **dims).to(dtype)
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(p + 0.3 * torch.randn_like(p))
+            p.copy_(p + 0.1 * torch.randn_like(p))
     return m
 
 
@@ -40,7 +41,7 @@ def inputs(spec, m, B=2, T=10, dtype=torch.float64, seed=1, requires_grad=False)
     H = m.heads
     out = {}
     for v, view in spec.views.items():
-        out[v] = torch.randn(B, T, H, getattr(m, view.dim), generator=g, dtype=dtype)
+        out[v] = 0.5 * torch.randn(B, T, H, getattr(m, view.dim), generator=g, dtype=dtype)
     for n in spec.gates:
         out[n] = 0.05 + 0.3 * torch.rand(B, T, H, generator=g, dtype=dtype)
     if requires_grad:
@@ -71,6 +72,27 @@ def ref_params(spec, m) -> dict:
 def reference_run(spec, m, dims, schedule, state, ins):
     sched = ("minibatch", m.chunk) if schedule == "minibatch" else "online"
     return reference.run(spec, state=dict(state), schedule=sched, dims=dims, params=ref_params(spec, m), **ins)
+
+
+def call(m, spec, ins, state=None, schedule="auto"):
+    return m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, state=state, schedule=schedule)
+
+
+def grad_after_state_write(spec) -> bool:
+    """A grad(...) taken after an earlier statement of the token wrote a state the loss reads
+    (ttt_mlp, moneta, yaad).  For these, memspec.reference differentiates through that
+    earlier write when the states carry autograd history (the total instead of the partial
+    derivative), so its numbers depend on requires_grad; the compiled modules take the
+    partial derivative (docs/language.md).  Their gradients are checked by gradcheck."""
+    loss_names = {n.id for n in spec.loss.walk() if isinstance(n, Name)} if spec.loss is not None else set()
+    loss_states = set(spec.model_states()) | (loss_names & set(spec.state))
+    written = set()
+    for st in spec.update:
+        has_grad = any(isinstance(c, Call) and c.fn == "grad" for c in st.value.walk())
+        if has_grad and written & loss_states:
+            return True
+        written.add(st.target)
+    return False
 
 
 def rel_err(a, b) -> float:
