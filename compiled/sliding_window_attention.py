@@ -227,10 +227,10 @@ class SlidingWindowAttentionMemory(nn.Module):
         """Softmax attention over [cached | new] keys and values at once: scaled_dot_product_attention
         with a causal (windowed) mask; the new state is the cache trimmed to its window."""
         T = q.shape[1]
-        K_all = torch.cat([state['K'], (k).transpose(1, 2)], dim=2)  # [B, H, n + T, d_k]
-        V_all = torch.cat([state['V'], (v).transpose(1, 2)], dim=2)  # [B, H, n + T, d_v]
+        K_all = torch.cat([state['K'], k.transpose(1, 2)], dim=2)  # [B, H, n + T, d_k]
+        V_all = torch.cat([state['V'], v.transpose(1, 2)], dim=2)  # [B, H, n + T, d_v]
         mask = _causal_mask(T, K_all.shape[2], 512, q.device)  # [T, n + T]
-        attended = F.scaled_dot_product_attention((q).transpose(1, 2), K_all, V_all, attn_mask=mask, scale=self.d_k ** -0.5).transpose(1, 2)  # [B, T, H, d_v]
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), K_all, V_all, attn_mask=mask, scale=self.d_k ** -0.5).transpose(1, 2)  # [B, T, H, d_v]
         o = attended  # [B, T, H, d_v]
         return o, {'K': K_all[:, :, -512:], 'V': V_all[:, :, -512:]}
 

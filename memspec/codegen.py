@@ -1561,7 +1561,7 @@ class ModuleWriter:
             for s, item in self.cache:
                 st = spec.state[s]
                 full[s] = fresh(f"{s}_all", taken)
-                L(f"{full[s]} = torch.cat([state[{s!r}], ({em.emit(item)}).transpose(1, 2)], dim=2)",
+                L(f"{full[s]} = torch.cat([state[{s!r}], {em._emit(item).at(P_ATOM)}.transpose(1, 2)], dim=2)",
                   f"[B, H, n + T, {_fmt_dims(st.shape)}]")
             pre = {}
             for c in spec.read.walk():
@@ -1571,7 +1571,7 @@ class ModuleWriter:
                     mask = fresh("mask", taken)
                     L(f"{mask} = _causal_mask({T}, {full[K.id]}.shape[2], {win}, {self.first}.device)", "[T, n + T]")
                     name = fresh("attended", taken)
-                    L(f"{name} = F.scaled_dot_product_attention(({em.emit(q)}).transpose(1, 2), {full[K.id]}, "
+                    L(f"{name} = F.scaled_dot_product_attention({em._emit(q).at(P_ATOM)}.transpose(1, 2), {full[K.id]}, "
                       f"{full[V.id]}, attn_mask={mask}, scale={em.emit(scale)}).transpose(1, 2)",
                       _shape_text("B, T, H", self.shape(c)))
                     pre[unparse(c)] = name

@@ -227,3 +227,34 @@ def test_compiled_equals_eager(path):
             a, _ = call(eager, spec, ins, None, schedule)
             b, _ = call(comp, spec, ins, None, schedule)
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), schedule
+
+
+WINDOWED = """
+name: windowed
+dims: {d_model: 8, heads: 2, d_k: 4, d_v: 3}
+views: {q: d_k, k: d_k, v: d_v}
+state:
+  K: {shape: [d_k], cache: true, window: 3}
+  V: {shape: [d_v], cache: true, window: 3}
+let: {kn: l2norm(k)}
+update: ["K = append(K, kn)", "V = append(V, v)"]
+read: 2 * attend(q, K, V, d_k^-0.5) + v
+"""
+
+
+def test_windowed_cache_matches_reference_and_streams():
+    from memspec import reference
+
+    spec = memspec.loads(WINDOWED)
+    m = build_memory(spec, compile=False)
+    assert m.SCHEDULES == ("cache", "online")
+    ins = inputs(spec, m, T=8)
+    ins = {n: t.float() for n, t in ins.items()}
+    ro, rs = reference.run(spec, **ins)
+    for schedule in m.SCHEDULES:
+        o, st = call(m, spec, ins, None, schedule)
+        assert torch.allclose(o, ro, atol=1e-5), schedule
+        assert st["K"].shape == (2, 2, 3, 4) and torch.allclose(st["K"], rs["K"], atol=1e-6)
+        o1, s1 = call(m, spec, {n: t[:, :5] for n, t in ins.items()}, None, schedule)
+        o2, s2 = call(m, spec, {n: t[:, 5:] for n, t in ins.items()}, s1, schedule)
+        assert torch.allclose(torch.cat([o1, o2], 1), o, atol=1e-6)
