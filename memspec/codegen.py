@@ -31,6 +31,27 @@ Using the emitter (e.g. from ``codegen_chunked``)::
     em.helpers                                   # {'l2norm'}: module-level helpers the code calls
     ExprEmitter(spec, names={"W": "W_seq"})      # write a spec name as another local
 
+Generated module (``generate``)
+------------------------------
+``<Name>Memory.forward(*views, **gates, state=None, schedule="auto")`` validates its
+inputs and dispatches to one schedule method:
+
+* ``_forward_online``: ``_token_step`` (one token, pure function of tensors; wrapped
+  in ``torch.compile(dynamic=False)`` when ``compile=True`` and the spec has no cache)
+  in a Python loop over T -- never a compiled loop over T;
+* ``_forward_minibatch``: ``_chunk_step`` per chunk (compiled for full chunks; a
+  partial chunk runs eagerly).  ``_token_grads`` replays one token's statements on the
+  chunk-start state and takes each ``grad(...)`` there (memspec.reference's rule, so
+  chunk 1 equals online); it is vmapped over the chunk's tokens.  The update program,
+  with the gradients held fixed, is solved as linear recurrences
+  (:func:`minibatch_recurrence`): decays through ``_linear_scan`` (decay matrix from one
+  cumprod), no decay through ``cumsum``; each token then reads its own state;
+* ``_forward_cache``: ``scaled_dot_product_attention`` over ``[cache | new tokens]``
+  with a causal (windowed) mask;
+* ``_forward_chunk``: the exact additive / delta forms, whose body comes from
+  :func:`memspec.codegen_chunked.emit_chunked_forward` (lets already bound as
+  ``[B, T, H, ...]`` locals) and whose kernels from ``kernel_sources``.
+
 ``helpers`` collects the names of the module-level helper functions that emitted
 code calls (``layernorm``, ``rmsnorm``, ``l2norm``, ``huber``, ``attend``);
 :func:`helper_source` gives their source.  They are named after the language's
