@@ -530,7 +530,9 @@ class _Interpreter:
         base = scope.state
         with torch.enable_grad():
             w = base[target]
-            var = w if w.requires_grad else w.detach().requires_grad_(True)
+            # A fresh node for W: other states (written earlier in this token from W) keep
+            # their own path to W, so this is the partial derivative the language defines.
+            var = w.clone() if w.requires_grad else w.detach().requires_grad_(True)
             inner = replace(scope, state={**base, target: var}, grad_memo=None)
             loss = self.eval(e.args[0], inner)
             if _named(loss):
