@@ -78,23 +78,6 @@ def call(m, spec, ins, state=None, schedule="auto"):
     return m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, state=state, schedule=schedule)
 
 
-def grad_after_state_write(spec) -> bool:
-    """A grad(...) taken after an earlier statement of the token wrote a state the loss reads
-    (ttt_mlp, moneta, yaad).  For these, memspec.reference differentiates through that
-    earlier write when the states carry autograd history (the total instead of the partial
-    derivative), so its numbers depend on requires_grad; the compiled modules take the
-    partial derivative (docs/language.md).  Their gradients are checked by gradcheck."""
-    loss_names = {n.id for n in spec.loss.walk() if isinstance(n, Name)} if spec.loss is not None else set()
-    loss_states = set(spec.model_states()) | (loss_names & set(spec.state))
-    written = set()
-    for st in spec.update:
-        has_grad = any(isinstance(c, Call) and c.fn == "grad" for c in st.value.walk())
-        if has_grad and written & loss_states:
-            return True
-        written.add(st.target)
-    return False
-
-
 def rel_err(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
