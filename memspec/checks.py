@@ -17,7 +17,14 @@ at the offending span and carries its own code:
                        loss, with a first argument other than ``loss``, ambiguous
                        ``grad(loss)``, or outside the update program
 ``E-cache``            ``append``/``attend`` misuse; a cache assigned otherwise
-``E-target``           an update statement assigns something that is not a state
+``E-target``           an update statement assigns a declared name that is not a
+                       state (a view, gate, let, ...)
+``E-temp-shadow``      a temporary named like the model, its argument, ``loss`` or
+                       ``logit``
+``E-temp-twice``       a temporary assigned twice in one token
+``E-temp-later``       a temporary used before (or in) the statement that assigns it
+``E-temp-scope``       a temporary used outside the update program (read, let, loss,
+                       model, gate)
 ``E-cycle``            a cycle within one token step (lets using each other)
 ``E-order``            something that uses a value only available later (a gate
                        using anything but logit/constants/dims/params; a let
@@ -30,6 +37,7 @@ at the offending span and carries its own code:
 ``W-unused``           (warning) a let/view/gate/param/constant/dim/model/loss
                        that nothing uses
 ``W-grad-zero``        (warning) grad(loss, W) where the loss does not depend on W
+``W-temp-unused``      (warning) a temporary no later update statement uses
 =====================  =========================================================
 """
 from __future__ import annotations
@@ -236,24 +244,48 @@ class _Checker:
                          hint="a let cannot depend on itself, directly or through other lets", code="E-cycle")
 
     # ------------------------------------------------------------ updates
+    def temporary(self, st, tsp, temps: dict) -> None:
+        """An update target that is no declared name: a per-token temporary."""
+        spec, t = self.spec, st.target
+        m = spec.model
+        shadowed = {"loss": "the inner loss 'loss'", "logit": "'logit' (the input of gate formulas)"}
+        if m is not None:
+            shadowed[m.name] = f"the model {_q(m.name)}"
+            shadowed.setdefault(m.arg, f"the model's argument {_q(m.arg)}")
+        if t in shadowed:
+            self.bad_names.add(t)
+            self.d.error(f"the temporary {_q(t)} would shadow {shadowed[t]}", tsp,
+                         hint="give the temporary a name of its own, e.g. g", code="E-temp-shadow")
+            return
+        prob = identifier_problem(t)
+        if prob is not None:
+            self.bad_names.add(t)
+            self.d.error(f"temporary name {_q(t)} {prob[0]}", tsp, hint=prob[1], code="E-identifier")
+            return
+        if t in temps:
+            first = temps[t].target_span or temps[t].span
+            where = f" (line {first.line})" if first is not None else ""
+            self.d.error(f"the temporary {_q(t)} is assigned twice{where}; a temporary is assigned once per token",
+                         tsp, hint=f"give the second value a new name (e.g. {t}2), or declare {t} under state "
+                                   "to update it in place", code="E-temp-twice")
+            return
+        temps[t] = st
+
     def updates(self) -> None:
         spec = self.spec
+        temps: dict = {}
         for st in spec.update:
             kind = self.first_kind.get(st.target)
             tsp = st.target_span or st.span
             if st.target in self.dup_names:
                 continue  # reported as a duplicate
             if kind is None:
-                self.unknown_target = True
-                states = [s for s in spec.state if s not in self.bad_names]
-                self.d.error(f"update of unknown state {_q(st.target)}", tsp,
-                             hint=did_you_mean(st.target, states) or
-                             (("states: " + ", ".join(states)) if states else "declare it under state"),
-                             code="E-target")
+                self.temporary(st, tsp, temps)
                 continue
             if kind != "state":
-                self.d.error(f"{_q(st.target)} is a {kind}; update statements assign states", tsp,
-                             hint="declare it under state, or assign a state", code="E-target")
+                self.d.error(f"{_q(st.target)} is a {kind}; update statements assign states or new temporaries",
+                             tsp, hint="a temporary needs a name of its own; a value carried from token to token "
+                                       "is declared under state", code="E-target")
                 continue
             st_decl = spec.state.get(st.target)
             v = st.value
@@ -327,9 +359,13 @@ class _Checker:
             if n in self.bad_names or self.first_kind.get(n) != "state" or self.unknown_target:
                 continue
             if n not in written:
-                self.d.error(f"state {_q(n)} is never written", self.span("state", n),
-                             hint=f"add an update statement `{n} = ...`; a learned tensor that the memory does not "
-                                  "change is a param", code="E-state-unwritten")
+                temps = [t for t in written if t not in spec.state and self.first_kind.get(t) is None]
+                near = did_you_mean(n, temps)
+                hint = (f"the update assigns the temporary {near[len('did you mean '):-1]}: a typo for {n}?"
+                        if near else f"add an update statement `{n} = ...`; a learned tensor that the memory does not "
+                                     "change is a param")
+                self.d.error(f"state {_q(n)} is never written", self.span("state", n), hint=hint,
+                             code="E-state-unwritten")
         if self.expression_errors():
             return  # the graph is incomplete; what reaches the output is not known
         reach = {n: nx.descendants(g, f"state_in:{n}") for n in spec.state if f"state_in:{n}" in g}
@@ -350,8 +386,8 @@ class _Checker:
                 # a per-token temporary (e.g. g = grad(loss, W); W = W - eta * g): legal, but carried for nothing
                 self.d.warning(f"state {_q(n)} is overwritten before it is read: its value from the previous token "
                                "is never used", self.span("state", n),
-                               hint="fine for a per-token temporary, but it is carried in the state; "
-                                    "write the expression into the statements that use it to avoid that",
+                               hint=f"for a per-token temporary, remove the state declaration: an update "
+                                    f"statement `{n} = ...` without a state binds a temporary",
                                code="W-state-temporary")
             elif not succ:
                 self.d.error(f"state {_q(n)} is never read", self.span("state", n),
@@ -388,6 +424,13 @@ class _Checker:
             if n not in used_dims and n not in self.bad_names and self.first_kind.get(n) == "dim":
                 self.d.warning(f"dim {_q(n)} is never used", self.span("dims", n), hint="remove it, or use it",
                                code="W-unused")
+        for nid in g.nodes:
+            a = g.nodes[nid]
+            if a["role"] == "temp" and a.get("version") == 1 and g.out_degree(nid) == 0:
+                t = a["target"]
+                self.d.warning(f"the temporary {_q(t)} is never used", a.get("target_span") or a.get("span"),
+                               hint="a temporary is visible only to later update statements; use it there, "
+                                    "or remove it", code="W-temp-unused")
         if spec.model is not None and not any(g.nodes[n]["op"] == "apply" for n in g.nodes):
             self.d.warning(f"the model {spec.model.name} is never applied", spec.model.name_span or spec.model.span,
                            hint=f"apply it in the loss or the read, e.g. {spec.model.name}(q)", code="W-unused")

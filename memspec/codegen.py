@@ -63,7 +63,7 @@ import keyword
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
+from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, substitute, unparse
 from .shapes import ShapeEnv
 
 # Python precedence levels of emitted code (higher binds tighter).
@@ -503,12 +503,13 @@ def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
     model = spec.model.name if spec.model is not None else None
     grads: dict = {}
     last = {stmt.target: i for i, stmt in enumerate(spec.update)}
+    temps: dict = {}   # temporary -> its _Affine (a token-local input when it has no coefficients)
 
     def local(e: Expr) -> bool:
         """Token-local: no state, no model application outside grad(...)."""
         if isinstance(e, Call) and e.fn == "grad":
             return True
-        if isinstance(e, Name) and e.id in spec.state:
+        if isinstance(e, Name) and (e.id in spec.state or (e.id in temps and temps[e.id].coeffs)):
             return False
         if isinstance(e, Call) and (e.fn == model or e.fn == "append"):
             return False
@@ -526,8 +527,11 @@ def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
             for c in e.walk():
                 if isinstance(c, Call) and c.fn == "grad":
                     grads.setdefault(unparse(c), c)
-            return _Affine({}, e)
+            pure = {t: v.rest if v.rest is not None else Num(0) for t, v in temps.items() if not v.coeffs}
+            return _Affine({}, substitute(e, pure) if pure else e)
         if isinstance(e, Name):
+            if e.id in temps:
+                return _Affine(dict(temps[e.id].coeffs), temps[e.id].rest)
             if e.id != spec.update[i].target and last.get(e.id, i) < i:
                 return _Affine({("cur", e.id): Num(1)}, None)   # finished earlier in this token
             v = cur[e.id]
@@ -554,6 +558,10 @@ def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
 
     cur = {s: _Affine({("prev", s): Num(1)}, None) for s in states}
     for i, stmt in enumerate(spec.update):
+        if stmt.target not in spec.state:   # a per-token temporary: substituted where it is used
+            if stmt.target not in temps:
+                temps[stmt.target] = walk(values[i], cur, i)
+            continue
         if spec.state[stmt.target].cache:
             raise NotRecurrence(f"state {stmt.target} is a cache")
         cur[stmt.target] = walk(values[i], cur, i)
@@ -775,7 +783,8 @@ class ModuleWriter:
             set(spec.params) | set(spec.state) | set(spec.let)
         if spec.model is not None:
             spec_names |= {spec.model.name, spec.model.arg}
-        self.spec_names = spec_names | set(GENERATED_NAMES) | set(HELPERS) | {"loss", "logit"}
+        self.spec_names = spec_names | set(GENERATED_NAMES) | set(HELPERS) | {"loss", "logit"} | \
+            {st.target for st in spec.update}   # per-token temporaries are locals of the generated code
         # attribute names on the Memory module
         taken = set(dir(nn.Module)) | set(self.OWN_ATTRS)
         self.attr: dict = {}
@@ -1350,8 +1359,12 @@ class ModuleWriter:
             maps.append(dict(em.grads))
             if keep is not None and i not in keep:
                 continue
-            st = spec.state[stmt.target]
+            st = spec.state.get(stmt.target)
             v = stmt.value
+            if st is None:   # a per-token temporary: a local variable of this token
+                L(f"{stmt.target} = {em.emit(v)}",
+                  _shape_text("B, H", self.env.names.get(stmt.target) or ()) + ": a temporary of this token")
+                continue
             if isinstance(v, Call) and v.fn == "append":
                 self.helpers.add("append")
                 item = em.emit(v.args[1])
@@ -1379,11 +1392,13 @@ class ModuleWriter:
                    if any(isinstance(c, Call) and c.fn == "grad" for c in st.value.walk()))
         needed = set(self.loss_states)
         keep = set()
+        temps = {st.target for st in spec.update if st.target not in spec.state}
         for j in range(last - 1, -1, -1):
             stmt = spec.update[j]
             if stmt.target in needed:
                 keep.add(j)
-                needed |= {n.id for n in stmt.value.walk() if isinstance(n, Name) and n.id in spec.state}
+                needed |= {n.id for n in stmt.value.walk() if isinstance(n, Name)
+                           and (n.id in spec.state or n.id in temps)}
         starts = [s for s in self.states if s in needed]
         return keep, starts, last
 

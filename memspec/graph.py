@@ -25,6 +25,9 @@ other nodes):
 ``loss@update:U#1``         the inner loss, evaluated at the state versions
                             current at statement ``U#1``
 ``grad:W@update:U#1``       grad(loss, W) inside statement ``U#1``
+``temp:g``                  the per-token temporary ``g`` (an update statement
+                            whose target is not a declared name: an SSA value
+                            of this token only, never carried to the next one)
 ``read``                    the read expression's value
 ``output``                  the token's output o_t
 ``state_out:W``             state W after the token (its last version)
@@ -37,7 +40,7 @@ other nodes):
 Node attributes: ``op`` (``view``, ``gate``, ``add``, ``matmul``, ``sigmoid``,
 ``apply`` (the model), ``grad``, ``update``, ``num``, ...), ``role`` (``input``,
 ``dim``, ``const``, ``view``, ``gate``, ``param``, ``let``, ``state``, ``model``,
-``loss``, ``grad``, ``update``, ``read``, ``output``), ``shape`` (a tuple of dim
+``loss``, ``grad``, ``update``, ``temp``, ``read``, ``output``), ``shape`` (a tuple of dim
 names, ``None`` where inference failed), ``span`` (the :class:`~memspec.errors.Span`
 it came from, or ``None``), ``label`` (short readable text) and ``args`` (the ids of
 its inputs in operand order; edges carry no order).
@@ -95,10 +98,11 @@ class _Lowering:
             return f"{_SECTION_PREFIX[kind]}:{name}"
         return None
 
-    def typed(self, expr: Expr, context: str, report: bool = True) -> None:
+    def typed(self, expr: Expr, context: str, report: bool = True, scope: dict | None = None) -> None:
         """Infer the shapes of an owner expression once; remember them per AST node."""
         rec: dict = {}
-        self.env.infer(expr, context=context, diags=self.diags if report else Collector(), record=rec)
+        self.env.infer(expr, context=context, diags=self.diags if report else Collector(), record=rec,
+                       scope=scope)
         self.records.update(rec)
 
     def shape_of(self, e: Expr):
@@ -215,13 +219,27 @@ class _Lowering:
         if spec.order == "read_write":
             self.read()
         versions: dict[str, int] = {}
+        temp_shapes: dict = {}   # the temporaries bound so far (name -> shape) ...
+        temp_nodes: dict = {}    # ... and their nodes
         for i, st in enumerate(spec.update):
-            self.typed(st.value, "update")
+            self.typed(st.value, "update", scope=dict(temp_shapes))
             versions[st.target] = versions.get(st.target, 0) + 1
-            owner = f"update:{st.target}#{versions[st.target]}"
-            root = self.expr(st.value, owner, "", "update", {})
+            v = versions[st.target]
+            temp = env.kind(st.target) == "temp"
+            if temp:
+                owner = f"temp:{st.target}" + (f"#{v}" if v > 1 else "")
+            else:
+                owner = f"update:{st.target}#{v}"
+            root = self.expr(st.value, owner, "", "update", dict(temp_nodes))
+            if temp:
+                shape = self.shape_of(st.value)
+                self.add(owner, "temp", "temp", shape, st.span, _short(str(st)), (root,), target=st.target,
+                         version=v, index=i, target_span=st.target_span)
+                if v == 1:
+                    temp_nodes[st.target], temp_shapes[st.target] = owner, shape
+                continue
             self.add(owner, "update", "update", env.names.get(st.target) if env.kind(st.target) == "state" else None,
-                     st.span, _short(str(st)), (root,), target=st.target, version=versions[st.target],
+                     st.span, _short(str(st)), (root,), target=st.target, version=v,
                      index=i, target_span=st.target_span)
             if env.kind(st.target) == "state":
                 self.current[st.target] = owner

@@ -257,6 +257,7 @@ class _Scope:
     state: dict[str, torch.Tensor]             # current state values
     grad_memo: dict[int, torch.Tensor] | None = None  # mini-batch: grads taken on the shadow
     local: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's argument
+    temp: dict[str, torch.Tensor] = field(default_factory=dict)   # this token's temporaries so far
 
 
 class _EvalError(ValueError):
@@ -327,12 +328,12 @@ class _Interpreter:
 
     def eval_Name(self, e: Name, scope: _Scope) -> torch.Tensor:
         n = e.id
-        for table in (scope.local, scope.token, scope.state, self.params, self.constants, self.dims):
+        for table in (scope.local, scope.temp, scope.token, scope.state, self.params, self.constants, self.dims):
             if n in table:
                 return table[n]
         if n == "loss" and self.spec.loss is not None:
             return self.eval(self.spec.loss, scope)
-        known = [*scope.local, *scope.token, *scope.state, *self.params, *self.constants, *self.dims]
+        known = [*scope.local, *scope.temp, *scope.token, *scope.state, *self.params, *self.constants, *self.dims]
         hint = did_you_mean(n, known)
         raise _EvalError(f"{_where(e)}unknown name {n!r}" + (f"; {hint}" if hint else ""))
 
@@ -392,7 +393,7 @@ class _Interpreter:
     def apply_model(self, u: torch.Tensor, scope: _Scope) -> torch.Tensor:
         """``f(u)`` with the scope's current state."""
         model = self.spec.model
-        inner = replace(scope, local={model.arg: u})
+        inner = replace(scope, local={model.arg: u}, temp={})
         return self.eval(model.body, inner)
 
     def args(self, e: Call, scope: _Scope) -> list[torch.Tensor]:
@@ -546,10 +547,16 @@ class _Interpreter:
 
     # ------------------------------------------------------- statements
     def assign(self, stmt: Assign, scope: _Scope) -> None:
-        """Run one update statement; it sees (and changes) ``scope.state``."""
+        """Run one update statement; it sees (and changes) ``scope.state``, or binds a
+        temporary in ``scope.temp`` (a target that is no state)."""
         st = self.spec.state.get(stmt.target)
         if st is None:
-            raise _EvalError(f"{_where(stmt)}update target {stmt.target!r} is not a state")
+            declared = (*self.spec.dims, *self.spec.constants, *self.spec.views, *self.spec.gates,
+                        *self.spec.params, *self.spec.let)
+            if stmt.target in declared or stmt.target in scope.temp:
+                raise _EvalError(f"{_where(stmt)}update target {stmt.target!r} is not a state or a new temporary")
+            scope.temp[stmt.target] = self.eval(stmt.value, scope)
+            return
         old = scope.state[stmt.target]
         v = stmt.value
         if isinstance(v, Call) and v.fn == "append":
@@ -624,6 +631,9 @@ def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
           B: int, H: int) -> torch.Tensor:
     """One token: lets, (read), update statements in order, (read).  Mutates ``state``.
 
+    A statement whose target is no state binds a temporary of this token, visible to
+    the later statements only (the read, the lets and the next token never see it).
+
     Online (``shadow is None``) every ``grad`` is taken at the current state.
     Mini-batch: ``shadow`` starts as the chunk-start state and the token's
     statements are replayed on it first; each ``grad`` is taken there (so at the
@@ -639,12 +649,14 @@ def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
     if spec.order == "read_write":
         out = interp.eval(spec.read, scope)
     last_grad = max((i for i, st in enumerate(spec.update) if _has_grad(st.value)), default=-1)
+    temps: dict = {}          # this token's temporaries (never carried to the next token) ...
+    shadow_temps: dict = {}   # ... and those of the replay on the chunk-start state
     for i, stmt in enumerate(spec.update):
         memo = None
         if shadow is not None and i <= last_grad:
             memo = {}
-            interp.assign(stmt, _Scope(token=token, state=shadow, grad_memo=memo))
-        interp.assign(stmt, _Scope(token=token, state=state, grad_memo=memo))
+            interp.assign(stmt, _Scope(token=token, state=shadow, grad_memo=memo, temp=shadow_temps))
+        interp.assign(stmt, _Scope(token=token, state=state, grad_memo=memo, temp=temps))
     if spec.order == "write_read":
         out = interp.eval(spec.read, scope)
     return out.expand(B, H, *out.shape[2:])

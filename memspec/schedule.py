@@ -834,8 +834,49 @@ def _fmt_bound(x: float) -> str:
 
 
 # ------------------------------------------------------------- families
-def _updates(alg: Algebra) -> list[tuple[str, Expr]]:
+def _all_updates(alg: Algebra) -> list[tuple[str, Expr]]:
+    """Every update statement (temporaries included), lets and the model inlined."""
     return [(s.target, alg.inline(s.value)) for s in alg.spec.update]
+
+
+def _updates(alg: Algebra) -> list[tuple[str, Expr]]:
+    """The state statements, with the per-token temporaries inlined into the statements
+    that use them (``g = grad(loss, W); W = W - eta * g`` reads as ``W = W - eta * grad(loss, W)``).
+
+    Inlining is exact when no state the temporary depends on (any state, for a value
+    holding ``grad``, the model or a cache) is written between its statement and the use;
+    otherwise the family needs the temporary's position and is not admitted."""
+    temps: dict[str, tuple[Expr, int]] = {}
+    out: list[tuple[str, Expr]] = []
+    written: list[str] = []   # state targets in program order
+    for tgt, e in _all_updates(alg):
+        used = {t for t in _names(e) if t in temps}
+        for t in sorted(used):
+            value, at = temps[t]
+            deps = _names(value) & set(alg.states)
+            if any(isinstance(c, Call) and (c.fn == "grad" or c.fn == "attend") for c in value.walk()):
+                deps = set(alg.states)
+            changed = sorted(set(written[at:]) & deps)
+            if changed:
+                raise NotAdmitted(f"the temporary {t} is used after {', '.join(changed)} changed, which it "
+                                  f"depends on (its value is taken before that write)")
+        if used:
+            e = substitute(e, {t: temps[t][0] for t in used})
+        if tgt in alg.states:
+            out.append((tgt, e))
+            written.append(tgt)
+        else:
+            temps[tgt] = (e, len(written))
+    return out
+
+
+def _compose_all(alg: Algebra, updates: list[tuple[str, Expr]]) -> dict[str, Expr]:
+    """:func:`_compose` over every statement, temporaries included: each temporary is
+    expressed in the states before the token, like the states (exact whatever the order)."""
+    cur: dict[str, Expr] = {}
+    for tgt, e in updates:
+        cur[tgt] = substitute(e, cur) if cur else e
+    return {n: v for n, v in cur.items() if n in alg.states}
 
 
 def analyse_cache(alg: Algebra) -> tuple[CachePlan, list[str]]:
@@ -947,7 +988,7 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
             raise NotAdmitted(f"state {n} has rank {len(s.shape)}; the chunk form needs a vector or a matrix")
     # gradients that do not depend on the state (losses linear in a linear model) are increments
     updates = []
-    for tgt, e in _updates(alg):
+    for tgt, e in _all_updates(alg):
         for g in grad_calls(e):
             W = alg.grad_target(g)
             loss = alg.loss()
@@ -956,14 +997,16 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
             try:
                 gf = symbolic_grad(alg, loss, W)
             except NotAdmitted as err:
-                raise NotAdmitted(f"the update of {tgt} is not affine in {tgt} with a state-independent "
-                                  f"increment: {unparse(g)} of a nonlinear model ({err})") from None
+                what = (f"the update of {tgt} is not affine in {tgt} with a state-independent increment"
+                        if tgt in alg.states else f"the temporary {tgt} is not a state-independent increment")
+                raise NotAdmitted(f"{what}: {unparse(g)} of a nonlinear model ({err})") from None
             if gf.scale is not None:
-                raise NotAdmitted(f"the increment of {tgt} depends on the state: {unparse(g)} = {gf.text}")
+                what = f"the increment of {tgt}" if tgt in alg.states else f"the temporary {tgt}"
+                raise NotAdmitted(f"{what} depends on the state: {unparse(g)} = {gf.text}")
             repl = Call("outer", (gf.p, gf.lin)) if gf.p is not None else ZERO
             e = _replace_call(e, g, repl)
         updates.append((tgt, e))
-    final = _compose(alg, updates)
+    final = _compose_all(alg, updates)
     reasons = []
     states = []
     for n, st in alg.states.items():
@@ -1120,12 +1163,12 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
 def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str]]:
     spec = alg.spec
     table: dict = {}
-    updates = [(t, replace_grads(e, alg, table)) for t, e in _updates(alg)]
+    updates = [(t, replace_grads(e, alg, table)) for t, e in _all_updates(alg)]
     if not table:
         raise NotAdmitted("the update takes no gradient (mini-batch learning needs gradient writes)")
     if alg.caches:
         raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
-    final = _compose(alg, updates)
+    final = _compose_all(alg, updates)
     gnames = {v[0] for v in table.values()}
     coef, rest = {}, {}
     for n in alg.states:
@@ -1292,7 +1335,7 @@ def explain(spec) -> str:
 def _additive_states_ok(alg: Algebra) -> bool:
     """Are all state updates additive (even if the read is not a probe)?"""
     try:
-        final = _compose(alg, _updates(alg))
+        final = _compose_all(alg, _all_updates(alg))
         for n in alg.states:
             if alg.states[n].cache or n not in final or grad_calls(final[n]):
                 return False

@@ -94,6 +94,7 @@ class ShapeEnv:
     kinds: dict = field(default_factory=dict)       # name -> "dim" | "constant" | "view" | ...
     diagnostics: list = field(default_factory=list)  # problems found while typing the lets
     cache_axis: str = CACHE_AXIS
+    temps: dict = field(default_factory=dict)       # temporary -> index of its (first) update statement
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -121,7 +122,17 @@ class ShapeEnv:
             env._declare(n, None, "let")
         if spec.model is not None:
             env.kinds.setdefault(spec.model.name, "model")
+        # update targets that are no declared name are per-token temporaries
+        not_temp = {"loss", "logit"} | ({spec.model.name, spec.model.arg} if spec.model is not None else set())
+        for i, st in enumerate(spec.update):
+            t = st.target
+            if t not in env.kinds and t not in env.temps and t not in not_temp:
+                env.temps[t] = i
+        for t in env.temps:
+            env.kinds[t] = "temp"
+            env.names[t] = None
         env._infer_lets()
+        env._infer_temps()
         return env
 
     def _declare(self, name: str, shape, kind: str) -> None:
@@ -142,6 +153,18 @@ class ShapeEnv:
                 continue
             self.names[n] = self.infer(spec.let[n], context="let", diags=diags)
         self.diagnostics = diags.items
+
+    def _infer_temps(self) -> None:
+        """Shapes of the temporaries, each typed with the temporaries assigned before it."""
+        scope: dict = {}
+        for i, st in enumerate(self.spec.update):
+            if self.temps.get(st.target) == i:
+                scope[st.target] = self.infer(st.value, context="update", scope=scope, diags=Collector())
+                self.names[st.target] = scope[st.target]
+
+    def temp_scope(self, index: int) -> dict:
+        """The temporaries visible to update statement ``index`` (name -> shape)."""
+        return {t: self.names[t] for t, i in self.temps.items() if i < index}
 
     # ------------------------------------------------------------ queries
     def of(self, name: str) -> Optional[Shape]:
@@ -219,6 +242,9 @@ class ShapeEnv:
         n = e.id
         if n in ctx.scope:
             return ctx.scope[n]
+        if self.kinds.get(n) == "temp" and ctx.context is not None:
+            self._temp_out_of_scope(e, ctx)
+            return None
         if n in self.names:
             return self.names[n]
         if self.kinds.get(n) == "model":
@@ -247,6 +273,33 @@ class ShapeEnv:
         ctx.diags.error(f"unknown name '{n}'", e.span, hint=did_you_mean(n, cands),
                         code="E-unknown-name")
         return None
+
+    _PLACES = {"gate": "a gate formula", "let": "a let", "model": "the model", "loss": "the loss",
+               "read": "the read"}
+
+    def _temp_out_of_scope(self, e: Name, ctx: _Ctx) -> None:
+        n = e.id
+        st = self.spec.update[self.temps[n]]
+        tsp = st.target_span or st.span
+        if ctx.context != "update":
+            where = self._PLACES.get(ctx.context, "this expression")
+            ctx.diags.error(f"'{n}' is a temporary of the update program; it is not visible in {where}", e.span,
+                            hint="a temporary is visible only to later update statements of the same token; "
+                                 "write the expression here, or declare a state", code="E-temp-scope")
+            return
+        inside = (tsp is not None and e.span is not None and st.span is not None and e.span.line == st.span.line
+                  and e.span.file == st.span.file and e.span.col > tsp.col)
+        if inside:
+            states = [s for s in self.spec.state if _plain(s)]
+            ctx.diags.error(f"'{n}' is not a state: this statement binds the temporary '{n}', which has no value "
+                            "before it", e.span,
+                            hint=did_you_mean(n, states) or "to carry a value from token to token, declare it "
+                                                            "under state", code="E-temp-later")
+            return
+        line = f" at line {tsp.line}" if tsp is not None else ""
+        ctx.diags.error(f"the temporary '{n}' is only available later: it is assigned{line}", e.span,
+                        hint=f"update statements run in order; move `{n} = ...` above its first use",
+                        code="E-temp-later")
 
     def _transpose(self, e: Transpose, ctx: _Ctx) -> Optional[Shape]:
         s = self._infer(e.operand, ctx)
@@ -463,6 +516,7 @@ class ShapeEnv:
             if kind is None:
                 return self._infer(w, ctx)  # unknown name, with did-you-mean
             if kind != "state":
+                kind = "temporary" if kind == "temp" else kind
                 ctx.diags.error(f"grad(loss, {w.id}) is taken with respect to a state; '{w.id}' is a {kind}",
                                 w.span or span,
                                 hint=("states: " + ", ".join(spec.state)) if spec.state else "declare a state",
@@ -550,7 +604,8 @@ class ShapeEnv:
         if a is None:
             return None
         sub = Collector()
-        inner = _Ctx("model", {**ctx.scope, m.arg: a}, sub, None,
+        outer = {k: v for k, v in ctx.scope.items() if self.kinds.get(k) != "temp"}
+        inner = _Ctx("model", {**outer, m.arg: a}, sub, None,
                      ctx.model_stack + (m.name,))
         out = self._infer(m.body, inner)
         for d in sub.items:
