@@ -95,6 +95,11 @@ CHECK_CODES_BY_FILE = {
     "model_shadow": "the model",
     "unknown_dim": "unknown dim",
     "model_scope": "a model may use only its argument",
+    "temp_twice": "is assigned twice",
+    "temp_later": "is only available later",
+    "temp_scope": "it is not visible in the read",
+    "temp_shadow": "would shadow the model",
+    "warn_temp_unused": "the temporary 'h' is never used",
 }
 
 
