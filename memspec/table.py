@@ -184,6 +184,20 @@ def _simplify_coef(ts: list[Term]) -> list[Term]:
     return ([(const, ())] if const else []) + rest
 
 
+def state_updates(spec: Spec) -> list[tuple[str, Expr]]:
+    """The state statements with the per-token temporaries written into them
+    (``g = grad(loss, W); W = W - eta * g`` reads as ``W = W - eta * grad(loss, W)``)."""
+    temps: dict[str, Expr] = {}
+    out = []
+    for st in spec.update:
+        v = substitute(st.value, temps) if temps else st.value
+        if st.target in spec.state:
+            out.append((st.target, v))
+        else:
+            temps.setdefault(st.target, v)
+    return out
+
+
 def features(spec: Spec) -> Features:
     ft = Features()
     ft.cache = any(s.cache for s in spec.state.values())
@@ -191,10 +205,9 @@ def features(spec: Spec) -> Features:
     states = set(spec.state)
     retention: dict[str, list[list[Term]]] = {}
     increments: dict[str, list[Term]] = {}
-    for st in spec.update:
-        x = st.target
+    for x, value in state_updates(spec):
         ret, inc = [], []
-        for c, f in terms(st.value):
+        for c, f in terms(value):
             hits = [i for i, y in enumerate(f) if _is_state(y, x)]
             if len(hits) == 1:
                 ret.append((c, f[: hits[0]] + f[hits[0] + 1:]))
@@ -661,7 +674,8 @@ def row(spec: Spec) -> Row:
     return Row(
         spec=spec.name, problem=problem, mechanism=mech,
         state=_state_text(spec, axis),
-        write="; ".join(f"{_mname(s.target)} ← {render(s.value)}" for s in spec.update) or "—",
+        write="; ".join(f"{_mname(s.target)} {'←' if s.target in spec.state else '='} {render(s.value)}"
+                        for s in spec.update) or "—",
         loss=loss,
         step=step,
         momentum=_feature_text(ft.momentum, ft.momentum_states),

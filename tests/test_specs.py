@@ -246,33 +246,34 @@ def test_ttt_linear_is_minibatch_gd_on_the_v_minus_k_target():
     W0 = 0.3 * torch.randn(H, D, D, generator=g, dtype=torch.float64)
     lw = 1 + 0.1 * torch.randn(H, D, generator=g, dtype=torch.float64)
     lb = 0.1 * torch.randn(H, D, generator=g, dtype=torch.float64)
+    b0 = 0.1 * torch.randn(H, D, generator=g, dtype=torch.float64)
     C = 3
     out, st = _run("ttt_linear", dims={"d_k": D}, schedule=("minibatch", C),
-                   params={"W": W0, "ln_w": lw, "ln_b": lb}, eta=eta, **x)
+                   params={"W": W0, "b": b0, "ln_w": lw, "ln_b": lb}, eta=eta, **x)
     assert _spec("ttt_linear").schedule == "minibatch(16)"
-    W = W0.expand(B, H, D, D).clone()
+    W, b = W0.expand(B, H, D, D).clone(), b0.expand(B, H, D).clone()
     for t in range(T):
         if t % C == 0:
-            Ws = W.clone()
-        Wr = Ws.clone().requires_grad_()
-        # the paper's loss: the non-residual part reconstructs v - k
-        loss = 0.5 * ((_ln(torch.einsum("bhi,bhij->bhj", x["k"][:, t], Wr), lw, lb)
+            Ws, bs = W.clone(), b.clone()
+        Wr, br = Ws.clone().requires_grad_(), bs.clone().requires_grad_()
+        # the paper's loss: the non-residual part reconstructs v - k; both gradients at the chunk start
+        loss = 0.5 * ((_ln(torch.einsum("bhi,bhij->bhj", x["k"][:, t], Wr) + br, lw, lb)
                        - (x["v"][:, t] - x["k"][:, t])) ** 2).sum()
-        (gW,) = torch.autograd.grad(loss, Wr)
+        gW, gb = torch.autograd.grad(loss, (Wr, br))
         W = W - eta[:, t, :, None, None] * gW
+        b = b - eta[:, t, :, None] * gb
         q = x["q"][:, t]
-        want = q + _ln(torch.einsum("bhi,bhij->bhj", q, W), lw, lb)
+        want = q + _ln(torch.einsum("bhi,bhij->bhj", q, W) + b, lw, lb)
         torch.testing.assert_close(out[:, t], want, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(st["W"], W)
+    torch.testing.assert_close(st["b"], b)
 
 
-def _sequential_steps(p: dict, loss_of, order, step):
-    """Update statements in sequence (online): each gradient at the tensors as updated so far."""
-    for n in order:
-        leaf = p[n].clone().requires_grad_()
-        (gr,) = torch.autograd.grad(loss_of({**p, n: leaf}), leaf)
-        p[n] = step(n, p[n], gr)
-    return p
+def _simultaneous_steps(p: dict, loss_of, order, step):
+    """The papers' step (online): every gradient at the same tensors, then every tensor steps."""
+    leaves = {n: p[n].clone().requires_grad_() for n in order}
+    grads = torch.autograd.grad(loss_of({**p, **leaves}), [leaves[n] for n in order])
+    return {**p, **{n: step(n, p[n], gr) for n, gr in zip(order, grads)}}
 
 
 def test_ttt_mlp_online_steps_match_autograd():
@@ -293,7 +294,7 @@ def test_ttt_mlp_online_steps_match_autograd():
     p = {n: t.expand(B, *t.shape).clone() for n, t in init.items()}
     for t in range(T):
         e = eta[:, t]
-        p = _sequential_steps(
+        p = _simultaneous_steps(
             p, lambda pp: 0.5 * ((f(x["k"][:, t], pp) - x["v"][:, t]) ** 2).sum(), ["W1", "b1", "W2", "b2"],
             lambda n, w, gr: w - e.reshape(B, H, *([1] * (gr.dim() - 2))) * gr)
         torch.testing.assert_close(out[:, t], f(x["q"][:, t], p), rtol=1e-9, atol=1e-10)
@@ -333,7 +334,7 @@ def _mlp_memory_check(name, loss_fn, gates, momentum, qk, vv, schedule="online")
             u1, u2 = m * u1 - e * g1, m * u2 - e * g2
             p = {"W1": keep * p["W1"] + u1, "W2": keep * p["W2"] + u2}
         else:
-            p = _sequential_steps(p, loss_of, ["W1", "W2"], lambda n, w, gr: keep * w - e * gr)
+            p = _simultaneous_steps(p, loss_of, ["W1", "W2"], lambda n, w, gr: keep * w - e * gr)
         torch.testing.assert_close(out[:, t], _mlp(q[:, t], p["W1"], p["W2"]), rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(st["W1"], p["W1"])
     torch.testing.assert_close(st["W2"], p["W2"])
