@@ -110,11 +110,30 @@ def momentum_spec():
     return memspec.loads(t, "yaml")
 
 
-@pytest.mark.parametrize("which", ["simultaneous", "momentum"])
+DECAY_FIRST = """
+name: dd
+dims: {d_model: 8, heads: 2, d_k: 3, d_v: 3}
+views: {q: d_k, k: d_k, v: d_v}
+gates: {eta: sigmoid(logit), alpha: sigmoid(logit)}
+state: {W: {shape: [d_k, d_v]}}
+model: f(u) = u @ W
+loss: 0.5 * sum((f(k) - v)^2)
+update:
+  - W = (1 - alpha) * W
+  - g = grad(loss, W)
+  - e = eta * g
+  - W = W - e
+read: f(q)
+"""
+
+
+@pytest.mark.parametrize("which", ["simultaneous", "momentum", "decay_first"])
 @pytest.mark.parametrize("schedule", ["online", "minibatch"])
 def test_compiled_matches_reference(which, schedule):
-    spec = two(SIMULTANEOUS) if which == "simultaneous" else momentum_spec()
-    dims = {"d_model": 8, "heads": 2, "d_k": 3, "hidden": 4}
+    """decay_first: the temporaries are replayed after the decay on the chunk-start state."""
+    spec = {"simultaneous": lambda: two(SIMULTANEOUS), "momentum": momentum_spec,
+            "decay_first": lambda: memspec.loads(DECAY_FIRST, "yaml")}[which]()
+    dims = {k: v for k, v in {"d_model": 8, "heads": 2, "d_k": 3, "d_v": 3, "hidden": 4}.items() if k in spec.dims}
     m = make(spec, dims, chunk=3)
     ins = inputs(spec, m, T=7)
     st = initial_state(spec, m)
