@@ -5,13 +5,15 @@
 # schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1 equals online when no statement writes a state before a gradient reads it)
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mac(segment=128, persistent=16, window=64) -- not built here: TitansMacLayer is the bare memory layer
+# wiring: mac(segment=128, persistent=16, window=64) -- built here: TitansMacLayer is MAC around TitansMacMemoryLayer
 """titans_mac: Titans MAC (memory as a context): the Titans neural memory wired per segment of 128 tokens; the segment's queries first retrieve from the memory left by earlier segments, attention runs over [16 persistent tokens | retrieved | segment], and the attention output is what the memory writes.
 
 Cite: Behrouz, Zhong & Mirrokni 2025, Titans: Learning to Memorize at Test Time, §4.1 (memory as a context)
 
 TitansMacMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
-TitansMacLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
+TitansMacMemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
+TitansMacLayer: the spec's wiring, MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],
+    write the attention output y into the memory, output y * sigmoid(memory(y)).
 """
 import math
 import time
@@ -92,6 +94,139 @@ def _linear_scan(a, x, s0):
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
+
+
+# ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----
+class Attention(nn.Module):
+    """Multi-head softmax attention with ``persistent`` learned tokens always visible.
+
+    ``project_kv(x)`` turns tokens ``[B, n, d_model]`` into keys and values
+    ``[B, heads, n, d_head]``; ``forward(x_q, k, v, mask)`` attends from the queries of
+    ``x_q`` ``[B, T, d_model]`` to ``[persistent | k]`` with ``mask`` ``[T, n]`` (bool,
+    True = may attend) for the non-persistent keys, and returns ``[B, T, d_model]``.
+    """
+
+    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0):
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
+        self.d_model, self.heads, self.n_persistent = d_model, heads, persistent
+        self.wq = nn.Linear(d_model, d_model, bias=False)
+        self.wk = nn.Linear(d_model, d_model, bias=False)
+        self.wv = nn.Linear(d_model, d_model, bias=False)
+        self.wo = nn.Linear(d_model, d_model, bias=False)
+        self.persistent = nn.Parameter(torch.randn(persistent, d_model) * 0.02)  # [P, d_model]
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        B, n, _ = x.shape
+        return x.view(B, n, self.heads, self.d_model // self.heads).transpose(1, 2)  # [B, h, n, dh]
+
+    def project_kv(self, x: torch.Tensor):
+        return self.split(self.wk(x)), self.split(self.wv(x))
+
+    def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_q.shape
+        q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
+        if self.n_persistent:
+            pk, pv = self.project_kv(self.persistent.unsqueeze(0))    # [1, h, P, dh]
+            k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
+            v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
+            always = torch.ones(T, self.n_persistent, dtype=torch.bool, device=mask.device)
+            mask = torch.cat([always, mask], dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, T, dh]
+        return self.wo(o.transpose(1, 2).reshape(B, T, self.d_model))
+
+
+class MAC(nn.Module):
+    """Memory as context (Titans §4.1), segment by segment: retrieve -> attend -> update.
+
+    For a segment S (tokens ``[B, L, d_model]``) with memory state ``M`` left by the
+    earlier segments:
+
+    1. retrieve ``h = M(S)``: every token of S reads ``M`` (the state at the segment
+       start), never a write made from S; each token is run through the memory layer
+       alone from ``M`` (the segment is folded into the batch), so for a
+       ``write_read`` memory a token's retrieval also sees its own transient write,
+       never another token's;
+    2. attend: queries of S over ``[persistent | h | S]``, causal inside the segment
+       (token i sees ``h_j`` and ``S_j`` for j <= i), giving ``y``;
+    3. update: the memory layer runs over ``y`` from ``M`` (token by token inside the
+       layer, so token i reads the state after the writes of y_1..y_i), giving ``m``
+       and the state handed to the next segment;
+    4. output ``y * sigmoid(m)``.
+
+    ``forward(x, state=None, return_state=False)``; the state carries the memory
+    state now (``mem``), at the segment start (``start``), and the keys/values of the
+    current segment's tokens so far (``hk, hv, xk, xv`` ``[B, heads, n, d_head]``).
+    """
+
+    def __init__(self, layer: nn.Module, d_model: int, *, segment: int = 64, persistent: int = 4,
+                 heads: int = 1):
+        super().__init__()
+        if segment < 1:
+            raise ValueError("segment must be >= 1")
+        self.layer = layer
+        self.segment = segment
+        self.attn = Attention(d_model, heads, persistent)
+
+    @staticmethod
+    def _repeat_state(state, times: int):
+        if state is None:
+            return None
+        if isinstance(state, torch.Tensor):
+            return state.repeat_interleave(times, dim=0) if state.dim() else state
+        if isinstance(state, dict):
+            return {key: MAC._repeat_state(val, times) for key, val in state.items()}
+        if isinstance(state, (list, tuple)):
+            return type(state)(MAC._repeat_state(val, times) for val in state)
+        return state
+
+    def retrieve(self, x: torch.Tensor, start) -> torch.Tensor:
+        """Read the memory state ``start`` (None = initial) with every token of x ``[B, L, D]``."""
+        B, L, D = x.shape
+        folded = x.reshape(B * L, 1, D)                                # one token per batch row
+        h, _ = self.layer(folded, state=self._repeat_state(start, L), return_state=True)
+        return h.reshape(B, L, D)
+
+    def update(self, y: torch.Tensor, mem):
+        """Write the attention outputs into the memory; returns (reads ``[B, L, D]``, new state)."""
+        return self.layer(y, state=mem, return_state=True)
+
+    def _segment_piece(self, x: torch.Tensor, st: dict):
+        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier ones)."""
+        L = x.shape[1]
+        h = self.retrieve(x, st["start"])                              # 1. retrieve (pre-segment state)
+        hk, hv = self.attn.project_kv(h)                               # [B, h, L, dh]
+        xk, xv = self.attn.project_kv(x)
+        if st["hk"] is not None:
+            hk, hv = torch.cat([st["hk"], hk], 2), torch.cat([st["hv"], hv], 2)
+            xk, xv = torch.cat([st["xk"], xk], 2), torch.cat([st["xv"], xv], 2)
+        n = hk.shape[2] - L
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        past = torch.ones(L, n, dtype=torch.bool, device=x.device)
+        mask = torch.cat([past, causal, past, causal], dim=1)          # [L, 2 (n + L)]
+        y = self.attn(x, torch.cat([hk, xk], 2), torch.cat([hv, xv], 2), mask)  # 2. attend
+        m, mem = self.update(y, st["mem"])                             # 3. update with y
+        out = y * torch.sigmoid(m)                                     # 4. y ⊗ M(y)
+        if n + L == self.segment:                                      # segment complete
+            st = {"mem": mem, "start": mem, "hk": None, "hv": None, "xk": None, "xv": None}
+        else:
+            st = {"mem": mem, "start": st["start"], "hk": hk, "hv": hv, "xk": xk, "xv": xv}
+        return out, st
+
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+        B, T, _ = x.shape
+        st = state if state is not None else {"mem": None, "start": None,
+                                              "hk": None, "hv": None, "xk": None, "xv": None}
+        outs, t = [], 0
+        while t < T:
+            n = 0 if st["hk"] is None else st["hk"].shape[2]
+            L = min(self.segment - n, T - t)
+            out, st = self._segment_piece(x[:, t:t + L], st)
+            outs.append(out)
+            t += L
+        y = torch.cat(outs, dim=1) if outs else x[:, :0]
+        return (y, st) if return_state else y
 
 
 class TitansMacMemory(nn.Module):
@@ -318,7 +453,7 @@ class TitansMacMemory(nn.Module):
         return o, (W1_seq[:, -1], W2_seq[:, -1], U1_seq[:, -1], U2_seq[:, -1])
 
 
-class TitansMacLayer(nn.Module):
+class TitansMacMemoryLayer(nn.Module):
     """x [B, T, d_model] -> projections into views (and gates) -> TitansMacMemory -> output projection.
 
     q = q_proj(x) viewed [B, T, H, d_k]
@@ -327,7 +462,7 @@ class TitansMacLayer(nn.Module):
     eta = sigmoid(logit) with logit = eta_proj(x) [B, T, H] (bias init -2.0)
     mu = sigmoid(logit) with logit = mu_proj(x) [B, T, H] (bias init 2.0)
     alpha = sigmoid(logit) with logit = alpha_proj(x) [B, T, H] (bias init -4.0)
-    (The spec's wiring mac is not built here: this is the bare memory layer.)
+    (The bare memory layer: TitansMacLayer wraps it in the spec's wiring, mac.)
     """
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64, compile=False):
@@ -364,3 +499,31 @@ class TitansMacLayer(nn.Module):
         o, state = self.memory(q, k, v, eta=eta, mu=mu, alpha=alpha, state=state)  # [B, T, H, d_v]
         y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
         return (y, state) if return_state else y
+
+
+class TitansMacLayer(MAC):
+    """x [B, T, d_model] -> y [B, T, d_model]: MAC around TitansMacMemoryLayer.
+
+    MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],
+    write the attention output y into the memory, output y * sigmoid(memory(y)).
+
+    TitansMacMemoryLayer (projections, TitansMacMemory, output projection) is ``self.layer``;
+    ``self.memory`` is its TitansMacMemory.  Attention: ``attn_heads`` heads (default: ``heads``
+    when it divides d_model, else 1) and 16 persistent tokens.
+    forward(x, state=None, return_state=False); the state carries the memory's state and
+    the attention's keys/values (see the wiring class above).
+    """
+
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64, compile=False,
+                 segment=128, persistent=16, attn_heads=None):
+        layer = TitansMacMemoryLayer(d_model=d_model, heads=heads, d_k=d_k, d_v=d_v, hidden=hidden, chunk=chunk, compile=compile)
+        if attn_heads is None:
+            attn_heads = heads if d_model % heads == 0 else 1
+        super().__init__(layer, d_model, segment=segment, persistent=persistent, heads=attn_heads)
+        self.d_model = d_model
+        self.heads = heads
+
+    @property
+    def memory(self):
+        """The TitansMacMemory module (inside the memory layer)."""
+        return self.layer.memory

@@ -5,13 +5,14 @@
 # schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1 equals online when no statement writes a state before a gradient reads it)
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mal(segment=64, persistent=16, window=128) -- not built here: TitansMalLayer is the bare memory layer
+# wiring: mal(segment=64, persistent=16, window=128) -- built here: TitansMalLayer is MAL around TitansMalMemoryLayer
 """titans_mal: Titans MAL (memory as a layer): the Titans neural memory as a layer followed by sliding-window attention (window 128, with 16 persistent tokens).
 
 Cite: Behrouz, Zhong & Mirrokni 2025, Titans: Learning to Memorize at Test Time, §4.3 (memory as a layer)
 
 TitansMalMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
-TitansMalLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
+TitansMalMemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
+TitansMalLayer: the spec's wiring, MAL, memory as layer: the memory layer, then sliding-window attention.
 """
 import math
 import time
@@ -92,6 +93,98 @@ def _linear_scan(a, x, s0):
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
+
+
+# ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----
+class Attention(nn.Module):
+    """Multi-head softmax attention with ``persistent`` learned tokens always visible.
+
+    ``project_kv(x)`` turns tokens ``[B, n, d_model]`` into keys and values
+    ``[B, heads, n, d_head]``; ``forward(x_q, k, v, mask)`` attends from the queries of
+    ``x_q`` ``[B, T, d_model]`` to ``[persistent | k]`` with ``mask`` ``[T, n]`` (bool,
+    True = may attend) for the non-persistent keys, and returns ``[B, T, d_model]``.
+    """
+
+    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0):
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
+        self.d_model, self.heads, self.n_persistent = d_model, heads, persistent
+        self.wq = nn.Linear(d_model, d_model, bias=False)
+        self.wk = nn.Linear(d_model, d_model, bias=False)
+        self.wv = nn.Linear(d_model, d_model, bias=False)
+        self.wo = nn.Linear(d_model, d_model, bias=False)
+        self.persistent = nn.Parameter(torch.randn(persistent, d_model) * 0.02)  # [P, d_model]
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        B, n, _ = x.shape
+        return x.view(B, n, self.heads, self.d_model // self.heads).transpose(1, 2)  # [B, h, n, dh]
+
+    def project_kv(self, x: torch.Tensor):
+        return self.split(self.wk(x)), self.split(self.wv(x))
+
+    def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_q.shape
+        q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
+        if self.n_persistent:
+            pk, pv = self.project_kv(self.persistent.unsqueeze(0))    # [1, h, P, dh]
+            k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
+            v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
+            always = torch.ones(T, self.n_persistent, dtype=torch.bool, device=mask.device)
+            mask = torch.cat([always, mask], dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, T, dh]
+        return self.wo(o.transpose(1, 2).reshape(B, T, self.d_model))
+
+
+class SlidingWindowAttention(Attention):
+    """Causal attention over the last ``window`` tokens (itself included) and the persistent tokens.
+
+    ``forward(x, state=None) -> (y, state)`` with x, y ``[B, T, d_model]``; state
+    ``{"k", "v"}`` ``[B, heads, n, d_head]`` holds the keys/values of the last
+    ``min(window - 1, seen)`` tokens.
+    """
+
+    def __init__(self, d_model: int, heads: int = 1, window: int = 64, persistent: int = 0):
+        super().__init__(d_model, heads, persistent)
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.window = window
+
+    def forward(self, x: torch.Tensor, state=None):
+        B, T, _ = x.shape
+        k, v = self.project_kv(x)                                     # [B, h, T, dh]
+        if state is not None:
+            k = torch.cat([state["k"], k], dim=2)
+            v = torch.cat([state["v"], v], dim=2)
+        n = k.shape[2] - T                                            # past tokens carried
+        q_pos = torch.arange(T, device=x.device).unsqueeze(1) + n     # [T, 1]
+        k_pos = torch.arange(n + T, device=x.device).unsqueeze(0)     # [1, n + T]
+        mask = (k_pos <= q_pos) & (q_pos - k_pos < self.window)      # [T, n + T]
+        y = super().forward(x, k, v, mask)
+        keep = self.window - 1
+        new_state = {"k": k[:, :, k.shape[2] - min(keep, k.shape[2]):],
+                     "v": v[:, :, v.shape[2] - min(keep, v.shape[2]):]}
+        return y, new_state
+
+
+class MAL(nn.Module):
+    """Memory as layer (Titans §4.3): ``o = SWA(M(x))``.
+
+    ``forward(x, state=None, return_state=False)``; state ``{"mem", "attn"}``.
+    """
+
+    def __init__(self, layer: nn.Module, d_model: int, *, window: int = 64, persistent: int = 4,
+                 heads: int = 1):
+        super().__init__()
+        self.layer = layer
+        self.attn = SlidingWindowAttention(d_model, heads, window, persistent)
+
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+        st = state if state is not None else {"mem": None, "attn": None}
+        m, mem = self.layer(x, state=st["mem"], return_state=True)
+        y, attn_state = self.attn(m, st["attn"])
+        new = {"mem": mem, "attn": attn_state}
+        return (y, new) if return_state else y
 
 
 class TitansMalMemory(nn.Module):
@@ -318,7 +411,7 @@ class TitansMalMemory(nn.Module):
         return o, (W1_seq[:, -1], W2_seq[:, -1], U1_seq[:, -1], U2_seq[:, -1])
 
 
-class TitansMalLayer(nn.Module):
+class TitansMalMemoryLayer(nn.Module):
     """x [B, T, d_model] -> projections into views (and gates) -> TitansMalMemory -> output projection.
 
     q = q_proj(x) viewed [B, T, H, d_k]
@@ -327,7 +420,7 @@ class TitansMalLayer(nn.Module):
     eta = sigmoid(logit) with logit = eta_proj(x) [B, T, H] (bias init -2.0)
     mu = sigmoid(logit) with logit = mu_proj(x) [B, T, H] (bias init 2.0)
     alpha = sigmoid(logit) with logit = alpha_proj(x) [B, T, H] (bias init -4.0)
-    (The spec's wiring mal is not built here: this is the bare memory layer.)
+    (The bare memory layer: TitansMalLayer wraps it in the spec's wiring, mal.)
     """
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64, compile=False):
@@ -364,3 +457,30 @@ class TitansMalLayer(nn.Module):
         o, state = self.memory(q, k, v, eta=eta, mu=mu, alpha=alpha, state=state)  # [B, T, H, d_v]
         y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
         return (y, state) if return_state else y
+
+
+class TitansMalLayer(MAL):
+    """x [B, T, d_model] -> y [B, T, d_model]: MAL around TitansMalMemoryLayer.
+
+    MAL, memory as layer: the memory layer, then sliding-window attention.
+
+    TitansMalMemoryLayer (projections, TitansMalMemory, output projection) is ``self.layer``;
+    ``self.memory`` is its TitansMalMemory.  Attention: ``attn_heads`` heads (default: ``heads``
+    when it divides d_model, else 1) and 16 persistent tokens.
+    forward(x, state=None, return_state=False); the state carries the memory's state and
+    the attention's keys/values (see the wiring class above).
+    """
+
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64, compile=False,
+                 window=128, persistent=16, attn_heads=None):
+        layer = TitansMalMemoryLayer(d_model=d_model, heads=heads, d_k=d_k, d_v=d_v, hidden=hidden, chunk=chunk, compile=compile)
+        if attn_heads is None:
+            attn_heads = heads if d_model % heads == 0 else 1
+        super().__init__(layer, d_model, window=window, persistent=persistent, heads=attn_heads)
+        self.d_model = d_model
+        self.heads = heads
+
+    @property
+    def memory(self):
+        """The TitansMalMemory module (inside the memory layer)."""
+        return self.layer.memory

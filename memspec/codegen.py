@@ -916,7 +916,12 @@ class ModuleWriter:
         L("from torch import nn")
         L()
         L()
-        for part in [HELPERS[h] for h in sorted(self.helpers)] + [_RUNTIME] + self.module_parts:
+        wiring = []
+        if self.spec.wiring.kind != "none":
+            from .wiring import source as wiring_source
+            wiring = ["# ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----\n"
+                      + wiring_source(self.spec.wiring.kind)]
+        for part in [HELPERS[h] for h in sorted(self.helpers)] + [_RUNTIME] + self.module_parts + wiring:
             L.block(part)
             L()
             L()
@@ -952,14 +957,20 @@ class ModuleWriter:
         if spec.wiring.kind != "none":
             w = spec.wiring
             L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window}) -- "
-              f"not built here: {self.name}Layer is the bare memory layer")
+              f"built here: {self.name}Layer is {w.kind.upper()} around {self.name}MemoryLayer")
         L('"""' + f"{spec.name}: " + (spec.description.split(". ")[0].strip().rstrip(".") + "." if spec.description else "a memspec memory."))
         L()
         if spec.cite:
             L(f"Cite: {spec.cite}")
             L()
         L(f"{self.name}Memory: the memory (views [B, T, H, D], gates [B, T, H], state {{name: [B, H, ...]}}).")
-        L(f"{self.name}Layer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.")
+        if spec.wiring.kind == "none":
+            L(f"{self.name}Layer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.")
+        else:
+            L(f"{self.name}MemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, "
+              "the output projection.")
+            for i, line in enumerate(f"{WIRING_TEXT[spec.wiring.kind]}.".split("\n")):
+                L(f"{self.name}Layer: the spec's wiring, {line}" if i == 0 else f"    {line}")
         L('"""')
 
     def _window_text(self) -> str:
@@ -1647,7 +1658,8 @@ class ModuleWriter:
         spec = self.spec
         n = self.name
         rshape = self.read_shape()
-        L(f"class {n}Layer(nn.Module):")
+        wired = spec.wiring.kind != "none"
+        L(f"class {n}{'MemoryLayer' if wired else 'Layer'}(nn.Module):")
         with L.indent():
             L('"""' + f"x [B, T, d_model] -> projections into views (and gates) -> {n}Memory -> output projection.")
             L()
@@ -1655,8 +1667,8 @@ class ModuleWriter:
                 L(f"{v} = {v}_proj(x) viewed [B, T, H, {spec.views[v].dim}]")
             for g, gate in spec.gates.items():
                 L(f"{g} = {unparse(gate.formula)} with logit = {g}_proj(x) [B, T, H] (bias init {gate.bias!r})")
-            if spec.wiring.kind != "none":
-                L(f"(The spec's wiring {spec.wiring.kind} is not built here: this is the bare memory layer.)")
+            if wired:
+                L(f"(The bare memory layer: {n}Layer wraps it in the spec's wiring, {spec.wiring.kind}.)")
             L('"""')
             L()
             sig = self._dims_signature()
@@ -1701,6 +1713,59 @@ class ModuleWriter:
                   _shape_text("B, T, H", rshape))
                 L(f"y = self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
                 L("return (y, state) if return_state else y")
+        if wired:
+            L()
+            L()
+            self.wired_layer_class(L)
+
+    def wired_layer_class(self, L):
+        """``<Name>Layer``: the wiring class of the spec around ``<Name>MemoryLayer``."""
+        spec, n, w = self.spec, self.name, self.spec.wiring
+        base = w.kind.upper()
+        sig = self._dims_signature()
+        if "d_model" not in spec.dims:
+            sig.insert(0, "d_model=64")
+        inner = ", ".join(p.split("=")[0] + "=" + p.split("=")[0] for p in sig)
+        extent = f"segment={w.segment}" if w.kind == "mac" else f"window={w.window}"
+        L(f"class {n}Layer({base}):")
+        with L.indent():
+            L('"""' + f"x [B, T, d_model] -> y [B, T, d_model]: {base} around {n}MemoryLayer.")
+            L()
+            for line in f"{WIRING_TEXT[w.kind]}.".split("\n"):
+                L(line)
+            L()
+            L(f"{n}MemoryLayer (projections, {n}Memory, output projection) is ``self.layer``;")
+            L(f"``self.memory`` is its {n}Memory.  Attention: ``attn_heads`` heads (default: ``heads``")
+            L(f"when it divides d_model, else 1) and {w.persistent} persistent tokens.")
+            L("forward(x, state=None, return_state=False); the state carries the memory's state and")
+            L("the attention's keys/values (see the wiring class above).")
+            L('"""')
+            L()
+            L(f"def __init__(self, *, {', '.join(sig)}, chunk={self.default_chunk}, compile=False,")
+            L(f"             {extent}, persistent={w.persistent}, attn_heads=None):")
+            with L.indent():
+                L(f"layer = {n}MemoryLayer({inner}, chunk=chunk, compile=compile)")
+                L("if attn_heads is None:")
+                L("    attn_heads = heads if d_model % heads == 0 else 1")
+                L(f"super().__init__(layer, d_model, {extent.split('=')[0]}={extent.split('=')[0]}, "
+                  "persistent=persistent, heads=attn_heads)")
+                L("self.d_model = d_model")
+                L("self.heads = heads")
+            L()
+            L("@property")
+            L("def memory(self):")
+            with L.indent():
+                L('"""' + f"The {n}Memory module (inside the memory layer)." + '"""')
+                L("return self.layer.memory")
+
+
+WIRING_TEXT = {
+    "mac": "MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],\n"
+           "write the attention output y into the memory, output y * sigmoid(memory(y))",
+    "mag": "MAG, memory as gate: sliding-window attention and the memory on the same input,\n"
+           "mixed by a learned gate",
+    "mal": "MAL, memory as layer: the memory layer, then sliding-window attention",
+}
 
 
 def generate(spec, decision=None, *, source_path=None, source_text=None) -> str:

@@ -1,8 +1,8 @@
 """Language-model blocks around compiled memory layers.
 
 ``MemoryLM(spec, vocab_size, d_model, n_layers)``: embedding -> ``n_layers`` pre-norm
-residual :class:`Block` s (mixer = the spec's compiled Layer, wrapped in the spec's
-wiring when it is not ``none``; then an MLP) -> RMSNorm -> head (tied to the
+residual :class:`Block` s (mixer = the spec's compiled Layer, which for a ``mac`` /
+``mag`` / ``mal`` spec is already the wired layer; then an MLP) -> RMSNorm -> head (tied to the
 embedding by default).  Every mixer carries a state, so the model decodes token by
 token with the same outputs as the full-sequence forward::
 
@@ -116,11 +116,13 @@ def _default_layer(spec, d_model: int, compile: bool, dims: dict) -> nn.Module:
 class MemoryLM(nn.Module):
     """A small language model whose token mixers are the spec's memory layers.
 
-    ``make_layer(spec, d_model) -> nn.Module`` overrides how a mixer is built (default:
-    ``memspec.build(spec, d_model=d_model, compile=compile, **dims)``); the wiring
-    attention uses ``heads`` attention heads (the spec's ``heads`` dim when it divides
-    ``d_model``, else 1); ``conv`` taps of causal short convolution before each mixer
-    (0 or 1 = none).
+    The default mixer is ``memspec.build(spec, d_model=d_model, compile=compile, **dims)``
+    used as it is: the generated ``<Name>Layer`` already contains the spec's wiring
+    (MAC / MAG / MAL around ``<Name>MemoryLayer``).  ``make_layer(spec, d_model) ->
+    nn.Module`` overrides it with a bare memory layer (a stand-in), which is then wrapped
+    by :func:`memspec.wiring.wrap` in the spec's wiring.  Either way the wiring attention
+    uses ``heads`` attention heads (the spec's ``heads`` dim when it divides ``d_model``,
+    else 1).  ``conv`` taps of causal short convolution before each mixer (0 or 1 = none).
     """
 
     def __init__(self, spec, vocab_size: int, d_model: int, n_layers: int, *, tie_embeddings: bool = True,
@@ -133,9 +135,11 @@ class MemoryLM(nn.Module):
         heads = heads if d_model % heads == 0 else 1
         blocks = []
         for _ in range(n_layers):
-            layer = make_layer(self.spec, d_model) if make_layer else _default_layer(self.spec, d_model, compile, dims)
-            mixer = wrap(layer, w.kind, d_model, segment=w.segment, window=w.window,
-                         persistent=w.persistent, heads=heads)
+            if make_layer is None:
+                mixer = _default_layer(self.spec, d_model, compile, dims)   # wired in the generated code
+            else:
+                mixer = wrap(make_layer(self.spec, d_model), w.kind, d_model, segment=w.segment,
+                             window=w.window, persistent=w.persistent, heads=heads)
             blocks.append(Block(mixer, d_model, mlp_ratio, conv))
         self.embed = nn.Embedding(vocab_size, d_model)
         nn.init.normal_(self.embed.weight, std=0.02)

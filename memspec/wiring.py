@@ -258,8 +258,15 @@ def wrap(layer: nn.Module, kind: str, d_model: int, *, segment: int = 64, window
     raise ValueError(f"unknown wiring {kind!r}: use none, mac, mag or mal")
 
 
-def source() -> str:
-    """The source of the wiring classes, in dependency order, for copying into generated files."""
+def source(kind: str | None = None) -> str:
+    """The source of the wiring classes, in dependency order, for copying into generated files.
+
+    ``kind`` (``"mac"``, ``"mag"`` or ``"mal"``) keeps only the classes that wiring needs;
+    ``None`` gives all of them."""
     import inspect
 
-    return "\n\n".join(inspect.getsource(c) for c in (Attention, SlidingWindowAttention, MAC, MAG, MAL))
+    needs = {None: (Attention, SlidingWindowAttention, MAC, MAG, MAL), "mac": (Attention, MAC),
+             "mag": (Attention, SlidingWindowAttention, MAG), "mal": (Attention, SlidingWindowAttention, MAL)}
+    if kind not in needs:
+        raise ValueError(f"unknown wiring {kind!r}: use mac, mag or mal")
+    return "\n\n".join(inspect.getsource(c) for c in needs[kind])

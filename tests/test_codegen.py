@@ -134,7 +134,9 @@ def test_header_names_spec_hash_and_schedule():
     assert any("schedule: minibatch(64)" in ln and "approximate" in ln for ln in head)
     assert "# [B, C, H, d_k, hidden]" in text        # shape comments
     assert "class TitansMemory(nn.Module):" in text and "class TitansLayer(nn.Module):" in text
-    assert "not built here" in source("specs/titans_mac.yaml")
+    mac = source("specs/titans_mac.yaml")
+    assert "TitansMacLayer is MAC around TitansMacMemoryLayer" in mac and "not built here" not in mac
+    assert "class TitansMacLayer(MAC):" in mac and "class TitansMacMemoryLayer(nn.Module):" in mac
 
 
 # ------------------------------------------------------------------ CLI and build
