@@ -1119,8 +1119,6 @@ class ModuleWriter:
     def forward(self, L):
         spec = self.spec
         views, gates = self._sig()
-        call_views = ", ".join(self.views)
-        call_gates = ", ".join(self.gates)
         L(f"def forward(self, {views}, *, {gates}state=None, schedule=\"auto\", **unknown):")
         with L.indent():
             L('"""' + "Run the memory over a sequence.")
@@ -1163,7 +1161,6 @@ class ModuleWriter:
         return f"{fresh('B', taken)}, {fresh('T', taken)}"
 
     def step(self, L):
-        spec = self.spec
         views, gates = self._sig()
         L(f"def step(self, {views}, *, {gates}state=None, **unknown):")
         with L.indent():
@@ -1183,7 +1180,6 @@ class ModuleWriter:
         L()
 
     def validation(self, L):
-        spec = self.spec
         H = f"self.{self.attr.get('heads', 'heads')}"
         L("def _check_inputs(self, views, gates):")
         with L.indent():
@@ -1309,7 +1305,6 @@ class ModuleWriter:
 
     # ------------------------------------------------------------ online
     def online(self, L):
-        spec = self.spec
         taken = set(self.spec_names)
         sv = self.views + self.gates
         L(f"def _forward_online(self, {', '.join(sv + ['state'])}):")
@@ -1419,7 +1414,6 @@ class ModuleWriter:
 
     # ------------------------------------------------------------ mini-batch
     def minibatch(self, L):
-        spec = self.spec
         taken = set(self.spec_names)
         sv = self.views + self.gates
         starts = {s: fresh(f"{s}_start", taken) for s in self._shadow_plan()[1]}

@@ -12,7 +12,7 @@ into the spec's own file.  A phase collects all of them and raises one
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 

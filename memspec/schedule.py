@@ -1068,7 +1068,6 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     if len(alg.states[W].shape) != 2 or alg.states[W].cache:
         raise NotAdmitted(f"the model's state {W} is not a matrix")
     reasons = []
-    u = Name(alg.model.arg)
     alg.shapes.setdefault(alg.model.arg, (alg.states[W].shape[0],))
     body = substitute(alg.model.body, {k: v for k, v in alg.lets.items() if k != alg.model.arg})
     d = degree(alg, body, {W})
@@ -1161,7 +1160,6 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
 
 
 def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str]]:
-    spec = alg.spec
     table: dict = {}
     updates = [(t, replace_grads(e, alg, table)) for t, e in _all_updates(alg)]
     if not table:
@@ -1169,7 +1167,6 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     if alg.caches:
         raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
     final = _compose_all(alg, updates)
-    gnames = {v[0] for v in table.values()}
     coef, rest = {}, {}
     for n in alg.states:
         e = final.get(n, Name(n))

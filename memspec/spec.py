@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from .expr import Assign, Expr, FunDef, Name, Call, parse_expr, parse_fundef, parse_stmt
+from .expr import Assign, Expr, FunDef, Name, parse_expr, parse_fundef, parse_stmt
 
 
 def _as_expr(v: Any) -> Any:

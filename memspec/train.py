@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .tasks import MQAR, accuracy
+from .tasks import MQAR
 
 
 @dataclass

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import glob
-import os
 from pathlib import Path
 
 import torch
 
 import memspec
-from memspec.expr import Call, Name
 from memspec import reference
 from memspec.build import build_memory
 

@@ -3,9 +3,7 @@ determinism, the CLI, build(), runtime validation and torch.compile."""
 from __future__ import annotations
 
 import ast
-import os
 import traceback
-from pathlib import Path
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _compiled_harness import (SPEC_FILES, call, initial_state, inputs, load, make,
-                               ref_params, reference_run, rel_err, small_dims)
+                               reference_run, rel_err, small_dims)
 
 CASES = []
 for _path in SPEC_FILES:

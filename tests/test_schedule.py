@@ -13,7 +13,7 @@ import torch
 import memspec
 from memspec import reference
 from memspec.errors import SpecError
-from memspec.schedule import AdditivePlan, DeltaPlan, MinibatchPlan, CachePlan, analyse, explain
+from memspec.schedule import AdditivePlan, MinibatchPlan, CachePlan, analyse, explain
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import ast as _pyast
 
-from lark import Token, Tree
+from lark import Token
 from lark.exceptions import UnexpectedInput
 
 from ..errors import Collector, Span
-from ..expr import Expr, ExprBuilder, SourcePos, parse_error_diagnostic, parser
+from ..expr import ExprBuilder, SourcePos, parse_error_diagnostic, parser
 from .raw import RawSpec
 
 _SINGLE = {
