@@ -63,7 +63,7 @@ import keyword
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, substitute, unparse
+from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute, unparse
 from .shapes import ShapeEnv
 
 # Python precedence levels of emitted code (higher binds tighter).
@@ -448,17 +448,7 @@ class _Affine:
 
 def _replace_calls(e: Expr, table: dict) -> Expr:
     """``e`` with every call whose ``unparse`` is a key of ``table`` replaced by its value."""
-    if isinstance(e, Call) and unparse(e) in table:
-        return table[unparse(e)]
-    if isinstance(e, BinOp):
-        return BinOp(e.op, _replace_calls(e.left, table), _replace_calls(e.right, table), span=e.span)
-    if isinstance(e, Neg):
-        return Neg(_replace_calls(e.operand, table), span=e.span)
-    if isinstance(e, Transpose):
-        return Transpose(_replace_calls(e.operand, table), span=e.span)
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_replace_calls(a, table) for a in e.args), fn_span=e.fn_span, span=e.span)
-    return e
+    return rewrite(e, lambda n: table.get(unparse(n)) if isinstance(n, Call) else None)
 
 
 def _parse_call(text: str) -> Expr:
@@ -1213,7 +1203,7 @@ class ModuleWriter:
             L("for name, shape in self.STATE.items():")
             L("    cache = [\"n\"] if name in self.CACHES else []")
             L("    sizes = [None] if cache else []")
-            L(f"    _check(f\"state[{{name!r}}]\", state[name], [\"B\", \"H\", *cache, *shape],")
+            L("    _check(f\"state[{name!r}]\", state[name], [\"B\", \"H\", *cache, *shape],")
             L(f"           [B, {H}, *sizes, *(getattr(self, d) for d in shape)], (\"the views\", like))")
             L("return state")
         L()

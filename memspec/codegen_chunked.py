@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 
 from . import kernels
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose
+from .expr import Expr, Name, Num, rewrite
 from .schedule import AdditivePlan, DeltaPlan, ScheduleDecision, simplify
 
 KERNELS = {"additive": ("chunk_additive",), "delta": ("chunk_delta",)}
@@ -65,18 +65,13 @@ class _Writer:
 
     def fold(self, e: Expr) -> Expr:
         """Replace subexpressions equal to a let's (inlined) value by the let's name."""
-        for inl, n in self.let_of:
-            if e == inl:
-                return Name(n)
-        if isinstance(e, BinOp):
-            return BinOp(e.op, self.fold(e.left), self.fold(e.right))
-        if isinstance(e, Neg):
-            return Neg(self.fold(e.operand))
-        if isinstance(e, Transpose):
-            return Transpose(self.fold(e.operand))
-        if isinstance(e, Call):
-            return Call(e.fn, tuple(self.fold(a) for a in e.args))
-        return e
+        def visit(n: Expr) -> Expr | None:
+            for inl, name in self.let_of:
+                if n == inl:
+                    return Name(name)
+            return None
+
+        return rewrite(e, visit)
 
     def per_token(self, e: Expr) -> bool:
         """Does ``e`` vary per token (uses a view, gate or let)?"""
@@ -128,8 +123,8 @@ def emit_chunked_forward(spec, decision: ScheduleDecision, emitter, *, state_in:
     probe_names: dict[str, str] = {}
     probe_shapes: dict[str, tuple] = {}
     if isinstance(plan, AdditivePlan):
-        w.lines.append(f"# additive chunked schedule (exact): S <- gamma * S + outer(a, b); "
-                       f"the read sees the state only through probes p @ S")
+        w.lines.append("# additive chunked schedule (exact): S <- gamma * S + outer(a, b); "
+                       "the read sees the state only through probes p @ S")
         done = set()
         for group in _shared_calls(plan):
             _emit_shared(w, spec, plan, group, state_in, state_out, chunk, inclusive, probe_names, probe_shapes)
@@ -276,14 +271,4 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, inclusive, pr
 
 
 def _rename(e: Expr, names: dict) -> Expr:
-    if isinstance(e, Name):
-        return Name(names.get(e.id, e.id))
-    if isinstance(e, BinOp):
-        return BinOp(e.op, _rename(e.left, names), _rename(e.right, names))
-    if isinstance(e, Neg):
-        return Neg(_rename(e.operand, names))
-    if isinstance(e, Transpose):
-        return Transpose(_rename(e.operand, names))
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_rename(a, names) for a in e.args))
-    return e
+    return rewrite(e, lambda n: Name(names.get(n.id, n.id)) if isinstance(n, Name) else None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Callable, Iterator, Optional, Union
 
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -444,16 +444,28 @@ def parse_fundef(text: str, pos: SourcePos | None = None) -> FunDef:
     return _parse(text, "fundef", pos, "model definition")
 
 
+def map_children(e: Expr, f: Callable[[Expr], Expr]) -> Expr:
+    """``e`` rebuilt with ``f`` applied to each direct child (leaves are returned as they are)."""
+    if isinstance(e, BinOp):
+        return BinOp(e.op, f(e.left), f(e.right), span=e.span)
+    if isinstance(e, Neg):
+        return Neg(f(e.operand), span=e.span)
+    if isinstance(e, Transpose):
+        return Transpose(f(e.operand), span=e.span)
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(f(a) for a in e.args), fn_span=e.fn_span, span=e.span)
+    return e
+
+
+def rewrite(e: Expr, visit: Callable[[Expr], Optional[Expr]]) -> Expr:
+    """Top-down rewrite: where ``visit(node)`` returns an expression it replaces the node
+    (not visited further); where it returns None the node's children are rewritten."""
+    out = visit(e)
+    if out is not None:
+        return out
+    return map_children(e, lambda c: rewrite(c, visit))
+
+
 def substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:
     """Replace free names by expressions (used to inline the model and lets)."""
-    if isinstance(e, Name):
-        return mapping.get(e.id, e)
-    if isinstance(e, BinOp):
-        return BinOp(e.op, substitute(e.left, mapping), substitute(e.right, mapping), span=e.span)
-    if isinstance(e, Neg):
-        return Neg(substitute(e.operand, mapping), span=e.span)
-    if isinstance(e, Transpose):
-        return Transpose(substitute(e.operand, mapping), span=e.span)
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(substitute(a, mapping) for a in e.args), fn_span=e.fn_span, span=e.span)
-    return e
+    return rewrite(e, lambda n: mapping.get(n.id) if isinstance(n, Name) else None)

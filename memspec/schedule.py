@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Diagnostic, SpecError
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, substitute, unparse
+from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, rewrite, substitute, unparse
 
 FAMILIES = ("cache", "additive", "delta", "minibatch", "online")
 DEFAULT_CHUNK = 64
@@ -730,20 +730,15 @@ def grad_calls(e: Expr) -> list[Call]:
 
 def replace_grads(e: Expr, alg: Algebra, table: dict) -> Expr:
     """Replace each ``grad(...)`` call by a placeholder Name (same call, same placeholder)."""
-    if isinstance(e, Call) and e.fn == "grad":
-        key = (unparse(e), alg.grad_target(e))
+    def visit(n: Expr) -> Expr | None:
+        if not (isinstance(n, Call) and n.fn == "grad"):
+            return None
+        key = (unparse(n), alg.grad_target(n))
         if key not in table:
-            table[key] = (f"_g{len(table)}", e)
+            table[key] = (f"_g{len(table)}", n)
         return Name(table[key][0])
-    if isinstance(e, BinOp):
-        return BinOp(e.op, replace_grads(e.left, alg, table), replace_grads(e.right, alg, table))
-    if isinstance(e, Neg):
-        return Neg(replace_grads(e.operand, alg, table))
-    if isinstance(e, Transpose):
-        return Transpose(replace_grads(e.operand, alg, table))
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(replace_grads(a, alg, table) for a in e.args))
-    return e
+
+    return rewrite(e, visit)
 
 
 # ----------------------------------------------------------- value ranges
@@ -1012,7 +1007,7 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
     for n, st in alg.states.items():
         if n not in final:
             raise NotAdmitted(f"state {n} is never written")
-        coef, rest = linear_form(alg, final[n], set(alg.states), f"the states")
+        coef, rest = linear_form(alg, final[n], set(alg.states), "the states")
         others = sorted(k for k, v in coef.items() if k != n and not _is_num(v, 0))
         if others:
             raise NotAdmitted(f"the update of {n} reads state {', '.join(others)} (not independent of the state)")

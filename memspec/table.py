@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .diff import WIRING_FIELDS, derived_schedule
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, substitute
+from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute
 from .normalize import canon
 from .spec import Spec
 
@@ -307,17 +307,7 @@ def _int(v: float):
 
 
 def _replace_model_calls(e: Expr, fn: str, name: str) -> Expr:
-    if isinstance(e, Call):
-        if e.fn == fn:
-            return Name(name)
-        return Call(e.fn, tuple(_replace_model_calls(a, fn, name) for a in e.args))
-    if isinstance(e, BinOp):
-        return BinOp(e.op, _replace_model_calls(e.left, fn, name), _replace_model_calls(e.right, fn, name))
-    if isinstance(e, Neg):
-        return Neg(_replace_model_calls(e.operand, fn, name))
-    if isinstance(e, Transpose):
-        return Transpose(_replace_model_calls(e.operand, fn, name))
-    return e
+    return rewrite(e, lambda n: Name(name) if isinstance(n, Call) and n.fn == fn else None)
 
 
 # ----------------------------------------------------- problem / mechanism
