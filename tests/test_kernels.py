@@ -65,6 +65,49 @@ def test_chunk_additive_matches_recurrent(case, decayed, inclusive):
         assert rel(gg, gr) <= 1e-4
 
 
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5, None])
+@pytest.mark.parametrize("decayed", [False, True])
+@pytest.mark.parametrize("inclusive", [True, False])
+def test_chunk_additive_groups(group, decayed, inclusive):
+    """Chunks batched G at a time: full groups, a partial group and a tail chunk (T = 7 C + 3)
+    all give the token loop's outputs, final state and gradients."""
+    B, T, H, K, V, C = 2, 7 * 4 + 3, 2, 3, 5, 4
+    q, k, v, _, lg, S0 = make(B, T, H, K, V, decay=(0.3, 1.0), seed=3)
+    inputs = [x.requires_grad_() for x in (q, k, v, lg, S0)]
+    q, k, v, lg, S0 = inputs
+    lg_arg = lg if decayed else None
+    ref = recurrent_additive(q, k, v, lg_arg, S0, inclusive)
+    got = chunk_additive(q, k, v, lg_arg, S0, C, inclusive, group=group)
+    assert got[0].shape == (B, T, H, V) and got[1].shape == (B, H, K, V)
+    assert rel(got[0], ref[0]) <= 1e-5
+    assert rel(got[1], ref[1]) <= 1e-5
+    used = inputs if decayed else [q, k, v, S0]
+    for gr, gg in zip(grads(ref, used), grads(got, used)):
+        assert rel(gg, gr) <= 1e-4
+
+
+def test_chunk_additive_more_chunks_per_group_than_chunk_size():
+    """C = 2 and 40 chunks: the default group holds more chunks than a chunk has tokens."""
+    q, k, v, _, lg, S0 = make(1, 81, 1, 2, 3, decay=(0.5, 1.0), seed=4)
+    for lg_arg in (None, lg):
+        ref = recurrent_additive(q, k, v, lg_arg, S0)
+        got = chunk_additive(q, k, v, lg_arg, S0, 2)
+        assert rel(got[0], ref[0]) <= 1e-5 and rel(got[1], ref[1]) <= 1e-5
+        _, S = chunk_additive(None, k, v, lg_arg, S0, 2)
+        assert rel(S, ref[1]) <= 1e-5
+
+
+def test_chunk_additive_float32_stays_float32_and_groups_agree():
+    """No float64 detour for float32 inputs; G = 1 (chunk by chunk) and the default G give the same
+    numbers up to rounding at the benchmark's shape class (B=1, H=4, T=4 C + 5)."""
+    q, k, v, _, lg, S0 = make(1, 4 * 16 + 5, 4, 16, 16, decay=(0.8, 1.0), seed=5)
+    for lg_arg in (None, lg):
+        o1, S1 = chunk_additive(q, k, v, lg_arg, S0, 16, group=1)
+        o2, S2 = chunk_additive(q, k, v, lg_arg, S0, 16)
+        assert o2.dtype == torch.float32 and S2.dtype == torch.float32
+        assert rel(o2, o1) <= 1e-6 and rel(S2, S1) <= 1e-6
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["plain", "gated", "rho"])
 @pytest.mark.parametrize("inclusive", [True, False])
