@@ -3,6 +3,7 @@
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): 53f6af8358add43c76731267db25b98b164a57a5614095ec947c9696ce2172d9
 # file sha256: 53f6af8358add43c76731267db25b98b164a57a5614095ec947c9696ce2172d9
 # schedule: delta rule chunked form (WY / UT), chunk 64 (exact)
+# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
 # derived by memspec.schedule.analyse: delta, exact; admits delta, minibatch, online
 # schedules of this module: delta, minibatch, online
 """deltanet: DeltaNet: the delta rule as one step of online gradient descent on the regression loss 0.5 |k W - v|^2, W <- W - eta outer(k, k W - v), so that a write corrects what the memory already predicts for the key instead of adding to it.
@@ -69,6 +70,19 @@ class _Compiled:
                               f"running it eagerly")
                 self.compiled = None
         return self.fn(*args)
+
+
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
+    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
+    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
+    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
+    return L, torch.cumprod(a, dim=-1)
 
 
 def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True):
@@ -355,25 +369,39 @@ class DeltanetMemory(nn.Module):
             state["minibatch.W"] = W_start
         return torch.cat(outputs, dim=1), state
 
-    def _token_grads(self, W, v, eta, kn):
-        """One token's gradients for the mini-batch schedule: its update statements replayed on
-        the chunk-start state (W [B, H, ...]); each grad(...) taken there.
+    def _chunk_loss(self, z_W, W, v, kn):
+        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W [B, H, d_k, d_v],
+        with each linear layer's output shifted by a tap z_W [B, C, H, d_v] (zeros): the
+        gradient with respect to a tap is every token's gradient with respect to that layer's output.
+        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W).
         """
-        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, v, kn)  # at the chunk-start state (carried through this token)
-        return (grad_W,)
+        y_W = (kn.transpose(1, 2) @ W).transpose(1, 2) + z_W  # [B, C, H, d_v]: the layer @ W (head-major product)
+        return (0.5 * ((y_W - v) ** 2).sum(-1)).sum(), ()
 
     def _chunk_step(self, W_start, W, q, k, v, eta):
-        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H];
+        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H];
         W_start: the chunk-start state the gradients are taken at;
         W: the state before the chunk's first token [B, H, ...].
+        Each state after token i is a combination of the states before the chunk and the
+        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, C, H, d_v], the state after the chunk).
         """
         qn = l2norm(q)  # [B, C, H, d_k]
         kn = l2norm(k)  # [B, C, H, d_k]
-        grad_W, = torch.func.vmap(self._token_grads, in_dims=(None, 1, 1, 1), out_dims=1)(W_start, v, eta, kn)  # [B, C, H, ...]: every token's gradients
-        W_seq = W.unsqueeze(1) + (-(eta[..., None, None] * grad_W)).cumsum(1)  # [B, C, H, d_k, d_v]: W_i = W_(i-1) + ...
-        o = self.f(qn, W_seq)  # [B, C, H, d_v]: each token reads its own state
-        return o, (W_seq[:, -1],)
+        (dz_W,), _ = torch.func.grad(self._chunk_loss, argnums=(0,), has_aux=True)(
+            q.new_zeros(q.shape[:3] + (self.d_v,)), W_start, v, kn)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
+        xk_W = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
+        d_W = dz_W.transpose(1, 2)  # [B, H, C, d_v]: grad_W_j = xk_W_j^T d_W_j
+        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
+        ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
+        L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
+        a_W_W = P  # [B, H, C]: coefficient of W (chunk start) in W after each token
+        M_W_W = L * coef_h.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W in W after each token
+        qn_h = qn.transpose(1, 2)  # [B, H, C, d_k]
+        y_W = (a_W_W.unsqueeze(-1) * (qn_h @ W) + ((qn_h @ xk_W.transpose(-2, -1)) * M_W_W) @ d_W).transpose(1, 2)  # [B, C, H, d_v]: each token's own W applied, in dual form
+        o = y_W  # [B, C, H, d_v]
+        W_end = a_W_W[..., -1, None, None] * W + xk_W.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * d_W)  # [B, H, d_k, d_v]
+        return o, (W_end,)
 
     def _forward_chunk(self, q, k, v, eta, state):
         """The exact delta chunked form over chunks of self.chunk tokens."""

@@ -3,6 +3,7 @@
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): 7f63bbaed21dfc48544e10f1184fdd47bb61af3053d3283cde12f792052f06cb
 # file sha256: 7f63bbaed21dfc48544e10f1184fdd47bb61af3053d3283cde12f792052f06cb
 # schedule: online: one token at a time (exact)
+# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
 # derived by memspec.schedule.analyse: online, exact; admits minibatch, online
 # schedules of this module: minibatch, online
 """seed_titans: The neural memory of the seed snippet: a two-layer GELU MLP f(u) = gelu(u W1 + b1) W2 + b2 (d_k = d_v = 32, 128 hidden units, one head) written online with momentum.
@@ -66,26 +67,17 @@ class _Compiled:
         return self.fn(*args)
 
 
-def _linear_scan(a, x, s0):
-    """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0, in closed form.
-
-    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape].
-    s_i = (a_1 ... a_i) s0 + sum_{j <= i} L[i, j] x_j with the decay matrix
-    L[i, j] = a_{j+1} ... a_i (1 on the diagonal, 0 above it), built with one cumprod
-    (exact for any a, zeros and negatives included).
-    """
-    B, C, H = x.shape[:3]
-    if not isinstance(a, torch.Tensor):
-        a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
-    a = a.expand(B, C, H).transpose(1, 2)                                  # [B, H, C]
-    idx = torch.arange(C, device=x.device)
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
     later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
     Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
     L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    P = torch.cumprod(a, dim=-1)                                           # [B, H, C]
-    xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
-    s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
-    return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
+    return L, torch.cumprod(a, dim=-1)
 
 
 class SeedTitansMemory(nn.Module):
@@ -287,30 +279,75 @@ class SeedTitansMemory(nn.Module):
             state["minibatch.b2"] = b2_start
         return torch.cat(outputs, dim=1), state
 
-    def _token_grads(self, W1, b1, W2, b2, k, v):
-        """One token's gradients for the mini-batch schedule: its update statements replayed on
-        the chunk-start state (W1, b1, W2, b2 [B, H, ...]); each grad(...) taken there.
+    def _chunk_loss(self, z_W1, z_b1, z_W2, z_b2, W1, b1, W2, b2, k, v):
+        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H, d_k, hidden], b1 [B, H, hidden], W2 [B, H, hidden, d_v], b2 [B, H, d_v],
+        with each linear layer's output shifted by a tap z_W1 [B, C, H, hidden], z_b1 [B, C, H, hidden], z_W2 [B, C, H, d_v], z_b2 [B, C, H, d_v] (zeros): the
+        gradient with respect to a tap is every token's gradient with respect to that layer's output.
+        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
         """
-        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.grad(self.inner_loss, argnums=(0, 1, 2, 3))(W1, b1, W2, b2, k, v)  # at the chunk-start state (carried through this token)
-        return (grad_W1, grad_b1, grad_W2, grad_b2)
+        y_W1 = (k.transpose(1, 2) @ W1).transpose(1, 2) + z_W1  # [B, C, H, hidden]: the layer @ W1 (head-major product)
+        y_b1 = y_W1 + b1.unsqueeze(1) + z_b1  # [B, C, H, hidden]: + b1
+        x_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        y_W2 = (x_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
+        y_b2 = y_W2 + b2.unsqueeze(1) + z_b2  # [B, C, H, d_v]: + b2
+        return ((y_b2 - v) ** 2).sum(-1).sum(), (x_W2,)
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q, k, v):
-        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v];
+        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v];
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2: the state before the chunk's first token [B, H, ...].
+        Each state after token i is a combination of the states before the chunk and the
+        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, C, H, d_v], the state after the chunk).
         """
-        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.vmap(self._token_grads, in_dims=(None, None, None, None, 1, 1), out_dims=1)(W1_start, b1_start, W2_start, b2_start, k, v)  # [B, C, H, ...]: every token's gradients
-        U_W1_seq = _linear_scan(0.5, -(0.005 * grad_W1), U_W1)  # [B, C, H, d_k, hidden]: U_W1_i = (mu) U_W1_(i-1) + ...
-        W1_seq = W1.unsqueeze(1) + U_W1_seq.cumsum(1)  # [B, C, H, d_k, hidden]: W1_i = W1_(i-1) + ...
-        U_b1_seq = _linear_scan(0.5, -(0.005 * grad_b1), U_b1)  # [B, C, H, hidden]: U_b1_i = (mu) U_b1_(i-1) + ...
-        b1_seq = b1.unsqueeze(1) + U_b1_seq.cumsum(1)  # [B, C, H, hidden]: b1_i = b1_(i-1) + ...
-        U_W2_seq = _linear_scan(0.5, -(0.005 * grad_W2), U_W2)  # [B, C, H, hidden, d_v]: U_W2_i = (mu) U_W2_(i-1) + ...
-        W2_seq = W2.unsqueeze(1) + U_W2_seq.cumsum(1)  # [B, C, H, hidden, d_v]: W2_i = W2_(i-1) + ...
-        U_b2_seq = _linear_scan(0.5, -(0.005 * grad_b2), U_b2)  # [B, C, H, d_v]: U_b2_i = (mu) U_b2_(i-1) + ...
-        b2_seq = b2.unsqueeze(1) + U_b2_seq.cumsum(1)  # [B, C, H, d_v]: b2_i = b2_(i-1) + ...
-        o = self.f(q, W1_seq, b1_seq, W2_seq, b2_seq)  # [B, C, H, d_v]: each token reads its own state
-        return o, (W1_seq[:, -1], b1_seq[:, -1], W2_seq[:, -1], b2_seq[:, -1], U_W1_seq[:, -1], U_b1_seq[:, -1], U_W2_seq[:, -1], U_b2_seq[:, -1])
+        (dz_W1, dz_b1, dz_W2, dz_b2), (x_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_v,)), q.new_zeros(q.shape[:3] + (self.d_v,)), W1_start, b1_start, W2_start, b2_start, k, v)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
+        xk_W1 = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
+        d_W1 = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = xk_W1_j^T d_W1_j
+        d_b1 = dz_b1.transpose(1, 2)  # [B, H, C, hidden]: grad_b1_j = d_b1_j
+        xk_W2 = x_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
+        d_W2 = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_j^T d_W2_j
+        d_b2 = dz_b2.transpose(1, 2)  # [B, H, C, d_v]: grad_b2_j = d_b2_j
+        ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
+        L, P = _decay_matrix(ones * 0.5)  # [B, H, C, C], [B, H, C]: decay weights of mu
+        a_U_W1_U_W1 = P  # [B, H, C]: coefficient of U_W1 (chunk start) in U_W1 after each token
+        M_U_W1_W1 = -0.005 * L  # [B, H, C, C]: weights of the gradients of W1 in U_W1 after each token
+        L_2, P_2 = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
+        a_W1_W1 = P_2  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
+        a_W1_U_W1 = (L_2 @ (a_U_W1_U_W1).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_W1 (chunk start) in W1 after each token
+        M_W1_W1 = L_2 @ (M_U_W1_W1)  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        a_U_b1_U_b1 = a_U_W1_U_W1  # [B, H, C]: coefficient of U_b1 (chunk start) in U_b1 after each token (the same weights)
+        M_U_b1_b1 = M_U_W1_W1  # [B, H, C, C]: weights of the gradients of b1 in U_b1 after each token (the same weights)
+        a_b1_b1 = a_W1_W1  # [B, H, C]: coefficient of b1 (chunk start) in b1 after each token (the same weights)
+        a_b1_U_b1 = (L_2 @ (a_U_b1_U_b1).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_b1 (chunk start) in b1 after each token
+        M_b1_b1 = L_2 @ (M_U_b1_b1)  # [B, H, C, C]: weights of the gradients of b1 in b1 after each token
+        a_U_W2_U_W2 = a_U_W1_U_W1  # [B, H, C]: coefficient of U_W2 (chunk start) in U_W2 after each token (the same weights)
+        M_U_W2_W2 = M_U_W1_W1  # [B, H, C, C]: weights of the gradients of W2 in U_W2 after each token (the same weights)
+        a_W2_W2 = a_W1_W1  # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
+        a_W2_U_W2 = (L_2 @ (a_U_W2_U_W2).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_W2 (chunk start) in W2 after each token
+        M_W2_W2 = L_2 @ (M_U_W2_W2)  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token
+        a_U_b2_U_b2 = a_U_W1_U_W1  # [B, H, C]: coefficient of U_b2 (chunk start) in U_b2 after each token (the same weights)
+        M_U_b2_b2 = M_U_W1_W1  # [B, H, C, C]: weights of the gradients of b2 in U_b2 after each token (the same weights)
+        a_b2_b2 = a_W1_W1  # [B, H, C]: coefficient of b2 (chunk start) in b2 after each token (the same weights)
+        a_b2_U_b2 = (L_2 @ (a_U_b2_U_b2).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_b2 (chunk start) in b2 after each token
+        M_b2_b2 = L_2 @ (M_U_b2_b2)  # [B, H, C, C]: weights of the gradients of b2 in b2 after each token
+        q_h = q.transpose(1, 2)  # [B, H, C, d_k]
+        y_W1 = (a_W1_W1.unsqueeze(-1) * (q_h @ W1) + a_W1_U_W1.unsqueeze(-1) * (q_h @ U_W1) + ((q_h @ xk_W1.transpose(-2, -1)) * M_W1_W1) @ d_W1).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
+        y_b1 = y_W1 + (a_b1_b1.unsqueeze(-1) * b1.unsqueeze(-2) + a_b1_U_b1.unsqueeze(-1) * U_b1.unsqueeze(-2) + M_b1_b1 @ d_b1).transpose(1, 2)  # [B, C, H, hidden]: + each token's own b1
+        x_W2_2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        x_W2_2_h = x_W2_2.transpose(1, 2)  # [B, H, C, hidden]
+        y_W2 = (a_W2_W2.unsqueeze(-1) * (x_W2_2_h @ W2) + a_W2_U_W2.unsqueeze(-1) * (x_W2_2_h @ U_W2) + ((x_W2_2_h @ xk_W2.transpose(-2, -1)) * M_W2_W2) @ d_W2).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
+        y_b2 = y_W2 + (a_b2_b2.unsqueeze(-1) * b2.unsqueeze(-2) + a_b2_U_b2.unsqueeze(-1) * U_b2.unsqueeze(-2) + M_b2_b2 @ d_b2).transpose(1, 2)  # [B, C, H, d_v]: + each token's own b2
+        o = y_b2  # [B, C, H, d_v]
+        W1_end = a_W1_W1[..., -1, None, None] * W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + xk_W1.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
+        b1_end = a_b1_b1[..., -1, None] * b1 + a_b1_U_b1[..., -1, None] * U_b1 + (M_b1_b1[..., -1, :, None] * d_b1).sum(-2)  # [B, H, hidden]
+        W2_end = a_W2_W2[..., -1, None, None] * W2 + a_W2_U_W2[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
+        b2_end = a_b2_b2[..., -1, None] * b2 + a_b2_U_b2[..., -1, None] * U_b2 + (M_b2_b2[..., -1, :, None] * d_b2).sum(-2)  # [B, H, d_v]
+        U_W1_end = a_U_W1_U_W1[..., -1, None, None] * U_W1 + xk_W1.transpose(-2, -1) @ (M_U_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
+        U_b1_end = a_U_b1_U_b1[..., -1, None] * U_b1 + (M_U_b1_b1[..., -1, :, None] * d_b1).sum(-2)  # [B, H, hidden]
+        U_W2_end = a_U_W2_U_W2[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ (M_U_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
+        U_b2_end = a_U_b2_U_b2[..., -1, None] * U_b2 + (M_U_b2_b2[..., -1, :, None] * d_b2).sum(-2)  # [B, H, d_v]
+        return o, (W1_end, b1_end, W2_end, b2_end, U_W1_end, U_b1_end, U_W2_end, U_b2_end)
 
 
 class SeedTitansLayer(nn.Module):

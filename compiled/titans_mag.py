@@ -3,6 +3,7 @@
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): aed47fbe626ea58cebc7432be68f522fdb750faa4482e5d1461262044df75870
 # file sha256: d863809027ef4e3dbb899d10a44eba7e1098b90f8fc19d5783fceaae3e9c3dd8
 # schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1 equals online when no statement writes a state before a gradient reads it)
+# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 # wiring: mag(segment=64, persistent=16, window=128) -- built here: TitansMagLayer is MAG around TitansMagMemoryLayer
@@ -74,26 +75,17 @@ class _Compiled:
         return self.fn(*args)
 
 
-def _linear_scan(a, x, s0):
-    """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0, in closed form.
-
-    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape].
-    s_i = (a_1 ... a_i) s0 + sum_{j <= i} L[i, j] x_j with the decay matrix
-    L[i, j] = a_{j+1} ... a_i (1 on the diagonal, 0 above it), built with one cumprod
-    (exact for any a, zeros and negatives included).
-    """
-    B, C, H = x.shape[:3]
-    if not isinstance(a, torch.Tensor):
-        a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
-    a = a.expand(B, C, H).transpose(1, 2)                                  # [B, H, C]
-    idx = torch.arange(C, device=x.device)
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
     later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
     Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
     L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    P = torch.cumprod(a, dim=-1)                                           # [B, H, C]
-    xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
-    s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
-    return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
+    return L, torch.cumprod(a, dim=-1)
 
 
 # ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----
@@ -390,29 +382,60 @@ class TitansMagMemory(nn.Module):
             state["minibatch.W2"] = W2_start
         return torch.cat(outputs, dim=1), state
 
-    def _token_grads(self, W1, W2, eta, mu, kn, vs):
-        """One token's gradients for the mini-batch schedule: its update statements replayed on
-        the chunk-start state (W1, W2 [B, H, ...]); each grad(...) taken there.
+    def _chunk_loss(self, z_W1, z_W2, W1, W2, kn, vs):
+        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H, d_k, hidden], W2 [B, H, hidden, d_v],
+        with each linear layer's output shifted by a tap z_W1 [B, C, H, hidden], z_W2 [B, C, H, d_v] (zeros): the
+        gradient with respect to a tap is every token's gradient with respect to that layer's output.
+        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
         """
-        grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=(0, 1))(W1, W2, kn, vs)  # at the chunk-start state (carried through this token)
-        return (grad_W1, grad_W2)
+        y_W1 = (kn.transpose(1, 2) @ W1).transpose(1, 2) + z_W1  # [B, C, H, hidden]: the layer @ W1 (head-major product)
+        x_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
+        y_W2 = (x_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
+        return (0.5 * ((y_W2 - vs) ** 2).sum(-1)).sum(), (x_W2,)
 
     def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, q, k, v, eta, mu, alpha):
-        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H], mu [B, C, H], alpha [B, C, H];
+        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H], mu [B, C, H], alpha [B, C, H];
         W1_start, W2_start: the chunk-start state the gradients are taken at;
         W1, W2, U1, U2: the state before the chunk's first token [B, H, ...].
+        Each state after token i is a combination of the states before the chunk and the
+        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, C, H, d_v], the state after the chunk).
         """
         qn = l2norm(F.silu(q))  # [B, C, H, d_k]
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]
         vs = F.silu(v)  # [B, C, H, d_v]
-        grad_W1, grad_W2 = torch.func.vmap(self._token_grads, in_dims=(None, None, 1, 1, 1, 1), out_dims=1)(W1_start, W2_start, eta, mu, kn, vs)  # [B, C, H, ...]: every token's gradients
-        U1_seq = _linear_scan(mu, -(eta[..., None, None] * grad_W1), U1)  # [B, C, H, d_k, hidden]: U1_i = (mu) U1_(i-1) + ...
-        W1_seq = _linear_scan(1 - alpha, U1_seq, W1)  # [B, C, H, d_k, hidden]: W1_i = (1 - alpha) W1_(i-1) + ...
-        U2_seq = _linear_scan(mu, -(eta[..., None, None] * grad_W2), U2)  # [B, C, H, hidden, d_v]: U2_i = (mu) U2_(i-1) + ...
-        W2_seq = _linear_scan(1 - alpha, U2_seq, W2)  # [B, C, H, hidden, d_v]: W2_i = (1 - alpha) W2_(i-1) + ...
-        o = self.f(qn, W1_seq, W2_seq)  # [B, C, H, d_v]: each token reads its own state
-        return o, (W1_seq[:, -1], W2_seq[:, -1], U1_seq[:, -1], U2_seq[:, -1])
+        (dz_W1, dz_W2), (x_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
+            q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_v,)), W1_start, W2_start, kn, vs)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
+        xk_W1 = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
+        d_W1 = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = xk_W1_j^T d_W1_j
+        xk_W2 = x_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
+        d_W2 = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_j^T d_W2_j
+        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
+        mu_h = mu.transpose(1, 2)  # [B, H, C]: mu
+        L, P = _decay_matrix(mu_h)  # [B, H, C, C], [B, H, C]: decay weights of mu
+        a_U1_U1 = P  # [B, H, C]: coefficient of U1 (chunk start) in U1 after each token
+        M_U1_W1 = L * coef_h.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W1 in U1 after each token
+        coef_h_2 = (1 - alpha).transpose(1, 2)  # [B, H, C]: 1 - alpha
+        L_2, P_2 = _decay_matrix(coef_h_2)  # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
+        a_W1_W1 = P_2  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
+        a_W1_U1 = (L_2 @ (a_U1_U1).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U1 (chunk start) in W1 after each token
+        M_W1_W1 = L_2 @ (M_U1_W1)  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        a_U2_U2 = a_U1_U1  # [B, H, C]: coefficient of U2 (chunk start) in U2 after each token (the same weights)
+        M_U2_W2 = M_U1_W1  # [B, H, C, C]: weights of the gradients of W2 in U2 after each token (the same weights)
+        a_W2_W2 = a_W1_W1  # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
+        a_W2_U2 = (L_2 @ (a_U2_U2).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U2 (chunk start) in W2 after each token
+        M_W2_W2 = L_2 @ (M_U2_W2)  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token
+        qn_h = qn.transpose(1, 2)  # [B, H, C, d_k]
+        y_W1 = (a_W1_W1.unsqueeze(-1) * (qn_h @ W1) + a_W1_U1.unsqueeze(-1) * (qn_h @ U1) + ((qn_h @ xk_W1.transpose(-2, -1)) * M_W1_W1) @ d_W1).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
+        x_W2_2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
+        x_W2_2_h = x_W2_2.transpose(1, 2)  # [B, H, C, hidden]
+        y_W2 = (a_W2_W2.unsqueeze(-1) * (x_W2_2_h @ W2) + a_W2_U2.unsqueeze(-1) * (x_W2_2_h @ U2) + ((x_W2_2_h @ xk_W2.transpose(-2, -1)) * M_W2_W2) @ d_W2).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
+        o = y_W2  # [B, C, H, d_v]
+        W1_end = a_W1_W1[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1 + xk_W1.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
+        W2_end = a_W2_W2[..., -1, None, None] * W2 + a_W2_U2[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
+        U1_end = a_U1_U1[..., -1, None, None] * U1 + xk_W1.transpose(-2, -1) @ (M_U1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
+        U2_end = a_U2_U2[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1) @ (M_U2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
+        return o, (W1_end, W2_end, U1_end, U2_end)
 
 
 class TitansMagMemoryLayer(nn.Module):

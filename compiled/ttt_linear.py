@@ -3,6 +3,7 @@
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): f50e2298f1c0d6ea35625f9518b80d8a7a6724fc07eb65430719a364b76d39d9
 # file sha256: f50e2298f1c0d6ea35625f9518b80d8a7a6724fc07eb65430719a364b76d39d9
 # schedule: minibatch(16): gradients of each chunk at the chunk-start state (approximate; chunk 1 equals online when no statement writes a state before a gradient reads it)
+# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 """ttt_linear: TTT-Linear: the hidden state is the weight W and bias b of a linear model trained at test time (f_res(u) = u W + b, as in the authors' code; the paper writes u W).
@@ -76,6 +77,19 @@ class _Compiled:
                               f"running it eagerly")
                 self.compiled = None
         return self.fn(*args)
+
+
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
+    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
+    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
+    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
+    return L, torch.cumprod(a, dim=-1)
 
 
 class TttLinearMemory(nn.Module):
@@ -264,24 +278,43 @@ class TttLinearMemory(nn.Module):
             state["minibatch.b"] = b_start
         return torch.cat(outputs, dim=1), state
 
-    def _token_grads(self, W, b, k, v):
-        """One token's gradients for the mini-batch schedule: its update statements replayed on
-        the chunk-start state (W, b [B, H, ...]); each grad(...) taken there.
+    def _chunk_loss(self, z_W, z_b, W, b, k, v):
+        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W [B, H, d_k, d_k], b [B, H, d_k],
+        with each linear layer's output shifted by a tap z_W [B, C, H, d_k], z_b [B, C, H, d_k] (zeros): the
+        gradient with respect to a tap is every token's gradient with respect to that layer's output.
+        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W).
         """
-        grad_W, grad_b = torch.func.grad(self.inner_loss, argnums=(0, 1))(W, b, k, v)  # at the chunk-start state (carried through this token)
-        return (grad_W, grad_b)
+        y_W = (k.transpose(1, 2) @ W).transpose(1, 2) + z_W  # [B, C, H, d_k]: the layer @ W (head-major product)
+        y_b = y_W + b.unsqueeze(1) + z_b  # [B, C, H, d_k]: + b
+        return (0.5 * ((k + layernorm(y_b, self.ln_w, self.ln_b) - v) ** 2).sum(-1)).sum(), ()
 
     def _chunk_step(self, W_start, b_start, W, b, q, k, v, eta):
-        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta [B, C, H];
+        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta [B, C, H];
         W_start, b_start: the chunk-start state the gradients are taken at;
         W, b: the state before the chunk's first token [B, H, ...].
+        Each state after token i is a combination of the states before the chunk and the
+        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, C, H, d_k], the state after the chunk).
         """
-        grad_W, grad_b = torch.func.vmap(self._token_grads, in_dims=(None, None, 1, 1), out_dims=1)(W_start, b_start, k, v)  # [B, C, H, ...]: every token's gradients
-        W_seq = W.unsqueeze(1) + (-(eta[..., None, None] * grad_W)).cumsum(1)  # [B, C, H, d_k, d_k]: W_i = W_(i-1) + ...
-        b_seq = b.unsqueeze(1) + (-(eta[..., None] * grad_b)).cumsum(1)  # [B, C, H, d_k]: b_i = b_(i-1) + ...
-        o = self.f(q, W_seq, b_seq)  # [B, C, H, d_k]: each token reads its own state
-        return o, (W_seq[:, -1], b_seq[:, -1])
+        (dz_W, dz_b), _ = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
+            q.new_zeros(q.shape[:3] + (self.d_k,)), q.new_zeros(q.shape[:3] + (self.d_k,)), W_start, b_start, k, v)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
+        xk_W = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
+        d_W = dz_W.transpose(1, 2)  # [B, H, C, d_k]: grad_W_j = xk_W_j^T d_W_j
+        d_b = dz_b.transpose(1, 2)  # [B, H, C, d_k]: grad_b_j = d_b_j
+        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
+        ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
+        L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
+        a_W_W = P  # [B, H, C]: coefficient of W (chunk start) in W after each token
+        M_W_W = L * coef_h.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W in W after each token
+        a_b_b = a_W_W  # [B, H, C]: coefficient of b (chunk start) in b after each token (the same weights)
+        M_b_b = M_W_W  # [B, H, C, C]: weights of the gradients of b in b after each token (the same weights)
+        q_h = q.transpose(1, 2)  # [B, H, C, d_k]
+        y_W = (a_W_W.unsqueeze(-1) * (q_h @ W) + ((q_h @ xk_W.transpose(-2, -1)) * M_W_W) @ d_W).transpose(1, 2)  # [B, C, H, d_k]: each token's own W applied, in dual form
+        y_b = y_W + (a_b_b.unsqueeze(-1) * b.unsqueeze(-2) + M_b_b @ d_b).transpose(1, 2)  # [B, C, H, d_k]: + each token's own b
+        o = q + layernorm(y_b, self.ln_w, self.ln_b)  # [B, C, H, d_k]
+        W_end = a_W_W[..., -1, None, None] * W + xk_W.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * d_W)  # [B, H, d_k, d_k]
+        b_end = a_b_b[..., -1, None] * b + (M_b_b[..., -1, :, None] * d_b).sum(-2)  # [B, H, d_k]
+        return o, (W_end, b_end)
 
 
 class TttLinearLayer(nn.Module):

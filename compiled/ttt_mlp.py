@@ -3,6 +3,7 @@
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): e6d7c4819f66bec1a8c416aad0dcdf68cd4328808c5f49e6c9cd21cba009373e
 # file sha256: e6d7c4819f66bec1a8c416aad0dcdf68cd4328808c5f49e6c9cd21cba009373e
 # schedule: minibatch(16): gradients of each chunk at the chunk-start state (approximate; chunk 1 equals online when no statement writes a state before a gradient reads it)
+# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 """ttt_mlp: TTT-MLP: as TTT-Linear but the inner model is a two-layer MLP with a GELU hidden layer of 4 d_k units, inside the same residual plus LayerNorm, f(u) = u + LN(gelu(u W1 + b1) W2 + b2).
@@ -76,6 +77,19 @@ class _Compiled:
                               f"running it eagerly")
                 self.compiled = None
         return self.fn(*args)
+
+
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
+    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
+    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
+    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
+    return L, torch.cumprod(a, dim=-1)
 
 
 class TttMlpMemory(nn.Module):
@@ -277,26 +291,59 @@ class TttMlpMemory(nn.Module):
             state["minibatch.b2"] = b2_start
         return torch.cat(outputs, dim=1), state
 
-    def _token_grads(self, W1, b1, W2, b2, k, v):
-        """One token's gradients for the mini-batch schedule: its update statements replayed on
-        the chunk-start state (W1, b1, W2, b2 [B, H, ...]); each grad(...) taken there.
+    def _chunk_loss(self, z_W1, z_b1, z_W2, z_b2, W1, b1, W2, b2, k, v):
+        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H, d_k, hidden], b1 [B, H, hidden], W2 [B, H, hidden, d_k], b2 [B, H, d_k],
+        with each linear layer's output shifted by a tap z_W1 [B, C, H, hidden], z_b1 [B, C, H, hidden], z_W2 [B, C, H, d_k], z_b2 [B, C, H, d_k] (zeros): the
+        gradient with respect to a tap is every token's gradient with respect to that layer's output.
+        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
         """
-        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.grad(self.inner_loss, argnums=(0, 1, 2, 3))(W1, b1, W2, b2, k, v)  # at the chunk-start state (carried through this token)
-        return (grad_W1, grad_b1, grad_W2, grad_b2)
+        y_W1 = (k.transpose(1, 2) @ W1).transpose(1, 2) + z_W1  # [B, C, H, hidden]: the layer @ W1 (head-major product)
+        y_b1 = y_W1 + b1.unsqueeze(1) + z_b1  # [B, C, H, hidden]: + b1
+        x_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        y_W2 = (x_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_k]: the layer @ W2 (head-major product)
+        y_b2 = y_W2 + b2.unsqueeze(1) + z_b2  # [B, C, H, d_k]: + b2
+        return (0.5 * ((k + layernorm(y_b2, self.ln_w, self.ln_b) - v) ** 2).sum(-1)).sum(), (x_W2,)
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, eta):
-        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta [B, C, H];
+        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta [B, C, H];
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2: the state before the chunk's first token [B, H, ...].
+        Each state after token i is a combination of the states before the chunk and the
+        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, C, H, d_k], the state after the chunk).
         """
-        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.vmap(self._token_grads, in_dims=(None, None, None, None, 1, 1), out_dims=1)(W1_start, b1_start, W2_start, b2_start, k, v)  # [B, C, H, ...]: every token's gradients
-        W1_seq = W1.unsqueeze(1) + (-(eta[..., None, None] * grad_W1)).cumsum(1)  # [B, C, H, d_k, hidden]: W1_i = W1_(i-1) + ...
-        b1_seq = b1.unsqueeze(1) + (-(eta[..., None] * grad_b1)).cumsum(1)  # [B, C, H, hidden]: b1_i = b1_(i-1) + ...
-        W2_seq = W2.unsqueeze(1) + (-(eta[..., None, None] * grad_W2)).cumsum(1)  # [B, C, H, hidden, d_k]: W2_i = W2_(i-1) + ...
-        b2_seq = b2.unsqueeze(1) + (-(eta[..., None] * grad_b2)).cumsum(1)  # [B, C, H, d_k]: b2_i = b2_(i-1) + ...
-        o = self.f(q, W1_seq, b1_seq, W2_seq, b2_seq)  # [B, C, H, d_k]: each token reads its own state
-        return o, (W1_seq[:, -1], b1_seq[:, -1], W2_seq[:, -1], b2_seq[:, -1])
+        (dz_W1, dz_b1, dz_W2, dz_b2), (x_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1, 2, 3), has_aux=True)(
+            q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_k,)), q.new_zeros(q.shape[:3] + (self.d_k,)), W1_start, b1_start, W2_start, b2_start, k, v)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
+        xk_W1 = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
+        d_W1 = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = xk_W1_j^T d_W1_j
+        d_b1 = dz_b1.transpose(1, 2)  # [B, H, C, hidden]: grad_b1_j = d_b1_j
+        xk_W2 = x_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
+        d_W2 = dz_W2.transpose(1, 2)  # [B, H, C, d_k]: grad_W2_j = xk_W2_j^T d_W2_j
+        d_b2 = dz_b2.transpose(1, 2)  # [B, H, C, d_k]: grad_b2_j = d_b2_j
+        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
+        ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
+        L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
+        a_W1_W1 = P  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
+        M_W1_W1 = L * coef_h.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        a_b1_b1 = a_W1_W1  # [B, H, C]: coefficient of b1 (chunk start) in b1 after each token (the same weights)
+        M_b1_b1 = M_W1_W1  # [B, H, C, C]: weights of the gradients of b1 in b1 after each token (the same weights)
+        a_W2_W2 = a_W1_W1  # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
+        M_W2_W2 = M_W1_W1  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token (the same weights)
+        a_b2_b2 = a_W1_W1  # [B, H, C]: coefficient of b2 (chunk start) in b2 after each token (the same weights)
+        M_b2_b2 = M_W1_W1  # [B, H, C, C]: weights of the gradients of b2 in b2 after each token (the same weights)
+        q_h = q.transpose(1, 2)  # [B, H, C, d_k]
+        y_W1 = (a_W1_W1.unsqueeze(-1) * (q_h @ W1) + ((q_h @ xk_W1.transpose(-2, -1)) * M_W1_W1) @ d_W1).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
+        y_b1 = y_W1 + (a_b1_b1.unsqueeze(-1) * b1.unsqueeze(-2) + M_b1_b1 @ d_b1).transpose(1, 2)  # [B, C, H, hidden]: + each token's own b1
+        x_W2_2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        x_W2_2_h = x_W2_2.transpose(1, 2)  # [B, H, C, hidden]
+        y_W2 = (a_W2_W2.unsqueeze(-1) * (x_W2_2_h @ W2) + ((x_W2_2_h @ xk_W2.transpose(-2, -1)) * M_W2_W2) @ d_W2).transpose(1, 2)  # [B, C, H, d_k]: each token's own W2 applied, in dual form
+        y_b2 = y_W2 + (a_b2_b2.unsqueeze(-1) * b2.unsqueeze(-2) + M_b2_b2 @ d_b2).transpose(1, 2)  # [B, C, H, d_k]: + each token's own b2
+        o = q + layernorm(y_b2, self.ln_w, self.ln_b)  # [B, C, H, d_k]
+        W1_end = a_W1_W1[..., -1, None, None] * W1 + xk_W1.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
+        b1_end = a_b1_b1[..., -1, None] * b1 + (M_b1_b1[..., -1, :, None] * d_b1).sum(-2)  # [B, H, hidden]
+        W2_end = a_W2_W2[..., -1, None, None] * W2 + xk_W2.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_k]
+        b2_end = a_b2_b2[..., -1, None] * b2 + (M_b2_b2[..., -1, :, None] * d_b2).sum(-2)  # [B, H, d_k]
+        return o, (W1_end, b1_end, W2_end, b2_end)
 
 
 class TttMlpLayer(nn.Module):

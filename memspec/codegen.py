@@ -40,7 +40,10 @@ inputs and dispatches to one schedule method:
   in ``torch.compile(dynamic=False)`` when ``compile=True`` and the spec has no cache)
   in a Python loop over T -- never a compiled loop over T;
 * ``_forward_minibatch``: ``_chunk_step`` per chunk (compiled for full chunks; a
-  partial chunk runs eagerly).  ``_token_grads`` replays one token's statements on the
+  partial chunk runs eagerly).  When the spec admits it (:mod:`memspec.dual`), the chunk
+  step is the *dual form* written by :mod:`memspec.codegen_dual` (gradients of linear
+  layers as outer products, reads as masked [C, C] products, no per-token state);
+  otherwise ``_token_grads`` replays one token's statements on the
   chunk-start state and takes each ``grad(...)`` there (memspec.reference's rule, so
   chunk 1 equals online); it is vmapped over the chunk's tokens.  The update program,
   with the gradients held fixed, is solved as linear recurrences
@@ -821,6 +824,13 @@ class ModuleWriter:
                 self.cache = None
         if self.recurrence is not None and ("minibatch" in admits or d is None):
             producible.append("minibatch")
+        self.dual = None
+        if "minibatch" in producible:
+            from .dual import NotDual, analyse_dual
+            try:
+                self.dual = analyse_dual(spec)
+            except NotDual:
+                self.dual = None
         fam = d.family if d is not None else None
         if fam in EXACT_CHUNKED:
             try:
@@ -938,6 +948,9 @@ class ModuleWriter:
         fam = d.family if d is not None else self.default
         text = SCHEDULE_TEXT[self.default].format(chunk=self.default_chunk, window=self._window_text())
         L(f"# schedule: {text}")
+        if self.dual is not None and "minibatch" in self.schedules:
+            L("# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are "
+              "masked [C, C] products (memspec.dual)")
         if d is not None:
             exact = "exact" if d.exact else "approximate (mini-batch)"
             L(f"# derived by memspec.schedule.analyse: {fam}, {exact}; admits {', '.join(d.admits)}")
@@ -1453,6 +1466,10 @@ class ModuleWriter:
                     L(f"state[\"minibatch.{s}\"] = {v}")
             L(f"return torch.cat({outs}, dim=1), state")
         L()
+        if self.dual is not None:
+            from .codegen_dual import write_dual
+            write_dual(self, self.dual, L)
+            return
         self.shadow_grads(L)
         self.chunk_step(L)
 

@@ -1192,6 +1192,11 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     reasons.append("mini-batch: inside a chunk every grad(...) is taken at the chunk-start state, "
                    "the recurrences run token by token (an approximation of online learning; "
                    "chunk 1 equals online)")
+    from .dual import NotDual, analyse_dual
+    try:
+        reasons += analyse_dual(alg.spec).describe()
+    except NotDual as err:
+        reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
     return MinibatchPlan(coef, rest, grads, chunk), reasons
 
 

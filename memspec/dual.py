@@ -1,0 +1,272 @@
+"""The dual form of the mini-batch schedule (TTT's "dual form", derived from the spec's algebra).
+
+In mini-batch learning every gradient of a chunk is taken at the chunk-start state.
+When a state ``W`` enters the inner model only through a linear layer ``x @ W`` (or a
+bias ``a + b``), the gradient of any per-token loss with respect to it is an outer
+product, ``grad_j = x_j^T delta_j`` (``delta_j`` the gradient with respect to the layer's
+output), or ``delta_j`` itself for a bias.  If, moreover, the update program is a set
+of linear recurrences whose coefficients are token-local scalars (momentum, forgetting,
+step sizes: :func:`memspec.codegen.minibatch_recurrence`), every state after token i
+of the chunk is
+
+    S_i = sum_R a[S, R]_i R_0 + sum_g sum_{j <= i} M[S, g]_{i, j} grad_g_j
+
+with ``R_0`` the states before the chunk, ``a`` vectors ``[C]`` and ``M`` lower-triangular
+``[C, C]`` matrices that are products of the recurrences' decay matrices.  A read through
+the same linear layer then never needs the per-token states:
+
+    x_i @ W_i = sum_R a_i (x_i @ R_0) + sum_g sum_j M_{i, j} (x_i . x_g_j) delta_g_j
+
+which is a masked, attention-like product over the chunk ([C, C] scores times
+[C, d_out]); the state after the chunk is the row i = C, ``x_g^T diag(M[C]) delta_g``.
+Nothing of size ``C x d_in x d_out`` is ever formed.  The gradients themselves are one
+backward pass of the chunk's summed loss with respect to each layer's output (its
+*tap*), at the chunk-start state.
+
+:func:`analyse_dual` decides whether a spec admits this form and returns the facts the
+code generator needs (:mod:`memspec.codegen_dual`); :class:`NotDual` says why not (the
+mini-batch schedule then materialises every token's state, which is exact too, but
+C times larger).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .expr import BinOp, Call, Expr, Name, Neg, Num, unparse
+
+
+class NotDual(Exception):
+    """The spec does not admit the dual form (``str`` says why)."""
+
+
+@dataclass(frozen=True)
+class DualForm:
+    """What the dual form of a spec's mini-batch schedule needs.
+
+    sites: each state of the inner model -> ``"matmul"`` (enters as ``x @ W``, W a
+        matrix, x a vector) or ``"bias"`` (enters as ``a + b``, both vectors).
+    targets: the states that the update differentiates (``grad(loss, W)``), in state order.
+    placeholders: target -> the name that stands for its per-token gradient in
+        ``recurrence`` (the update program with every ``grad(...)`` replaced).
+    recurrence: :class:`memspec.codegen.Recurrence` of the update program.
+    grad_terms: state -> {target: token-local scalar coefficient of that target's
+        gradient in the state's update}.
+    """
+
+    sites: dict
+    targets: tuple
+    placeholders: dict
+    recurrence: object
+    grad_terms: dict
+
+    def describe(self) -> list[str]:
+        """Lines for ``memspec explain``."""
+        lin = [f"{s} (linear layer x @ {s})" if k == "matmul" else f"{s} (bias a + {s})"
+               for s, k in self.sites.items()]
+        return [
+            "dual form: the model's states enter only through " + ", ".join(lin)
+            + ", so each token's gradient is an outer product x_j^T delta_j (a bias: delta_j) and every "
+            "state of the chunk is a masked, decay-weighted sum of them: reads are attention-like "
+            "[C, C] products, no per-token state is materialised",
+        ]
+
+
+def _sites(spec) -> dict:
+    """state -> site kind, for every state of the model; raises NotDual."""
+    from .shapes import ShapeEnv
+
+    model = spec.model
+    env = ShapeEnv.from_spec(spec)
+    states = spec.model_states()
+    arg_shapes = [tuple(env.infer(c.args[0])) for e in _exprs(spec) for c in e.walk()
+                  if isinstance(c, Call) and c.fn == model.name]
+    scope = {model.arg: arg_shapes[0] if arg_shapes else ()}
+    sites: dict = {}
+    count = {s: 0 for s in states}
+    claimed: set = set()
+
+    def rank(e: Expr) -> int:
+        shape = env.infer(e, scope=scope)
+        return len(shape) if shape is not None else -1
+
+    for node in model.body.walk():
+        if isinstance(node, BinOp) and node.op == "@" and isinstance(node.right, Name) \
+                and node.right.id in count:
+            s = node.right.id
+            if len(spec.state[s].shape) != 2 or rank(node.left) != 1 \
+                    or any(isinstance(n, Name) and n.id == s for n in node.left.walk()):
+                raise NotDual(f"`{unparse(node)}` is not a vector times the matrix {s}")
+            sites[s] = "matmul"
+            count[s] += 1
+            claimed.add(id(node.right))
+        elif isinstance(node, BinOp) and node.op == "+":
+            for side, other in ((node.left, node.right), (node.right, node.left)):
+                if isinstance(side, Name) and side.id in count and id(side) not in claimed:
+                    s = side.id
+                    if len(spec.state[s].shape) != 1 or rank(other) != 1:
+                        raise NotDual(f"`{unparse(node)}` is not a vector plus the vector {s}")
+                    sites[s] = "bias"
+                    count[s] += 1
+                    claimed.add(id(side))
+                    break
+    for node in model.body.walk():
+        if isinstance(node, Name) and node.id in count and id(node) not in claimed:
+            raise NotDual(f"state {node.id} enters the model other than through `x @ {node.id}` or `a + {node.id}`")
+    for s, n in count.items():
+        if n != 1:
+            raise NotDual(f"state {s} enters the model {n} times (the dual form needs exactly one linear site)")
+    return {s: sites[s] for s in states}
+
+
+def _exprs(spec) -> list:
+    return [spec.read] + ([spec.loss] if spec.loss is not None else []) + [st.value for st in spec.update]
+
+
+def _states_outside_model(spec, e: Expr) -> set:
+    """States that ``e`` reads other than as arguments of the model's states (lets inlined)."""
+    out: set = set()
+    seen: set = set()
+
+    def visit(n: Expr):
+        if isinstance(n, Call) and spec.model is not None and n.fn == spec.model.name:
+            for a in n.args:
+                visit(a)
+            return
+        if isinstance(n, Name):
+            if n.id in spec.state:
+                out.add(n.id)
+            elif n.id in spec.let and n.id not in seen:
+                seen.add(n.id)
+                visit(spec.let[n.id])
+            return
+        for c in n.children():
+            visit(c)
+
+    visit(e)
+    return out
+
+
+def _grad_terms(e, placeholders: set, local_scalar) -> dict:
+    """``e`` as ``sum_p coeff_p * p`` over the placeholder names; raises NotDual."""
+    if e is None:
+        return {}
+    if isinstance(e, Name) and e.id in placeholders:
+        return {e.id: Num(1)}
+    if isinstance(e, Neg):
+        return {p: _neg(c) for p, c in _grad_terms(e.operand, placeholders, local_scalar).items()}
+    if isinstance(e, BinOp) and e.op in "+-":
+        a = _grad_terms(e.left, placeholders, local_scalar)
+        b = _grad_terms(e.right, placeholders, local_scalar)
+        for p, c in b.items():
+            c = _neg(c) if e.op == "-" else c
+            a[p] = BinOp("+", a[p], c) if p in a else c
+        return a
+    if isinstance(e, BinOp) and e.op in "*/":
+        for s, t, left in ((e.left, e.right, True), (e.right, e.left, False)):
+            if e.op == "/" and left:
+                continue
+            if local_scalar(s) and not _mentions(s, placeholders):
+                inner = _grad_terms(t, placeholders, local_scalar)
+                if e.op == "/":
+                    return {p: BinOp("/", c, s) for p, c in inner.items()}
+                return {p: (s if isinstance(c, Num) and c.value == 1 else BinOp("*", s, c)) for p, c in inner.items()}
+    raise NotDual(f"`{unparse(e)}` is not a sum of token-local scalars times gradients")
+
+
+def _neg(c: Expr) -> Expr:
+    if isinstance(c, Num):
+        return Num(-c.value)
+    if isinstance(c, Neg):
+        return c.operand
+    return Neg(c)
+
+
+def _mentions(e: Expr, names: set) -> bool:
+    return any(isinstance(n, Name) and n.id in names for n in e.walk())
+
+
+def analyse_dual(spec) -> DualForm:
+    """The dual form of ``spec``'s mini-batch schedule, or raise :class:`NotDual`."""
+    from .codegen import NotRecurrence, minibatch_recurrence
+    from .shapes import ShapeEnv
+
+    if spec.model is None or spec.loss is None:
+        raise NotDual("the spec has no inner model and loss")
+    if any(st.cache for st in spec.state.values()):
+        raise NotDual("a state is a cache")
+    model_states = spec.model_states()
+    sites = _sites(spec)
+    # the loss and the read see the states only through the model
+    for what, e in (("the loss", spec.loss), ("the read", spec.read)):
+        outside = _states_outside_model(spec, e)
+        if outside:
+            raise NotDual(f"{what} reads {', '.join(sorted(outside))} outside the model")
+    n_loss_calls = sum(1 for c in spec.loss.walk() if isinstance(c, Call) and c.fn == spec.model.name)
+    if n_loss_calls != 1:
+        raise NotDual(f"the loss applies the model {n_loss_calls} times (the dual form needs one application)")
+    for n in spec.let:
+        if _mentions(spec.let[n], set(spec.state)):
+            raise NotDual(f"let {n} reads a state")
+    # gradients: all of the loss, all at the chunk-start state
+    grad_calls = [(i, c) for i, st in enumerate(spec.update) for c in st.value.walk()
+                  if isinstance(c, Call) and c.fn == "grad"]
+    if not grad_calls:
+        raise NotDual("the update takes no gradient")
+    targets: list = []
+    for _, c in grad_calls:
+        if not (isinstance(c.args[0], Name) and c.args[0].id == "loss"):
+            raise NotDual(f"`{unparse(c)}` is not a gradient of the spec's loss")
+        t = c.args[1].id if len(c.args) == 2 else model_states[0]
+        if t not in sites:
+            raise NotDual(f"`{unparse(c)}`: {t} is not a state of the model")
+        if t not in targets:
+            targets.append(t)
+    last = max(i for i, _ in grad_calls)
+    for j in range(last):
+        if spec.update[j].target in model_states:
+            raise NotDual(f"statement {j + 1} writes {spec.update[j].target} before a gradient is taken: "
+                          "not every gradient is at the chunk-start state")
+    targets = [s for s in spec.state if s in targets]
+    # the update program with each gradient held fixed: linear recurrences
+    taken = set(spec.state) | set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.params) \
+        | set(spec.dims) | set(spec.constants) | {st.target for st in spec.update}
+    placeholders: dict = {}
+    for t in targets:
+        name, k = f"grad_{t}", 1
+        while name in taken:
+            k += 1
+            name = f"grad_{t}_{k}"
+        placeholders[t] = name
+        taken.add(name)
+
+    def repl(c: Expr) -> Expr | None:
+        if isinstance(c, Call) and c.fn == "grad":
+            t = c.args[1].id if len(c.args) == 2 else model_states[0]
+            return Name(placeholders[t])
+        return None
+
+    from .expr import rewrite
+    values = [rewrite(st.value, repl) for st in spec.update]
+    scope = {placeholders[t]: tuple(spec.state[t].shape) for t in targets}
+    try:
+        rec = minibatch_recurrence(spec, values, scope)
+    except NotRecurrence as err:
+        raise NotDual(str(err)) from None
+    env = ShapeEnv.from_spec(spec)
+
+    def local_scalar(e: Expr) -> bool:
+        shape = env.infer(e, scope=scope)
+        return shape is not None and tuple(shape) == () and not _mentions(e, set(spec.state))
+
+    grad_terms = {s: _grad_terms(rec.rest[s], set(placeholders.values()), local_scalar) for s in spec.state}
+    by_name = {v: k for k, v in placeholders.items()}
+    grad_terms = {s: {by_name[p]: c for p, c in terms.items()} for s, terms in grad_terms.items()}
+    for s, terms in grad_terms.items():
+        for t in terms:
+            if tuple(spec.state[t].shape) != tuple(spec.state[s].shape):
+                raise NotDual(f"the update of {s} adds the gradient of {t}, of another shape")
+    for s in spec.state:
+        for (_, r) in rec.coeff[s]:
+            if tuple(spec.state[r].shape) != tuple(spec.state[s].shape):
+                raise NotDual(f"the update of {s} adds {r}, of another shape")
+    return DualForm(sites, tuple(targets), placeholders, rec, grad_terms)
