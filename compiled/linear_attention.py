@@ -66,7 +66,7 @@ class _Compiled:
         return self.fn(*args)
 
 
-def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True):
+def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     """Exact chunked form of ``S_t = exp(log_gamma_t) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
 
     Inside a chunk of C tokens with cumulative log decays ``L_t``:
@@ -74,64 +74,105 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True):
     ``S_end = exp(L_C) S_start + sum_s exp(L_C - L_s) outer(k_s, v_s)``.
     (``inclusive=False`` uses ``L_{t-1}`` and ``s < t``: o_t reads the state before token t.)
 
+    Chunks are processed G at a time (G chosen so that each temporary stays near 512 KB:
+    large per-call allocations are returned to the OS and page-faulted back on every call).
+    Within a group of n chunks every product is one batched matmul over (B, H, chunk):
+    the masked intra-chunk scores, the chunk increments ``K_j^T V_j``, and the states at
+    the chunk starts, ``S_j = w_j S + sum_{i<j} W_ji K_i^T V_i``, as one ``[n, n]``
+    lower-triangular (decay-weighted) matrix applied to the increments; no loop over
+    tokens or chunks inside a group.
+
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
-        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, or a tuple of ``[B, T, H, V_i]`` read as their
+            concatenation on the last axis (``V = sum V_i``) without a full-size copy.
         log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
         chunk: chunk size C.
         inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
+        group: chunks per batched group G (default: from the 512 KB budget); any G >= 1
+            gives the same numbers.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
     """
     B, T, H, K = k.shape
-    V = v.shape[-1]
+    vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    V = sum(x.shape[-1] for x in vs)
+    BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
-    N = (T + C - 1) // C
-    pad = N * C - T
+    N, r = divmod(T, C)
+    G = round((1 << 17) / (BH * C * max(K, V, C))) if group is None else int(group)
+    G = max(1, min(N, G))                                            # chunks per group
+    kk, vv = k.to(dt), tuple(x.to(dt) for x in vs)                   # no copies in float32
+    qq = q.to(dt) if q is not None else None
+    lg = log_gamma.to(dt) if log_gamma is not None else None
+    S = k.new_zeros(BH, K * V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K * V)
+    idx = torch.arange(C, device=k.device)
+    read_mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]   # [C, C]
+    gidx = torch.arange(G, device=k.device)
+    strict = gidx[:, None] > gidx[None, :]                                                   # [G, G]
 
-    def blocks(x):  # [B, T, H, *D] -> [B, H, N, C, *D], zero-padded on T
-        x = x.to(dt)
-        if pad:
-            x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
-        x = x.movedim(2, 1)
-        return x.reshape(B, H, N, C, *x.shape[3:]).contiguous()  # one copy here, none inside matmul
+    def block(x, a, n, c):  # tokens [a, a + n c) of [B, T, H, D] -> [B H n, c, D] (one copy)
+        return x[:, a:a + n * c].reshape(B, n, c, H, x.shape[-1]).permute(0, 3, 1, 2, 4).reshape(BH * n, c, -1)
 
-    kc, vc = blocks(k), blocks(v)                                  # [B, H, N, C, K], [B, H, N, C, V]
-    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
-    if log_gamma is not None:
-        lg = blocks(log_gamma)                                     # [B, H, N, C]
-        L = torch.cumsum(lg, dim=-1)                               # [B, H, N, C]
-        L_last = L[..., -1:]                                       # [B, H, N, 1]
-        kd = kc * torch.exp(L_last - L)[..., None]                 # [B, H, N, C, K]
-        chunk_decay = torch.exp(L_last[..., 0])                    # [B, H, N]
-    else:
-        kd = kc
-    if q is not None:
-        qc = blocks(q)                                             # [B, H, N, C, K]
-        if log_gamma is not None:
-            Lq = L if inclusive else L - lg                        # [B, H, N, C]
-            idx = torch.arange(C, device=k.device)
-            mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
-            decay = torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~mask, float("-inf")))
-            qd = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
-        else:
-            qd = qc
-    kd_t = kd.transpose(-1, -2)                                    # [B, H, N, K, C]
+    def block_cat(xs, a, n, c):  # the blocks of several [B, T, H, D_i] side by side: [B H n, c, sum D_i]
+        if len(xs) == 1:
+            return block(xs[0], a, n, c)
+        out = xs[0].new_empty(B, H, n, c, V)
+        lo = 0
+        for x in xs:
+            d = x.shape[-1]
+            out[..., lo:lo + d] = x[:, a:a + n * c].reshape(B, n, c, H, d).permute(0, 3, 1, 2, 4)
+            lo += d
+        return out.view(BH * n, c, V)
+
+    groups = [(j * C, min(G, N - j), C) for j in range(0, N, G)] + ([(N * C, 1, r)] if r else [])
+    ones = {}
     outs = []
-    for n in range(N):                                             # one chunk at a time (cache-friendly on CPU)
-        if q is not None:
-            s_n = qc[:, :, n] @ kc[:, :, n].transpose(-1, -2)      # [B, H, C, C]
-            s_n = s_n * decay[:, :, n] if log_gamma is not None else s_n.tril(0 if inclusive else -1)
-            outs.append(qd[:, :, n] @ S + s_n @ vc[:, :, n])       # [B, H, C, V]
-        S = (S * chunk_decay[:, :, n, None, None] if log_gamma is not None else S) + kd_t[:, :, n] @ vc[:, :, n]
-    if q is None:
-        return None, S.to(S0.dtype if S0 is not None else v.dtype)
-    o = torch.stack(outs, dim=2)                                   # [B, H, N, C, V]
-    o = o.reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)          # [B, T, H, V]
-    return o.to(v.dtype), S.to(S0.dtype if S0 is not None else v.dtype)
+    for a, n, c in groups:
+        kg, vg = block(kk, a, n, c), block_cat(vv, a, n, c)         # [BHn, c, K], [BHn, c, V]
+        if lg is not None:
+            lgg = lg[:, a:a + n * c].reshape(B, n, c, H).permute(0, 3, 1, 2)   # [B, H, n, c]
+            L = torch.cumsum(lgg, dim=-1)                            # [B, H, n, c]
+            l_chunk = L[..., -1].reshape(BH, n)                      # [BH, n] log decay of each chunk
+            kd = kg * torch.exp(L[..., -1:] - L).reshape(BH * n, c, 1)   # decayed to the chunk end
+            lam = torch.cumsum(l_chunk, dim=-1)                      # [BH, n]
+            lam_prev = lam - l_chunk                                 # [BH, n] log decay before chunk j
+            W = torch.exp((lam_prev[:, :, None] - lam[:, None, :]).masked_fill(~strict[:n, :n], float("-inf")))
+            S_in = torch.exp(lam_prev)[:, :, None] * S[:, None, :]  # [BH, n, KV]
+        else:
+            kd = kg
+            if n not in ones:
+                ones[n] = strict[:n, :n].to(dt).expand(BH, n, n)
+            W = ones[n]                                              # [BH, n, n] strictly lower ones
+            S_in = S[:, None, :]                                     # [BH, 1, KV]
+        kv = torch.bmm(kd.transpose(1, 2), vg).view(BH, n, K * V)   # [BH, n, KV] chunk increments
+        S_starts = torch.baddbmm(S_in, W, kv)                        # [BH, n, KV] state at each chunk start
+        if lg is not None:
+            S = torch.addcmul(kv[:, -1], S_starts[:, -1], torch.exp(l_chunk[:, -1:]))
+        else:
+            S = S_starts[:, -1] + kv[:, -1]                          # [BH, KV]
+        if qq is None:
+            continue
+        qg = block(qq, a, n, c)                                      # [BHn, c, K]
+        scores = torch.bmm(qg, kg.transpose(1, 2))                   # [BHn, c, c]
+        if lg is not None:
+            Lq = L if inclusive else L - lgg                         # [B, H, n, c]
+            decay = torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~read_mask[:c, :c],
+                                                                              float("-inf")))
+            scores = scores * decay.reshape(BH * n, c, c)
+            qg = qg * torch.exp(Lq).reshape(BH * n, c, 1)
+        else:
+            scores = scores.tril_(0 if inclusive else -1)
+        og = torch.baddbmm(torch.bmm(qg, S_starts.view(BH * n, K, V)), scores, vg)   # [BHn, c, V]
+        outs.append(og.view(BH, n * c, V))
+    S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else vs[0].dtype)
+    if qq is None:
+        return None, S_out
+    o = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).view(B, H, T, V).transpose(1, 2)  # [B, T, H, V]
+    return o.to(vs[0].dtype), S_out
 
 
 class LinearAttentionMemory(nn.Module):
@@ -276,7 +317,7 @@ class LinearAttentionMemory(nn.Module):
         kf = F.elu(k) + 1  # [B, T, H, d_k]
         # additive chunked schedule (exact): S <- gamma * S + outer(a, b); the read sees the state only through probes p @ S
         # one kernel call for S, z: same decay, key and probes; values side by side
-        S_z_b = torch.cat([v, torch.ones_like(kf[..., :1])], dim=-1)  # [B, T, H, d_v + 1]
+        S_z_b = (v, torch.ones_like(kf[..., :1]))  # [B, T, H, d_v + 1] side by side (the kernel concatenates them chunk by chunk)
         S_z_0 = torch.cat([state["S"], state["z"].unsqueeze(-1)], dim=-1)  # [B, H, d_k, d_v + 1]
         S_z_read0, S_z_T = chunk_additive(qf, kf, S_z_b, None, S_z_0, self.chunk, inclusive=True)
         S_probe_out, z_probe_out = torch.split(S_z_read0, [self.d_v, 1], dim=-1)

@@ -242,7 +242,8 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, inclusive, pr
     bname, sname = w.fresh(f"{names}_b"), w.fresh(f"{names}_0")
     w.lines.append(f"# one kernel call for {', '.join(st.name for st in group)}: same decay, key and probes; "
                    f"values side by side")
-    w.lines.append(f"{bname} = torch.cat([{', '.join(bcs)}], dim=-1)  # [B, T, H, {' + '.join(wnames)}]")
+    w.lines.append(f"{bname} = ({', '.join(bcs)})  # [B, T, H, {' + '.join(wnames)}] side by side "
+                   f"(the kernel concatenates them chunk by chunk)")
     w.lines.append(f"{sname} = torch.cat([{', '.join(inits)}], dim=-1)  # [B, H, {spec.state[first.name].shape[0]}, "
                    f"{' + '.join(wnames)}]")
     split = f"[{', '.join(widths)}]"

@@ -69,7 +69,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
-        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, or a tuple of ``[B, T, H, V_i]`` read as their
+            concatenation on the last axis (``V = sum V_i``) without a full-size copy.
         log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
         chunk: chunk size C.
@@ -81,14 +82,15 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
     """
     B, T, H, K = k.shape
-    V = v.shape[-1]
+    vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    V = sum(x.shape[-1] for x in vs)
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
     G = round((1 << 17) / (BH * C * max(K, V, C))) if group is None else int(group)
     G = max(1, min(N, G))                                            # chunks per group
-    kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
+    kk, vv = k.to(dt), tuple(x.to(dt) for x in vs)                   # no copies in float32
     qq = q.to(dt) if q is not None else None
     lg = log_gamma.to(dt) if log_gamma is not None else None
     S = k.new_zeros(BH, K * V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K * V)
@@ -100,11 +102,22 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     def block(x, a, n, c):  # tokens [a, a + n c) of [B, T, H, D] -> [B H n, c, D] (one copy)
         return x[:, a:a + n * c].reshape(B, n, c, H, x.shape[-1]).permute(0, 3, 1, 2, 4).reshape(BH * n, c, -1)
 
+    def block_cat(xs, a, n, c):  # the blocks of several [B, T, H, D_i] side by side: [B H n, c, sum D_i]
+        if len(xs) == 1:
+            return block(xs[0], a, n, c)
+        out = xs[0].new_empty(B, H, n, c, V)
+        lo = 0
+        for x in xs:
+            d = x.shape[-1]
+            out[..., lo:lo + d] = x[:, a:a + n * c].reshape(B, n, c, H, d).permute(0, 3, 1, 2, 4)
+            lo += d
+        return out.view(BH * n, c, V)
+
     groups = [(j * C, min(G, N - j), C) for j in range(0, N, G)] + ([(N * C, 1, r)] if r else [])
     ones = {}
     outs = []
     for a, n, c in groups:
-        kg, vg = block(kk, a, n, c), block(vv, a, n, c)             # [BHn, c, K], [BHn, c, V]
+        kg, vg = block(kk, a, n, c), block_cat(vv, a, n, c)         # [BHn, c, K], [BHn, c, V]
         if lg is not None:
             lgg = lg[:, a:a + n * c].reshape(B, n, c, H).permute(0, 3, 1, 2)   # [B, H, n, c]
             L = torch.cumsum(lgg, dim=-1)                            # [B, H, n, c]
@@ -140,11 +153,11 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             scores = scores.tril_(0 if inclusive else -1)
         og = torch.baddbmm(torch.bmm(qg, S_starts.view(BH * n, K, V)), scores, vg)   # [BHn, c, V]
         outs.append(og.view(BH, n * c, V))
-    S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
+    S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else vs[0].dtype)
     if qq is None:
         return None, S_out
     o = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).view(B, H, T, V).transpose(1, 2)  # [B, T, H, V]
-    return o.to(v.dtype), S_out
+    return o.to(vs[0].dtype), S_out
 
 
 def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):

@@ -98,6 +98,25 @@ def test_chunk_additive_more_chunks_per_group_than_chunk_size():
         assert rel(S, ref[1]) <= 1e-5
 
 
+@pytest.mark.parametrize("decayed", [False, True])
+def test_chunk_additive_tuple_values(decayed):
+    """v given as a tuple of pieces equals v given as their concatenation: outputs, state, gradients."""
+    q, k, v, _, lg, S0 = make(2, 23, 2, 4, 6, decay=(0.5, 1.0), seed=6)
+    ones = torch.ones(2, 23, 2, 1)
+    inputs = [x.requires_grad_() for x in (q, k, v, lg, S0)]
+    q, k, v, lg, S0 = inputs
+    S0_full = torch.cat([S0, torch.zeros(2, 2, 4, 1)], dim=-1)
+    lg_arg = lg if decayed else None
+    ref = chunk_additive(q, k, torch.cat([v, ones], dim=-1), lg_arg, S0_full, 4, group=2)
+    got = chunk_additive(q, k, (v, ones), lg_arg, S0_full, 4, group=2)
+    assert got[0].shape == (2, 23, 2, 7) and got[1].shape == (2, 2, 4, 7)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    rec = recurrent_additive(q, k, torch.cat([v, ones], dim=-1), lg_arg, S0_full)
+    assert rel(got[0], rec[0]) <= 1e-5 and rel(got[1], rec[1]) <= 1e-5
+    used = inputs if decayed else [q, k, v, S0]
+    for gr, gg in zip(grads(ref, used), grads(got, used)):
+        assert torch.equal(gg, gr)
+
 def test_chunk_additive_float32_stays_float32_and_groups_agree():
     """No float64 detour for float32 inputs; G = 1 (chunk by chunk) and the default G give the same
     numbers up to rounding at the benchmark's shape class (B=1, H=4, T=4 C + 5)."""
