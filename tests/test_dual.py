@@ -1,0 +1,146 @@
+"""The dual form of the mini-batch schedule (memspec.dual, memspec.codegen_dual).
+
+Numerical agreement with the reference interpreter, gradients, causality and streaming
+are covered for every shipped spec by test_compiled_vs_reference.py (the dual form is
+the mini-batch schedule of titans, ttt_*, moneta, yaad, deltanet, longhorn); here: which
+specs admit it and why not, that it never forms a per-token state, and that it agrees
+with the materialising form on specs written to stress the recurrence algebra.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memspec
+from memspec.build import build_memory
+from memspec.codegen import generate
+from memspec.dual import NotDual, analyse_dual
+from memspec.reference import run as reference_run
+from memspec.schedule import analyse, explain
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name,sites", [
+    ("titans", {"W1": "matmul", "W2": "matmul"}),
+    ("ttt_mlp", {"W1": "matmul", "b1": "bias", "W2": "matmul", "b2": "bias"}),
+    ("ttt_linear", {"W": "matmul", "b": "bias"}),
+    ("moneta", {"W1": "matmul", "W2": "matmul"}),
+    ("yaad", {"W1": "matmul", "W2": "matmul"}),
+    ("deltanet", {"W": "matmul"}),
+])
+def test_shipped_specs_admit_the_dual_form(name, sites):
+    form = analyse_dual(memspec.load(ROOT / f"specs/{name}.yaml"))
+    assert form.sites == sites
+    src = (ROOT / f"compiled/{name}.py").read_text()
+    assert "def _chunk_loss(" in src and "_token_grads" not in src
+    spec = memspec.load(ROOT / f"specs/{name}.yaml")
+    if analyse(spec).family == "minibatch":   # (deltanet's own schedule is the exact delta form)
+        assert "dual form" in explain(spec)
+
+
+BASE = """
+name: probe
+dims: {d_model: 8, heads: 2, d_k: 3, hidden: 4}
+views: {q: d_k, k: d_k, v: d_k}
+gates: {eta: 0.5 * sigmoid(logit), alpha: sigmoid(logit)}
+state:
+  W1: {shape: [d_k, hidden], init: normal(0.5)}
+  W2: {shape: [hidden, d_k], init: normal(0.5)}
+MODEL
+loss: 0.5 * sum((f(k) - v)^2)
+update:
+UPDATE
+read: f(q)
+"""
+# both gradients at the same point (temporaries); written one after the other, W2's gradient
+# would see this token's new W1 (memspec's sequential statement semantics): no dual form
+PLAIN = "  - g1 = grad(loss, W1)\n  - g2 = grad(loss, W2)\n  - W1 = W1 - eta * g1\n  - W2 = W2 - eta * g2"
+SEQUENTIAL = "  - W1 = W1 - eta * grad(loss, W1)\n  - W2 = W2 - eta * grad(loss, W2)"
+
+
+def probe(model="model: f(u) = tanh(u @ W1) @ W2", update=PLAIN, extra=""):
+    return memspec.loads(BASE.replace("MODEL", model).replace("UPDATE", update) + extra, "yaml")
+
+
+@pytest.mark.parametrize("model,update,why", [
+    ("model: f(u) = tanh(u @ W1) @ W2", "  - W1 = (1 - alpha) * W1\n  - W1 = W1 - eta * grad(loss, W1)\n"
+     "  - W2 = W2 - eta * grad(loss, W2)", "before a gradient is taken"),
+    ("model: f(u) = tanh(u @ W1) @ W2", SEQUENTIAL, "statement 1 writes W1 before a gradient"),
+    ("model: f(u) = tanh(u @ W1) @ W2 + tanh(u @ W1) @ W2", PLAIN, "enters the model 2 times"),
+    ("model: f(u) = tanh(u @ (W1 * W1)) @ W2", PLAIN, "other than through"),
+    ("model: f(u) = tanh(u @ W1) @ W2", "  - g = grad(loss, W1)\n  - h = grad(loss, W2)\n"
+     "  - W1 = W1 - eta * g * g\n  - W2 = W2 - eta * h", "not a"),
+])
+def test_specs_without_a_dual_form_say_why_and_fall_back(model, update, why):
+    spec = probe(model, update)
+    with pytest.raises(NotDual, match=why):
+        analyse_dual(spec)
+    d = analyse(spec)
+    if "minibatch" in d.admits:
+        src = generate(spec, d)
+        assert "_token_grads" in src and "_chunk_loss" not in src
+
+
+@pytest.mark.parametrize("update", [
+    PLAIN,
+    # momentum, decay, a temporary mixing a state finished earlier in the token
+    "  - U = 0.8 * U - eta * grad(loss, W2)\n  - m = 0.5 * U\n  - g = grad(loss, W1)\n"
+    "  - W1 = (1 - alpha) * W1 - eta * g\n  - W2 = (1 - alpha) * W2 + m + U",
+    # a decay that reads the previous value of another state (R_(i-1), not R_i)
+    "  - g = grad(loss, W1)\n  - h = grad(loss, W2)\n  - W2 = W2 + 0.3 * U - eta * h\n  - U = 0.9 * U - h\n"
+    "  - W1 = W1 - eta * g",
+])
+@pytest.mark.parametrize("order", ["write_read", "read_write"])
+def test_dual_matches_reference_on_recurrence_algebra(update, order):
+    extra = f"order: {order}\n"
+    text = BASE.replace("MODEL", "model: f(u) = tanh(u @ W1) @ W2").replace("UPDATE", update) + extra
+    if "U" in update:
+        text = text.replace("state:\n", "state:\n  U: {shape: [hidden, d_k], init: normal(0.1)}\n")
+    spec = memspec.loads(text, "yaml")
+    analyse_dual(spec)
+    torch.manual_seed(0)
+    C, T = 4, 11
+    mem = build_memory(spec, chunk=C, compile=False).double()
+    B, H = 2, 2
+    q, k, v = (torch.randn(B, T, H, 3, dtype=torch.float64) for _ in range(3))
+    eta, alpha = (0.5 * torch.rand(B, T, H, dtype=torch.float64) for _ in range(2))
+    state = mem.init_state(B, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    o, st = mem(q, k, v, eta=eta, alpha=alpha, state=dict(state), schedule="minibatch")
+    ro, rst = reference_run(spec, state=dict(state), schedule=("minibatch", C),
+                            q=q, k=k, v=v, eta=eta, alpha=alpha)
+    torch.testing.assert_close(o, ro, rtol=1e-9, atol=1e-10)
+    for n in st:
+        if not n.startswith("minibatch."):
+            torch.testing.assert_close(st[n], rst[n], rtol=1e-9, atol=1e-10)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_titans_chunk_never_materialises_per_token_weights():
+    """The dual form's largest tensor is far below one chunk of per-token MLP weights
+    (the materialising form's [B, C, H, d_k, hidden])."""
+    spec = memspec.load(ROOT / "specs/titans.yaml")
+    mem = build_memory(spec, heads=2, d_k=16, d_v=16, hidden=32, chunk=16, compile=False)
+    B, T, H = 1, 32, 2
+    q, k, v = (torch.randn(B, T, H, 16) for _ in range(3))
+    gates = {g: torch.rand(B, T, H) * 0.1 for g in ("eta", "mu", "alpha")}
+    per_token_weights = B * 16 * H * 16 * 32
+    rec = _LargestTensor()
+    with rec:
+        mem(q, k, v, **gates, schedule="minibatch")
+    assert rec.largest < per_token_weights / 8, rec.largest
