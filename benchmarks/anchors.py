@@ -6,7 +6,12 @@ a quiet machine.  This script re-measures comparable pure-PyTorch chunked forms
 (flash-linear-attention's naive ``chunk`` references: row-by-row forward
 substitution for the WY/UT transform, then a loop over chunks) next to
 ``memspec.kernels`` under the same load, plus the ``torch.bmm`` 64x64 peak, so the
-comparison is fair whatever else the machine is doing.
+comparison is fair whatever else the machine is doing.  The anchors get their inputs
+already in their preferred ``[B, H, T, D]`` layout; ours take ``[B, T, H, D]``.
+
+Each row prints median wall and process-CPU times, the speed-up, and the achieved
+matmul GFLOP/s (``torch.utils.flop_counter`` on each implementation's own call) as a
+fraction of the bmm peak.
 
     python benchmarks/anchors.py [--T 2048] [--threads 2] [--json out.json]
 """
@@ -89,6 +94,34 @@ def naive_chunk_linear_attention(q, k, v, S0, C=64):
     return o.reshape(B, H, T, -1), S
 
 
+def naive_chunk_decayed_linear_attention(q, k, v, g, S0, C=64):
+    """Chunked linear attention with a scalar log decay per token (retention / simple GLA);
+    q, k, v [B, H, T, D], g [B, H, T] (T % C == 0)."""
+    B, H, T, K = k.shape
+    q, k, v = (x.reshape(B, H, T // C, C, x.shape[-1]) for x in (q, k, v))
+    g = g.reshape(B, H, T // C, C).cumsum(-1)
+    mask = torch.triu(torch.ones(C, C, dtype=torch.bool), diagonal=1)
+    S = S0.clone()
+    o = torch.zeros_like(v)
+    for i in range(T // C):
+        q_i, k_i, v_i, g_i = q[:, :, i], k[:, :, i], v[:, :, i], g[:, :, i]
+        decay = (g_i[..., :, None] - g_i[..., None, :]).masked_fill(mask, float("-inf")).exp()
+        o[:, :, i] = (q_i * g_i.exp()[..., None]) @ S + (q_i @ k_i.transpose(-1, -2) * decay) @ v_i
+        S = S * g_i[..., -1, None, None].exp() + (k_i * (g_i[..., -1:] - g_i).exp()[..., None]).transpose(-1, -2) @ v_i
+    return o.reshape(B, H, T, -1), S
+
+
+def matmul_flops(fn):
+    """Matmul FLOPs of one call (``torch.utils.flop_counter``), or None where unavailable."""
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+    except ImportError:  # pragma: no cover
+        return None
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
 def timed(fn, repeat):
     """(median wall ms, median process CPU ms): on a loaded machine the CPU time is the steadier one."""
     with torch.no_grad():
@@ -130,6 +163,10 @@ def main():
         ours = chunk_delta(q, k, v, beta, lg, S0, 64)[0].transpose(1, 2)
         ref = naive_chunk_gated_delta_rule(qh, kh, vh, bh, gh, S0)[0]
         assert (ours - ref).abs().max() < 1e-3, (ours - ref).abs().max()
+        for lg_arg, naive in ((None, lambda: naive_chunk_linear_attention(qh, kh, vh, S0)),
+                              (lg, lambda: naive_chunk_decayed_linear_attention(qh, kh, vh, gh, S0))):
+            ours = chunk_additive(q, k, v, lg_arg, S0, 64)[0].transpose(1, 2)
+            assert (ours - naive()[0]).abs().max() < 1e-3, (ours - naive()[0]).abs().max()
     rows = {
         "delta rule": (lambda: chunk_delta(q, k, v, beta, None, S0, 64),
                        lambda: naive_chunk_delta_rule(qh, kh, vh, bh, S0)),
@@ -137,16 +174,27 @@ def main():
                              lambda: naive_chunk_gated_delta_rule(qh, kh, vh, bh, gh, S0)),
         "linear attention": (lambda: chunk_additive(q, k, v, None, S0, 64),
                              lambda: naive_chunk_linear_attention(qh, kh, vh, S0)),
+        "decayed lin. attn": (lambda: chunk_additive(q, k, v, lg, S0, 64),
+                              lambda: naive_chunk_decayed_linear_attention(qh, kh, vh, gh, S0)),
     }
     peak = bmm_peak("cpu")
     out = {"T": T, "B": B, "H": H, "D": D, "threads": torch.get_num_threads(), "bmm_peak_gflops": peak, "rows": {}}
     print(f"torch.bmm 64x64 peak: {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
     for name, (mine, theirs) in rows.items():
         m, t = timed(mine, a.repeat), timed(theirs, a.repeat)
+        fm, ft = matmul_flops(mine), matmul_flops(theirs)
+        pk = {}
+        for who, f, ms in (("memspec", fm, m[0]), ("naive_chunk", ft, t[0])):
+            pk[who] = f / (ms * 1e-3) / 1e9 / peak if f else None
         out["rows"][name] = {"memspec_ms": m[0], "memspec_cpu_ms": m[1], "naive_chunk_ms": t[0],
-                             "naive_chunk_cpu_ms": t[1]}
-        print(f"{name:<18} memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f})   pure-PyTorch chunked {t[0]:7.2f} ms "
-              f"(cpu {t[1]:6.2f})   speed-up x{t[0] / m[0]:.2f} (cpu x{t[1] / m[1]:.2f})")
+                             "naive_chunk_cpu_ms": t[1], "memspec_flops": fm, "naive_chunk_flops": ft,
+                             "memspec_peak_fraction": pk["memspec"], "naive_chunk_peak_fraction": pk["naive_chunk"]}
+
+        def frac(x):
+            return f"{100 * x:3.0f}% pk" if x is not None else "  -    "
+        print(f"{name:<18} memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f}, {frac(pk['memspec'])})   "
+              f"pure-PyTorch chunked {t[0]:7.2f} ms (cpu {t[1]:6.2f}, {frac(pk['naive_chunk'])})   "
+              f"speed-up x{t[0] / m[0]:.2f} (cpu x{t[1] / m[1]:.2f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
