@@ -129,7 +129,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
         return out.view(BH * n, c, V)
 
     groups = [(j * C, min(G, N - j), C) for j in range(0, N, G)] + ([(N * C, 1, r)] if r else [])
-    ones = {}
+    lower = {}                                                       # n -> [BH, n, n] strictly lower ones
     outs = []
     for a, n, c in groups:
         kg, vg = block(kk, a, n, c), block_cat(vv, a, n, c)         # [BHn, c, K], [BHn, c, V]
@@ -144,9 +144,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             S_in = torch.exp(lam_prev)[:, :, None] * S[:, None, :]  # [BH, n, KV]
         else:
             kd = kg
-            if n not in ones:
-                ones[n] = strict[:n, :n].to(dt).expand(BH, n, n)
-            W = ones[n]                                              # [BH, n, n] strictly lower ones
+            if n not in lower:
+                lower[n] = strict[:n, :n].to(dt).expand(BH, n, n)
+            W = lower[n]                                             # [BH, n, n]
             S_in = S[:, None, :]                                     # [BH, 1, KV]
         kv = torch.bmm(kd.transpose(1, 2), vg).view(BH, n, K * V)   # [BH, n, KV] chunk increments
         S_starts = torch.baddbmm(S_in, W, kv)                        # [BH, n, KV] state at each chunk start
@@ -171,6 +171,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else vs[0].dtype)
     if qq is None:
         return None, S_out
+    if not outs:                                                     # T = 0
+        return kk.new_zeros(B, 0, H, V).to(vs[0].dtype), S_out
     o = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).view(B, H, T, V).transpose(1, 2)  # [B, T, H, V]
     return o.to(vs[0].dtype), S_out
 

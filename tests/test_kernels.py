@@ -117,6 +117,14 @@ def test_chunk_additive_tuple_values(decayed):
     for gr, gg in zip(grads(ref, used), grads(got, used)):
         assert torch.equal(gg, gr)
 
+def test_chunk_additive_empty_sequence():
+    """T = 0: an empty output and the initial state unchanged (zeros when S0 is None)."""
+    q, k, v, _, lg, S0 = make(2, 0, 3, 4, 5)
+    o, S = chunk_additive(q, k, v, lg, S0, 8)
+    assert o.shape == (2, 0, 3, 5) and torch.equal(S, S0)
+    o, S = chunk_additive(q, k, (v, v[..., :1]), None, None, 8)
+    assert o.shape == (2, 0, 3, 6) and torch.equal(S, torch.zeros(2, 3, 4, 6))
+
 def test_chunk_additive_float32_stays_float32_and_groups_agree():
     """No float64 detour for float32 inputs; G = 1 (chunk by chunk) and the default G give the same
     numbers up to rounding at the benchmark's shape class (B=1, H=4, T=4 C + 5)."""
