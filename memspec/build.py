@@ -133,10 +133,12 @@ def _module(spec_or_path: SpecLike):
 def build(spec_or_path: SpecLike, *, compile: bool = True, **dims):  # noqa: A002
     """The ``<Name>Layer`` of a spec: ``x [B, T, d_model] -> y``; ``.memory`` is the memory.
 
-    ``dims`` override the spec's dims (and ``chunk=`` the chunk size); ``compile=True``
-    torch.compiles the per-token / per-chunk step functions (static shapes)."""
+    ``dims`` override the spec's dims (and ``chunk=`` the chunk size); for a wired spec
+    also the wiring's sizes (MAC: ``segment``, ``persistent``; MAG / MAL: ``window``,
+    ``persistent``; all: ``attn_heads``).  ``compile=True`` torch.compiles the
+    per-token / per-chunk step functions (static shapes)."""
     spec, mod = _module(spec_or_path)
-    _check_dims(spec, dims)
+    _check_dims(spec, dims, wiring=True)
     return getattr(mod, f"{class_name(spec.name)}Layer")(compile=compile, **dims)
 
 
@@ -148,12 +150,19 @@ def build_memory(spec_or_path: SpecLike, *, compile: bool = True, **dims):  # no
     return getattr(mod, f"{class_name(spec.name)}Memory")(compile=compile, **dims)
 
 
-def _check_dims(spec: Spec, dims: dict) -> None:
-    allowed = set(spec.dims) | {"chunk", "heads", "d_model"}
+WIRING_SIZES = {"none": (), "mac": ("segment", "persistent", "attn_heads"),
+                "mag": ("window", "persistent", "attn_heads"), "mal": ("window", "persistent", "attn_heads")}
+
+
+def _check_dims(spec: Spec, dims: dict, wiring: bool = False) -> None:
+    extra = WIRING_SIZES[spec.wiring.kind] if wiring else ()
+    allowed = set(spec.dims) | {"chunk", "heads", "d_model"} | set(extra)
     unknown = sorted(set(dims) - allowed)
     if unknown:
         raise ValueError(f"unknown dims {', '.join(unknown)}; {spec.name} has dims "
-                         f"{', '.join(spec.dims)} (and chunk)")
+                         f"{', '.join(spec.dims)} (and chunk{''.join(', ' + w for w in extra)})")
     for k, v in dims.items():
+        if k == "persistent" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
+            continue   # no persistent tokens
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"dim {k} must be a positive integer, got {v!r}")

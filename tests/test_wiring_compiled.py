@@ -56,6 +56,18 @@ def test_build_titans_mac_is_the_wired_layer():
     assert "attn.persistent" in names and "layer.q_proj.weight" in names
 
 
+def test_build_takes_the_wiring_sizes():
+    mac = build("specs/titans_mac.yaml", compile=False, segment=5, persistent=0, attn_heads=1, **DIMS)
+    assert mac.segment == 5 and mac.attn.n_persistent == 0 and mac.attn.heads == 1
+    mag = build("specs/titans_mag.yaml", compile=False, window=7, persistent=3, **DIMS)
+    assert mag.attn.n_persistent == 3
+    assert any(getattr(m, "window", None) == 7 for m in mag.modules())
+    with pytest.raises(ValueError, match="unknown dims window.*and chunk, segment, persistent, attn_heads"):
+        build("specs/titans_mac.yaml", compile=False, window=7, **DIMS)
+    with pytest.raises(ValueError, match="unknown dims segment"):
+        build("specs/titans.yaml", compile=False, segment=7, **DIMS)
+
+
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_wired_layer_is_causal_by_perturbation(name):
     layer = wired(name)
