@@ -191,6 +191,18 @@ class MesaMemory(nn.Module):
                    [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
+    def read(self, q, *, state=None):
+        """The read qn @ solve(H + lam * eye(d_k), G) of a fixed state, with no write (e.g. Titans' retrieval
+        M*(q) in MAC): q [B, T, H, d_k]; state {name: [B, H, ...]} (default: init_state).
+        Every token reads the same state.  Returns [B, T, H, d_v].
+        """
+        B, T = self._check_inputs({'q': q}, {})
+        state = self._check_state(state, B, q)
+        H_all = state['H'].unsqueeze(1)  # [B, 1, H, d_k, d_k]: the same state for every token
+        G_all = state['G'].unsqueeze(1)  # [B, 1, H, d_k, d_v]: the same state for every token
+        qn = l2norm(q)  # [B, T, H, d_k]
+        return (qn.unsqueeze(-2) @ torch.linalg.solve(H_all + 1.0 * torch.eye(self.d_k, dtype=q.dtype, device=q.device), G_all)).squeeze(-2)  # [B, T, H, d_v]
+
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         H, G = state['H'], state['G']
@@ -252,3 +264,13 @@ class MesaLayer(nn.Module):
         o, state = self.memory(q, k, v, eta=eta, alpha=alpha, state=state)  # [B, T, H, d_v]
         y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
         return (y, state) if return_state else y
+
+    def read(self, x, state=None):
+        """x [B, T, d_model] -> y [B, T, d_model]: the memory read at a fixed state (default: the initial one), with no write."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected [B, T, d_model] = [B, T, {self.d_model}], got {got}")
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
+        o = self.memory.read(q, state=state)  # [B, T, H, d_v]
+        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]

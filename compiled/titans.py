@@ -231,6 +231,18 @@ class TitansMemory(nn.Module):
         """
         return (0.5 * ((self.f(kn, W1, W2) - vs) ** 2).sum(-1)).sum()
 
+    def read(self, q, *, state=None):
+        """The read f(qn) of a fixed state, with no write (e.g. Titans' retrieval
+        M*(q) in MAC): q [B, T, H, d_k]; state {name: [B, H, ...]} (default: init_state).
+        Every token reads the same state.  Returns [B, T, H, d_v].
+        """
+        B, T = self._check_inputs({'q': q}, {})
+        state = self._check_state(state, B, q)
+        W1_all = state['W1'].unsqueeze(1)  # [B, 1, H, d_k, hidden]: the same state for every token
+        W2_all = state['W2'].unsqueeze(1)  # [B, 1, H, hidden, d_v]: the same state for every token
+        qn = l2norm(F.silu(q))  # [B, T, H, d_k]
+        return self.f(qn, W1_all, W2_all)  # [B, T, H, d_v]
+
     def _forward_online(self, q, k, v, eta, mu, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
@@ -385,3 +397,13 @@ class TitansLayer(nn.Module):
         o, state = self.memory(q, k, v, eta=eta, mu=mu, alpha=alpha, state=state)  # [B, T, H, d_v]
         y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
         return (y, state) if return_state else y
+
+    def read(self, x, state=None):
+        """x [B, T, d_model] -> y [B, T, d_model]: the memory read at a fixed state (default: the initial one), with no write."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected [B, T, d_model] = [B, T, {self.d_model}], got {got}")
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
+        o = self.memory.read(q, state=state)  # [B, T, H, d_v]
+        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]

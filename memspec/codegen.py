@@ -1024,6 +1024,8 @@ class ModuleWriter:
             self.model_method(L)
         if spec.loss is not None and self.loss_states is not None and self._has_grads():
             self.loss_method(L)
+        if self.read_views() is not None:
+            self.read_method(L)
         self.online(L)
         if "minibatch" in self.schedules:
             self.minibatch(L)
@@ -1032,6 +1034,64 @@ class ModuleWriter:
         if self.chunked:
             self.chunked_forward(L)
         L.dedent()
+
+    def _read_names(self) -> set:
+        """Spec names the read uses, lets followed."""
+        spec = self.spec
+        seen: set = set()
+        todo = [spec.read]
+        while todo:
+            e = todo.pop()
+            for n in e.walk():
+                if isinstance(n, Name) and n.id not in seen:
+                    seen.add(n.id)
+                    if n.id in spec.let:
+                        todo.append(spec.let[n.id])
+                if isinstance(n, Call) and spec.model is not None and n.fn == spec.model.name:
+                    for st in spec.model_states():
+                        seen.add(st)
+        return seen
+
+    def read_views(self):
+        """The views a read-only call needs, or None when the read is not a function of the
+        views and the state alone (it uses a gate or a temporary, or a state is a cache)."""
+        spec = self.spec
+        used = self._read_names()
+        if any(st.cache for st in spec.state.values()) or used & set(spec.gates) \
+                or used & {st.target for st in spec.update if st.target not in spec.state}:
+            return None
+        views = [v for v in self.views if v in used]
+        return views or None
+
+    def read_method(self, L):
+        """``read(views..., state=None)``: the read at a fixed state, with no write."""
+        spec = self.spec
+        views = self.read_views()
+        used = self._read_names()
+        states = [s for s in self.states if s in used]
+        rshape = self.read_shape()
+        L(f"def read(self, {', '.join(views)}, *, state=None):")
+        with L.indent():
+            L('"""' + f"The read {unparse(spec.read)} of a fixed state, with no write (e.g. Titans' retrieval")
+            L("M*(q) in MAC): " + ", ".join(f"{v} [B, T, H, {spec.views[v].dim}]" for v in views)
+              + "; state {name: [B, H, ...]} (default: init_state).")
+            L(f"Every token reads the same state.  Returns {_shape_text('B, T, H', rshape)}.")
+            L('"""')
+            taken = set(self.spec_names)
+            B, T = fresh("B", taken), fresh("T", taken)
+            L(f"{B}, {T} = self._check_inputs({{{', '.join(f'{v!r}: {v}' for v in views)}}}, {{}})")
+            L(f"state = self._check_state(state, {B}, {views[0]})")
+            names = {}
+            for st in states:
+                names[st] = fresh(f"{st}_all", taken)
+                L(f"{names[st]} = state[{st!r}].unsqueeze(1)",
+                  _shape_text("B, 1, H", spec.state[st].shape) + ": the same state for every token")
+            em = ExprEmitter(spec, names=names, like=views[0], attr=self.attr, helpers=self.helpers)
+            for n in self._let_order():
+                if n in used:
+                    L(f"{n} = {em.emit(spec.let[n])}", _shape_text("B, T, H", self.shape(Name(n))))
+            L(f"return {em.emit(spec.read)}", _shape_text("B, T, H", rshape))
+        L()
 
     def _has_grads(self) -> bool:
         return any(isinstance(c, Call) and c.fn == "grad" for s in self.spec.update for c in s.value.walk())
@@ -1714,6 +1774,22 @@ class ModuleWriter:
                   _shape_text("B, T, H", rshape))
                 L(f"y = self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
                 L("return (y, state) if return_state else y")
+            rviews = self.read_views()
+            if rviews is not None:
+                L()
+                L("def read(self, x, state=None):")
+                with L.indent():
+                    L('"""' + "x [B, T, d_model] -> y [B, T, d_model]: the memory read at a fixed state "
+                      "(default: the initial one), with no write." + '"""')
+                    L("if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:")
+                    L("    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__")
+                    L("    raise ValueError(f\"x: expected [B, T, d_model] = [B, T, {self.d_model}], got {got}\")")
+                    L(f"{B}, {T}, _ = x.shape")
+                    for v in rviews:
+                        L(f"{v} = self.{v}_proj(x).view({B}, {T}, self.heads, {mem}.{self.attr.get(spec.views[v].dim, spec.views[v].dim)})",
+                          f"[B, T, H, {spec.views[v].dim}]")
+                    L(f"o = self.memory.read({', '.join(rviews)}, state=state)", _shape_text("B, T, H", rshape))
+                    L(f"return self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
         if wired:
             L()
             L()

@@ -115,10 +115,11 @@ class MAC(nn.Module):
     earlier segments:
 
     1. retrieve ``h = M(S)``: every token of S reads ``M`` (the state at the segment
-       start), never a write made from S; each token is run through the memory layer
-       alone from ``M`` (the segment is folded into the batch), so for a
-       ``write_read`` memory a token's retrieval also sees its own transient write,
-       never another token's;
+       start), never a write made from S: through the layer's read-only call
+       ``layer.read(x, state)`` when it has one (compiled Layers do); otherwise each
+       token is run through the memory layer alone from ``M`` (the segment folded into
+       the batch), so that a ``write_read`` memory's retrieval also sees the token's own
+       transient write, never another token's;
     2. attend: queries of S over ``[persistent | h | S]``, causal inside the segment
        (token i sees ``h_j`` and ``S_j`` for j <= i), giving ``y``;
     3. update: the memory layer runs over ``y`` from ``M`` (token by token inside the
@@ -153,7 +154,14 @@ class MAC(nn.Module):
         return state
 
     def retrieve(self, x: torch.Tensor, start) -> torch.Tensor:
-        """Read the memory state ``start`` (None = initial) with every token of x ``[B, L, D]``."""
+        """Read the memory state ``start`` (None = initial) with every token of x ``[B, L, D]``.
+
+        A layer with a read-only call ``layer.read(x, state)`` (every compiled Layer whose
+        read needs only views and state) is read with it; any other layer runs each token
+        alone from ``start`` (the segment folded into the batch)."""
+        read = getattr(self.layer, "read", None)
+        if read is not None:
+            return read(x, start)
         B, L, D = x.shape
         folded = x.reshape(B * L, 1, D)                                # one token per batch row
         h, _ = self.layer(folded, state=self._repeat_state(start, L), return_state=True)
