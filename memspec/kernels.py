@@ -59,8 +59,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     ``S_end = exp(L_C) S_start + sum_s exp(L_C - L_s) outer(k_s, v_s)``.
     (``inclusive=False`` uses ``L_{t-1}`` and ``s < t``: o_t reads the state before token t.)
 
-    Chunks are processed G at a time (G chosen so that each temporary stays near 512 KB:
-    large per-call allocations are returned to the OS and page-faulted back on every call).
+    Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
+    512 KB: large per-call allocations are returned to the OS and page-faulted back on every
+    call; on other devices G = 64).
     Within a group of n chunks every product is one batched matmul over (B, H, chunk):
     the masked intra-chunk scores, the chunk increments ``K_j^T V_j``, and the states at
     the chunk starts, ``S_j = w_j S + sum_{i<j} W_ji K_i^T V_i``, as one ``[n, n]``
@@ -75,7 +76,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
         chunk: chunk size C.
         inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
-        group: chunks per batched group G (default: from the 512 KB budget); any G >= 1
+        group: chunks per batched group G (default: as above); any G >= 1
             gives the same numbers.
 
     Returns:
@@ -88,7 +89,12 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
-    G = round((1 << 17) / (BH * C * max(K, V, C))) if group is None else int(group)
+    if group is not None:
+        G = int(group)
+    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
+        G = round((1 << 17) / (BH * C * max(K, V, C)))
+    else:                          # caching allocators: fewer, larger launches; the [G, G] prefix stays small
+        G = 64
     G = max(1, min(N, G))                                            # chunks per group
     kk, vv = k.to(dt), tuple(x.to(dt) for x in vs)                   # no copies in float32
     qq = q.to(dt) if q is not None else None
