@@ -146,7 +146,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             kd = kg * torch.exp(L[..., -1:] - L).reshape(BH * n, c, 1)   # decayed to the chunk end
             lam = torch.cumsum(l_chunk, dim=-1)                      # [BH, n]
             lam_prev = lam - l_chunk                                 # [BH, n] log decay before chunk j
-            W = torch.exp((lam_prev[:, :, None] - lam[:, None, :]).masked_fill(~strict[:n, :n], float("-inf")))
+            W = torch.exp(torch.where(strict[:n, :n], lam_prev[:, :, None] - lam[:, None, :], float("-inf")))
             S_in = torch.exp(lam_prev)[:, :, None] * S[:, None, :]  # [BH, n, KV]
         else:
             kd = kg
@@ -166,8 +166,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
         scores = torch.bmm(qg, kg.transpose(1, 2))                   # [BHn, c, c]
         if lg is not None:
             Lq = L if inclusive else L - lgg                         # [B, H, n, c]
-            decay = torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~read_mask[:c, :c],
-                                                                              float("-inf")))
+            decay = torch.exp(torch.where(read_mask[:c, :c], Lq[..., :, None] - L[..., None, :], float("-inf")))
             scores = scores * decay.reshape(BH * n, c, c)
             qg = qg * torch.exp(Lq).reshape(BH * n, c, 1)
         else:
