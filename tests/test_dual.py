@@ -93,11 +93,17 @@ def test_specs_without_a_dual_form_say_why_and_fall_back(model, update, why):
     "  - W1 = W1 - eta * g",
 ])
 @pytest.mark.parametrize("order", ["write_read", "read_write"])
-def test_dual_matches_reference_on_recurrence_algebra(update, order):
+@pytest.mark.parametrize("bias", [False, True])
+def test_dual_matches_reference_on_recurrence_algebra(update, order, bias):
     extra = f"order: {order}\n"
-    text = BASE.replace("MODEL", "model: f(u) = tanh(u @ W1) @ W2").replace("UPDATE", update) + extra
+    model = "model: f(u) = tanh(u @ W1 + b) @ W2" if bias else "model: f(u) = tanh(u @ W1) @ W2"
+    if bias:   # a bias state with its own decayed gradient step, taken with the others
+        update = "  - gb = grad(loss, b)\n" + update + "\n  - b = (1 - alpha) * b - eta * gb"
+    text = BASE.replace("MODEL", model).replace("UPDATE", update) + extra
     if "U" in update:
         text = text.replace("state:\n", "state:\n  U: {shape: [hidden, d_k], init: normal(0.1)}\n")
+    if bias:
+        text = text.replace("state:\n", "state:\n  b: {shape: [hidden], init: normal(0.3)}\n")
     spec = memspec.loads(text, "yaml")
     analyse_dual(spec)
     torch.manual_seed(0)
@@ -107,13 +113,22 @@ def test_dual_matches_reference_on_recurrence_algebra(update, order):
     q, k, v = (torch.randn(B, T, H, 3, dtype=torch.float64) for _ in range(3))
     eta, alpha = (0.5 * torch.rand(B, T, H, dtype=torch.float64) for _ in range(2))
     state = mem.init_state(B, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ins = [x.requires_grad_() for x in (q, k, v, eta, alpha)]
     o, st = mem(q, k, v, eta=eta, alpha=alpha, state=dict(state), schedule="minibatch")
     ro, rst = reference_run(spec, state=dict(state), schedule=("minibatch", C),
                             q=q, k=k, v=v, eta=eta, alpha=alpha)
     torch.testing.assert_close(o, ro, rtol=1e-9, atol=1e-10)
-    for n in st:
-        if not n.startswith("minibatch."):
-            torch.testing.assert_close(st[n], rst[n], rtol=1e-9, atol=1e-10)
+    names = [n for n in st if not n.startswith("minibatch.")]
+    for n in names:
+        torch.testing.assert_close(st[n], rst[n], rtol=1e-9, atol=1e-10)
+    # the outer gradients through the chunk's inner updates
+    w = torch.randn_like(o)
+    got = torch.autograd.grad((o * w).sum() + sum(st[n].sum() for n in names), ins, allow_unused=True)
+    want = torch.autograd.grad((ro * w).sum() + sum(rst[n].sum() for n in names), ins, allow_unused=True)
+    for x, g, r in zip(ins, got, want):   # (alpha is unused by some programs)
+        zero = torch.zeros_like(x)
+        torch.testing.assert_close(zero if g is None else g, zero if r is None else r, rtol=1e-8, atol=1e-10)
+    assert got[0] is not None and got[0].abs().sum() > 0
 
 
 class _LargestTensor(TorchDispatchMode):
