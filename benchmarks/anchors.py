@@ -13,7 +13,10 @@ Each row prints median wall and process-CPU times, the speed-up, and the achieve
 matmul GFLOP/s (``torch.utils.flop_counter`` on each implementation's own call) as a
 fraction of the bmm peak.
 
-    python benchmarks/anchors.py [--T 2048] [--threads 2] [--json out.json]
+With ``--backward`` each row times forward + backward (training): every input requires
+grad and the loss is a fixed random projection of the outputs and the final state.
+
+    python benchmarks/anchors.py [--T 2048] [--threads 2] [--backward] [--json out.json]
 """
 from __future__ import annotations
 
@@ -111,13 +114,14 @@ def naive_chunk_decayed_linear_attention(q, k, v, g, S0, C=64):
     return o.reshape(B, H, T, -1), S
 
 
-def matmul_flops(fn):
-    """Matmul FLOPs of one call (``torch.utils.flop_counter``), or None where unavailable."""
+def matmul_flops(fn, grad=False):
+    """Matmul FLOPs of one call (``torch.utils.flop_counter``), or None where unavailable; with
+    ``grad`` the call runs with autograd on (a forward + backward function)."""
     try:
         from torch.utils.flop_counter import FlopCounterMode
     except ImportError:  # pragma: no cover
         return None
-    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+    with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as fc:
         fn()
     return fc.get_total_flops()
 
@@ -125,16 +129,21 @@ def matmul_flops(fn):
 def timed(fn, repeat):
     """(median wall ms, median process CPU ms, best wall ms): on a loaded machine the CPU time is the
     steadier one."""
-    return timed_pair(fn, None, repeat)[0]
+    return timed_many([fn], repeat)[0]
 
 
-def timed_pair(fn_a, fn_b, repeat):
+def timed_pair(fn_a, fn_b, repeat, grad=False):
     """Both functions timed alternately (a, b, a, b, ...), so that load from other processes falls on
     both alike; for each, (median wall ms, median process CPU ms, best wall ms)."""
-    fns = [f for f in (fn_a, fn_b) if f is not None]
+    return timed_many([f for f in (fn_a, fn_b) if f is not None], repeat, grad)
+
+
+def timed_many(fns, repeat, grad=False):
+    """Several functions timed round-robin; for each, (median wall ms, median process CPU ms, best
+    wall ms).  ``grad``: autograd on (forward + backward functions)."""
     wall = [[] for _ in fns]
     cpu = [[] for _ in fns]
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for f in fns:
             f()
             f()
@@ -147,6 +156,22 @@ def timed_pair(fn_a, fn_b, repeat):
     return [(statistics.median(w) * 1e3, statistics.median(c) * 1e3, min(w) * 1e3) for w, c in zip(wall, cpu)]
 
 
+def with_backward(fn, inputs, seed=1):
+    """``fn`` (returning (o, S)) followed by the backward of a fixed random projection of o and S
+    with respect to ``inputs``."""
+    state = {}
+
+    def run():
+        o, S = fn()
+        if "w" not in state:
+            g = torch.Generator().manual_seed(seed)
+            state["w"] = (torch.randn(o.shape, generator=g), torch.randn(S.shape, generator=g))
+        w_o, w_s = state["w"]
+        loss = (o * w_o).sum() + (S * w_s).sum()
+        return torch.autograd.grad(loss, inputs)
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=2048)
@@ -155,6 +180,7 @@ def main():
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--backward", action="store_true", help="time forward + backward")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.threads:
@@ -178,6 +204,9 @@ def main():
                               (lg, lambda: naive_chunk_decayed_linear_attention(qh, kh, vh, gh, S0))):
             ours = chunk_additive(q, k, v, lg_arg, S0, 64)[0].transpose(1, 2)
             assert (ours - naive()[0]).abs().max() < 1e-3, (ours - naive()[0]).abs().max()
+    if a.backward:
+        leaves = [x.requires_grad_() for x in (q, k, v, beta, lg, qh, kh, vh, bh, gh)]
+        q, k, v, beta, lg, qh, kh, vh, bh, gh = leaves
     rows = {
         "delta rule": (lambda: chunk_delta(q, k, v, beta, None, S0, 64),
                        lambda: naive_chunk_delta_rule(qh, kh, vh, bh, S0)),
@@ -188,12 +217,21 @@ def main():
         "decayed lin. attn": (lambda: chunk_additive(q, k, v, lg, S0, 64),
                               lambda: naive_chunk_decayed_linear_attention(qh, kh, vh, gh, S0)),
     }
+    if a.backward:
+        ours_in, theirs_in = [q, k, v, beta, lg], [qh, kh, vh, bh, gh]
+        for name, (mine, theirs) in list(rows.items()):
+            used = [3] if "delta" in name else []
+            used += [4] if ("gated" in name or "decayed" in name) else []
+            rows[name] = (with_backward(mine, [x for i, x in enumerate(ours_in) if i < 3 or i in used]),
+                          with_backward(theirs, [x for i, x in enumerate(theirs_in) if i < 3 or i in used]))
     peak = bmm_peak("cpu")
-    out = {"T": T, "B": B, "H": H, "D": D, "threads": torch.get_num_threads(), "bmm_peak_gflops": peak, "rows": {}}
-    print(f"torch.bmm 64x64 peak: {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    out = {"T": T, "B": B, "H": H, "D": D, "threads": torch.get_num_threads(), "bmm_peak_gflops": peak,
+           "backward": a.backward, "rows": {}}
+    print(f"torch.bmm 64x64 peak: {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads)"
+          + ("; forward + backward" if a.backward else "; forward"))
     for name, (mine, theirs) in rows.items():
-        m, t = timed_pair(mine, theirs, a.repeat)
-        fm, ft = matmul_flops(mine), matmul_flops(theirs)
+        m, t = timed_pair(mine, theirs, a.repeat, grad=a.backward)
+        fm, ft = matmul_flops(mine, a.backward), matmul_flops(theirs, a.backward)
         pk = {}
         for who, f, ms in (("memspec", fm, m[0]), ("naive_chunk", ft, t[0])):
             pk[who] = f / (ms * 1e-3) / 1e9 / peak if f else None

@@ -209,7 +209,7 @@ def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
     return o, S.to(S0.dtype if S0 is not None else v.dtype)
 
 
-def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True):
+def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True, group=None):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
@@ -217,10 +217,17 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     Inside a chunk (cumulative log decays ``L_t``, ``R_t = L_{t-1} + log rho_t``), the
     corrections solve the unit-lower-triangular system
     ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @ S_start)``,
-    i.e. ``u = T (beta v) - T (beta exp(R) k) @ S_start`` with ``T = (I + A)^-1`` -- one
-    ``solve_triangular`` per chunk, in parallel over all chunks; then a short loop over
-    chunks carries the state (three small products per chunk: measured faster on CPU
-    than folding the state products into extra chunk-parallel ones).
+    i.e. ``u = U - W @ S_start`` with ``[W | U] = (I + A)^-1 [beta exp(R) k | beta v]``: one
+    triangular solve per chunk, batched over chunks.  Then the chunk's effect on the state
+    is one affine map, ``S_end = M S_start + D`` with ``M = exp(L_C) I - Kd^T W`` and
+    ``D = Kd^T U`` (``Kd`` the keys decayed to the chunk end), and its outputs are
+    ``o = (Qd - P W) @ S_start + P U`` (``P`` the masked, decayed scores, ``Qd`` the
+    decayed probes): all of these are batched matmuls over chunks; the only sequential part
+    is one ``[K, K] @ [K, V]`` product per chunk, ``S <- M_n S + D_n``.
+
+    Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
+    512 KB: large per-call allocations are returned to the OS and page-faulted back on every
+    call; on other devices G = 64).
 
     Args:
         q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
@@ -230,83 +237,101 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         chunk: chunk size C.
         log_rho: ``[B, T, H]`` (<= 0) or None (= log_gamma).
         inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
+        group: chunks per batched group G (default: from the 512 KB budget); any G >= 1
+            gives the same numbers.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
+    BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
-    N = (T + C - 1) // C
-    pad = N * C - T
-
-    def blocks(x):  # [B, T, H, *D] -> [B, H, N, C, *D], zero-padded on T
-        x = x.to(dt)
-        if pad:
-            x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
-        x = x.movedim(2, 1)
-        return x.reshape(B, H, N, C, *x.shape[3:]).contiguous()  # one copy here, none inside matmul
-
-    kc, vc, bc = blocks(k), blocks(v), blocks(beta)                # [B,H,N,C,K], [B,H,N,C,V], [B,H,N,C]
+    N, r = divmod(T, C)
+    if group is not None:
+        G = int(group)
+    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
+        G = round((1 << 17) / (BH * C * max(K, V, C)))
+    else:                          # caching allocators: fewer, larger launches
+        G = 64
+    G = max(1, min(N, G))                                            # chunks per group
+    kk, vv, bb = k.to(dt), v.to(dt), beta.to(dt)                     # no copies in float32
+    qq = q.to(dt) if q is not None else None
+    lg = log_gamma.to(dt) if log_gamma is not None else None
+    lr = log_rho.to(dt) if log_rho is not None else None
+    decayed = lg is not None or lr is not None
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     idx = torch.arange(C, device=k.device)
-    strict = idx[:, None] > idx[None, :]                           # [C, C]
-    gram = kc @ kc.transpose(-1, -2)                               # [B, H, N, C, C]
-    decay = None
-    if log_gamma is not None or log_rho is not None:
-        lg = blocks(log_gamma) if log_gamma is not None else torch.zeros_like(bc)
-        L = torch.cumsum(lg, dim=-1)                               # [B, H, N, C]
-        R = L if log_rho is None else L - lg + blocks(log_rho)    # [B, H, N, C]
-        if log_rho is None and inclusive and q is not None:
-            # one decay matrix exp(L_t - L_s), s <= t, serves both the solve and the read
-            decay = torch.exp((L[..., :, None] - L[..., None, :]).masked_fill(~(idx[:, None] >= idx[None, :]),
-                                                                            float("-inf")))
-            A = (gram * decay).masked_fill(~strict, 0.0) * bc[..., None]  # [B, H, N, C, C]
-        else:
-            decay = None
-            diff = (R[..., :, None] - L[..., None, :]).masked_fill(~strict, float("-inf"))
-            A = gram * torch.exp(diff) * bc[..., None]             # [B, H, N, C, C] strictly lower
-        kr = kc * (bc * torch.exp(R))[..., None]                   # [B, H, N, C, K]
-    else:
-        A = gram.masked_fill(~strict, 0.0) * bc[..., None]         # [B, H, N, C, C]
-        kr = kc * bc[..., None]                                    # [B, H, N, C, K]
-    eye = torch.eye(C, dtype=dt, device=k.device).expand(B, H, N, C, C)
-    # T = (I + A)^-1 as the transpose of the solution X of X (I + A)^T = I: a right-sided solve
-    # against an upper-triangular matrix, the fast layout for batched triangular solves on CPU
-    Tm = torch.linalg.solve_triangular((A + eye).transpose(-1, -2), eye, upper=True, left=False,
-                                       unitriangular=True).transpose(-1, -2)  # [B, H, N, C, C]
-    U0 = Tm @ (vc * bc[..., None])                                 # [B, H, N, C, V]
-    Wk = Tm @ kr                                                   # [B, H, N, C, K]
-    decayed = log_gamma is not None
-    if decayed:
-        L_last = L[..., -1:]                                       # [B, H, N, 1]
-        kd = kc * torch.exp(L_last - L)[..., None]                 # [B, H, N, C, K]
-        chunk_decay = torch.exp(L_last[..., 0])                    # [B, H, N]
-    else:
-        kd = kc
-    if q is not None:
-        qc = blocks(q)                                             # [B, H, N, C, K]
-        incl = idx[:, None] >= idx[None, :] if inclusive else strict
-        scores = qc @ kc.transpose(-1, -2)                         # [B, H, N, C, C]
+    strict = idx[:, None] > idx[None, :]                             # [C, C]
+    read_mask = idx[:, None] >= idx[None, :] if inclusive else strict
+    eye = torch.eye(K, dtype=dt, device=k.device)
+
+    # chunk-major blocks: chunk j of a group is the contiguous batch slice [j BH, (j + 1) BH)
+    def block(x, a, n, c):  # tokens [a, a + n c) of [B, T, H, D] -> [n B H, c, D] (one copy)
+        return x[:, a:a + n * c].reshape(B, n, c, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(n * BH, c, -1)
+
+    def scalars(x, a, n, c):  # tokens [a, a + n c) of [B, T, H] -> [n B H, c]
+        return x[:, a:a + n * c].reshape(B, n, c, H).permute(1, 0, 3, 2).reshape(n * BH, c)
+
+    groups = [(j * C, min(G, N - j), C) for j in range(0, N, G)] + ([(N * C, 1, r)] if r else [])
+    o = kk.new_empty(B, T, H, V) if qq is not None else None
+    for a, n, c in groups:
+        kg, vg, bg = block(kk, a, n, c), block(vv, a, n, c), scalars(bb, a, n, c)   # [nBH, c, K|V], [nBH, c]
+        gram = torch.bmm(kg, kg.transpose(1, 2))                     # [nBH, c, c]
+        read_decay = None
         if decayed:
-            Lq = L if inclusive else L - lg                        # [B, H, N, C]
-            if decay is None:
-                decay = torch.exp((Lq[..., :, None] - L[..., None, :]).masked_fill(~incl, float("-inf")))
-            scores = scores * decay                                # [B, H, N, C, C]
-            qd = qc * torch.exp(Lq)[..., None]                     # [B, H, N, C, K]
+            lgg = scalars(lg, a, n, c) if lg is not None else torch.zeros_like(bg)
+            L = torch.cumsum(lgg, dim=-1)                            # [nBH, c]
+            R = L if lr is None else L - lgg + scalars(lr, a, n, c)  # [nBH, c]
+            if lr is None and inclusive and qq is not None:
+                # one matrix exp(L_t - L_s), s <= t, serves the solve (strict part) and the read
+                read_decay = torch.exp(torch.where(read_mask[:c, :c], L[:, :, None] - L[:, None, :], float("-inf")))
+                solve_decay = read_decay
+            else:
+                solve_decay = torch.exp(torch.where(strict[:c, :c], R[:, :, None] - L[:, None, :], float("-inf")))
+            A = gram * solve_decay * bg[:, :, None]                  # only the strict lower part is read
+            kb = kg * (bg * torch.exp(R))[:, :, None]                # [nBH, c, K]
+            kd = kg * torch.exp(L[:, -1:] - L)[:, :, None]           # [nBH, c, K] decayed to the chunk end
+            g_end = torch.exp(L[:, -1])                              # [nBH] decay over the chunk
+            M0 = eye * g_end[:, None, None]                          # [nBH, K, K]
         else:
-            scores = scores.masked_fill(~incl, 0.0)
-            qd = qc
-    kd_t = kd.transpose(-1, -2)                                    # [B, H, N, K, C]
-    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
-    outs = []
-    for n in range(N):                                             # the only sequential part
-        u = U0[:, :, n] - Wk[:, :, n] @ S                          # [B, H, C, V]
-        if q is not None:
-            outs.append(qd[:, :, n] @ S + scores[:, :, n] @ u)     # [B, H, C, V]
-        S = (S * chunk_decay[:, :, n, None, None] if decayed else S) + kd_t[:, :, n] @ u
-    S_out = S.to(S0.dtype if S0 is not None else v.dtype)
-    if q is None:
+            A = gram * bg[:, :, None]                                # only the strict lower part is read
+            kb = kg * bg[:, :, None]
+            kd = kg
+            M0 = eye.expand(n * BH, K, K)
+        rhs = torch.cat([kb, vg * bg[:, :, None]], dim=-1)           # [nBH, c, K + V]
+        # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on CPU
+        X = torch.linalg.solve_triangular(A.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
+                                          unitriangular=True).transpose(1, 2)   # [nBH, c, K + V] = [W | U]
+        Wk, U = X[:, :, :K], X[:, :, K:]
+        kd_t = kd.transpose(1, 2)                                    # [nBH, K, c]
+        M = torch.baddbmm(M0, kd_t, Wk, alpha=-1)                    # [nBH, K, K]
+        D = torch.bmm(kd_t, U)                                       # [nBH, K, V]
+        starts = [S]
+        for j in range(n):                                           # the only sequential part
+            S = torch.baddbmm(D[j * BH:(j + 1) * BH], M[j * BH:(j + 1) * BH], S)   # [BH, K, V]
+            starts.append(S)
+        if qq is None:
+            continue
+        S_starts = torch.stack(starts[:-1]).view(n * BH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+        qg = block(qq, a, n, c)                                      # [nBH, c, K]
+        scores = torch.bmm(qg, kg.transpose(1, 2))                   # [nBH, c, c]
+        if decayed:
+            if read_decay is None:
+                Lq = L if inclusive else L - lgg                     # [nBH, c]
+                read_decay = torch.exp(torch.where(read_mask[:c, :c], Lq[:, :, None] - L[:, None, :],
+                                                   float("-inf")))
+                qg = qg * torch.exp(Lq)[:, :, None]
+            else:
+                qg = qg * torch.exp(L)[:, :, None]
+            scores = scores * read_decay
+        else:
+            scores = scores.tril_(0 if inclusive else -1)
+        Y = torch.bmm(scores, X)                                     # [nBH, c, K + V] = [P W | P U]
+        og = torch.baddbmm(Y[:, :, K:], qg - Y[:, :, :K], S_starts)  # [nBH, c, V]
+        o[:, a:a + n * c].view(B, n, c, H, V).copy_(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))
+    S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
+    if qq is None:
         return None, S_out
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T].movedim(1, 2)  # [B, T, H, V]
     return o.to(v.dtype), S_out

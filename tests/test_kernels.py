@@ -156,6 +156,67 @@ def test_chunk_delta_matches_recurrent(case, mode, inclusive):
         assert rel(gg, gr) <= 1e-4
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 5, None])
+@pytest.mark.parametrize("mode", ["plain", "gated", "rho"])
+@pytest.mark.parametrize("inclusive", [True, False])
+def test_chunk_delta_groups(group, mode, inclusive):
+    """Chunks batched G at a time: full groups, a partial group and a tail chunk (T = 7 C + 3),
+    B > 1, H > 1, K != V: outputs, final state and every gradient equal the token loop's."""
+    B, T, H, K, V, C = 2, 7 * 4 + 3, 2, 3, 5, 4
+    q, k, v, beta, lg, S0 = make(B, T, H, K, V, decay=(0.3, 1.0), seed=3)
+    lr = lg * 0.7
+    inputs = [x.requires_grad_() for x in (q, k, v, beta, lg, lr, S0)]
+    q, k, v, beta, lg, lr, S0 = inputs
+    lg_arg = lg if mode != "plain" else None
+    lr_arg = lr if mode == "rho" else None
+    ref = recurrent_delta(q, k, v, beta, lg_arg, S0, lr_arg, inclusive)
+    got = chunk_delta(q, k, v, beta, lg_arg, S0, C, lr_arg, inclusive, group=group)
+    assert got[0].shape == (B, T, H, V) and got[1].shape == (B, H, K, V)
+    assert rel(got[0], ref[0]) <= 1e-5
+    assert rel(got[1], ref[1]) <= 1e-5
+    used = [q, k, v, beta, S0] + ([lg] if lg_arg is not None else []) + ([lr] if lr_arg is not None else [])
+    for gr, gg in zip(grads(ref, used), grads(got, used)):
+        assert rel(gg, gr) <= 1e-4
+
+
+def test_chunk_delta_log_rho_without_log_gamma():
+    """A decay that only the error term sees (log_gamma None, log_rho given)."""
+    q, k, v, beta, lg, S0 = make(1, 23, 2, 4, 3, decay=(0.5, 1.0), seed=6)
+    ref = recurrent_delta(q, k, v, beta, None, S0, lg)
+    for group in (1, None):
+        got = chunk_delta(q, k, v, beta, None, S0, 8, lg, group=group)
+        assert rel(got[0], ref[0]) <= 1e-5 and rel(got[1], ref[1]) <= 1e-5
+
+
+def test_chunk_delta_many_chunks_and_state_only():
+    """C = 2 and 40 chunks (more chunks per group than tokens per chunk); state only."""
+    q, k, v, beta, lg, S0 = make(1, 81, 1, 2, 3, decay=(0.5, 1.0), seed=4)
+    for lg_arg in (None, lg):
+        ref = recurrent_delta(q, k, v, beta, lg_arg, S0)
+        got = chunk_delta(q, k, v, beta, lg_arg, S0, 2)
+        assert rel(got[0], ref[0]) <= 1e-5 and rel(got[1], ref[1]) <= 1e-5
+        o, S = chunk_delta(None, k, v, beta, lg_arg, S0, 2)
+        assert o is None and rel(S, ref[1]) <= 1e-5
+
+
+def test_chunk_delta_float32_stays_float32_and_groups_agree():
+    """No float64 detour for float32 inputs; G = 1 and the default G agree at the benchmark's
+    shape class (B=1, H=4, T=4 C + 5); the output is a contiguous [B, T, H, V] tensor."""
+    q, k, v, beta, lg, S0 = make(1, 4 * 16 + 5, 4, 16, 16, decay=(0.8, 1.0), seed=5)
+    for lg_arg in (None, lg):
+        o1, S1 = chunk_delta(q, k, v, beta, lg_arg, S0, 16, group=1)
+        o2, S2 = chunk_delta(q, k, v, beta, lg_arg, S0, 16)
+        assert o2.dtype == torch.float32 and S2.dtype == torch.float32
+        assert o2.is_contiguous()
+        assert rel(o2, o1) <= 1e-6 and rel(S2, S1) <= 1e-6
+
+
+def test_chunk_delta_empty_sequence():
+    q, k, v, beta, lg, S0 = make(1, 0, 2, 3, 4)
+    o, S = chunk_delta(q, k, v, beta, lg, S0, 8)
+    assert o.shape == (1, 0, 2, 4) and torch.equal(S, S0)
+
+
 def test_delta_rule_hand_example():
     """The seed text's delta correction: W1 = W0 + eta k^T (v - k W0)."""
     k = torch.tensor([1.0, 0.0]).view(1, 1, 1, 2)
