@@ -252,85 +252,122 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     if group is not None:
         G = int(group)
     elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * C * max(K, V, C)))
+        G = round((1 << 17) / (BH * C * max(K + V, C)))
     else:                          # caching allocators: fewer, larger launches
         G = 64
     G = max(1, min(N, G))                                            # chunks per group
-    kk, vv, bb = k.to(dt), v.to(dt), beta.to(dt)                     # no copies in float32
+    kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
-    lg = log_gamma.to(dt) if log_gamma is not None else None
-    lr = log_rho.to(dt) if log_rho is not None else None
-    decayed = lg is not None or lr is not None
+    decayed = log_gamma is not None or log_rho is not None
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
-    idx = torch.arange(C, device=k.device)
-    strict = idx[:, None] > idx[None, :]                             # [C, C]
-    read_mask = idx[:, None] >= idx[None, :] if inclusive else strict
     eye = torch.eye(K, dtype=dt, device=k.device)
+    Np = N + (r > 0)                                                 # chunks, the tail included
 
-    # chunk-major blocks: chunk j of a group is the contiguous batch slice [j BH, (j + 1) BH)
-    def block(x, a, n, c):  # tokens [a, a + n c) of [B, T, H, D] -> [n B H, c, D] (one copy)
-        return x[:, a:a + n * c].reshape(B, n, c, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(n * BH, c, -1)
+    def per_chunk(x):  # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
+        x = x.to(dt)
+        if Np * C > T:
+            x = torch.nn.functional.pad(x, (0, 0, 0, Np * C - T))
+        return x.reshape(B, Np, C, H).permute(1, 0, 3, 2).reshape(Np, BH, C)
 
-    def scalars(x, a, n, c):  # tokens [a, a + n c) of [B, T, H] -> [n B H, c]
-        return x[:, a:a + n * c].reshape(B, n, c, H).permute(1, 0, 3, 2).reshape(n * BH, c)
+    # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
+    # log decay 0, so L at the chunk's last slot is L at its last real token
+    bc = per_chunk(beta)                                             # beta
+    if decayed:
+        lgc = per_chunk(log_gamma) if log_gamma is not None else torch.zeros_like(bc)
+        L = torch.cumsum(lgc, dim=-1)                                # cumulative log decay in the chunk
+        R = L if log_rho is None else L - lgc + per_chunk(log_rho)   # log decay the error term sees
+        b_r = bc * torch.exp(R)                                      # beta exp(R): scales k on the right side
+        to_end = torch.exp(L[..., -1:] - L)                          # decay from token t to the chunk end
+        g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
+        Lq = L if inclusive else L - lgc                             # log decay a probe sees
+        q_fac = torch.exp(Lq)
+        shared = log_rho is None and inclusive and qq is not None   # one decay matrix for solve and read
 
-    groups = [(j * C, min(G, N - j), C) for j in range(0, N, G)] + ([(N * C, 1, r)] if r else [])
-    o = kk.new_empty(B, T, H, V) if qq is not None else None
-    for a, n, c in groups:
-        kg, vg, bg = block(kk, a, n, c), block(vv, a, n, c), scalars(bb, a, n, c)   # [nBH, c, K|V], [nBH, c]
-        gram = torch.bmm(kg, kg.transpose(1, 2))                     # [nBH, c, c]
-        read_decay = None
+    def decay_matrix(rows, cols, diagonal):  # exp(rows_t - cols_s) on and below the diagonal, 1 above
+        # (s > t is zeroed before exp, so nothing can overflow; masking with -inf instead would cost
+        # a slow exp path for every masked entry; callers never read the entries above)
+        return torch.exp((rows[:, :, None] - cols[:, None, :]).tril(diagonal))   # [nBH, c, c]
+
+    # groups of n chunks of c tokens; every per-group piece comes from one split (not from slices:
+    # the backward of a slice fills a zero tensor of the whole input, once per group)
+    groups = [(min(G, N - j), C) for j in range(0, N, G)] + ([(1, r)] if r else [])
+    t_pieces = [n * c for n, c in groups]
+    c_pieces = [n for n, _ in groups]
+
+    def t_split(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
+        return x.split(t_pieces, dim=1) if x is not None else [None] * len(groups)
+
+    def c_split(x):  # [Np, BH, C] -> one [n B H, c] piece per group
+        return [p[..., :c].reshape(n * BH, c) for p, (n, c) in zip(x.split(c_pieces, dim=0), groups)]
+
+    pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc)]
+    if decayed:
+        pieces += [c_split(L), c_split(R), c_split(b_r), c_split(to_end), c_split(Lq), c_split(q_fac),
+                   g_end.split(c_pieces, dim=0)]
+    need_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, beta, log_gamma, log_rho, S0))
+    o = kk.new_empty(B, T, H, V) if qq is not None and not need_grad else None
+    outs = []
+    a = 0                                                            # first token of the group
+    for gi, (n, c) in enumerate(groups):
+        kp, vp, qp, b = (x[gi] for x in pieces[:4])                  # [B, n c, H, K|V|K], [nBH, c]
+        nBH = n * BH
+        # k and v side by side, chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH)
+        kv = torch.cat([kp.view(B, n, c, H, K).permute(1, 0, 3, 2, 4),
+                        vp.view(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1).view(nBH, c, K + V)
+        kg = kv[:, :, :K]                                            # [nBH, c, K] (a view: no backward fill)
+        b = b[:, :, None]                                            # [nBH, c, 1]
         if decayed:
-            lgg = scalars(lg, a, n, c) if lg is not None else torch.zeros_like(bg)
-            L = torch.cumsum(lgg, dim=-1)                            # [nBH, c]
-            R = L if lr is None else L - lgg + scalars(lr, a, n, c)  # [nBH, c]
-            if lr is None and inclusive and qq is not None:
-                # one matrix exp(L_t - L_s), s <= t, serves the solve (strict part) and the read
-                read_decay = torch.exp(torch.where(read_mask[:c, :c], L[:, :, None] - L[:, None, :], float("-inf")))
+            Lg, Rg, b_rg, to_end_g, Lq_g, q_fac_g, g_end_g = (x[gi] for x in pieces[4:])
+            if shared:
+                read_decay = decay_matrix(Lg, Lg, 0)                 # exp(L_t - L_s), s <= t
                 solve_decay = read_decay
             else:
-                solve_decay = torch.exp(torch.where(strict[:c, :c], R[:, :, None] - L[:, None, :], float("-inf")))
-            A = gram * solve_decay * bg[:, :, None]                  # only the strict lower part is read
-            kb = kg * (bg * torch.exp(R))[:, :, None]                # [nBH, c, K]
-            kd = kg * torch.exp(L[:, -1:] - L)[:, :, None]           # [nBH, c, K] decayed to the chunk end
-            g_end = torch.exp(L[:, -1])                              # [nBH] decay over the chunk
-            M0 = eye * g_end[:, None, None]                          # [nBH, K, K]
+                solve_decay = decay_matrix(Rg, Lg, -1)               # exp(R_t - L_s), s < t
+            # A_ts = beta_t exp(R_t - L_s) (k_t . k_s), s < t (only the strict lower part is read)
+            A = torch.bmm(kg * b, kg.transpose(1, 2)) * solve_decay  # [nBH, c, c]
+            if K == V:
+                fac = torch.stack([b_rg, b[:, :, 0]], dim=-1)        # [nBH, c, 2]
+                rhs = (kv.view(nBH, c, 2, K) * fac[..., None]).view(nBH, c, K + V)
+            else:
+                rhs = torch.cat([kg * b_rg[:, :, None], kv[:, :, K:] * b], dim=-1)
+            kd = kg * to_end_g[:, :, None]                           # [nBH, c, K] keys decayed to the chunk end
+            M0 = eye * g_end_g.reshape(nBH, 1, 1)                    # [nBH, K, K]
         else:
-            A = gram * bg[:, :, None]                                # only the strict lower part is read
-            kb = kg * bg[:, :, None]
+            rhs = kv * b                                             # [beta k | beta v]
+            A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))         # beta_t (k_t . k_s); strict lower part read
             kd = kg
-            M0 = eye.expand(n * BH, K, K)
-        rhs = torch.cat([kb, vg * bg[:, :, None]], dim=-1)           # [nBH, c, K + V]
+            M0 = eye.expand(nBH, K, K)
         # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on CPU
         X = torch.linalg.solve_triangular(A.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
                                           unitriangular=True).transpose(1, 2)   # [nBH, c, K + V] = [W | U]
-        Wk, U = X[:, :, :K], X[:, :, K:]
+        Wk, U = X.split([K, V], dim=-1)
         kd_t = kd.transpose(1, 2)                                    # [nBH, K, c]
-        M = torch.baddbmm(M0, kd_t, Wk, alpha=-1)                    # [nBH, K, K]
-        D = torch.bmm(kd_t, U)                                       # [nBH, K, V]
+        M = torch.baddbmm(M0, kd_t, Wk, alpha=-1)                    # [nBH, K, K] = g I - Kd^T W
+        D = torch.bmm(kd_t, U)                                       # [nBH, K, V] = Kd^T U
         starts = [S]
-        for j in range(n):                                           # the only sequential part
-            S = torch.baddbmm(D[j * BH:(j + 1) * BH], M[j * BH:(j + 1) * BH], S)   # [BH, K, V]
+        for M_j, D_j in zip(M.view(n, BH, K, K).unbind(0), D.view(n, BH, K, V).unbind(0)):
+            S = torch.baddbmm(D_j, M_j, S)                           # [BH, K, V]: the only sequential part
             starts.append(S)
-        if qq is None:
-            continue
-        S_starts = torch.stack(starts[:-1]).view(n * BH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
-        qg = block(qq, a, n, c)                                      # [nBH, c, K]
-        scores = torch.bmm(qg, kg.transpose(1, 2))                   # [nBH, c, c]
-        if decayed:
-            if read_decay is None:
-                Lq = L if inclusive else L - lgg                     # [nBH, c]
-                read_decay = torch.exp(torch.where(read_mask[:c, :c], Lq[:, :, None] - L[:, None, :],
-                                                   float("-inf")))
-                qg = qg * torch.exp(Lq)[:, :, None]
-            else:
-                qg = qg * torch.exp(L)[:, :, None]
-            scores = scores * read_decay
-        else:
-            scores = scores.tril_(0 if inclusive else -1)
-        Y = torch.bmm(scores, X)                                     # [nBH, c, K + V] = [P W | P U]
-        og = torch.baddbmm(Y[:, :, K:], qg - Y[:, :, :K], S_starts)  # [nBH, c, V]
-        o[:, a:a + n * c].view(B, n, c, H, V).copy_(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))
+        if qq is not None:
+            S_starts = torch.stack(starts[:-1]).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+            qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4).reshape(nBH, c, K)      # [nBH, c, K]
+            scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
+            if decayed:
+                if not shared:
+                    read_decay = decay_matrix(Lq_g, Lg, 0 if inclusive else -1)
+                scores = scores * read_decay
+            Y_w, Y_u = torch.bmm(scores.tril_(0 if inclusive else -1), X).split([K, V], dim=-1)  # P W, P U
+            neg_q = torch.addcmul(Y_w, qg, q_fac_g[:, :, None], value=-1) if decayed else Y_w - qg   # P W - Qd
+            og = torch.baddbmm(Y_u, neg_q, S_starts, alpha=-1)       # [nBH, c, V] = P U + (Qd - P W) S_start
+            og = og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4)       # [B, n, c, H, V]
+            if o is not None:
+                o[:, a:a + n * c].view(B, n, c, H, V).copy_(og)
+            else:                                                    # autograd: one cat (a split backward)
+                outs.append(og.reshape(B, n * c, H, V))
+        a += n * c
+    if qq is not None and o is None:
+        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0] if outs else kk.new_zeros(B, 0, H, V)
     S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
     if qq is None:
         return None, S_out
