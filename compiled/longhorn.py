@@ -175,11 +175,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     if decayed:
         pieces += [c_split(L), c_split(R), c_split(b_r), c_split(to_end), c_split(Lq), c_split(q_fac),
                    g_end.split(c_pieces, dim=0)]
-    need_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, beta, log_gamma, log_rho, S0))
-    o = kk.new_empty(B, T, H, V) if qq is not None and not need_grad else None
-    outs = []
-    a = 0                                                            # first token of the group
+    outs = []                                                        # [B, n, c, H, V] per group
     for gi, (n, c) in enumerate(groups):
         kp, vp, qp, b = (x[gi] for x in pieces[:4])                  # [B, n c, H, K|V|K], [nBH, c]
         nBH = n * BH
@@ -231,14 +227,12 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
             Y_w, Y_u = torch.bmm(scores.tril_(0 if inclusive else -1), X).split([K, V], dim=-1)  # P W, P U
             neg_q = torch.addcmul(Y_w, qg, q_fac_g[:, :, None], value=-1) if decayed else Y_w - qg   # P W - Qd
             og = torch.baddbmm(Y_u, neg_q, S_starts, alpha=-1)       # [nBH, c, V] = P U + (Qd - P W) S_start
-            og = og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4)       # [B, n, c, H, V]
-            if o is not None:
-                o[:, a:a + n * c].view(B, n, c, H, V).copy_(og)
-            else:                                                    # autograd: one cat (a split backward)
-                outs.append(og.reshape(B, n * c, H, V))
-        a += n * c
-    if qq is not None and o is None:
-        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0] if outs else kk.new_zeros(B, 0, H, V)
+            outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)
+    if qq is not None:  # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
+        full = [x for x, (_, c) in zip(outs, groups) if c == C]
+        o = torch.cat(full, dim=1).view(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
+        if len(full) < len(outs):
+            o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
     S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
     if qq is None:
         return None, S_out
