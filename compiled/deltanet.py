@@ -187,7 +187,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         # k and v side by side, chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH)
         kv = torch.cat([kp.view(B, n, c, H, K).permute(1, 0, 3, 2, 4),
                         vp.view(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1).view(nBH, c, K + V)
-        kg = kv[:, :, :K]                                            # [nBH, c, K] (a view: no backward fill)
+        kg = kv[:, :, :K]                                            # [nBH, c, K] (a view)
         b = b[:, :, None]                                            # [nBH, c, 1]
         if decayed:
             Lg, Rg, b_rg, to_end_g, Lq_g, q_fac_g, g_end_g = (x[gi] for x in pieces[4:])
