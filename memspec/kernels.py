@@ -10,11 +10,13 @@ is ``q_t @ S`` and a write is ``outer(k_t, v_t)``.
 
 Decays enter as *log* decays ``log_gamma <= 0``; inside a chunk only
 ``exp(L_t - L_s)`` with ``s <= t`` (differences of cumulative log decays, never
-positive) is ever exponentiated, and masked entries are set to ``-inf`` before
-``exp`` so that neither the values nor their gradients can overflow into NaN.
-All arithmetic runs in float32 or wider; the results are cast back to the input
-dtype.  T need not be a multiple of the chunk size: the tail is padded with
-zero-increment, decay-1 tokens and sliced off.
+positive) is ever exponentiated; entries outside the causal mask are masked before
+``exp`` (to ``-inf``, or zeroed where only the strictly-lower part is read) so that
+neither the values nor their gradients can overflow into NaN.  All arithmetic runs in
+float32 or wider; the results are cast back to the input dtype.  T need not be a
+multiple of the chunk size: the last chunk is shorter (the delta kernel pads only its
+per-token scalars).  Chunks are processed in groups sized so that temporaries stay
+small (about 512 KB on CPU): larger ones are page-faulted back on every call.
 """
 from __future__ import annotations
 
