@@ -457,17 +457,17 @@ class DeltanetMemory(nn.Module):
         kn = l2norm(k)  # [B, C, H, d_k]
         (dz_W,), _ = torch.func.grad(self._chunk_loss, argnums=(0,), has_aux=True)(
             q.new_zeros(q.shape[:3] + (self.d_v,)), W_start, v, kn)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        xk_W = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
-        d_W = dz_W.transpose(1, 2)  # [B, H, C, d_v]: grad_W_j = xk_W_j^T d_W_j
+        kn_h = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
+        d_W_h = dz_W.transpose(1, 2)  # [B, H, C, d_v]: grad_W_j = kn_h_j^T d_W_h_j
         coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
         ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
         L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
         a_W_W = P  # [B, H, C]: coefficient of W (chunk start) in W after each token
         M_W_W = L * coef_h.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W in W after each token
         qn_h = qn.transpose(1, 2)  # [B, H, C, d_k]
-        y_W = (a_W_W.unsqueeze(-1) * (qn_h @ W) + ((qn_h @ xk_W.transpose(-2, -1)) * M_W_W) @ d_W).transpose(1, 2)  # [B, C, H, d_v]: each token's own W applied, in dual form
+        y_W = (a_W_W.unsqueeze(-1) * (qn_h @ W) + ((qn_h @ kn_h.transpose(-2, -1)) * M_W_W) @ d_W_h).transpose(1, 2)  # [B, C, H, d_v]: each token's own W applied, in dual form
         o = y_W  # [B, C, H, d_v]
-        W_end = a_W_W[..., -1, None, None] * W + xk_W.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * d_W)  # [B, H, d_k, d_v]
+        W_end = a_W_W[..., -1, None, None] * W + kn_h.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * d_W_h)  # [B, H, d_k, d_v]
         return o, (W_end,)
 
     def _forward_chunk(self, q, k, v, eta, state):

@@ -300,10 +300,10 @@ class SeedTitansMemory(nn.Module):
         """
         y_W1 = (k.transpose(1, 2) @ W1).transpose(1, 2) + z_W1  # [B, C, H, hidden]: the layer @ W1 (head-major product)
         y_b1 = y_W1 + b1.unsqueeze(1) + z_b1  # [B, C, H, hidden]: + b1
-        x_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
-        y_W2 = (x_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
+        xk_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        y_W2 = (xk_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
         y_b2 = y_W2 + b2.unsqueeze(1) + z_b2  # [B, C, H, d_v]: + b2
-        return ((y_b2 - v) ** 2).sum(-1).sum(), (x_W2,)
+        return ((y_b2 - v) ** 2).sum(-1).sum(), (xk_W2,)
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q, k, v):
         """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v];
@@ -313,53 +313,53 @@ class SeedTitansMemory(nn.Module):
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, C, H, d_v], the state after the chunk).
         """
-        (dz_W1, dz_b1, dz_W2, dz_b2), (x_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        (dz_W1, dz_b1, dz_W2, dz_b2), (xk_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1, 2, 3), has_aux=True)(
             q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_v,)), q.new_zeros(q.shape[:3] + (self.d_v,)), W1_start, b1_start, W2_start, b2_start, k, v)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        xk_W1 = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
-        d_W1 = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = xk_W1_j^T d_W1_j
-        d_b1 = dz_b1.transpose(1, 2)  # [B, H, C, hidden]: grad_b1_j = d_b1_j
-        xk_W2 = x_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
-        d_W2 = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_j^T d_W2_j
-        d_b2 = dz_b2.transpose(1, 2)  # [B, H, C, d_v]: grad_b2_j = d_b2_j
+        k_h = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
+        d_W1_h = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = k_h_j^T d_W1_h_j
+        d_b1_h = dz_b1.transpose(1, 2)  # [B, H, C, hidden]: grad_b1_j = d_b1_h_j
+        xk_W2_h = xk_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
+        d_W2_h = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_h_j^T d_W2_h_j
+        d_b2_h = dz_b2.transpose(1, 2)  # [B, H, C, d_v]: grad_b2_j = d_b2_h_j
         ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
         L, P = _decay_matrix(ones * 0.5)  # [B, H, C, C], [B, H, C]: decay weights of mu
         a_U_W1_U_W1 = P  # [B, H, C]: coefficient of U_W1 (chunk start) in U_W1 after each token
         M_U_W1_W1 = -0.005 * L  # [B, H, C, C]: weights of the gradients of W1 in U_W1 after each token
         L_2, P_2 = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
         a_W1_W1 = P_2  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
-        a_W1_U_W1 = (L_2 @ (a_U_W1_U_W1).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_W1 (chunk start) in W1 after each token
-        M_W1_W1 = L_2 @ (M_U_W1_W1)  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        a_W1_U_W1 = (L_2 @ a_U_W1_U_W1.unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_W1 (chunk start) in W1 after each token
+        M_W1_W1 = L_2 @ M_U_W1_W1  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
         a_U_b1_U_b1 = a_U_W1_U_W1  # [B, H, C]: coefficient of U_b1 (chunk start) in U_b1 after each token (the same weights)
         M_U_b1_b1 = M_U_W1_W1  # [B, H, C, C]: weights of the gradients of b1 in U_b1 after each token (the same weights)
         a_b1_b1 = a_W1_W1  # [B, H, C]: coefficient of b1 (chunk start) in b1 after each token (the same weights)
-        a_b1_U_b1 = (L_2 @ (a_U_b1_U_b1).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_b1 (chunk start) in b1 after each token
-        M_b1_b1 = L_2 @ (M_U_b1_b1)  # [B, H, C, C]: weights of the gradients of b1 in b1 after each token
+        a_b1_U_b1 = a_W1_U_W1  # [B, H, C]: coefficient of U_b1 (chunk start) in b1 after each token (the same weights)
+        M_b1_b1 = M_W1_W1  # [B, H, C, C]: weights of the gradients of b1 in b1 after each token (the same weights)
         a_U_W2_U_W2 = a_U_W1_U_W1  # [B, H, C]: coefficient of U_W2 (chunk start) in U_W2 after each token (the same weights)
         M_U_W2_W2 = M_U_W1_W1  # [B, H, C, C]: weights of the gradients of W2 in U_W2 after each token (the same weights)
         a_W2_W2 = a_W1_W1  # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
-        a_W2_U_W2 = (L_2 @ (a_U_W2_U_W2).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_W2 (chunk start) in W2 after each token
-        M_W2_W2 = L_2 @ (M_U_W2_W2)  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token
+        a_W2_U_W2 = a_W1_U_W1  # [B, H, C]: coefficient of U_W2 (chunk start) in W2 after each token (the same weights)
+        M_W2_W2 = M_W1_W1  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token (the same weights)
         a_U_b2_U_b2 = a_U_W1_U_W1  # [B, H, C]: coefficient of U_b2 (chunk start) in U_b2 after each token (the same weights)
         M_U_b2_b2 = M_U_W1_W1  # [B, H, C, C]: weights of the gradients of b2 in U_b2 after each token (the same weights)
         a_b2_b2 = a_W1_W1  # [B, H, C]: coefficient of b2 (chunk start) in b2 after each token (the same weights)
-        a_b2_U_b2 = (L_2 @ (a_U_b2_U_b2).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_b2 (chunk start) in b2 after each token
-        M_b2_b2 = L_2 @ (M_U_b2_b2)  # [B, H, C, C]: weights of the gradients of b2 in b2 after each token
+        a_b2_U_b2 = a_W1_U_W1  # [B, H, C]: coefficient of U_b2 (chunk start) in b2 after each token (the same weights)
+        M_b2_b2 = M_W1_W1  # [B, H, C, C]: weights of the gradients of b2 in b2 after each token (the same weights)
         q_h = q.transpose(1, 2)  # [B, H, C, d_k]
-        y_W1 = (a_W1_W1.unsqueeze(-1) * (q_h @ W1) + a_W1_U_W1.unsqueeze(-1) * (q_h @ U_W1) + ((q_h @ xk_W1.transpose(-2, -1)) * M_W1_W1) @ d_W1).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
-        y_b1 = y_W1 + (a_b1_b1.unsqueeze(-1) * b1.unsqueeze(-2) + a_b1_U_b1.unsqueeze(-1) * U_b1.unsqueeze(-2) + M_b1_b1 @ d_b1).transpose(1, 2)  # [B, C, H, hidden]: + each token's own b1
-        x_W2_2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
-        x_W2_2_h = x_W2_2.transpose(1, 2)  # [B, H, C, hidden]
-        y_W2 = (a_W2_W2.unsqueeze(-1) * (x_W2_2_h @ W2) + a_W2_U_W2.unsqueeze(-1) * (x_W2_2_h @ U_W2) + ((x_W2_2_h @ xk_W2.transpose(-2, -1)) * M_W2_W2) @ d_W2).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
-        y_b2 = y_W2 + (a_b2_b2.unsqueeze(-1) * b2.unsqueeze(-2) + a_b2_U_b2.unsqueeze(-1) * U_b2.unsqueeze(-2) + M_b2_b2 @ d_b2).transpose(1, 2)  # [B, C, H, d_v]: + each token's own b2
+        y_W1 = (a_W1_W1.unsqueeze(-1) * (q_h @ W1) + a_W1_U_W1.unsqueeze(-1) * (q_h @ U_W1) + ((q_h @ k_h.transpose(-2, -1)) * M_W1_W1) @ d_W1_h).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
+        y_b1 = y_W1 + (a_b1_b1.unsqueeze(-1) * b1.unsqueeze(-2) + a_b1_U_b1.unsqueeze(-1) * U_b1.unsqueeze(-2) + M_b1_b1 @ d_b1_h).transpose(1, 2)  # [B, C, H, hidden]: + each token's own b1
+        xq_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        xq_W2_h = xq_W2.transpose(1, 2)  # [B, H, C, hidden]
+        y_W2 = (a_W2_W2.unsqueeze(-1) * (xq_W2_h @ W2) + a_W2_U_W2.unsqueeze(-1) * (xq_W2_h @ U_W2) + ((xq_W2_h @ xk_W2_h.transpose(-2, -1)) * M_W2_W2) @ d_W2_h).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
+        y_b2 = y_W2 + (a_b2_b2.unsqueeze(-1) * b2.unsqueeze(-2) + a_b2_U_b2.unsqueeze(-1) * U_b2.unsqueeze(-2) + M_b2_b2 @ d_b2_h).transpose(1, 2)  # [B, C, H, d_v]: + each token's own b2
         o = y_b2  # [B, C, H, d_v]
-        W1_end = a_W1_W1[..., -1, None, None] * W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + xk_W1.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
-        b1_end = a_b1_b1[..., -1, None] * b1 + a_b1_U_b1[..., -1, None] * U_b1 + (M_b1_b1[..., -1, :, None] * d_b1).sum(-2)  # [B, H, hidden]
-        W2_end = a_W2_W2[..., -1, None, None] * W2 + a_W2_U_W2[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
-        b2_end = a_b2_b2[..., -1, None] * b2 + a_b2_U_b2[..., -1, None] * U_b2 + (M_b2_b2[..., -1, :, None] * d_b2).sum(-2)  # [B, H, d_v]
-        U_W1_end = a_U_W1_U_W1[..., -1, None, None] * U_W1 + xk_W1.transpose(-2, -1) @ (M_U_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
-        U_b1_end = a_U_b1_U_b1[..., -1, None] * U_b1 + (M_U_b1_b1[..., -1, :, None] * d_b1).sum(-2)  # [B, H, hidden]
-        U_W2_end = a_U_W2_U_W2[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ (M_U_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
-        U_b2_end = a_U_b2_U_b2[..., -1, None] * U_b2 + (M_U_b2_b2[..., -1, :, None] * d_b2).sum(-2)  # [B, H, d_v]
+        W1_end = a_W1_W1[..., -1, None, None] * W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + k_h.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1_h)  # [B, H, d_k, hidden]
+        b1_end = a_b1_b1[..., -1, None] * b1 + a_b1_U_b1[..., -1, None] * U_b1 + (M_b1_b1[..., -1, :, None] * d_b1_h).sum(-2)  # [B, H, hidden]
+        W2_end = a_W2_W2[..., -1, None, None] * W2 + a_W2_U_W2[..., -1, None, None] * U_W2 + xk_W2_h.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2_h)  # [B, H, hidden, d_v]
+        b2_end = a_b2_b2[..., -1, None] * b2 + a_b2_U_b2[..., -1, None] * U_b2 + (M_b2_b2[..., -1, :, None] * d_b2_h).sum(-2)  # [B, H, d_v]
+        U_W1_end = a_U_W1_U_W1[..., -1, None, None] * U_W1 + k_h.transpose(-2, -1) @ (M_U_W1_W1[..., -1, :, None] * d_W1_h)  # [B, H, d_k, hidden]
+        U_b1_end = a_U_b1_U_b1[..., -1, None] * U_b1 + (M_U_b1_b1[..., -1, :, None] * d_b1_h).sum(-2)  # [B, H, hidden]
+        U_W2_end = a_U_W2_U_W2[..., -1, None, None] * U_W2 + xk_W2_h.transpose(-2, -1) @ (M_U_W2_W2[..., -1, :, None] * d_W2_h)  # [B, H, hidden, d_v]
+        U_b2_end = a_U_b2_U_b2[..., -1, None] * U_b2 + (M_U_b2_b2[..., -1, :, None] * d_b2_h).sum(-2)  # [B, H, d_v]
         return o, (W1_end, b1_end, W2_end, b2_end, U_W1_end, U_b1_end, U_W2_end, U_b2_end)
 
 

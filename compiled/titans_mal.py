@@ -397,9 +397,9 @@ class TitansMalMemory(nn.Module):
         Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
         """
         y_W1 = (kn.transpose(1, 2) @ W1).transpose(1, 2) + z_W1  # [B, C, H, hidden]: the layer @ W1 (head-major product)
-        x_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        y_W2 = (x_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
-        return (0.5 * ((y_W2 - vs) ** 2).sum(-1)).sum(), (x_W2,)
+        xk_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
+        y_W2 = (xk_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
+        return (0.5 * ((y_W2 - vs) ** 2).sum(-1)).sum(), (xk_W2,)
 
     def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, q, k, v, eta, mu, alpha):
         """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H], mu [B, C, H], alpha [B, C, H];
@@ -412,12 +412,12 @@ class TitansMalMemory(nn.Module):
         qn = l2norm(F.silu(q))  # [B, C, H, d_k]
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]
         vs = F.silu(v)  # [B, C, H, d_v]
-        (dz_W1, dz_W2), (x_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
+        (dz_W1, dz_W2), (xk_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
             q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_v,)), W1_start, W2_start, kn, vs)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        xk_W1 = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
-        d_W1 = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = xk_W1_j^T d_W1_j
-        xk_W2 = x_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
-        d_W2 = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_j^T d_W2_j
+        kn_h = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
+        d_W1_h = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = kn_h_j^T d_W1_h_j
+        xk_W2_h = xk_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
+        d_W2_h = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_h_j^T d_W2_h_j
         coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
         mu_h = mu.transpose(1, 2)  # [B, H, C]: mu
         L, P = _decay_matrix(mu_h)  # [B, H, C, C], [B, H, C]: decay weights of mu
@@ -426,23 +426,23 @@ class TitansMalMemory(nn.Module):
         coef_h_2 = (1 - alpha).transpose(1, 2)  # [B, H, C]: 1 - alpha
         L_2, P_2 = _decay_matrix(coef_h_2)  # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
         a_W1_W1 = P_2  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
-        a_W1_U1 = (L_2 @ (a_U1_U1).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U1 (chunk start) in W1 after each token
-        M_W1_W1 = L_2 @ (M_U1_W1)  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        a_W1_U1 = (L_2 @ a_U1_U1.unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U1 (chunk start) in W1 after each token
+        M_W1_W1 = L_2 @ M_U1_W1  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
         a_U2_U2 = a_U1_U1  # [B, H, C]: coefficient of U2 (chunk start) in U2 after each token (the same weights)
         M_U2_W2 = M_U1_W1  # [B, H, C, C]: weights of the gradients of W2 in U2 after each token (the same weights)
         a_W2_W2 = a_W1_W1  # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
-        a_W2_U2 = (L_2 @ (a_U2_U2).unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U2 (chunk start) in W2 after each token
-        M_W2_W2 = L_2 @ (M_U2_W2)  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token
+        a_W2_U2 = a_W1_U1  # [B, H, C]: coefficient of U2 (chunk start) in W2 after each token (the same weights)
+        M_W2_W2 = M_W1_W1  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token (the same weights)
         qn_h = qn.transpose(1, 2)  # [B, H, C, d_k]
-        y_W1 = (a_W1_W1.unsqueeze(-1) * (qn_h @ W1) + a_W1_U1.unsqueeze(-1) * (qn_h @ U1) + ((qn_h @ xk_W1.transpose(-2, -1)) * M_W1_W1) @ d_W1).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
-        x_W2_2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        x_W2_2_h = x_W2_2.transpose(1, 2)  # [B, H, C, hidden]
-        y_W2 = (a_W2_W2.unsqueeze(-1) * (x_W2_2_h @ W2) + a_W2_U2.unsqueeze(-1) * (x_W2_2_h @ U2) + ((x_W2_2_h @ xk_W2.transpose(-2, -1)) * M_W2_W2) @ d_W2).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
+        y_W1 = (a_W1_W1.unsqueeze(-1) * (qn_h @ W1) + a_W1_U1.unsqueeze(-1) * (qn_h @ U1) + ((qn_h @ kn_h.transpose(-2, -1)) * M_W1_W1) @ d_W1_h).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
+        xq_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
+        xq_W2_h = xq_W2.transpose(1, 2)  # [B, H, C, hidden]
+        y_W2 = (a_W2_W2.unsqueeze(-1) * (xq_W2_h @ W2) + a_W2_U2.unsqueeze(-1) * (xq_W2_h @ U2) + ((xq_W2_h @ xk_W2_h.transpose(-2, -1)) * M_W2_W2) @ d_W2_h).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
         o = y_W2  # [B, C, H, d_v]
-        W1_end = a_W1_W1[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1 + xk_W1.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
-        W2_end = a_W2_W2[..., -1, None, None] * W2 + a_W2_U2[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
-        U1_end = a_U1_U1[..., -1, None, None] * U1 + xk_W1.transpose(-2, -1) @ (M_U1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
-        U2_end = a_U2_U2[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1) @ (M_U2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
+        W1_end = a_W1_W1[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1 + kn_h.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1_h)  # [B, H, d_k, hidden]
+        W2_end = a_W2_W2[..., -1, None, None] * W2 + a_W2_U2[..., -1, None, None] * U2 + xk_W2_h.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2_h)  # [B, H, hidden, d_v]
+        U1_end = a_U1_U1[..., -1, None, None] * U1 + kn_h.transpose(-2, -1) @ (M_U1_W1[..., -1, :, None] * d_W1_h)  # [B, H, d_k, hidden]
+        U2_end = a_U2_U2[..., -1, None, None] * U2 + xk_W2_h.transpose(-2, -1) @ (M_U2_W2[..., -1, :, None] * d_W2_h)  # [B, H, hidden, d_v]
         return o, (W1_end, W2_end, U1_end, U2_end)
 
 

@@ -309,9 +309,9 @@ class TttLinearMemory(nn.Module):
         """
         (dz_W, dz_b), _ = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
             q.new_zeros(q.shape[:3] + (self.d_k,)), q.new_zeros(q.shape[:3] + (self.d_k,)), W_start, b_start, k, v)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        xk_W = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
-        d_W = dz_W.transpose(1, 2)  # [B, H, C, d_k]: grad_W_j = xk_W_j^T d_W_j
-        d_b = dz_b.transpose(1, 2)  # [B, H, C, d_k]: grad_b_j = d_b_j
+        k_h = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
+        d_W_h = dz_W.transpose(1, 2)  # [B, H, C, d_k]: grad_W_j = k_h_j^T d_W_h_j
+        d_b_h = dz_b.transpose(1, 2)  # [B, H, C, d_k]: grad_b_j = d_b_h_j
         coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
         ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
         L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
@@ -320,11 +320,11 @@ class TttLinearMemory(nn.Module):
         a_b_b = a_W_W  # [B, H, C]: coefficient of b (chunk start) in b after each token (the same weights)
         M_b_b = M_W_W  # [B, H, C, C]: weights of the gradients of b in b after each token (the same weights)
         q_h = q.transpose(1, 2)  # [B, H, C, d_k]
-        y_W = (a_W_W.unsqueeze(-1) * (q_h @ W) + ((q_h @ xk_W.transpose(-2, -1)) * M_W_W) @ d_W).transpose(1, 2)  # [B, C, H, d_k]: each token's own W applied, in dual form
-        y_b = y_W + (a_b_b.unsqueeze(-1) * b.unsqueeze(-2) + M_b_b @ d_b).transpose(1, 2)  # [B, C, H, d_k]: + each token's own b
+        y_W = (a_W_W.unsqueeze(-1) * (q_h @ W) + ((q_h @ k_h.transpose(-2, -1)) * M_W_W) @ d_W_h).transpose(1, 2)  # [B, C, H, d_k]: each token's own W applied, in dual form
+        y_b = y_W + (a_b_b.unsqueeze(-1) * b.unsqueeze(-2) + M_b_b @ d_b_h).transpose(1, 2)  # [B, C, H, d_k]: + each token's own b
         o = q + layernorm(y_b, self.ln_w, self.ln_b)  # [B, C, H, d_k]
-        W_end = a_W_W[..., -1, None, None] * W + xk_W.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * d_W)  # [B, H, d_k, d_k]
-        b_end = a_b_b[..., -1, None] * b + (M_b_b[..., -1, :, None] * d_b).sum(-2)  # [B, H, d_k]
+        W_end = a_W_W[..., -1, None, None] * W + k_h.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * d_W_h)  # [B, H, d_k, d_k]
+        b_end = a_b_b[..., -1, None] * b + (M_b_b[..., -1, :, None] * d_b_h).sum(-2)  # [B, H, d_k]
         return o, (W_end, b_end)
 
 

@@ -312,10 +312,10 @@ class TttMlpMemory(nn.Module):
         """
         y_W1 = (k.transpose(1, 2) @ W1).transpose(1, 2) + z_W1  # [B, C, H, hidden]: the layer @ W1 (head-major product)
         y_b1 = y_W1 + b1.unsqueeze(1) + z_b1  # [B, C, H, hidden]: + b1
-        x_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
-        y_W2 = (x_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_k]: the layer @ W2 (head-major product)
+        xk_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        y_W2 = (xk_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_k]: the layer @ W2 (head-major product)
         y_b2 = y_W2 + b2.unsqueeze(1) + z_b2  # [B, C, H, d_k]: + b2
-        return (0.5 * ((k + layernorm(y_b2, self.ln_w, self.ln_b) - v) ** 2).sum(-1)).sum(), (x_W2,)
+        return (0.5 * ((k + layernorm(y_b2, self.ln_w, self.ln_b) - v) ** 2).sum(-1)).sum(), (xk_W2,)
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, eta):
         """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta [B, C, H];
@@ -325,14 +325,14 @@ class TttMlpMemory(nn.Module):
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, C, H, d_k], the state after the chunk).
         """
-        (dz_W1, dz_b1, dz_W2, dz_b2), (x_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        (dz_W1, dz_b1, dz_W2, dz_b2), (xk_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1, 2, 3), has_aux=True)(
             q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_k,)), q.new_zeros(q.shape[:3] + (self.d_k,)), W1_start, b1_start, W2_start, b2_start, k, v)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        xk_W1 = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
-        d_W1 = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = xk_W1_j^T d_W1_j
-        d_b1 = dz_b1.transpose(1, 2)  # [B, H, C, hidden]: grad_b1_j = d_b1_j
-        xk_W2 = x_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
-        d_W2 = dz_W2.transpose(1, 2)  # [B, H, C, d_k]: grad_W2_j = xk_W2_j^T d_W2_j
-        d_b2 = dz_b2.transpose(1, 2)  # [B, H, C, d_k]: grad_b2_j = d_b2_j
+        k_h = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
+        d_W1_h = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = k_h_j^T d_W1_h_j
+        d_b1_h = dz_b1.transpose(1, 2)  # [B, H, C, hidden]: grad_b1_j = d_b1_h_j
+        xk_W2_h = xk_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
+        d_W2_h = dz_W2.transpose(1, 2)  # [B, H, C, d_k]: grad_W2_j = xk_W2_h_j^T d_W2_h_j
+        d_b2_h = dz_b2.transpose(1, 2)  # [B, H, C, d_k]: grad_b2_j = d_b2_h_j
         coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
         ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
         L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
@@ -345,17 +345,17 @@ class TttMlpMemory(nn.Module):
         a_b2_b2 = a_W1_W1  # [B, H, C]: coefficient of b2 (chunk start) in b2 after each token (the same weights)
         M_b2_b2 = M_W1_W1  # [B, H, C, C]: weights of the gradients of b2 in b2 after each token (the same weights)
         q_h = q.transpose(1, 2)  # [B, H, C, d_k]
-        y_W1 = (a_W1_W1.unsqueeze(-1) * (q_h @ W1) + ((q_h @ xk_W1.transpose(-2, -1)) * M_W1_W1) @ d_W1).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
-        y_b1 = y_W1 + (a_b1_b1.unsqueeze(-1) * b1.unsqueeze(-2) + M_b1_b1 @ d_b1).transpose(1, 2)  # [B, C, H, hidden]: + each token's own b1
-        x_W2_2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
-        x_W2_2_h = x_W2_2.transpose(1, 2)  # [B, H, C, hidden]
-        y_W2 = (a_W2_W2.unsqueeze(-1) * (x_W2_2_h @ W2) + ((x_W2_2_h @ xk_W2.transpose(-2, -1)) * M_W2_W2) @ d_W2).transpose(1, 2)  # [B, C, H, d_k]: each token's own W2 applied, in dual form
-        y_b2 = y_W2 + (a_b2_b2.unsqueeze(-1) * b2.unsqueeze(-2) + M_b2_b2 @ d_b2).transpose(1, 2)  # [B, C, H, d_k]: + each token's own b2
+        y_W1 = (a_W1_W1.unsqueeze(-1) * (q_h @ W1) + ((q_h @ k_h.transpose(-2, -1)) * M_W1_W1) @ d_W1_h).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
+        y_b1 = y_W1 + (a_b1_b1.unsqueeze(-1) * b1.unsqueeze(-2) + M_b1_b1 @ d_b1_h).transpose(1, 2)  # [B, C, H, hidden]: + each token's own b1
+        xq_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
+        xq_W2_h = xq_W2.transpose(1, 2)  # [B, H, C, hidden]
+        y_W2 = (a_W2_W2.unsqueeze(-1) * (xq_W2_h @ W2) + ((xq_W2_h @ xk_W2_h.transpose(-2, -1)) * M_W2_W2) @ d_W2_h).transpose(1, 2)  # [B, C, H, d_k]: each token's own W2 applied, in dual form
+        y_b2 = y_W2 + (a_b2_b2.unsqueeze(-1) * b2.unsqueeze(-2) + M_b2_b2 @ d_b2_h).transpose(1, 2)  # [B, C, H, d_k]: + each token's own b2
         o = q + layernorm(y_b2, self.ln_w, self.ln_b)  # [B, C, H, d_k]
-        W1_end = a_W1_W1[..., -1, None, None] * W1 + xk_W1.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
-        b1_end = a_b1_b1[..., -1, None] * b1 + (M_b1_b1[..., -1, :, None] * d_b1).sum(-2)  # [B, H, hidden]
-        W2_end = a_W2_W2[..., -1, None, None] * W2 + xk_W2.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_k]
-        b2_end = a_b2_b2[..., -1, None] * b2 + (M_b2_b2[..., -1, :, None] * d_b2).sum(-2)  # [B, H, d_k]
+        W1_end = a_W1_W1[..., -1, None, None] * W1 + k_h.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1_h)  # [B, H, d_k, hidden]
+        b1_end = a_b1_b1[..., -1, None] * b1 + (M_b1_b1[..., -1, :, None] * d_b1_h).sum(-2)  # [B, H, hidden]
+        W2_end = a_W2_W2[..., -1, None, None] * W2 + xk_W2_h.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2_h)  # [B, H, hidden, d_k]
+        b2_end = a_b2_b2[..., -1, None] * b2 + (M_b2_b2[..., -1, :, None] * d_b2_h).sum(-2)  # [B, H, d_k]
         return o, (W1_end, b1_end, W2_end, b2_end)
 
 

@@ -301,9 +301,9 @@ class YaadMemory(nn.Module):
         Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
         """
         y_W1 = (kn.transpose(1, 2) @ W1).transpose(1, 2) + z_W1  # [B, C, H, hidden]: the layer @ W1 (head-major product)
-        x_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        y_W2 = (x_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
-        return huber(y_W2 - v, 1.0).sum(-1).sum(), (x_W2,)
+        xk_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
+        y_W2 = (xk_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2  # [B, C, H, d_v]: the layer @ W2 (head-major product)
+        return huber(y_W2 - v, 1.0).sum(-1).sum(), (xk_W2,)
 
     def _chunk_step(self, W1_start, W2_start, W1, W2, q, k, v, eta, alpha):
         """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H], alpha [B, C, H];
@@ -315,12 +315,12 @@ class YaadMemory(nn.Module):
         """
         qn = l2norm(q)  # [B, C, H, d_k]
         kn = l2norm(k)  # [B, C, H, d_k]
-        (dz_W1, dz_W2), (x_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
+        (dz_W1, dz_W2), (xk_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
             q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_v,)), W1_start, W2_start, v, kn)  # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        xk_W1 = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
-        d_W1 = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = xk_W1_j^T d_W1_j
-        xk_W2 = x_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
-        d_W2 = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_j^T d_W2_j
+        kn_h = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
+        d_W1_h = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = kn_h_j^T d_W1_h_j
+        xk_W2_h = xk_W2.transpose(1, 2)  # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
+        d_W2_h = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_h_j^T d_W2_h_j
         coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
         coef_h_2 = (1 - alpha).transpose(1, 2)  # [B, H, C]: 1 - alpha
         L, P = _decay_matrix(coef_h_2)  # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
@@ -329,13 +329,13 @@ class YaadMemory(nn.Module):
         a_W2_W2 = a_W1_W1  # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
         M_W2_W2 = M_W1_W1  # [B, H, C, C]: weights of the gradients of W2 in W2 after each token (the same weights)
         qn_h = qn.transpose(1, 2)  # [B, H, C, d_k]
-        y_W1 = (a_W1_W1.unsqueeze(-1) * (qn_h @ W1) + ((qn_h @ xk_W1.transpose(-2, -1)) * M_W1_W1) @ d_W1).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
-        x_W2_2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        x_W2_2_h = x_W2_2.transpose(1, 2)  # [B, H, C, hidden]
-        y_W2 = (a_W2_W2.unsqueeze(-1) * (x_W2_2_h @ W2) + ((x_W2_2_h @ xk_W2.transpose(-2, -1)) * M_W2_W2) @ d_W2).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
+        y_W1 = (a_W1_W1.unsqueeze(-1) * (qn_h @ W1) + ((qn_h @ kn_h.transpose(-2, -1)) * M_W1_W1) @ d_W1_h).transpose(1, 2)  # [B, C, H, hidden]: each token's own W1 applied, in dual form
+        xq_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
+        xq_W2_h = xq_W2.transpose(1, 2)  # [B, H, C, hidden]
+        y_W2 = (a_W2_W2.unsqueeze(-1) * (xq_W2_h @ W2) + ((xq_W2_h @ xk_W2_h.transpose(-2, -1)) * M_W2_W2) @ d_W2_h).transpose(1, 2)  # [B, C, H, d_v]: each token's own W2 applied, in dual form
         o = y_W2  # [B, C, H, d_v]
-        W1_end = a_W1_W1[..., -1, None, None] * W1 + xk_W1.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1)  # [B, H, d_k, hidden]
-        W2_end = a_W2_W2[..., -1, None, None] * W2 + xk_W2.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2)  # [B, H, hidden, d_v]
+        W1_end = a_W1_W1[..., -1, None, None] * W1 + kn_h.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1_h)  # [B, H, d_k, hidden]
+        W2_end = a_W2_W2[..., -1, None, None] * W2 + xk_W2_h.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2_h)  # [B, H, hidden, d_v]
         return o, (W1_end, W2_end)
 
 

@@ -22,6 +22,8 @@ layout; the [C, C] algebra runs head-major, ``[B, H, C, ...]``.
 """
 from __future__ import annotations
 
+import re
+
 from .codegen import P_ATOM, P_MUL
 from .expr import BinOp, Call, Expr, Name, map_children, substitute, unparse
 
@@ -68,7 +70,7 @@ class DualWriter:
         self.model = self.spec.model
 
     # ------------------------------------------------------------ lowering
-    def _lower(self, L, em, e: Expr, scope: dict, taken: set, on_site) -> Expr:
+    def _lower(self, L, em, e: Expr, scope: dict, taken: set, on_site, xbase: str = "x") -> Expr:
         """``e`` with the model applications inlined and every linear site replaced by a
         local that ``on_site(kind, state, x_name, a_expr)`` binds (it emits the lines)."""
         model, sites = self.model, self.form.sites
@@ -89,7 +91,7 @@ class DualWriter:
                 return lower(substitute(model.body, {model.arg: arg}))
             if isinstance(n, BinOp) and n.op == "@" and isinstance(n.right, Name) \
                     and sites.get(n.right.id) == "matmul":
-                x = bind(lower(n.left), f"x_{n.right.id}", f"the input of the layer @ {n.right.id}")
+                x = bind(lower(n.left), f"{xbase}_{n.right.id}", f"the input of the layer @ {n.right.id}")
                 return Name(on_site("matmul", n.right.id, x, None))
             if isinstance(n, BinOp) and n.op == "+":
                 for side, other in ((n.right, n.left), (n.left, n.right)):
@@ -138,7 +140,7 @@ class DualWriter:
                 scope[y] = shape
                 return y
 
-            e = self._lower(L, em, spec.loss, scope, taken, on_site)
+            e = self._lower(L, em, spec.loss, scope, taken, on_site, xbase="xk")
             self.x_names = xs
             code = em.with_scope(**scope)._emit(e)
             aux = [xs[s] for s in states if s in xs and xs[s] not in inputs]
@@ -189,10 +191,10 @@ class DualWriter:
             xk, dd = {}, {}
             for s in states:
                 if s in self.x_names:
-                    xk[s] = _fresh(f"xk_{s}", taken)
+                    xk[s] = _fresh(f"{xnames.get(s, self.x_names[s])}_h", taken)
                     L(f"{xk[s]} = {xnames.get(s, self.x_names[s])}.transpose(1, 2)",
                       f"[B, H, C, {spec.state[s].shape[0]}]: inputs of the layer @ {s} at the chunk start")
-                dd[s] = _fresh(f"d_{s}", taken)
+                dd[s] = _fresh(f"d_{s}_h", taken)
                 L(f"{dd[s]} = {dz[s]}.transpose(1, 2)",
                   f"[B, H, C, {spec.state[s].shape[-1]}]: " + (f"grad_{s}_j = {xk[s]}_j^T {dd[s]}_j" if s in xk
                                                                  else f"grad_{s}_j = {dd[s]}_j"))
@@ -241,12 +243,22 @@ class DualWriter:
             shifted: dict = {}
             emitted: dict = {}   # right-hand side -> the local that already holds it
 
-            def assign(name: str, rhs: str, comment: str) -> None:
-                if rhs in emitted:
-                    L(f"{name} = {emitted[rhs]}", comment + " (the same weights)")
+            canon: dict = {}     # alias -> the local first computed with the same value
+
+            def assign(name: str, rhs: str, comment: str) -> str:
+                """Bind ``name`` to ``rhs``, or alias it to an earlier local computed the same way
+                (right-hand sides compared with every alias replaced by its original)."""
+                key = re.sub(r"\b\w+\b", lambda m: canon.get(m.group(0), m.group(0)), rhs)
+                if key in emitted:
+                    L(f"{name} = {emitted[key]}", comment + " (the same weights)")
+                    canon[name] = emitted[key]
                 else:
                     L(f"{name} = {rhs}", comment)
-                    emitted[rhs] = name
+                    emitted[key] = name
+                return name
+
+            def group(terms: list) -> str:
+                return terms[0] if len(terms) == 1 else f"({_sum(terms)})"
 
             def shift(r: str) -> _Rep:
                 """The representation of r before each token (after the previous one)."""
@@ -301,9 +313,9 @@ class DualWriter:
                         if r0 == s:
                             parts.append(Pn)
                         if r0 in x_vec:
-                            parts.append(f"({Ln} @ ({_sum(x_vec[r0])}).unsqueeze(-1)).squeeze(-1)")
-                    assign(name, _sum(parts), f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
-                    rep.vec[r0] = name
+                            parts.append(f"({Ln} @ {group(x_vec[r0])}.unsqueeze(-1)).squeeze(-1)")
+                    rep.vec[r0] = assign(name, _sum(parts),
+                                         f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
                 for g in [t for t in form.targets if t in x_mat or t in x_diag]:
                     name = _fresh(f"M_{s}_{g}", taken)
                     parts = []
@@ -315,11 +327,11 @@ class DualWriter:
                                          else f"torch.diag_embed({c})")
                     else:
                         if g in x_mat:
-                            parts.append(f"{Ln} @ ({_sum(x_mat[g])})")
+                            parts.append(f"{Ln} @ {group(x_mat[g])}")
                         for c, num in x_diag.get(g, []):
                             parts.append(f"{c} * {Ln}" if num else f"{Ln} * {c}.unsqueeze(-2)")
-                    assign(name, _sum(parts), f"[B, H, C, C]: weights of the gradients of {g} in {s} after each token")
-                    rep.mat[g] = name
+                    rep.mat[g] = assign(name, _sum(parts),
+                                        f"[B, H, C, C]: weights of the gradients of {g} in {s} after each token")
                 reps[s] = rep
             # the read: every token with its own state, through the linear sites
             read_reps = {s: (reps[s] if spec.order == "write_read" else shift(s)) for s in states}
@@ -345,7 +357,7 @@ class DualWriter:
                 scope[y] = shape
                 return y
 
-            e = self._lower(L, em, spec.read, scope, taken, on_site)
+            e = self._lower(L, em, spec.read, scope, taken, on_site, xbase="xq")
             L(f"o = {em.with_scope(**scope).emit(e)}", _shape_text("B, C, H", w.read_shape()))
             # the state after the chunk: row C of every representation
             finals = []
