@@ -258,7 +258,7 @@ class DualWriter:
                 return name
 
             def group(terms: list) -> str:
-                return terms[0] if len(terms) == 1 else f"({_sum(terms)})"
+                return terms[0] if len(terms) == 1 and terms[0].isidentifier() else f"({_sum(terms)})"
 
             def shift(r: str) -> _Rep:
                 """The representation of r before each token (after the previous one)."""
