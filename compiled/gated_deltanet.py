@@ -71,23 +71,29 @@ class _Compiled:
         return self.fn(*args)
 
 
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
+    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
+    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
+    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
+    return L, torch.cumprod(a, dim=-1)
+
+
 def _linear_scan(a, x, s0):
     """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0, in closed form.
 
-    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape].
-    s_i = (a_1 ... a_i) s0 + sum_{j <= i} L[i, j] x_j with the decay matrix
-    L[i, j] = a_{j+1} ... a_i (1 on the diagonal, 0 above it), built with one cumprod
-    (exact for any a, zeros and negatives included).
+    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]:
+    s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of _decay_matrix.
     """
     B, C, H = x.shape[:3]
     if not isinstance(a, torch.Tensor):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
-    a = a.expand(B, C, H).transpose(1, 2)                                  # [B, H, C]
-    idx = torch.arange(C, device=x.device)
-    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
-    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
-    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    P = torch.cumprod(a, dim=-1)                                           # [B, H, C]
+    L, P = _decay_matrix(a.expand(B, C, H).transpose(1, 2))                # [B, H, C, C], [B, H, C]
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)

@@ -714,24 +714,31 @@ class _Compiled:
         return self.fn(*args)
 '''
 
+_DECAY_MATRIX = '''\
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
+    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
+    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
+    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
+    return L, torch.cumprod(a, dim=-1)
+'''
+
 _LINEAR_SCAN = '''\
 def _linear_scan(a, x, s0):
     """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0, in closed form.
 
-    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape].
-    s_i = (a_1 ... a_i) s0 + sum_{j <= i} L[i, j] x_j with the decay matrix
-    L[i, j] = a_{j+1} ... a_i (1 on the diagonal, 0 above it), built with one cumprod
-    (exact for any a, zeros and negatives included).
+    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]:
+    s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of _decay_matrix.
     """
     B, C, H = x.shape[:3]
     if not isinstance(a, torch.Tensor):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
-    a = a.expand(B, C, H).transpose(1, 2)                                  # [B, H, C]
-    idx = torch.arange(C, device=x.device)
-    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
-    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
-    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    P = torch.cumprod(a, dim=-1)                                           # [B, H, C]
+    L, P = _decay_matrix(a.expand(B, C, H).transpose(1, 2))                # [B, H, C, C], [B, H, C]
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
@@ -830,7 +837,7 @@ class ModuleWriter:
             try:
                 self.dual = analyse_dual(spec)
             except NotDual:
-                self.dual = None
+                pass
         fam = d.family if d is not None else None
         if fam in EXACT_CHUNKED:
             try:
@@ -1632,8 +1639,9 @@ class ModuleWriter:
                     xs = x if x.isidentifier() else f"({x})"
                     L(f"{seq[s]} = {s}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
                 else:
-                    if _LINEAR_SCAN not in self.module_parts:
-                        self.module_parts.append(_LINEAR_SCAN)
+                    for part in (_DECAY_MATRIX, _LINEAR_SCAN):
+                        if part not in self.module_parts:
+                            self.module_parts.append(part)
                     a = sub._emit(decay)
                     L(f"{seq[s]} = _linear_scan({a.text}, {x}, {s})",
                       comment + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
@@ -1754,16 +1762,10 @@ class ModuleWriter:
             L("def forward(self, x, state=None, return_state=False):")
             with L.indent():
                 L('"""' + "x [B, T, d_model] -> y [B, T, d_model] (and the memory's final state if return_state)." + '"""')
-                L("if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:")
-                L("    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__")
-                L("    raise ValueError(f\"x: expected [B, T, d_model] = [B, T, {self.d_model}], got {got}\")")
                 taken = set(self.spec_names)
                 B, T = fresh("B", taken), fresh("T", taken)
-                L(f"{B}, {T}, _ = x.shape")
                 mem = "self.memory"
-                for v in self.views:
-                    L(f"{v} = self.{v}_proj(x).view({B}, {T}, self.heads, {mem}.{self.attr.get(spec.views[v].dim, spec.views[v].dim)})",
-                      f"[B, T, H, {spec.views[v].dim}]")
+                self._layer_views(L, self.views, B, T)
                 for g, gate in spec.gates.items():
                     em = ExprEmitter(spec, names={"logit": "logit"}, like=self.first, attr=self.attr,
                                      helpers=self.helpers, self_name=mem, scope={"logit": ()})
@@ -1781,19 +1783,25 @@ class ModuleWriter:
                 with L.indent():
                     L('"""' + "x [B, T, d_model] -> y [B, T, d_model]: the memory read at a fixed state "
                       "(default: the initial one), with no write." + '"""')
-                    L("if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:")
-                    L("    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__")
-                    L("    raise ValueError(f\"x: expected [B, T, d_model] = [B, T, {self.d_model}], got {got}\")")
-                    L(f"{B}, {T}, _ = x.shape")
-                    for v in rviews:
-                        L(f"{v} = self.{v}_proj(x).view({B}, {T}, self.heads, {mem}.{self.attr.get(spec.views[v].dim, spec.views[v].dim)})",
-                          f"[B, T, H, {spec.views[v].dim}]")
+                    self._layer_views(L, rviews, B, T)
                     L(f"o = self.memory.read({', '.join(rviews)}, state=state)", _shape_text("B, T, H", rshape))
                     L(f"return self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
         if wired:
             L()
             L()
             self.wired_layer_class(L)
+
+    def _layer_views(self, L, views, B, T):
+        """The Layer's check of x [B, T, d_model] and its projections into ``views``."""
+        spec = self.spec
+        L("if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:")
+        L("    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__")
+        L("    raise ValueError(f\"x: expected [B, T, d_model] = [B, T, {self.d_model}], got {got}\")")
+        L(f"{B}, {T}, _ = x.shape")
+        for v in views:
+            dim = spec.views[v].dim
+            L(f"{v} = self.{v}_proj(x).view({B}, {T}, self.heads, self.memory.{self.attr.get(dim, dim)})",
+              f"[B, T, H, {dim}]")
 
     def wired_layer_class(self, L):
         """``<Name>Layer``: the wiring class of the spec around ``<Name>MemoryLayer``."""

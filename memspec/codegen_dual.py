@@ -24,27 +24,9 @@ from __future__ import annotations
 
 import re
 
-from .codegen import P_ATOM, P_MUL
+from .codegen import _DECAY_MATRIX, P_ATOM, P_MUL, _shape_text, fresh
 from .expr import BinOp, Call, Expr, Name, map_children, substitute, unparse
 
-_DECAY_MATRIX = '''\
-def _decay_matrix(a):
-    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
-    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
-     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
-    Built with one cumprod (exact for any a, zeros and negatives included)."""
-    C = a.shape[-1]
-    idx = torch.arange(C, device=a.device)
-    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
-    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
-    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    return L, torch.cumprod(a, dim=-1)
-'''
-
-
-def _fresh(base: str, taken: set) -> str:
-    from .codegen import fresh
-    return fresh(base, taken)
 
 
 def _sum(terms: list) -> str:
@@ -78,7 +60,7 @@ class DualWriter:
         def bind(x: Expr, base: str, comment: str) -> Name:
             if isinstance(x, Name):
                 return x
-            name = _fresh(base, taken)
+            name = fresh(base, taken)
             shape = self.w.env.infer(x, scope=scope)
             L(f"{name} = {em.with_scope(**scope).emit(x)}",
               _shape_text("B, C, H", shape) + f": {comment}")
@@ -108,7 +90,7 @@ class DualWriter:
     def loss_method(self, L):
         w, spec, form = self.w, self.spec, self.form
         taken = set(w.spec_names)
-        taps = {s: _fresh(f"z_{s}", taken) for s in form.sites}
+        taps = {s: fresh(f"z_{s}", taken) for s in form.sites}
         states = list(form.sites)
         inputs = w._loss_inputs()
         self.loss_inputs = inputs
@@ -128,7 +110,7 @@ class DualWriter:
             xs: dict = {}
 
             def on_site(kind, s, x, a):
-                y = _fresh(f"y_{s}", taken)
+                y = fresh(f"y_{s}", taken)
                 shape = self._site_shape(s)
                 if kind == "matmul":
                     xs[s] = x.id
@@ -152,7 +134,7 @@ class DualWriter:
         w, spec, form = self.w, self.spec, self.form
         rec = form.recurrence
         taken = set(w.spec_names) | set(self.taps.values())
-        starts = {s: _fresh(f"{s}_start", taken) for s in w._shadow_plan()[1]}
+        starts = {s: fresh(f"{s}_start", taken) for s in w._shadow_plan()[1]}
         first = w.first
         if _DECAY_MATRIX not in w.module_parts:
             w.module_parts.append(_DECAY_MATRIX)
@@ -172,8 +154,8 @@ class DualWriter:
             w._lets(L, em, "B, C, H")
             # every token's layer gradients at the chunk-start state: one backward pass
             states = list(form.sites)
-            dz = {s: _fresh(f"dz_{s}", taken) for s in states}
-            xnames = {s: _fresh(self.x_names[s], taken) for s in states
+            dz = {s: fresh(f"dz_{s}", taken) for s in states}
+            xnames = {s: fresh(self.x_names[s], taken) for s in states
                       if s in self.x_names and self.x_names[s] not in self.loss_inputs}
             zeros = []
             for s in states:
@@ -191,10 +173,11 @@ class DualWriter:
             xk, dd = {}, {}
             for s in states:
                 if s in self.x_names:
-                    xk[s] = _fresh(f"{xnames.get(s, self.x_names[s])}_h", taken)
-                    L(f"{xk[s]} = {xnames.get(s, self.x_names[s])}.transpose(1, 2)",
+                    src = xnames.get(s, self.x_names[s])   # an input of the loss, or returned by it
+                    xk[s] = fresh(f"{src}_h", taken)
+                    L(f"{xk[s]} = {src}.transpose(1, 2)",
                       f"[B, H, C, {spec.state[s].shape[0]}]: inputs of the layer @ {s} at the chunk start")
-                dd[s] = _fresh(f"d_{s}_h", taken)
+                dd[s] = fresh(f"d_{s}_h", taken)
                 L(f"{dd[s]} = {dz[s]}.transpose(1, 2)",
                   f"[B, H, C, {spec.state[s].shape[-1]}]: " + (f"grad_{s}_j = {xk[s]}_j^T {dd[s]}_j" if s in xk
                                                                  else f"grad_{s}_j = {dd[s]}_j"))
@@ -204,7 +187,7 @@ class DualWriter:
 
             def ones_h() -> str:
                 if ones[0] is None:
-                    ones[0] = _fresh("ones", taken)
+                    ones[0] = fresh("ones", taken)
                     L(f"{ones[0]} = {first}.new_ones({first}.shape[0], {first}.shape[2], {first}.shape[1])", "[B, H, C]")
                 return ones[0]
 
@@ -218,7 +201,7 @@ class DualWriter:
                     out = (code.at(P_MUL), True)
                 else:
                     base = e.id if isinstance(e, Name) else "coef"
-                    name = _fresh(f"{base}_h", taken)
+                    name = fresh(f"{base}_h", taken)
                     L(f"{name} = {code.at(P_ATOM)}.transpose(1, 2)", f"[B, H, C]: {key}")
                     out = (name, False)
                 coef_cache[key] = out
@@ -233,7 +216,7 @@ class DualWriter:
                     a = f"{ones_h()} * {c}" if num else c
                     if num and c == "1":
                         a = ones_h()
-                    Ln, Pn = _fresh("L", taken), _fresh("P", taken)
+                    Ln, Pn = fresh("L", taken), fresh("P", taken)
                     L(f"{Ln}, {Pn} = _decay_matrix({a})",
                       f"[B, H, C, C], [B, H, C]: decay weights of {key}")
                     decays[key] = (Ln, Pn)
@@ -241,8 +224,7 @@ class DualWriter:
 
             reps: dict = {}
             shifted: dict = {}
-            emitted: dict = {}   # right-hand side -> the local that already holds it
-
+            emitted: dict = {}   # right-hand side (aliases resolved) -> the local that holds it
             canon: dict = {}     # alias -> the local first computed with the same value
 
             def assign(name: str, rhs: str, comment: str) -> str:
@@ -270,13 +252,13 @@ class DualWriter:
                 if r not in vec:
                     vec[r] = None
                 for r0, v in vec.items():
-                    name = _fresh(f"a_{r}_{r0}_before", taken)
+                    name = fresh(f"a_{r}_{r0}_before", taken)
                     src = f"{v}[..., :-1]" if v is not None else f"torch.zeros_like({ones_h()}[..., :-1])"
                     L(f"{name} = F.pad({src}, (1, 0), value={1.0 if r0 == r else 0.0})",
                       f"[B, H, C]: coefficient of {r0} in {r} before each token")
                     out.vec[r0] = name
                 for g, m in rep.mat.items():
-                    name = _fresh(f"M_{r}_{g}_before", taken)
+                    name = fresh(f"M_{r}_{g}_before", taken)
                     L(f"{name} = F.pad({m}[..., :-1, :], (0, 0, 1, 0))",
                       f"[B, H, C, C]: weights of the gradients of {g} in {r} before each token")
                     out.mat[g] = name
@@ -305,7 +287,7 @@ class DualWriter:
                 if d is not None:
                     Ln, Pn = decay(d)
                 for r0 in [r for r in w.states if r in x_vec or (r == s and d is not None)]:
-                    name = _fresh(f"a_{s}_{r0}", taken)
+                    name = fresh(f"a_{s}_{r0}", taken)
                     parts = []
                     if d is None:
                         parts.append(_sum(x_vec[r0]))
@@ -317,7 +299,7 @@ class DualWriter:
                     rep.vec[r0] = assign(name, _sum(parts),
                                          f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
                 for g in [t for t in form.targets if t in x_mat or t in x_diag]:
-                    name = _fresh(f"M_{s}_{g}", taken)
+                    name = fresh(f"M_{s}_{g}", taken)
                     parts = []
                     if d is None:
                         if g in x_mat:
@@ -339,10 +321,10 @@ class DualWriter:
 
             def on_site(kind, s, x, a):
                 rep = read_reps[s]
-                y = _fresh(f"y_{s}", taken)
+                y = fresh(f"y_{s}", taken)
                 shape = self._site_shape(s)
                 if kind == "matmul":
-                    xh = _fresh(f"{x.id}_h", taken)
+                    xh = fresh(f"{x.id}_h", taken)
                     L(f"{xh} = {x.id}.transpose(1, 2)", f"[B, H, C, {spec.state[s].shape[0]}]")
                     terms = [f"{v}.unsqueeze(-1) * ({xh} @ {r0})" for r0, v in rep.vec.items()]
                     terms += [f"(({xh} @ {xk[g]}.transpose(-2, -1)) * {m}) @ {dd[g]}" for g, m in rep.mat.items()]
@@ -369,16 +351,12 @@ class DualWriter:
                 for g, m in rep.mat.items():
                     weights = f"{m}[..., -1, :, None] * {dd[g]}"
                     terms.append(f"{xk[g]}.transpose(-2, -1) @ ({weights})" if g in xk else f"({weights}).sum(-2)")
-                name = _fresh(f"{s}_end", taken)
+                name = fresh(f"{s}_end", taken)
                 L(f"{name} = {_sum(terms) if terms else f'torch.zeros_like({s})'}",
                   f"[B, H, {', '.join(spec.state[s].shape)}]")
                 finals.append(name)
             L(f"return o, {w._tuple(finals)}")
         L()
-
-
-def _shape_text(prefix: str, shape) -> str:
-    return "[" + ", ".join([prefix, *shape]) + "]"
 
 
 def write_dual(writer, form, L) -> None:

@@ -46,16 +46,14 @@ class DualForm:
     sites: each state of the inner model -> ``"matmul"`` (enters as ``x @ W``, W a
         matrix, x a vector) or ``"bias"`` (enters as ``a + b``, both vectors).
     targets: the states that the update differentiates (``grad(loss, W)``), in state order.
-    placeholders: target -> the name that stands for its per-token gradient in
-        ``recurrence`` (the update program with every ``grad(...)`` replaced).
-    recurrence: :class:`memspec.codegen.Recurrence` of the update program.
+    recurrence: :class:`memspec.codegen.Recurrence` of the update program, every
+        ``grad(...)`` replaced by a placeholder name.
     grad_terms: state -> {target: token-local scalar coefficient of that target's
         gradient in the state's update}.
     """
 
     sites: dict
     targets: tuple
-    placeholders: dict
     recurrence: object
     grad_terms: dict
 
@@ -187,7 +185,8 @@ def _mentions(e: Expr, names: set) -> bool:
 
 def analyse_dual(spec) -> DualForm:
     """The dual form of ``spec``'s mini-batch schedule, or raise :class:`NotDual`."""
-    from .codegen import NotRecurrence, minibatch_recurrence
+    from .codegen import NotRecurrence, fresh, minibatch_recurrence
+    from .expr import rewrite
     from .shapes import ShapeEnv
 
     if spec.model is None or spec.loss is None:
@@ -212,11 +211,15 @@ def analyse_dual(spec) -> DualForm:
                   if isinstance(c, Call) and c.fn == "grad"]
     if not grad_calls:
         raise NotDual("the update takes no gradient")
+
+    def target(c: Call) -> str:   # grad(loss, W), or grad(loss): the model's first state
+        return c.args[1].id if len(c.args) == 2 else model_states[0]
+
     targets: list = []
     for _, c in grad_calls:
         if not (isinstance(c.args[0], Name) and c.args[0].id == "loss"):
             raise NotDual(f"`{unparse(c)}` is not a gradient of the spec's loss")
-        t = c.args[1].id if len(c.args) == 2 else model_states[0]
+        t = target(c)
         if t not in sites:
             raise NotDual(f"`{unparse(c)}`: {t} is not a state of the model")
         if t not in targets:
@@ -230,23 +233,9 @@ def analyse_dual(spec) -> DualForm:
     # the update program with each gradient held fixed: linear recurrences
     taken = set(spec.state) | set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.params) \
         | set(spec.dims) | set(spec.constants) | {st.target for st in spec.update}
-    placeholders: dict = {}
-    for t in targets:
-        name, k = f"grad_{t}", 1
-        while name in taken:
-            k += 1
-            name = f"grad_{t}_{k}"
-        placeholders[t] = name
-        taken.add(name)
-
-    def repl(c: Expr) -> Expr | None:
-        if isinstance(c, Call) and c.fn == "grad":
-            t = c.args[1].id if len(c.args) == 2 else model_states[0]
-            return Name(placeholders[t])
-        return None
-
-    from .expr import rewrite
-    values = [rewrite(st.value, repl) for st in spec.update]
+    placeholders = {t: fresh(f"grad_{t}", taken) for t in targets}
+    values = [rewrite(st.value, lambda c: Name(placeholders[target(c)])
+                      if isinstance(c, Call) and c.fn == "grad" else None) for st in spec.update]
     scope = {placeholders[t]: tuple(spec.state[t].shape) for t in targets}
     try:
         rec = minibatch_recurrence(spec, values, scope)
@@ -269,4 +258,4 @@ def analyse_dual(spec) -> DualForm:
         for (_, r) in rec.coeff[s]:
             if tuple(spec.state[r].shape) != tuple(spec.state[s].shape):
                 raise NotDual(f"the update of {s} adds {r}, of another shape")
-    return DualForm(sites, tuple(targets), placeholders, rec, grad_terms)
+    return DualForm(sites, tuple(targets), rec, grad_terms)
