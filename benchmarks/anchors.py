@@ -5,7 +5,7 @@ attention at B=1, H=4, T=2048, D=64, float32, no grad, 2 CPU cores) were measure
 a quiet machine.  This script re-measures comparable pure-PyTorch chunked forms
 (flash-linear-attention's naive ``chunk`` references: row-by-row forward
 substitution for the WY/UT transform, then a loop over chunks) next to
-``memspec.kernels`` under the same load, plus the ``torch.bmm`` 64x64 peak, so the
+``memspec.runtime`` under the same load, plus the ``torch.bmm`` 64x64 peak, so the
 comparison is fair whatever else the machine is doing.  The anchors get their inputs
 already in their preferred ``[B, H, T, D]`` layout; ours take ``[B, T, H, D]``.
 
@@ -27,8 +27,9 @@ import time
 
 import torch
 
-from memspec.bench import bmm_peak
-from memspec.kernels import chunk_additive, chunk_delta
+from memspec.tools.bench import bmm_peak
+from memspec.runtime.additive import chunk_additive
+from memspec.runtime.delta import chunk_delta
 
 
 def naive_chunk_delta_rule(q, k, v, beta, S0, C=64):

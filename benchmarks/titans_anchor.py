@@ -102,7 +102,7 @@ def main():
     import memspec
 
     torch.manual_seed(0)
-    mem = memspec.build(ROOT / "specs/titans.yaml", compile=a.compile).memory
+    mem = memspec.pipeline.build(ROOT / "specs/titans.yaml", compile=a.compile).memory
     B, T, H, D, hid = 1, a.T, mem.heads, mem.d_k, mem.hidden
     q, k, v = (torch.randn(B, T, H, D) for _ in range(3))
     # a small step keeps this random (untrained) memory bounded over 2048 tokens; with the

@@ -37,9 +37,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import did_you_mean
-from .expr import Assign, BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
-from .spec import Spec, parse_init
+from .lang.errors import did_you_mean
+from .lang.expr import Assign, BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from .lang.spec import Spec, parse_init
 
 LAYERNORM_EPS = 1e-5   # layernorm(x[, w, b]): over the last axis
 NORM_EPS = 1e-6        # rmsnorm / l2norm: inside the square root

@@ -8,7 +8,7 @@ import torch
 
 import memspec
 from memspec import reference
-from memspec.build import build_memory
+from memspec.pipeline.build import build_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_FILES = sorted(Path(p).relative_to(ROOT).as_posix() for p in glob.glob(str(ROOT / "specs" / "*.yaml")))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from memspec import SpecError, load
-from memspec.cli import main
+from memspec.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "tests" / "bad_specs"

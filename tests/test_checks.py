@@ -1,4 +1,4 @@
-"""The verifier (memspec.checks.check): each check, its code, message and location."""
+"""The verifier (memspec.check.verify.check): each check, its code, message and location."""
 from __future__ import annotations
 
 import builtins
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import memspec
-from memspec.checks import RESERVED_NAMES, check, identifier_problem
-from memspec.expr import FUNCTIONS
+from memspec.check.verify import RESERVED_NAMES, check, identifier_problem
+from memspec.lang.expr import FUNCTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 

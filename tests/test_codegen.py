@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import memspec
-from memspec.build import build, build_memory, source
-from memspec.cli import main
-from memspec.codegen import ExprEmitter, NotRecurrence, minibatch_recurrence
-from memspec.expr import parse_expr, unparse
+from memspec.pipeline.build import build, build_memory, source
+from memspec.tools.cli import main
+from memspec.codegen.module import ExprEmitter, NotRecurrence, minibatch_recurrence
+from memspec.lang.expr import parse_expr, unparse
 
 from _compiled_harness import ROOT, SPEC_FILES, call, inputs, load, make, small_dims
 

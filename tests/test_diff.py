@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 import memspec
-from memspec import cli
-from memspec.diff import (Added, Changed, Removed, align, collapse, diff, graph_diff, render_dot,
+from memspec.tools import cli
+from memspec.tools.diff import (Added, Changed, Removed, align, collapse, diff, graph_diff, render_dot,
                           render_json, render_markdown, render_text)
-from memspec.expr import parse_expr
-from memspec.normalize import canon, skeleton
+from memspec.lang.expr import parse_expr
+from memspec.lang.normalize import canon, skeleton
 
 HERE = Path(__file__).resolve().parent
 D = HERE / "diff_specs"
@@ -273,7 +273,7 @@ def test_collapse_merges_subexpressions():
 
 
 def test_render_dot_colours_union():
-    from memspec.diff import lower_graph
+    from memspec.tools.diff import lower_graph
 
     ga = lower_graph(memspec.load(D / "deltanet.yaml"))
     gb = lower_graph(memspec.load(D / "gated_deltanet.yaml"))

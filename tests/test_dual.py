@@ -1,4 +1,4 @@
-"""The dual form of the mini-batch schedule (memspec.dual, memspec.codegen_dual).
+"""The dual form of the mini-batch schedule (memspec.schedule.dual, memspec.codegen.dual).
 
 Numerical agreement with the reference interpreter, gradients, causality and streaming
 are covered for every shipped spec by test_compiled_vs_reference.py (the dual form is
@@ -13,11 +13,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memspec
-from memspec.build import build_memory
-from memspec.codegen import generate
-from memspec.dual import NotDual, analyse_dual
+from memspec.pipeline.build import build_memory
+from memspec.codegen.module import generate
+from memspec.schedule.dual import NotDual, analyse_dual
 from memspec.reference import run as reference_run
-from memspec.schedule import analyse, explain
+from memspec.schedule.decide import analyse, explain
 
 ROOT = Path(__file__).resolve().parent.parent
 

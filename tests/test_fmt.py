@@ -1,4 +1,4 @@
-"""`memspec fmt`: the canonical printed forms of a spec (memspec.fmt.to_yaml / to_mem).
+"""`memspec fmt`: the canonical printed forms of a spec (memspec.lang.fmt.to_yaml / to_mem).
 
 Golden outputs for tricky inputs (quoting, negative numbers, nested parentheses, unary
 minus, ^ precedence), exact round trips, extends with null removal, and the CLI.
@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 import memspec
-from memspec.cli import main
-from memspec.errors import SpecError
-from memspec.expr import BinOp, Call, Name, Neg, Num, Transpose, parse_expr, unparse
-from memspec.fmt import to_mem, to_yaml, yaml_float, yaml_str, yaml_text
+from memspec.tools.cli import main
+from memspec.lang.errors import SpecError
+from memspec.lang.expr import BinOp, Call, Name, Neg, Num, Transpose, parse_expr, unparse
+from memspec.lang.fmt import to_mem, to_yaml, yaml_float, yaml_str, yaml_text
 
 TRICKY = '# comments and flow style are not kept: fmt prints the canonical form\nname: tricky\ndescription: "Quoting: a \': \' and a \' #\' need quotes"\ndims: {d_k: 4, d_v: 3}\nconstants: {eps: 1e-6, neg: -0.25, big: 1.0e+20, p: 3}\nviews: {q: d_k, k: d_k, v: d_v}\ngates:\n  eta: sigmoid(logit)\n  alpha: {formula: sigmoid(logit), bias: -4}\n  mu: -logit\n  beta: {formula: "1 - exp(-softplus(logit))", bias: 2}\nstate:\n  W: {shape: [d_k, d_v], init: learned}\n  U: {shape: [d_k, d_v], init: normal(1)}\nlet:\n  kn: ((l2norm(k)))\n  s: -(kn @ kn)\n  t: (-s)^2\n  u: -s^2\n  w: 2^3^s\n  x2: (2^3)^s\n  y: s - (s - 1)\n  z: (s - s) - 1\n  r: d_k^(-0.5) * -s\nmodel: f(a) = a @ W\nloss: 0.5 * sum((f(kn) - v)^2)\nupdate:\n  - U = mu * U - eta * grad(loss, W)\n  - W = (1 - alpha) * W + U\nread: (f(q) * r + t + u + w + x2 + y + z) * beta\norder: read_write\nschedule: minibatch( 8 )\nwiring: {kind: mag, window: 16}\n'
 

@@ -6,8 +6,8 @@ import textwrap
 import pytest
 
 import memspec
-from memspec.errors import SpecError
-from memspec.expr import BinOp, Call, Name, Num, parse_expr, unparse
+from memspec.lang.errors import SpecError
+from memspec.lang.expr import BinOp, Call, Name, Num, parse_expr, unparse
 
 DELTA_YAML = textwrap.dedent(
     """\

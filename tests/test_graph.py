@@ -1,4 +1,4 @@
-"""Shape inference (memspec.shapes) and the dataflow graph of one token step (memspec.graph)."""
+"""Shape inference (memspec.lang.shapes) and the dataflow graph of one token step (memspec.check.graph)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,11 +10,11 @@ import networkx as nx
 import pytest
 
 import memspec
-from memspec.cli import main
-from memspec.errors import Collector, SpecError
-from memspec.expr import parse_expr
-from memspec.graph import lower, node_order, render
-from memspec.shapes import CACHE_AXIS, ShapeEnv, broadcast, fmt_shape, matmul_shape
+from memspec.tools.cli import main
+from memspec.lang.errors import Collector, SpecError
+from memspec.lang.expr import parse_expr
+from memspec.check.graph import lower, node_order, render
+from memspec.lang.shapes import CACHE_AXIS, ShapeEnv, broadcast, fmt_shape, matmul_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 VALID = ROOT / "tests" / "bad_specs" / "valid"

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from memspec.cli import main
-from memspec.lab import REGISTRY, common, experiment
-from memspec.lab import bandwidth, characters, drift, interference
+from memspec.tools.cli import main
+from memspec.tools.lab import REGISTRY, common, experiment
+from memspec.tools.lab import bandwidth, characters, drift, interference
 
 
 # ------------------------------------------------------------------ interference
@@ -180,7 +180,7 @@ def _snippet_literally(seed=0):
     from torch.func import functional_call, grad
     from torch import nn
 
-    from memspec.lab import seed_memory
+    from memspec.tools.lab import seed_memory
 
     keys, values, order, w1 = seed_memory.snippet_data(seed)
     memory = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
@@ -202,7 +202,7 @@ def _snippet_literally(seed=0):
 
 
 def test_seed_memory_reproduces_the_snippet():
-    from memspec.lab import seed_memory
+    from memspec.tools.lab import seed_memory
 
     r = seed_memory.run(seed=0)
     v = r.values
@@ -218,7 +218,7 @@ def test_seed_memory_reproduces_the_snippet():
 
 
 def test_seed_memory_compiled_module_agrees_with_the_interpreter():
-    from memspec.lab import seed_memory
+    from memspec.tools.lab import seed_memory
 
     b1, a1, online1, how1 = seed_memory.stream("seed_memory_forget", 0, compiled=True)
     b2, a2, online2, how2 = seed_memory.stream("seed_memory_forget", 0, compiled=False)
@@ -228,7 +228,7 @@ def test_seed_memory_compiled_module_agrees_with_the_interpreter():
 
 
 def test_lab_specs_pass_the_checker():
-    from memspec.checks import check
+    from memspec.check.verify import check
 
     for path in sorted(common.LAB_SPECS.glob("*.yaml")):
         spec = memspec_load(path)

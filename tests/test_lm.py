@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import memspec
-from memspec.nn import Block, MemoryLM
-from memspec.wiring import MAC, MAG, MAL
+from memspec.tools.nn import Block, MemoryLM
+from memspec.runtime.wiring import MAC, MAG, MAL
 
 DELTANET = """
 name: tiny_delta
@@ -29,7 +29,7 @@ wiring: {kind: WIRING, segment: 3, window: 4, persistent: 2}
 
 
 class StandInDelta(nn.Module):
-    """DeltaNet with the compiled Layer's interface: used when memspec.build is unavailable."""
+    """DeltaNet with the compiled Layer's interface: used when memspec.pipeline.build is unavailable."""
 
     def __init__(self, d_model: int, heads: int = 2, d: int = 4):
         super().__init__()
@@ -62,7 +62,7 @@ def lm_for(wiring: str, *, real: bool = False):
 
 def has_build() -> bool:
     try:
-        from memspec.build import build  # noqa: F401
+        from memspec.pipeline.build import build  # noqa: F401
     except ImportError:
         return False
     return True
@@ -82,7 +82,7 @@ def test_decode_token_by_token_equals_forward(wiring):
     assert all(isinstance(b.mixer, kind) for b in lm.blocks)
 
 
-@pytest.mark.skipif(not has_build(), reason="memspec.build not available yet")
+@pytest.mark.skipif(not has_build(), reason="memspec.pipeline.build not available yet")
 @pytest.mark.parametrize("wiring", ["none", "mac"])
 def test_decode_equals_forward_compiled_layer(wiring):
     lm = lm_for(wiring, real=True)
@@ -117,7 +117,7 @@ def test_block_and_tied_head():
     assert g is not None and g.abs().sum() > 0
 
 
-@pytest.mark.skipif(not has_build(), reason="memspec.build not available yet")
+@pytest.mark.skipif(not has_build(), reason="memspec.pipeline.build not available yet")
 @pytest.mark.parametrize("name", ["titans_mac", "titans_mag", "titans_mal"])
 def test_titans_wirings_decode_equals_forward(name):
     """The shipped Titans wirings (mini-batch memory, chunk 4 here) stream exactly through MemoryLM."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memspec
-from memspec.build import build, build_memory
+from memspec.pipeline.build import build, build_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))

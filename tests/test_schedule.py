@@ -12,8 +12,8 @@ import torch
 
 import memspec
 from memspec import reference
-from memspec.errors import SpecError
-from memspec.schedule import AdditivePlan, MinibatchPlan, CachePlan, analyse, explain
+from memspec.lang.errors import SpecError
+from memspec.schedule.decide import AdditivePlan, MinibatchPlan, CachePlan, analyse, explain
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -307,8 +307,8 @@ def test_cli_explain_and_error(tmp_path):
 
 # ------------------------------------------------------- chunked emission vs reference
 def _build(spec):
-    from memspec.codegen import ExprEmitter, helper_source
-    from memspec.codegen_chunked import emit_chunked_forward, kernel_sources
+    from memspec.codegen.module import ExprEmitter, helper_source
+    from memspec.codegen.chunked import emit_chunked_forward, kernel_sources
 
     d = analyse(spec)
     em = ExprEmitter(spec)
@@ -439,7 +439,7 @@ def test_shipped_chunked_specs_match_reference(name):
 
 # ------------------------------------------------------------------ bench (fields only)
 def test_bench_record_fields(tmp_path):
-    from memspec.bench import bench, render
+    from memspec.tools.bench import bench, render
 
     path = tmp_path / "g.mem"
     path.write_text(textwrap.dedent(DELTA_HEAD + GATED_VARIANTS["gated"]))
@@ -461,7 +461,7 @@ def test_bench_record_fields(tmp_path):
 
 
 def test_bench_cli_json(tmp_path, capsys):
-    from memspec.cli import main
+    from memspec.tools.cli import main
 
     path = tmp_path / "g.mem"
     path.write_text(textwrap.dedent(DELTA_HEAD + GATED_VARIANTS["gated"]))

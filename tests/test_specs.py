@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import memspec
-from memspec.cli import main
-from memspec.fmt import to_mem, to_yaml
+from memspec.tools.cli import main
+from memspec.lang.fmt import to_mem, to_yaml
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 PAPER_SPECS = [

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import memspec
-from memspec import cli
-from memspec.expr import parse_expr
-from memspec.table import (Coster, cost_text, features, ladder, loss_kind, render, render_table, row, rows,
+from memspec.tools import cli
+from memspec.lang.expr import parse_expr
+from memspec.tools.table import (Coster, cost_text, features, ladder, loss_kind, render, render_table, row, rows,
                            terms)
 
 HERE = Path(__file__).resolve().parent

@@ -7,9 +7,9 @@ import pytest
 
 import memspec
 from memspec import reference
-from memspec.checks import check
-from memspec.codegen import minibatch_recurrence
-from memspec.schedule import analyse
+from memspec.check.verify import check
+from memspec.codegen.module import minibatch_recurrence
+from memspec.schedule.decide import analyse
 
 from _compiled_harness import call, inputs, initial_state, make, reference_run, rel_err
 
@@ -163,9 +163,9 @@ def test_minibatch_recurrence_sees_through_temporaries():
     assert rec.order == ("U", "W1", "W2")
     # W2 <- W2 + 1.5 U_new: U is finished (written before), so its coefficient is on ("cur", U)
     assert set(rec.coeff["W2"]) == {("prev", "W2"), ("cur", "U")}
-    assert memspec.expr.unparse(rec.coeff["W2"][("cur", "U")]) == "0.5 + 1"
-    assert memspec.expr.unparse(rec.rest["U"]) == "-(eta * grad(loss, W2))"
-    assert sorted(memspec.expr.unparse(g) for g in rec.grads) == ["grad(loss, W1)", "grad(loss, W2)"]
+    assert memspec.lang.expr.unparse(rec.coeff["W2"][("cur", "U")]) == "0.5 + 1"
+    assert memspec.lang.expr.unparse(rec.rest["U"]) == "-(eta * grad(loss, W2))"
+    assert sorted(memspec.lang.expr.unparse(g) for g in rec.grads) == ["grad(loss, W1)", "grad(loss, W2)"]
 
 
 # ------------------------------------------------------------------ schedule
@@ -221,7 +221,7 @@ read: q @ S
 """, "yaml")
     d = analyse(spec)
     assert d.family == "additive"
-    assert memspec.expr.unparse(d.plan.states[0].gamma) == "0.9"
+    assert memspec.lang.expr.unparse(d.plan.states[0].gamma) == "0.9"
 
 
 # ------------------------------------------------------------------ checks
@@ -277,7 +277,7 @@ def test_typo_in_a_state_target_points_at_the_state():
 
 
 def test_graph_nodes_of_temporaries():
-    from memspec.graph import lower
+    from memspec.check.graph import lower
     g = lower(delta("  - g = grad(loss, W)\n  - W = W - eta * g"))
     assert g.nodes["temp:g"]["role"] == "temp"
     assert g.nodes["temp:g"]["shape"] == ("d_k", "d_v")

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import memspec
-from memspec.cli import main
-from memspec.nn import MemoryLM
-from memspec.tasks import MQAR, accuracy
-from memspec.train import TrainConfig, compare, lr_at, markdown_table, train
+from memspec.tools.cli import main
+from memspec.tools.nn import MemoryLM
+from memspec.tools.tasks import MQAR, accuracy
+from memspec.tools.train import TrainConfig, compare, lr_at, markdown_table, train
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTANET = str(ROOT / "specs" / "deltanet.yaml")

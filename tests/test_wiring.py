@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from memspec.wiring import MAC, MAG, MAL, SlidingWindowAttention, source, wrap
+from memspec.runtime.wiring import MAC, MAG, MAL, SlidingWindowAttention, source, wrap
 
 
 class TinyDeltaLayer(nn.Module):

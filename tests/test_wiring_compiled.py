@@ -1,4 +1,4 @@
-"""The spec's wiring compiled into the generated Layer: ``memspec.build`` of a Titans
+"""The spec's wiring compiled into the generated Layer: ``memspec.pipeline.build`` of a Titans
 MAC / MAG / MAL spec returns the wired layer (the wiring classes copied into the
 standalone module), causal by perturbation and streaming exactly."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import memspec
-from memspec import wiring
-from memspec.build import build
-from memspec.nn import MemoryLM
+from memspec.runtime import wiring
+from memspec.pipeline.build import build
+from memspec.tools.nn import MemoryLM
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {"titans_mac": "MAC", "titans_mag": "MAG", "titans_mal": "MAL"}
@@ -43,7 +43,7 @@ def test_build_titans_mac_is_the_wired_layer():
     assert cls.__name__ == "TitansMacLayer"
     bases = {c.__name__: c for c in cls.__mro__}
     assert "MAC" in bases and bases["MAC"] is not wiring.MAC          # the generated module's own copy
-    # the generated module's source holds the MAC class exactly as memspec.wiring writes it
+    # the generated module's source holds the MAC class exactly as memspec.runtime.wiring writes it
     module_text = inspect.getsource(inspect.getmodule(cls))
     assert inspect.getsource(wiring.MAC) in module_text
     assert inspect.getsource(wiring.Attention) in module_text
@@ -108,7 +108,7 @@ def test_generated_file_is_standalone_and_wired(name, tmp_path):
     cname = "".join(p.capitalize() for p in name.split("_"))
     assert f"class {cname}Layer({kind}):" in text and f"class {kind}(nn.Module):" in text
     assert inspect.getsource(getattr(wiring, kind)) in text
-    # a copy of the file, loaded outside memspec, builds the same layer as memspec.build
+    # a copy of the file, loaded outside memspec, builds the same layer as memspec.pipeline.build
     copy = tmp_path / f"{name}_copy.py"
     copy.write_text(text, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(f"{name}_copy", copy)

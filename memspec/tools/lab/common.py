@@ -15,10 +15,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..frontend import load
-from ..spec import Spec
+from ...lang.frontend import load
+from ...lang.spec import Spec
 
-SPEC_ROOT = Path(__file__).resolve().parents[2] / "specs"
+SPEC_ROOT = Path(__file__).resolve().parents[3] / "specs"
 LAB_SPECS = SPEC_ROOT / "lab"
 
 
@@ -33,7 +33,7 @@ def run_spec(spec: Spec, *, state: dict | None = None, params: dict | None = Non
     ``inputs`` are views ``[B, T, H, D]`` and gates ``[B, T, H]``; returns
     ``(outputs [B, T, H, d_out], final_state {name: [B, H, ...]})``.
     """
-    from ..reference import run
+    from ...reference import run
 
     return run(spec, state=state, schedule="online", params=params, **inputs)
 

@@ -57,7 +57,7 @@ def snippet_data(seed: int = 0):
 
 def initial_state(spec, w1: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every state of the spec at zero, except W1 = the snippet's unit-variance draw."""
-    from ..reference import init_state
+    from ...reference import init_state
 
     with torch.random.fork_rng():
         state = init_state(spec, 1, 1)
@@ -71,7 +71,7 @@ def backend(spec, compiled: bool = True) -> tuple[Callable, str]:
     build_memory = None
     if compiled:
         try:
-            from ..build import build_memory  # the compiler; absent in builds without codegen
+            from ...pipeline.build import build_memory  # the compiler; absent in builds without codegen
         except ImportError:
             pass
     if build_memory is not None:

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .diff import WIRING_FIELDS, derived_schedule
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute
-from .normalize import canon
-from .spec import Spec
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute
+from ..lang.normalize import canon
+from ..lang.spec import Spec
 
 # ------------------------------------------------------------------- algebra
 Term = tuple  # (coefficient: float, factors: tuple[Expr, ...])
@@ -379,13 +379,13 @@ class Coster:
     """Asymptotic per-token cost of expressions, from their inferred shapes."""
 
     def __init__(self, spec: Spec):
-        from .shapes import ShapeEnv
+        from ..lang.shapes import ShapeEnv
 
         self.spec = spec
         self.env = ShapeEnv.from_spec(spec)
 
     def cost(self, e: Expr, scope: dict | None = None) -> Counter:
-        from .errors import Collector
+        from ..lang.errors import Collector
 
         rec: dict = {}
         self.env.infer(e, scope=scope or {}, diags=Collector(), record=rec)

@@ -19,7 +19,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from .errors import Diagnostic, Span, SpecError
 
-GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammars" / "memspec.lark"
+GRAMMAR_PATH = Path(__file__).resolve().parent.parent.parent / "grammars" / "memspec.lark"
 
 # name -> (min args, max args, description).  The fixed whitelist of functions.
 FUNCTIONS: dict[str, tuple[int, int, str]] = {

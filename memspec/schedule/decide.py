@@ -30,8 +30,8 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import Diagnostic, SpecError
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, rewrite, substitute, unparse
+from ..lang.errors import Diagnostic, SpecError
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, rewrite, substitute, unparse
 
 FAMILIES = ("cache", "additive", "delta", "minibatch", "online")
 DEFAULT_CHUNK = 64

@@ -3,7 +3,7 @@
 The generator framework (:mod:`memspec.codegen`) calls two functions:
 
 * :func:`kernel_sources` -- the source of the kernel(s) the module needs, copied
-  from :mod:`memspec.kernels` with ``inspect.getsource`` (plain torch functions);
+  from :mod:`memspec.runtime.additive` / :mod:`memspec.runtime.delta` with ``inspect.getsource`` (plain torch functions);
 * :func:`emit_chunked_forward` -- the body lines of a forward pass over all T
   tokens at once: the token-local values the plan needs (vectorised over time with
   the framework's :class:`~memspec.codegen.ExprEmitter`), one kernel call per
@@ -24,18 +24,18 @@ from __future__ import annotations
 
 import inspect
 
-from . import kernels
-from .expr import Expr, Name, Num, rewrite
-from .schedule import AdditivePlan, DeltaPlan, ScheduleDecision, simplify
+from ..runtime import additive, delta
+from ..lang.expr import Expr, Name, Num, rewrite
+from ..schedule.decide import AdditivePlan, DeltaPlan, ScheduleDecision, simplify
 
-KERNELS = {"additive": ("chunk_additive",), "delta": ("chunk_delta",)}
+KERNELS = {"additive": (additive.chunk_additive,), "delta": (delta.chunk_delta,)}
 LOG_FLOOR = 1e-30   # decays are clamped to >= 1e-30 before the log: log_gamma >= -69
 
 
 def kernel_sources(decision: ScheduleDecision) -> str:
     """Source of the kernels the decision's family calls (empty for other families)."""
     names = KERNELS.get(decision.family, ())
-    return "\n\n".join(inspect.getsource(getattr(kernels, n)) for n in names)
+    return "\n\n".join(inspect.getsource(fn) for fn in names)
 
 
 def _fmt_shape(shape) -> str:
@@ -51,7 +51,7 @@ class _Writer:
         self.taken |= set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.state) | set(spec.params)
         self.taken |= {"torch", "nn", "F", "math", "self", "state", "schedule", "x", "o"}
         # the lets, inlined, for folding plan expressions back into readable let names
-        from .schedule import Algebra
+        from ..schedule.decide import Algebra
         self.alg = Algebra(spec)
         self.let_of = [(inl, n) for n, inl in self.alg.lets.items()]
         self.first_view = next(iter(spec.views), None)

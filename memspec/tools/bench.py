@@ -83,8 +83,8 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
                dtype: str = "float32", repeat: int = 5, grad: bool = False, schedules=None,
                compile: bool = False, peak: float | None = None, budget_s: float = 20.0) -> list[dict]:
     """Time every admitted schedule of one spec; returns one record per schedule."""
-    from .build import build_memory
-    from .schedule import analyse
+    from ..pipeline.build import build_memory
+    from ..schedule.decide import analyse
 
     decision = analyse(spec)
     dims = {d: D for d in ("d_k", "d_v") if d in spec.dims}
@@ -164,7 +164,7 @@ def bench(paths, *, T=2048, B=1, H=4, D=64, device="cpu", dtype="float32", repea
           schedules=None, compile=False, loader=None) -> dict:
     """Benchmark spec files; returns the JSON record (machine, config, results)."""
     if loader is None:
-        from .frontend import load as loader  # noqa: N813
+        from ..lang.frontend import load as loader  # noqa: N813
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     peak = bmm_peak(device, DTYPES[dtype] if dtype != "float64" else torch.float64)
@@ -230,7 +230,7 @@ def run_cli(args, load_checked, usage_error) -> int:
                    loader=lambda p: load_checked(p)[0])
     sys.stdout.write(render(record))
     if args.json:
-        from .emit import write_atomic
+        from ..pipeline.write import write_atomic
 
         write_atomic(Path(args.json), json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -81,9 +81,9 @@ class RunResult:
 def load_spec(path: str):
     """Load and check a spec file (raises SpecError with located diagnostics)."""
     try:
-        from . import checks  # noqa: F401
+        from ..check import verify as checks  # noqa: F401
     except ImportError:
-        from .frontend import load
+        from ..lang.frontend import load
 
         return load(path)
     from .cli import load_checked
@@ -95,7 +95,7 @@ def schedule_name(spec, chunk: int | None = None) -> str:
     """The memory's derived schedule, e.g. ``delta(64)`` (or the spec's own preference),
     and the wiring when there is one: ``minibatch(64), mac``."""
     try:
-        from .schedule import analyse
+        from ..schedule.decide import analyse
 
         d = analyse(spec)
         size = chunk if chunk and d.chunk else d.chunk          # a --dim chunk=N override
@@ -270,7 +270,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
                        chance=task.chance, tokens_per_s=tokens / max(t_train, 1e-9), seconds=t_train,
                        losses=losses, out=cfg.out)
     if cfg.out and main_process:
-        from .emit import write_atomic
+        from ..pipeline.write import write_atomic
 
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -354,7 +354,7 @@ def run_cli(args, usage_error) -> int:
             if rank == 0:
                 sys.stdout.write(table)
                 if cfg.out:
-                    from .emit import write_atomic
+                    from ..pipeline.write import write_atomic
 
                     write_atomic(Path(cfg.out) / "table.md", table)
         else:

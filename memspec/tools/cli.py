@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import Diagnostic, SpecError
+from ..lang.errors import Diagnostic, SpecError
 
 
 class UsageError(Exception):
@@ -30,8 +30,8 @@ def _print_diags(diags: list[Diagnostic]) -> None:
 
 def load_checked(path: str, *, warnings: bool = True):
     """Load and verify a spec; print every diagnostic; return (spec, graph) or raise SpecError."""
-    from .checks import check
-    from .frontend import load
+    from ..check.verify import check
+    from ..lang.frontend import load
 
     spec = load(path)
     graph, diags = check(spec)
@@ -71,14 +71,14 @@ def cmd_check(args) -> int:
 
 
 def cmd_fmt(args) -> int:
-    from .fmt import to_mem, to_yaml
-    from .frontend import format_of, load
+    from ..lang.fmt import to_mem, to_yaml
+    from ..lang.frontend import format_of, load
 
     spec = load(args.file)
     target = args.to or format_of(args.file)
     text = to_yaml(spec) if target == "yaml" else to_mem(spec)
     if args.write:
-        from .emit import write_atomic
+        from ..pipeline.write import write_atomic
 
         out = Path(args.file)
         if args.to and args.to != format_of(args.file):
@@ -91,14 +91,14 @@ def cmd_fmt(args) -> int:
 
 
 def cmd_graph(args) -> int:
-    from .graph import render
+    from ..check.graph import render
 
     spec, graph = load_checked(args.file)
     if args.format in ("svg", "png"):
         return _graphviz(render(graph, "dot"), args.format, args.output)
     text = render(graph, args.format)
     if args.output:
-        from .emit import write_atomic
+        from ..pipeline.write import write_atomic
 
         write_atomic(Path(args.output), text)
     else:
@@ -199,7 +199,7 @@ def cmd_lab(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from .schedule import explain
+    from ..schedule.decide import explain
 
     status = 0
     for path in args.files:
@@ -213,7 +213,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from .build import compile_checked
+    from ..pipeline.build import compile_checked
 
     status = 0
     for path in args.files:
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from . import __version__
+        from .. import __version__
 
         print(f"memspec {__version__}")
         return 0

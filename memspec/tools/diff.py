@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
-from .errors import Span
-from .expr import Expr, FunDef, format_number, unparse
-from .normalize import Normalizer, skeleton
-from .spec import Gate, Param, Spec, State, View, Wiring
+from ..lang.errors import Span
+from ..lang.expr import Expr, FunDef, format_number, unparse
+from ..lang.normalize import Normalizer, skeleton
+from ..lang.spec import Gate, Param, Spec, State, View, Wiring
 
 COMPONENTS = (
     "meta", "dims", "constants", "views", "gates", "params", "state", "let",
@@ -140,7 +140,7 @@ def schedule_text(decision: Any) -> str:
 def derived_schedule(spec: Spec) -> Any | None:
     """``schedule.analyse(spec)`` when that analysis exists, else None."""
     try:
-        from .schedule import analyse  # type: ignore[attr-defined]
+        from ..schedule.decide import analyse  # type: ignore[attr-defined]
     except ImportError:
         return None
     try:
@@ -154,9 +154,9 @@ def _as_spec(x: Spec | str | Path) -> Spec:
     """A spec as given, or loaded from a path and verified (raises ``SpecError``)."""
     if isinstance(x, Spec):
         return x
-    from .checks import check, errors_of
-    from .errors import SpecError
-    from .frontend import load
+    from ..check.verify import check, errors_of
+    from ..lang.errors import SpecError
+    from ..lang.frontend import load
 
     spec = load(x)
     _, diags = check(spec)
@@ -457,7 +457,7 @@ def collapse(g):
 def lower_graph(spec: Spec, *, detail: bool = False):
     """The dataflow graph of :func:`memspec.graph.lower`, collapsed to top-level
     operations unless ``detail``."""
-    from .graph import lower  # imported lazily: the diff itself needs no graph
+    from ..check.graph import lower  # imported lazily: the diff itself needs no graph
 
     g = lower(spec)
     return g if detail else collapse(g)
@@ -480,7 +480,7 @@ def source_line(span: Span | None) -> str | None:
     """``file:line: text`` of the line a span starts on (None when unknown)."""
     if span is None:
         return None
-    from .errors import _source_line
+    from ..lang.errors import _source_line
 
     text = _source_line(span.file, span.line, None)
     return f"{span.file}:{span.line}: {text.strip() if text is not None else ''}".rstrip()

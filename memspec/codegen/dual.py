@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import re
 
-from .codegen import _DECAY_MATRIX, P_ATOM, P_MUL, _shape_text, fresh
-from .expr import BinOp, Call, Expr, Name, map_children, substitute, unparse
+from .module import _DECAY_MATRIX, P_ATOM, P_MUL, _shape_text, fresh
+from ..lang.expr import BinOp, Call, Expr, Name, map_children, substitute, unparse
 
 
 

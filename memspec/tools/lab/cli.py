@@ -36,8 +36,8 @@ def add_arguments(s) -> None:
 
 def main(args, usage_error) -> int:
     from . import REGISTRY, experiment, experiments, save_plot
-    from ..emit import write_atomic
-    from ..errors import did_you_mean
+    from ...pipeline.write import write_atomic
+    from ...lang.errors import did_you_mean
 
     if args.lab_command == "list":
         width = max(len(n) for n in REGISTRY)

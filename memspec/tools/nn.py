@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .wiring import wrap
+from ..runtime.wiring import wrap
 
 
 class MLP(nn.Module):
@@ -89,7 +89,7 @@ class Block(nn.Module):
 
 
 def _load_spec(spec):
-    from .frontend import load
+    from ..lang.frontend import load
 
     return load(str(spec)) if isinstance(spec, (str, Path)) else spec
 
@@ -97,7 +97,7 @@ def _load_spec(spec):
 def spec_text(spec, path=None) -> str:
     """A self-contained text of the spec (canonical YAML when available; else the file)."""
     try:
-        from .fmt import to_yaml
+        from ..lang.fmt import to_yaml
 
         return to_yaml(spec)
     except Exception:
@@ -108,7 +108,7 @@ def spec_text(spec, path=None) -> str:
 
 
 def _default_layer(spec, d_model: int, compile: bool, dims: dict) -> nn.Module:
-    from .build import build
+    from ..pipeline.build import build
 
     return build(spec, compile=compile, d_model=d_model, **dims)
 

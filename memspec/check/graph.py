@@ -57,9 +57,9 @@ from typing import Optional
 
 import networkx as nx
 
-from .errors import Collector
-from .expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
-from .shapes import ShapeEnv, fmt_shape
+from ..lang.errors import Collector
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
+from ..lang.shapes import ShapeEnv, fmt_shape
 
 _BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "@": "matmul", "^": "pow"}
 _SECTION_PREFIX = {"dim": "dim", "constant": "const", "view": "view", "gate": "gate",

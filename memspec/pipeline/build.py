@@ -20,10 +20,10 @@ import types
 from pathlib import Path
 from typing import Union
 
-from .codegen import class_name, generate
-from .emit import write_atomic
-from .errors import SpecError
-from .spec import Spec
+from ..codegen.module import class_name, generate
+from .write import write_atomic
+from ..lang.errors import SpecError
+from ..lang.spec import Spec
 
 SpecLike = Union[Spec, str, Path]
 
@@ -32,7 +32,7 @@ def _load(spec_or_path: SpecLike) -> tuple[Spec, str | None, str | None]:
     """(spec, path as written in the header, source text)."""
     if isinstance(spec_or_path, Spec):
         return spec_or_path, spec_or_path.path, None
-    from .frontend import load
+    from ..lang.frontend import load
 
     path = Path(spec_or_path)
     spec = load(path)
@@ -52,7 +52,7 @@ def _display(path: Path) -> str:
 
 def _checked(spec: Spec) -> None:
     """Run the verifier; raise SpecError with every error."""
-    from .checks import check
+    from ..check.verify import check
 
     _, diags = check(spec)
     errors = [d for d in diags if d.severity == "error"]
@@ -63,7 +63,7 @@ def _checked(spec: Spec) -> None:
 def decide(spec: Spec):
     """The schedule decision (``memspec.schedule.analyse``); raises SpecError for a forced
     schedule the spec does not admit."""
-    from .schedule import analyse
+    from ..schedule.decide import analyse
 
     return analyse(spec)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .expr import BinOp, Call, Expr, Name, Neg, Num, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, unparse
 
 
 class NotDual(Exception):
@@ -71,7 +71,7 @@ class DualForm:
 
 def _sites(spec) -> dict:
     """state -> site kind, for every state of the model; raises NotDual."""
-    from .shapes import ShapeEnv
+    from ..lang.shapes import ShapeEnv
 
     model = spec.model
     env = ShapeEnv.from_spec(spec)
@@ -185,9 +185,9 @@ def _mentions(e: Expr, names: set) -> bool:
 
 def analyse_dual(spec) -> DualForm:
     """The dual form of ``spec``'s mini-batch schedule, or raise :class:`NotDual`."""
-    from .codegen import NotRecurrence, fresh, minibatch_recurrence
-    from .expr import rewrite
-    from .shapes import ShapeEnv
+    from ..codegen.module import NotRecurrence, fresh, minibatch_recurrence
+    from ..lang.expr import rewrite
+    from ..lang.shapes import ShapeEnv
 
     if spec.model is None or spec.loss is None:
         raise NotDual("the spec has no inner model and loss")

@@ -49,10 +49,10 @@ from typing import Iterable, Optional
 
 import networkx as nx
 
-from .errors import Collector, Diagnostic, Span, did_you_mean, sorted_diagnostics
-from .expr import FUNCTIONS, Call, Expr, Name
+from ..lang.errors import Collector, Diagnostic, Span, did_you_mean, sorted_diagnostics
+from ..lang.expr import FUNCTIONS, Call, Expr, Name
 from .graph import lower
-from .shapes import let_order
+from ..lang.shapes import let_order
 
 IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 

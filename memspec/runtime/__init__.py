@@ -1,0 +1,28 @@
+"""Runtime: the torch-only code that generated modules carry.
+
+Every function and class here is copied into generated modules with ``inspect.getsource``,
+so each one is standalone: it uses only ``torch`` (and the standard library), no memspec
+imports and no closures over module state.
+
+* :mod:`.helpers`   -- the language's functions (layernorm, l2norm, ...), input checks, the
+                       compile wrapper, scan helpers of the mini-batch and cache schedules;
+* :mod:`.additive`  -- the additive family's exact chunked kernel;
+* :mod:`.delta`     -- the delta family's exact chunked kernel;
+* :mod:`.wiring`    -- MAC / MAG / MAL around a memory layer.
+
+Kernels
+-------
+Layout (flash-linear-attention): views ``[B, T, H, D]``, per-token scalars
+``[B, T, H]``, states ``[B, H, K, V]``.  Row-vector convention: the probe of a state
+is ``q_t @ S`` and a write is ``outer(k_t, v_t)``.
+
+Decays enter as *log* decays ``log_gamma <= 0``; inside a chunk only
+``exp(L_t - L_s)`` with ``s <= t`` (differences of cumulative log decays, never
+positive) is ever exponentiated; entries outside the causal mask are masked before
+``exp`` (to ``-inf``, or zeroed where only the strictly-lower part is read) so that
+neither the values nor their gradients can overflow into NaN.  All arithmetic runs in
+float32 or wider; the results are cast back to the input dtype.  T need not be a
+multiple of the chunk size: the last chunk is shorter (the delta kernel pads only its
+per-token scalars).  Chunks are processed in groups sized so that temporaries stay
+small (about 512 KB on CPU): larger ones are page-faulted back on every call.
+"""
