@@ -32,6 +32,8 @@ at the offending span and carries its own code:
                        a model using a view, gate or let: the model is f(u; state))
 ``E-state-unwritten``  a state no update statement assigns
 ``E-state-unread``     a state whose value never reaches the output
+``E-size``             a parameter or state tensor (or all of them) too large to allocate
+                       (:mod:`memspec.check.sizes`; the message gives the bytes)
 ``W-state-temporary``  (warning) a state always overwritten before it is read in a
                        step (a per-token temporary carried for nothing)
 ``W-unused``           (warning) a let/view/gate/param/constant/dim/model/loss
@@ -50,8 +52,10 @@ from typing import Iterable, Optional
 import networkx as nx
 
 from ..lang.errors import Collector, Diagnostic, Span, did_you_mean, sorted_diagnostics
+from ..lang.limits import MAX_NAME_CHARS, MAX_QUOTED_CHARS, quote
 from ..lang.expr import FUNCTIONS, Call, Expr, Name
 from .graph import lower
+from .sizes import size_problems
 from ..lang.shapes import let_order
 
 IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -85,6 +89,8 @@ def identifier_problem(name: str) -> Optional[tuple[str, str]]:
     """Why ``name`` cannot be a spec identifier, as (message tail, hint), or None."""
     if isinstance(name, str) and name.startswith("_") and IDENT_RE.fullmatch("a" + name.lstrip("_")):
         return ("starts with '_'", "names starting with '_' (and dunders like __class__) belong to Python")
+    if isinstance(name, str) and len(name) > MAX_NAME_CHARS:
+        return (f"is too long ({len(name)} characters; at most {MAX_NAME_CHARS})", "choose a shorter name")
     if not isinstance(name, str) or not IDENT_RE.fullmatch(name):
         return ("is not a plain identifier",
                 "names are a letter followed by letters, digits or '_' (no spaces or punctuation)")
@@ -438,6 +444,12 @@ class _Checker:
             self.d.warning("the loss is never used: no update statement takes grad(loss, ...)", spec.loss.span,
                            hint="remove it, or write an update like W = W - eta * grad(loss, W)", code="W-unused")
 
+    def sizes(self) -> None:
+        """Parameters and state that could not be allocated (memspec.check.sizes)."""
+        for message, path in size_problems(self.spec):
+            self.d.error(message, self.span(*path) or self.span("dims"),
+                         hint="lower the dims (memspec.build(spec, d_k=...) sets them at build time)", code="E-size")
+
     def all_exprs(self) -> Iterable[Expr]:
         for _, e in self.other_exprs():
             yield e
@@ -458,6 +470,7 @@ class _Checker:
         self.updates()
         self.loss_scalar()
         self.states()
+        self.sizes()
         # warnings only for an otherwise valid spec: with errors they are mostly echoes
         if not self.d.errors:
             self.grad_dependence()
@@ -471,9 +484,9 @@ _EXPRESSION_CODES = frozenset({"E-unknown-name", "E-unknown-function", "E-arity"
 
 def _q(name: str) -> str:
     """A name quoted for messages; odd names are shown with their escapes."""
-    if isinstance(name, str) and name.isprintable() and "'" not in name:
+    if isinstance(name, str) and name.isprintable() and "'" not in name and len(name) <= MAX_QUOTED_CHARS:
         return f"'{name}'"
-    return repr(name)
+    return quote(name)
 
 
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import linecache
+import os
 import sys
 import types
 from pathlib import Path
@@ -23,6 +24,8 @@ from typing import Union
 from ..codegen.module import class_name, generate
 from .write import write_atomic
 from ..lang.errors import SpecError
+from ..lang.source import read_text
+from ..lang.limits import MAX_SIZE, quote
 from ..lang.spec import Spec
 
 SpecLike = Union[Spec, str, Path]
@@ -36,17 +39,13 @@ def _load(spec_or_path: SpecLike) -> tuple[Spec, str | None, str | None]:
 
     path = Path(spec_or_path)
     spec = load(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        text = None
-    return spec, _display(path), text
+    return spec, _display(path), read_text(path)
 
 
 def _display(path: Path) -> str:
     try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
+        return Path(os.path.abspath(path)).relative_to(os.getcwd()).as_posix()
+    except (ValueError, OSError):
         return path.as_posix()
 
 
@@ -88,10 +87,7 @@ def compile_checked(spec: Spec, path: Union[str, Path], out_dir: Union[str, Path
     """For the CLI: ``spec`` already loaded and checked from ``path``; writes the module and
     returns ``(out_path, "schedule: ...")``."""
     p = Path(path)
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        text = None
+    text = read_text(p)
     decision = decide(spec)
     code = generate(spec, decision, source_path=_display(p), source_text=text)
     out = Path(out_dir) / f"{spec.name}.py"
@@ -165,4 +161,12 @@ def _check_dims(spec: Spec, dims: dict, wiring: bool = False) -> None:
         if k == "persistent" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
             continue   # no persistent tokens
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"dim {k} must be a positive integer, got {v!r}")
+            raise ValueError(f"dim {k} must be a positive integer, got {quote(v)}")
+        if v > MAX_SIZE:
+            raise ValueError(f"dim {k} is at most {MAX_SIZE}, got {v}")
+    from ..check.sizes import size_problems
+
+    sizes = {k: v for k, v in dims.items() if k in ("segment", "window", "persistent")}
+    problems = size_problems(spec, {k: v for k, v in dims.items() if k not in sizes}, sizes)
+    if problems:
+        raise ValueError(f"{spec.name} with these dims cannot be allocated: {problems[0][0]}")
