@@ -32,6 +32,8 @@ at the offending span and carries its own code:
                        a model using a view, gate or let: the model is f(u; state))
 ``E-state-unwritten``  a state no update statement assigns
 ``E-state-unread``     a state whose value never reaches the output
+``E-limit``            an expression that grows past the limits once inlined
+                       (:mod:`memspec.check.complexity`)
 ``E-size``             a parameter or state tensor (or all of them) too large to allocate
                        (:mod:`memspec.check.sizes`; the message gives the bytes)
 ``W-state-temporary``  (warning) a state always overwritten before it is read in a
@@ -54,6 +56,7 @@ import networkx as nx
 from ..lang.errors import Collector, Diagnostic, Span, did_you_mean, sorted_diagnostics
 from ..lang.limits import MAX_NAME_CHARS, MAX_QUOTED_CHARS, quote
 from ..lang.expr import FUNCTIONS, Call, Expr, Name
+from .complexity import inlined_problems
 from .graph import lower
 from .sizes import size_problems
 from ..lang.shapes import let_order
@@ -502,6 +505,10 @@ def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
 def check(spec) -> tuple[nx.DiGraph, list[Diagnostic]]:
     """Lower ``spec`` and verify it: the graph and every diagnostic (errors and
     warnings, sorted by position).  The spec is valid when no diagnostic is an error."""
+    too_large = inlined_problems(spec)
+    if too_large:   # checked first: lowering and every later phase inline
+        return nx.DiGraph(), [Diagnostic("error", m, sp, "name fewer, smaller steps; memspec inlines lets, "
+                                         "temporaries and the model", "E-limit") for m, sp in too_large]
     graph = lower(spec)
     return graph, _Checker(spec, graph).run()
 

@@ -132,6 +132,24 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
+def json_printable(text: str) -> str:
+    """JSON text with every non-printable character but the newline written as a ``\\uXXXX``
+    escape (astral ones as a surrogate pair): the same JSON value, safe on a terminal."""
+    if text.isprintable():
+        return text
+
+    def esc(ch: str) -> str:
+        if ch == "\n" or ch.isprintable():
+            return ch
+        o = ord(ch)
+        if o > 0xFFFF:
+            o -= 0x10000
+            return f"\\u{0xD800 + (o >> 10):04x}\\u{0xDC00 + (o & 0x3FF):04x}"
+        return f"\\u{o:04x}"
+
+    return "".join(esc(ch) for ch in text)
+
+
 def _bounded(text: str) -> str:
     text = printable(text)
     if len(text) > MAX_MESSAGE_CHARS:

@@ -18,8 +18,12 @@ MAX_EXPR_CHARS = 4_000
 MAX_EXPR_DEPTH = 64
 """Nesting depth of one expression (operators, calls, parentheses, unary minus)."""
 
-MAX_INLINED_DEPTH = 256
-"""Nesting depth of an expression once lets, temporaries and the model are inlined."""
+MAX_INLINED_DEPTH = 128
+"""Nesting depth of an expression once lets, temporaries, earlier update statements, the
+loss and the model are inlined (as the schedule analysis and the generator inline them)."""
+
+MAX_INLINED_NODES = 20_000
+"""Nodes of an expression once inlined the same way (``b2 = b1 * b1`` doubles with each let)."""
 
 MAX_NUMBER_CHARS = 100
 """Characters of one number literal (YAML or `.mem`)."""

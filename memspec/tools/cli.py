@@ -83,7 +83,7 @@ def cmd_check(args) -> int:
             status = 1
             continue
         if not args.quiet:
-            print(f"{path}: ok")
+            print(f"{printable(path)}: ok")
     return status
 
 
