@@ -190,8 +190,13 @@ def test_nonlinear_model_is_minibatch_and_forced_chunk_is_located_error():
     assert "needs an exact chunk form" in diag.message
     assert "not polynomial in W (gelu(u @ W))" in diag.hint and "minibatch(N)" in diag.hint
     auto = analyse(mem(text.replace("schedule chunk(32)", "")))
-    assert auto.family == "minibatch" and not auto.exact and auto.chunk == 64
-    assert isinstance(auto.plan, MinibatchPlan)
+    # auto picks only exact schedules: online, with the approximate mini-batch admitted (asked for by name)
+    assert auto.family == "online" and auto.exact and auto.chunk is None
+    assert auto.admits == ("minibatch", "online") and auto.schedules == ("minibatch", "online")
+    assert isinstance(auto.plans["minibatch"], MinibatchPlan) and auto.plans["minibatch"].chunk == 64
+    assert "ask for it with `schedule: minibatch(N)`" in explain(mem(text.replace("schedule chunk(32)", "")))
+    asked = analyse(mem(text.replace("schedule chunk(32)", "schedule minibatch(64)")))
+    assert asked.family == "minibatch" and not asked.exact and asked.chunk == 64
 
 
 def test_forced_schedules():
@@ -244,6 +249,7 @@ def test_titans_recurrences():
           W2 = (1 - alpha) * W2 + U2
         }
         read = f(q)
+        schedule minibatch(64)
     """))
     assert d.family == "minibatch" and d.admits == ("minibatch", "online")
     coef = d.plan.coef

@@ -127,8 +127,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
         fam = "minibatch"
     elif kind == "online":
         fam = "online"
-    else:   # auto: the first admitted family
-        fam = admits[0]
+    else:   # auto: the first admitted exact family
+        fam = next(f.name for f in FAMILIES if f.exact and f.name in plans)
     reasons = list(whys[fam])
     if fam == "online" and "additive" in rej and additive.additive_states_ok(alg):
         reasons.append(f"the updates of {', '.join(alg.states)} are additive running sums (S <- g*S + A, A "
