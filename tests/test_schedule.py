@@ -322,7 +322,7 @@ def _build(spec):
     d = analyse(spec)
     em = ExprEmitter(spec)
     family = EMITTERS[d.family]
-    lines = forward_lines(spec, family.body, d.plan, em, chunk="chunk", lets=True)
+    lines = forward_lines(spec, family.body, d.plan, em, d.let_forms, chunk="chunk", lets=True)
     args = ", ".join([*spec.views, *spec.gates])
     body = textwrap.indent("\n".join(lines), "    ")
     helper_src = "\n\n".join(inspect.getsource(getattr(helpers, h)) for h in sorted(em.helpers))

@@ -78,6 +78,7 @@ class ScheduleDecision:
     rejected: tuple[tuple[str, str], ...] = ()  # (family, why not) for the families not admitted
     schedules: tuple[str, ...] = ()  # the schedules the generated module carries, in table order
     chunks: dict = field(default_factory=dict, compare=False)  # chunked family -> its chunk size
+    let_forms: tuple = ()       # (inlined value, let name) of every let, as the analysis read them
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -140,7 +141,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
     schedules = tuple(f.name for f in FAMILIES if f.name in plans and (f.name == fam or f.carried))
     return ScheduleDecision(fam, BY_NAME[fam].exact, chunks.get(fam), tuple(reasons), plans[fam], admits,
                             plans, tuple(rejected), schedules,
-                            {f: c for f, c in chunks.items() if f in schedules})
+                            {f: c for f, c in chunks.items() if f in schedules},
+                            tuple((inl, n) for n, inl in alg.lets.items()))
 
 
 def explain(spec, decision: ScheduleDecision | None = None) -> str:
