@@ -59,7 +59,7 @@ from ..lang.expr import FUNCTIONS, Call, Expr, Name
 from .complexity import inlined_problems
 from .graph import lower
 from .sizes import size_problems
-from ..lang.names import RESERVED_NAMES
+from ..lang.names import RESERVED_NAMES, class_names, runtime_names, shadows_module
 from ..lang.shapes import let_order
 
 IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -81,8 +81,9 @@ SECTIONS = (
 LAYER_DIMS = frozenset({"d_model", "heads"})
 
 
-def identifier_problem(name: str) -> Optional[tuple[str, str]]:
-    """Why ``name`` cannot be a spec identifier, as (message tail, hint), or None."""
+def identifier_problem(name: str, spec_name: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """Why ``name`` cannot be a spec identifier, as (message tail, hint), or None.  With
+    ``spec_name``, also the names of the classes that spec's module defines."""
     if isinstance(name, str) and name.startswith("_") and IDENT_RE.fullmatch("a" + name.lstrip("_")):
         return ("starts with '_'", "names starting with '_' (and dunders like __class__) belong to Python")
     if isinstance(name, str) and len(name) > MAX_NAME_CHARS:
@@ -97,6 +98,13 @@ def identifier_problem(name: str) -> Optional[tuple[str, str]]:
     if name in RESERVED_NAMES:
         return ("is reserved: the generated code uses it",
                 "reserved names: " + ", ".join(sorted(RESERVED_NAMES, key=str.lower)))
+    if name in runtime_names():
+        return ("is reserved: the generated module defines it",
+                "the generated module defines " + ", ".join(sorted(n for n in runtime_names() if not n.startswith("_")))
+                + "; choose another name")
+    if spec_name is not None and name in class_names(spec_name):
+        return ("is the name of a class the generated module defines",
+                f"{spec_name} generates {', '.join(sorted(class_names(spec_name)))}; choose another name")
     if name in BUILTIN_NAMES:
         return ("is a Python builtin", "generated code would shadow it; choose another name")
     return None
@@ -121,11 +129,15 @@ class _Checker:
         if keyword.iskeyword(spec.name):
             self.d.error(f"the spec name '{spec.name}' is a Python keyword", self.span("name"),
                          hint="the compiled module is compiled/<name>.py; choose another name", code="E-identifier")
+        elif shadows_module(spec.name):
+            self.d.error(f"the spec name '{spec.name}' is the name of a Python module", self.span("name"),
+                         hint=f"compiled/{spec.name}.py would shadow the module {spec.name} for code run in that "
+                              f"folder; choose another name", code="E-identifier")
         seen: dict[str, tuple[str, Optional[Span]]] = {}
         for section, word in SECTIONS:
             for n in getattr(spec, section):
                 sp = self.span(section, n)
-                prob = identifier_problem(n)
+                prob = identifier_problem(n, spec.name)
                 if prob is not None:
                     self.bad_names.add(n)
                     self.d.error(f"{word} name {_q(n)} {prob[0]}", sp, hint=prob[1], code="E-identifier")
@@ -146,7 +158,7 @@ class _Checker:
         if m is None:
             return
         for what, n, sp in (("model name", m.name, m.name_span), ("model argument", m.arg, m.arg_span)):
-            prob = identifier_problem(n)
+            prob = identifier_problem(n, spec.name)
             if prob is not None:
                 self.bad_names.add(n)
                 self.d.error(f"{what} {_q(n)} {prob[0]}", sp or m.span, hint=prob[1], code="E-identifier")
@@ -259,7 +271,7 @@ class _Checker:
             self.d.error(f"the temporary {_q(t)} would shadow {shadowed[t]}", tsp,
                          hint="give the temporary a name of its own, e.g. g", code="E-temp-shadow")
             return
-        prob = identifier_problem(t)
+        prob = identifier_problem(t, self.spec.name)
         if prob is not None:
             self.bad_names.add(t)
             self.d.error(f"temporary name {_q(t)} {prob[0]}", tsp, hint=prob[1], code="E-identifier")

@@ -36,6 +36,7 @@ from ..lang.limits import MAX_SIZE, quote
 from ..lang.source import read_text
 from ..lang.spec import Spec
 from ..schedule import ScheduleDecision, analyse
+from .source_check import check_source
 from .write import write_atomic
 
 SpecLike = Union[Spec, str, Path]
@@ -103,7 +104,9 @@ def compile_with_decision(spec_or_path: SpecLike | Checked, out_dir: Union[str, 
     checked = load_checked(spec_or_path)
     decision = decide(checked.spec)
     out = Path(out_dir) / f"{checked.spec.name}.py"
-    write_atomic(out, generate_source(checked, decision))
+    text = generate_source(checked, decision)
+    check_source(text, checked.spec, str(out))   # before anything is written: an internal error writes nothing
+    write_atomic(out, text)
     return out, decision
 
 
@@ -114,14 +117,16 @@ def decision_text(decision: ScheduleDecision) -> str:
     return f"schedule {decision.family}{chunk}, {kind}"
 
 
-def load_module(text: str, name: str) -> types.ModuleType:
+def load_module(text: str, name: str, spec: Spec | None = None) -> types.ModuleType:
     """Execute generated module text as a fresh module; its source is registered in
-    linecache under a pseudo file name, so tracebacks show the generated lines."""
+    linecache under a pseudo file name, so tracebacks show the generated lines.  The text
+    passes :func:`~.source_check.check_source` first (as ``compile`` checks it before writing)."""
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
     modname = f"memspec_compiled_{name}_{digest}"
     if modname in sys.modules:
         return sys.modules[modname]
     filename = f"<memspec compiled/{name}.py {digest}>"
+    check_source(text, spec, filename)
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     mod = types.ModuleType(modname)
     mod.__file__ = filename
@@ -132,7 +137,7 @@ def load_module(text: str, name: str) -> types.ModuleType:
 
 def _module(spec_or_path: SpecLike | Checked):
     checked = load_checked(spec_or_path)
-    return checked.spec, load_module(generate_source(checked), checked.spec.name)
+    return checked.spec, load_module(generate_source(checked), checked.spec.name, checked.spec)
 
 
 def build(spec_or_path: SpecLike | Checked, *, compile: bool = True, **dims):  # noqa: A002
