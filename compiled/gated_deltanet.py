@@ -327,6 +327,8 @@ class GatedDeltanetMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by gated_deltanet: use \"auto\" or one of delta, minibatch, online")
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, eta, alpha, state)
         if schedule == 'delta':
@@ -525,7 +527,7 @@ class GatedDeltanetLayer(nn.Module):
         logit = self.alpha_proj(x)  # [B, T, H]
         alpha = 1 - torch.exp(-F.softplus(logit))  # [B, T, H]
         o, state = self.memory(q, k, v, eta=eta, alpha=alpha, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -536,4 +538,4 @@ class GatedDeltanetLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_v]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

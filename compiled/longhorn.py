@@ -306,6 +306,8 @@ class LonghornMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by longhorn: use \"auto\" or one of delta, minibatch, online")
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, eta, state)
         if schedule == 'delta':
@@ -504,7 +506,7 @@ class LonghornLayer(nn.Module):
         logit = self.eta_proj(x)  # [B, T, H]
         eta = torch.sigmoid(logit)  # [B, T, H]
         o, state = self.memory(q, k, v, eta=eta, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -515,4 +517,4 @@ class LonghornLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_v]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

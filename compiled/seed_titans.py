@@ -160,6 +160,8 @@ class SeedTitansMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by seed_titans: use \"auto\" or one of minibatch, online")
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, state)
         return self._forward_online(q, k, v, state)
@@ -391,7 +393,7 @@ class SeedTitansLayer(nn.Module):
         k = self.k_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         v = self.v_proj(x).view(B, T, self.heads, self.memory.d_v)  # [B, T, H, d_v]
         o, state = self.memory(q, k, v, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -402,4 +404,4 @@ class SeedTitansLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_v]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

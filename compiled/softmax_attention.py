@@ -155,6 +155,8 @@ class SoftmaxAttentionMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by softmax_attention: use \"auto\" or one of cache, online")
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'cache':
             return self._forward_cache(q, k, v, state)
         return self._forward_online(q, k, v, state)
@@ -263,5 +265,5 @@ class SoftmaxAttentionLayer(nn.Module):
         k = self.k_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         v = self.v_proj(x).view(B, T, self.heads, self.memory.d_v)  # [B, T, H, d_v]
         o, state = self.memory(q, k, v, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y

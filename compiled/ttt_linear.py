@@ -164,6 +164,8 @@ class TttLinearMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by ttt_linear: use \"auto\" or one of minibatch, online")
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_k), state
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, eta, state)
         return self._forward_online(q, k, v, eta, state)
@@ -361,7 +363,7 @@ class TttLinearLayer(nn.Module):
         logit = self.eta_proj(x)  # [B, T, H]
         eta = 1.0 * torch.sigmoid(logit) / self.memory.d_k  # [B, T, H]
         o, state = self.memory(q, k, v, eta=eta, state=state)  # [B, T, H, d_k]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -372,4 +374,4 @@ class TttLinearLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_k]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

@@ -165,6 +165,8 @@ class YaadMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by yaad: use \"auto\" or one of minibatch, online")
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, eta, alpha, state)
         return self._forward_online(q, k, v, eta, alpha, state)
@@ -377,7 +379,7 @@ class YaadLayer(nn.Module):
         logit = self.alpha_proj(x)  # [B, T, H]
         alpha = torch.sigmoid(logit)  # [B, T, H]
         o, state = self.memory(q, k, v, eta=eta, alpha=alpha, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -388,4 +390,4 @@ class YaadLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_v]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

@@ -70,7 +70,7 @@ def layer_class(ctx, L):
             kw = "".join(f"{g}={g}, " for g in ctx.gates)
             L(f"o, state = self.memory({', '.join(ctx.views)}, {kw}state=state)",
               shape_text("B, T, H", rshape))
-            L(f"y = self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
+            L("y = self.o_proj(o.flatten(2))", "[B, T, d_model]")
             L("return (y, state) if return_state else y")
         rviews = ctx.read_views()
         if rviews is not None:
@@ -81,7 +81,7 @@ def layer_class(ctx, L):
                   "(default: the initial one), with no write." + '"""')
                 layer_views(ctx, L, rviews, B, T)
                 L(f"o = self.memory.read({', '.join(rviews)}, state=state)", shape_text("B, T, H", rshape))
-                L(f"return self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
+                L("return self.o_proj(o.flatten(2))", "[B, T, d_model]")
     if wired:
         L()
         L()

@@ -306,6 +306,10 @@ def forward(ctx, L):
         L("if schedule not in self.SCHEDULES:")
         L(f"    raise ValueError(f\"schedule {{schedule!r}} is not admitted by {spec.name}: use \\\"auto\\\" or one of "
           f"{', '.join(ctx.schedules)}\")")
+        T = ctx.locals_bt().split(",")[1].strip()
+        out_dims = "".join(f", self.{ctx.attr.get(x, x)}" for x in ctx.read_shape())
+        L(f"if {T} == 0:", "no tokens: every schedule returns an empty output and the state as it was")
+        L(f"    return {ctx.first}.new_zeros({B}, 0, {ctx.first}.shape[2]{out_dims}), state")
         args = ", ".join(ctx.views + ctx.gates + ["state"])
         for fam in ("minibatch", "cache", "additive", "delta"):
             if fam in ctx.schedules:
