@@ -72,6 +72,27 @@ class _Compiled:
         return self.fn(*args)
 
 
+def _finite_prefix(*xs):
+    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
+    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
+    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
+    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
+    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
+    ok = None
+    for x in xs:
+        f = torch.isfinite(x)
+        if f.dim() > 3:
+            f = f.flatten(3).all(-1)
+        ok = f if ok is None else ok & f
+    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
+
+
+def _where_ok(ok, x, fill):
+    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
+    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x, torch.full((), fill, dtype=x.dtype,
+                       device=x.device))
+
+
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -280,7 +301,10 @@ class MonetaMemory(nn.Module):
                 W1_start, W2_start = W1, W2  # a new chunk starts here
             n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n], alpha[:, t:t + n])
+            ok = _finite_prefix(q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n], alpha[:, t:t + n])  # [B, n, H]: tokens before the chunk's first non-finite input
+            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, _where_ok(ok, q[:, t:t + n], 0.0), _where_ok(ok, k[:, t:t + n], 0.0), _where_ok(ok, v[:, t:t + n], 0.0), _where_ok(ok, eta[:, t:t + n], 0.0), _where_ok(ok, alpha[:, t:t + n], 0.0))
+            o_c = _where_ok(ok, o_c, float("nan"))  # from a non-finite token on, non-finite (as online)
+            W1, W2 = _where_ok(ok[:, -1], W1, float("nan")), _where_ok(ok[:, -1], W2, float("nan"))
             outputs.append(o_c)
             t, pos = t + n, (pos + n) % C
         state = {'W1': W1, 'W2': W2}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..lang.expr import Name, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _decay_matrix, _linear_scan
+from ..runtime.helpers import _decay_matrix, _finite_prefix, _linear_scan, _where_ok
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import term_add, term_mul
 from . import dual
@@ -74,10 +74,18 @@ def emit(ctx, L) -> None:
                 L("    pass")
             L(f"{n} = min({c} - {pos}, {T} - {t})")
             L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-            args = list(starts.values()) + cur + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
+            ok = fresh("ok", taken)
+            L(f"{ok} = _finite_prefix({', '.join(f'{x}[:, {t}:{t} + {n}]' for x in sv)})",
+              "[B, n, H]: tokens before the chunk's first non-finite input")
+            args = list(starts.values()) + cur + [f"_where_ok({ok}, {x}[:, {t}:{t} + {n}], 0.0)" for x in sv]
             L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
+            nan = 'float("nan")'
+            L(f"{o_c} = _where_ok({ok}, {o_c}, {nan})", "from a non-finite token on, non-finite (as online)")
+            L(f"{', '.join(cur)} = {', '.join(f'_where_ok({ok}[:, -1], {s}, {nan})' for s in cur)}")
             L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
+        ctx.need(_finite_prefix)
+        ctx.need(_where_ok)
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
         L(f"if {pos}:")
         with L.indent():
