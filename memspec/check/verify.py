@@ -99,9 +99,8 @@ def identifier_problem(name: str, spec_name: Optional[str] = None) -> Optional[t
         return ("is reserved: the generated code uses it",
                 "reserved names: " + ", ".join(sorted(RESERVED_NAMES, key=str.lower)))
     if name in runtime_names():
-        return ("is reserved: the generated module defines it",
-                "the generated module defines " + ", ".join(sorted(n for n in runtime_names() if not n.startswith("_")))
-                + "; choose another name")
+        return ("is reserved: memspec's runtime code, which generated modules carry, defines it",
+                "reserved runtime names: " + ", ".join(sorted(n for n in runtime_names() if not n.startswith("_"))))
     if spec_name is not None and name in class_names(spec_name):
         return ("is the name of a class the generated module defines",
                 f"{spec_name} generates {', '.join(sorted(class_names(spec_name)))}; choose another name")

@@ -426,6 +426,7 @@ def parse_error_diagnostic(err: UnexpectedInput, text: str, pos: SourcePos, what
 
 EXPR_RULES = frozenset({"add", "sub", "mul", "div", "matmul", "pow", "neg", "transpose", "call", "number", "name"})
 _NUMBER_TOKENS = frozenset({"NUMBER", "SIGNED_NUMBER", "INT"})
+_EXPR_HOLDERS = frozenset({"let_decl", "gate_decl", "read_decl", "loss_decl", "stmt", "fundef"})
 
 
 def limit_problems(tree, pos: SourcePos) -> list[Diagnostic]:
@@ -443,13 +444,14 @@ def limit_problems(tree, pos: SourcePos) -> list[Diagnostic]:
             continue
         if node is None:
             continue
+        if node.data in _EXPR_HOLDERS and not node.meta.empty and \
+                node.meta.end_pos - node.meta.start_pos > MAX_EXPR_CHARS:   # `.mem`: parentheses count too
+            out.append(Diagnostic("error", f"expression too long ({node.meta.end_pos - node.meta.start_pos} "
+                                           f"characters; at most {MAX_EXPR_CHARS})",
+                                  pos.at(node.meta.line, node.meta.column), code="E-limit",
+                                  hint="name parts of it with let"))
+            continue
         if node.data in EXPR_RULES:
-            if depth == 0 and not node.meta.empty and node.meta.end_pos - node.meta.start_pos > MAX_EXPR_CHARS:
-                out.append(Diagnostic("error", f"expression too long ({node.meta.end_pos - node.meta.start_pos} "
-                                               f"characters; at most {MAX_EXPR_CHARS})",
-                                      pos.at(node.meta.line, node.meta.column), code="E-limit",
-                                      hint="name parts of it with let"))
-                continue
             depth += 1
             if depth > MAX_EXPR_DEPTH:
                 out.append(Diagnostic("error", f"expression nested too deeply (more than {MAX_EXPR_DEPTH} levels "

@@ -147,8 +147,8 @@ def read_raw(path: Path, diags: Collector, chain: tuple[Path, ...] = (), via: Sp
         diags.error(f"cycle of extends: {printable(cycle)}", raw.extends_span, hint="a spec cannot extend itself")
         return None
     if root is not None and not _inside(base_path, root):
-        diags.error(f"extends {quote(raw.extends)} points outside the spec's folder tree "
-                    f"({printable(display_path(root).rstrip('/') + '/')})",
+        diags.error(f"extends {quote(raw.extends)} points outside {printable(display_path(root).rstrip('/') + '/')}, "
+                    f"the folder tree the spec may extend from",
                     raw.extends_span,
                     hint="a spec extends files in its own folder tree (or its project's); to allow others pass "
                          "--allow-extends-outside (memspec.load(path, allow_extends_outside=True))")

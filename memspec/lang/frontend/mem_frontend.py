@@ -62,10 +62,16 @@ class _BadString(Exception):
 
 def _unquote(tok: Token) -> str:
     """The text of a STRING token: JSON's escapes (what ``memspec fmt`` writes), nothing else."""
+    s = str(tok)
     try:
-        return json.loads(str(tok), strict=False)
+        return json.loads(s, strict=False)
     except json.JSONDecodeError as err:
-        raise _BadString(err.pos, f"invalid escape in string ({err.msg.lower()})") from None
+        i = err.pos if s[err.pos:err.pos + 1] == "\\" else max(0, err.pos - 1)
+        j = i + 2
+        while s[i + 1:i + 2] == "u" and j < i + 6 and j < len(s) and s[j] in "0123456789abcdefABCDEF":
+            j += 1
+        esc = s[i:j]
+        raise _BadString(i, f"invalid escape {esc} in a string") from None
     except RecursionError:  # pragma: no cover - a STRING token is flat
         raise _BadString(0, "invalid string") from None
 
