@@ -5,6 +5,7 @@ from __future__ import annotations
 import keyword
 import math
 import re
+import textwrap
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -128,3 +129,14 @@ def _literal(v) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{_literal(k)}: {_literal(x)}" for k, x in v.items()) + "}"
     raise UnsafeValue(f"cannot write a {type(v).__name__} as a literal")
+
+
+def string_pieces(text: str, column: int, width: int = 100) -> list[str]:
+    """``text`` as Python string literals (``repr``: inert, whatever the text holds), split at
+    spaces so that each, starting at ``column``, ends within ``width``; written one per line
+    inside brackets they concatenate back to ``text``."""
+    room = max(20, width - column - 2)
+    words = textwrap.wrap(text, room, break_long_words=False, break_on_hyphens=False,
+                          drop_whitespace=False, replace_whitespace=False) or [text]
+    assert "".join(words) == text
+    return [repr(w) for w in words]
