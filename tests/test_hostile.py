@@ -631,3 +631,35 @@ def test_every_limit_is_documented():
             value = getattr(limits, name)
             assert name in section, name
             assert f"{value:,}" in section or str(value) in section, (name, value)
+
+
+# ------------------------------------------------------------ the one escaping function
+BREAKERS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "\x00",
+            "\ud800", "\\", "\\N", "\\u12", '"', '"""', "'''", "\x1b[2J", "\u202e"]
+
+
+@pytest.mark.parametrize("piece", BREAKERS)
+def test_inert_text_stays_in_its_comment_or_docstring(piece):
+    from memspec.codegen.text import inert
+
+    text = f"a{piece}b{piece}"
+    comment = inert(text, "comment")
+    doc = inert(text, "doc")
+    assert len(comment.splitlines()) == 1 and len(doc.splitlines()) == 1
+    tree = ast.parse(f'"""x {doc}\n"""\nX = 1  # {comment}\n')
+    assert len(tree.body) == 2 and isinstance(tree.body[1], ast.Assign)
+    assert ast.get_docstring(tree, clean=False) == f"x {comment}\n"   # the docstring reads as the comment
+    assert ast.literal_eval(inert(text)) == text                      # and as a literal, the text itself
+
+
+def test_inert_literals_and_names():
+    from memspec.codegen.text import UnsafeValue, inert
+
+    for v in (float("inf"), float("-inf"), 1e-300, -0.0, 3, True, None, ("a",), {"W": ("d_k", "d_v")}):
+        assert repr(eval(inert(v), {})) == repr(v)
+    assert eval(inert(float("nan")), {}) != eval(inert(float("nan")), {})
+    assert "inf" not in inert(float("inf")).replace('"inf"', "")
+    for bad in ("a b", "1x", "def", "x\n", "é"):
+        with pytest.raises(UnsafeValue):
+            inert(bad, "name")
+    assert inert("d_k", "name") == "d_k"
