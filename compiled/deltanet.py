@@ -475,6 +475,11 @@ class DeltanetMemory(nn.Module):
         W = state['W']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
+        # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
+        ok = _finite_prefix(q, k, v, eta)
+        # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
+        q, k, v, eta = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0),
+                _where_ok(ok, eta, 0.0))
         outputs = []
         t = 0
         while t < T:
@@ -483,21 +488,16 @@ class DeltanetMemory(nn.Module):
             n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            # [B, n, H]: tokens before the chunk's first non-finite input
-            ok = _finite_prefix(q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n])
-            o_c, (W,) = fn(W_start, W, _where_ok(ok, q[:, t:t + n], 0.0),
-                    _where_ok(ok, k[:, t:t + n], 0.0), _where_ok(ok, v[:, t:t + n], 0.0),
-                    _where_ok(ok, eta[:, t:t + n], 0.0))
-            # from a non-finite token on, non-finite (as online)
-            o_c = _where_ok(ok, o_c, float("nan"))
-            W = _where_ok(ok[:, -1], W, float("nan"))
+            o_c, (W,) = fn(W_start, W, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n])
             outputs.append(o_c)
             t, pos = t + n, (pos + n) % C
+        # after a non-finite input the state is not finite, as token by token
+        W = _where_ok(ok[:, -1], W, float("nan"))
         state = {'W': W}
         if pos:
             state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
-        return torch.cat(outputs, dim=1), state
+        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
 
     def _chunk_loss(self, z_W, W, v, kn):
         """The inner loss of all C tokens of a chunk at once, at the chunk-start state W [B, H, d_k,

@@ -320,6 +320,10 @@ class SeedTitansMemory(nn.Module):
         W1_start, b1_start, W2_start, b2_start = (state.get("minibatch.W1", W1),
                 state.get("minibatch.b1", b1), state.get("minibatch.W2", W2),
                 state.get("minibatch.b2", b2))
+        # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
+        ok = _finite_prefix(q, k, v)
+        # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
+        q, k, v = _where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0)
         outputs = []
         t = 0
         while t < T:
@@ -328,23 +332,17 @@ class SeedTitansMemory(nn.Module):
             n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            # [B, n, H]: tokens before the chunk's first non-finite input
-            ok = _finite_prefix(q[:, t:t + n], k[:, t:t + n], v[:, t:t + n])
             o_c, (W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2) = fn(W1_start, b1_start, W2_start,
-                    b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2,
-                    _where_ok(ok, q[:, t:t + n], 0.0), _where_ok(ok, k[:, t:t + n], 0.0),
-                    _where_ok(ok, v[:, t:t + n], 0.0))
-            # from a non-finite token on, non-finite (as online)
-            o_c = _where_ok(ok, o_c, float("nan"))
-            W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = (_where_ok(ok[:, -1], W1, float("nan")),
-                    _where_ok(ok[:, -1], b1, float("nan")), _where_ok(ok[:, -1], W2, float("nan")),
-                    _where_ok(ok[:, -1], b2, float("nan")),
-                    _where_ok(ok[:, -1], U_W1, float("nan")),
-                    _where_ok(ok[:, -1], U_b1, float("nan")),
-                    _where_ok(ok[:, -1], U_W2, float("nan")),
-                    _where_ok(ok[:, -1], U_b2, float("nan")))
+                    b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q[:, t:t + n], k[:, t:t + n],
+                    v[:, t:t + n])
             outputs.append(o_c)
             t, pos = t + n, (pos + n) % C
+        # after a non-finite input the state is not finite, as token by token
+        W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = (_where_ok(ok[:, -1], W1, float("nan")),
+                _where_ok(ok[:, -1], b1, float("nan")), _where_ok(ok[:, -1], W2, float("nan")),
+                _where_ok(ok[:, -1], b2, float("nan")), _where_ok(ok[:, -1], U_W1, float("nan")),
+                _where_ok(ok[:, -1], U_b1, float("nan")), _where_ok(ok[:, -1], U_W2, float("nan")),
+                _where_ok(ok[:, -1], U_b2, float("nan")))
         state = {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2, 'U_W1': U_W1, 'U_b1': U_b1, 'U_W2': U_W2,
                 'U_b2': U_b2}
         if pos:
@@ -353,7 +351,7 @@ class SeedTitansMemory(nn.Module):
             state["minibatch.b1"] = b1_start
             state["minibatch.W2"] = W2_start
             state["minibatch.b2"] = b2_start
-        return torch.cat(outputs, dim=1), state
+        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
 
     def _chunk_loss(self, z_W1, z_b1, z_W2, z_b2, W1, b1, W2, b2, k, v):
         """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H,

@@ -425,6 +425,12 @@ class TitansMalMemory(nn.Module):
         W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
+        # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
+        ok = _finite_prefix(q, k, v, eta, mu, alpha)
+        # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
+        q, k, v, eta, mu, alpha = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0),
+                _where_ok(ok, v, 0.0), _where_ok(ok, eta, 0.0), _where_ok(ok, mu, 0.0),
+                _where_ok(ok, alpha, 0.0))
         outputs = []
         t = 0
         while t < T:
@@ -433,26 +439,21 @@ class TitansMalMemory(nn.Module):
             n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            # [B, n, H]: tokens before the chunk's first non-finite input
-            ok = _finite_prefix(q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n],
-                    mu[:, t:t + n], alpha[:, t:t + n])
-            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2,
-                    _where_ok(ok, q[:, t:t + n], 0.0), _where_ok(ok, k[:, t:t + n], 0.0),
-                    _where_ok(ok, v[:, t:t + n], 0.0), _where_ok(ok, eta[:, t:t + n], 0.0),
-                    _where_ok(ok, mu[:, t:t + n], 0.0), _where_ok(ok, alpha[:, t:t + n], 0.0))
-            # from a non-finite token on, non-finite (as online)
-            o_c = _where_ok(ok, o_c, float("nan"))
-            W1, W2, U1, U2 = (_where_ok(ok[:, -1], W1, float("nan")),
-                    _where_ok(ok[:, -1], W2, float("nan")), _where_ok(ok[:, -1], U1, float("nan")),
-                    _where_ok(ok[:, -1], U2, float("nan")))
+            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, q[:, t:t + n],
+                    k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n], mu[:, t:t + n],
+                    alpha[:, t:t + n])
             outputs.append(o_c)
             t, pos = t + n, (pos + n) % C
+        # after a non-finite input the state is not finite, as token by token
+        W1, W2, U1, U2 = (_where_ok(ok[:, -1], W1, float("nan")),
+                _where_ok(ok[:, -1], W2, float("nan")), _where_ok(ok[:, -1], U1, float("nan")),
+                _where_ok(ok[:, -1], U2, float("nan")))
         state = {'W1': W1, 'W2': W2, 'U1': U1, 'U2': U2}
         if pos:
             state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.W2"] = W2_start
-        return torch.cat(outputs, dim=1), state
+        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
 
     def _chunk_loss(self, z_W1, z_W2, W1, W2, kn, vs):
         """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H,

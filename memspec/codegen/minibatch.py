@@ -63,6 +63,11 @@ def emit(ctx, L) -> None:
         if starts:
             L(f"{', '.join(starts.values())} = "
               f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
+        ok = fresh("ok", taken)
+        L(f"{ok} = _finite_prefix({', '.join(sv)})",
+          "[B, T, H]: the tokens before the first non-finite input (of each batch row and head)")
+        L(f"{', '.join(sv)} = {', '.join(f'_where_ok({ok}, {x}, 0.0)' for x in sv)}",
+          "masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products")
         L(f"{outs} = []")
         L(f"{t} = 0")
         L(f"while {t} < {T}:")
@@ -74,25 +79,22 @@ def emit(ctx, L) -> None:
                 L("    pass")
             L(f"{n} = min({c} - {pos}, {T} - {t})")
             L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-            ok = fresh("ok", taken)
-            L(f"{ok} = _finite_prefix({', '.join(f'{x}[:, {t}:{t} + {n}]' for x in sv)})",
-              "[B, n, H]: tokens before the chunk's first non-finite input")
-            args = list(starts.values()) + cur + [f"_where_ok({ok}, {x}[:, {t}:{t} + {n}], 0.0)" for x in sv]
+            args = list(starts.values()) + cur + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
             L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
-            nan = 'float("nan")'
-            L(f"{o_c} = _where_ok({ok}, {o_c}, {nan})", "from a non-finite token on, non-finite (as online)")
-            L(f"{', '.join(cur)} = {', '.join(f'_where_ok({ok}[:, -1], {s}, {nan})' for s in cur)}")
             L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
         ctx.need(_finite_prefix)
         ctx.need(_where_ok)
+        nan = 'float("nan")'
+        L(f"{', '.join(cur)} = {', '.join(f'_where_ok({ok}[:, -1], {x}, {nan})' for x in cur)}",
+          "after a non-finite input the state is not finite, as token by token")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
         L(f"if {pos}:")
         with L.indent():
             L(f"state[\"minibatch.pos\"] = {pos}")
             for s, v in starts.items():
                 L(f"state[\"minibatch.{s}\"] = {v}")
-        L(f"return torch.cat({outs}, dim=1), state")
+        L(f"return _where_ok({ok}, torch.cat({outs}, dim=1), {nan}), state")
     L()
     plan = ctx.plans["minibatch"]
     if plan.dual is not None:
