@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import yaml
 
-from .errors import Diagnostic, Span, SpecError
+from .errors import Diagnostic, Span, SpecError, json_printable
 from .limits import quote
 from .expr import format_number, unparse
 from .spec import Gate, Param, Spec, State, Wiring
@@ -252,7 +252,7 @@ def to_yaml(spec: Spec) -> str:
 # ----------------------------------------------------------------------- to_mem
 def _mem_string(s: str) -> str:
     """A `.mem` STRING (JSON's escapes: the frontend reads it with json.loads)."""
-    return json.dumps(s, ensure_ascii=False)
+    return json_printable(json.dumps(s, ensure_ascii=False))   # no raw control character reaches a terminal
 
 
 def _mem_number(v) -> str:
