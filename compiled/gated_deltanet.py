@@ -12,7 +12,6 @@ Cite: Yang, Kautz & Hatamizadeh 2024, Gated Delta Networks: Improving Mamba2 wit
 GatedDeltanetMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 GatedDeltanetLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
@@ -276,7 +275,6 @@ class GatedDeltanetMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = ('eta', 'alpha', )
     STATE = {'W': ('d_k', 'd_v', )}
-    CACHES = {}
     LOSS_STATES = ('W', )
     SCHEDULES = ('delta', 'minibatch', 'online', )
     DEFAULT_SCHEDULE = 'delta'
@@ -322,8 +320,6 @@ class GatedDeltanetMemory(nn.Module):
         B, T = self._check_inputs({'q': q, 'k': k, 'v': v}, {'eta': eta, 'alpha': alpha})
         state = self._check_state(state, B, q)
         if schedule == "auto":
-            schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by gated_deltanet: use \"auto\" or one of delta, minibatch, online")
@@ -375,10 +371,8 @@ class GatedDeltanetMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def f(self, u, W):
@@ -432,11 +426,11 @@ class GatedDeltanetMemory(nn.Module):
         Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
-        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
         W = state['W']
-        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
         outputs = []
         t = 0
@@ -450,7 +444,7 @@ class GatedDeltanetMemory(nn.Module):
             t, pos = t + n, (pos + n) % C
         state = {'W': W}
         if pos:
-            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
         return torch.cat(outputs, dim=1), state
 

@@ -12,7 +12,6 @@ Cite: Katharopoulos, Vyas, Pappas & Fleuret 2020, Transformers are RNNs: Fast Au
 LinearAttentionMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 LinearAttentionLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
@@ -199,7 +198,6 @@ class LinearAttentionMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = ()
     STATE = {'S': ('d_k', 'd_v', ), 'z': ('d_k', )}
-    CACHES = {}
     LOSS_STATES = ()
     SCHEDULES = ('additive', 'online', )
     DEFAULT_SCHEDULE = 'additive'
@@ -243,8 +241,6 @@ class LinearAttentionMemory(nn.Module):
         B, T = self._check_inputs({'q': q, 'k': k, 'v': v}, {})
         state = self._check_state(state, B, q)
         if schedule == "auto":
-            schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by linear_attention: use \"auto\" or one of additive, online")
@@ -292,10 +288,8 @@ class LinearAttentionMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def read(self, q, *, state=None):

@@ -12,12 +12,10 @@ Cite: von Oswald et al. 2025, MesaNet: Sequence Modeling by Locally Optimal Test
 MesaMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 MesaLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -90,7 +88,6 @@ class MesaMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = ('eta', 'alpha', )
     STATE = {'H': ('d_k', 'd_k', ), 'G': ('d_k', 'd_v', )}
-    CACHES = {}
     LOSS_STATES = ()
     SCHEDULES = ('online', )
     DEFAULT_SCHEDULE = 'online'
@@ -136,8 +133,6 @@ class MesaMemory(nn.Module):
         B, T = self._check_inputs({'q': q, 'k': k, 'v': v}, {'eta': eta, 'alpha': alpha})
         state = self._check_state(state, B, q)
         if schedule == "auto":
-            schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by mesa: use \"auto\" or one of online")
@@ -185,10 +180,8 @@ class MesaMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def read(self, q, *, state=None):

@@ -13,7 +13,6 @@ Cite: seed snippet ../shared/seeds/000_8f00733f6cd09350.txt; Behrouz et al. 2024
 SeedTitansMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 SeedTitansLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
@@ -103,7 +102,6 @@ class SeedTitansMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = ()
     STATE = {'W1': ('d_k', 'hidden', ), 'b1': ('hidden', ), 'W2': ('hidden', 'd_v', ), 'b2': ('d_v', ), 'U_W1': ('d_k', 'hidden', ), 'U_b1': ('hidden', ), 'U_W2': ('hidden', 'd_v', ), 'U_b2': ('d_v', )}
-    CACHES = {}
     LOSS_STATES = ('W1', 'b1', 'W2', 'b2', )
     SCHEDULES = ('minibatch', 'online', )
     DEFAULT_SCHEDULE = 'online'
@@ -156,8 +154,6 @@ class SeedTitansMemory(nn.Module):
         state = self._check_state(state, B, q)
         if schedule == "auto":
             schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
-            schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by seed_titans: use \"auto\" or one of minibatch, online")
         if schedule == 'minibatch':
@@ -204,10 +200,8 @@ class SeedTitansMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def f(self, u, W1, b1, W2, b2):
@@ -267,11 +261,11 @@ class SeedTitansMemory(nn.Module):
         Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
-        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
         W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = state['W1'], state['b1'], state['W2'], state['b2'], state['U_W1'], state['U_b1'], state['U_W2'], state['U_b2']
-        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, b1_start, W2_start, b2_start = state.get("minibatch.W1", W1), state.get("minibatch.b1", b1), state.get("minibatch.W2", W2), state.get("minibatch.b2", b2)
         outputs = []
         t = 0
@@ -285,7 +279,7 @@ class SeedTitansMemory(nn.Module):
             t, pos = t + n, (pos + n) % C
         state = {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2, 'U_W1': U_W1, 'U_b1': U_b1, 'U_W2': U_W2, 'U_b2': U_b2}
         if pos:
-            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.b1"] = b1_start
             state["minibatch.W2"] = W2_start

@@ -12,7 +12,6 @@ Cite: Vaswani et al. 2017, Attention Is All You Need, §3.2.1 (scaled dot-produc
 SoftmaxAttentionMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 SoftmaxAttentionLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
@@ -150,8 +149,6 @@ class SoftmaxAttentionMemory(nn.Module):
         B, T = self._check_inputs({'q': q, 'k': k, 'v': v}, {})
         state = self._check_state(state, B, q)
         if schedule == "auto":
-            schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by softmax_attention: use \"auto\" or one of cache, online")

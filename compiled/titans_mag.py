@@ -16,7 +16,6 @@ TitansMagMemoryLayer: projections of x [B, T, d_model] into views and gates, the
 TitansMagLayer: the spec's wiring, MAG, memory as gate: sliding-window attention and the memory on the same input,
     mixed by a learned gate.
 """
-import math
 import time
 import warnings
 
@@ -205,7 +204,6 @@ class TitansMagMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = ('eta', 'mu', 'alpha', )
     STATE = {'W1': ('d_k', 'hidden', ), 'W2': ('hidden', 'd_v', ), 'U1': ('d_k', 'hidden', ), 'U2': ('hidden', 'd_v', )}
-    CACHES = {}
     LOSS_STATES = ('W1', 'W2', )
     SCHEDULES = ('minibatch', 'online', )
     DEFAULT_SCHEDULE = 'minibatch'
@@ -259,8 +257,6 @@ class TitansMagMemory(nn.Module):
         state = self._check_state(state, B, q)
         if schedule == "auto":
             schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
-            schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by titans_mag: use \"auto\" or one of minibatch, online")
         if schedule == 'minibatch':
@@ -310,10 +306,8 @@ class TitansMagMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def f(self, u, W1, W2):
@@ -371,11 +365,11 @@ class TitansMagMemory(nn.Module):
         Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
-        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
         W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
-        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
         outputs = []
         t = 0
@@ -389,7 +383,7 @@ class TitansMagMemory(nn.Module):
             t, pos = t + n, (pos + n) % C
         state = {'W1': W1, 'W2': W2, 'U1': U1, 'U2': U2}
         if pos:
-            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.W2"] = W2_start
         return torch.cat(outputs, dim=1), state

@@ -13,12 +13,10 @@ Cite: Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hi
 TttLinearMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TttLinearLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -110,7 +108,6 @@ class TttLinearMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_k'}
     GATES = ('eta', )
     STATE = {'W': ('d_k', 'd_k', ), 'b': ('d_k', )}
-    CACHES = {}
     LOSS_STATES = ('W', 'b', )
     SCHEDULES = ('minibatch', 'online', )
     DEFAULT_SCHEDULE = 'minibatch'
@@ -160,8 +157,6 @@ class TttLinearMemory(nn.Module):
         state = self._check_state(state, B, q)
         if schedule == "auto":
             schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
-            schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by ttt_linear: use \"auto\" or one of minibatch, online")
         if schedule == 'minibatch':
@@ -209,10 +204,8 @@ class TttLinearMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def f(self, u, W, b):
@@ -266,11 +259,11 @@ class TttLinearMemory(nn.Module):
         Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
-        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
         W, b = state['W'], state['b']
-        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start, b_start = state.get("minibatch.W", W), state.get("minibatch.b", b)
         outputs = []
         t = 0
@@ -284,7 +277,7 @@ class TttLinearMemory(nn.Module):
             t, pos = t + n, (pos + n) % C
         state = {'W': W, 'b': b}
         if pos:
-            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
             state["minibatch.b"] = b_start
         return torch.cat(outputs, dim=1), state

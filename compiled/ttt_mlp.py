@@ -13,7 +13,6 @@ Cite: Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hi
 TttMlpMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TttMlpLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
@@ -112,7 +111,6 @@ class TttMlpMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_k'}
     GATES = ('eta', )
     STATE = {'W1': ('d_k', 'hidden', ), 'b1': ('hidden', ), 'W2': ('hidden', 'd_k', ), 'b2': ('d_k', )}
-    CACHES = {}
     LOSS_STATES = ('W1', 'b1', 'W2', 'b2', )
     SCHEDULES = ('minibatch', 'online', )
     DEFAULT_SCHEDULE = 'minibatch'
@@ -167,8 +165,6 @@ class TttMlpMemory(nn.Module):
         state = self._check_state(state, B, q)
         if schedule == "auto":
             schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
-            schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by ttt_mlp: use \"auto\" or one of minibatch, online")
         if schedule == 'minibatch':
@@ -216,10 +212,8 @@ class TttMlpMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def f(self, u, W1, b1, W2, b2):
@@ -279,11 +273,11 @@ class TttMlpMemory(nn.Module):
         Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
-        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
         W1, b1, W2, b2 = state['W1'], state['b1'], state['W2'], state['b2']
-        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, b1_start, W2_start, b2_start = state.get("minibatch.W1", W1), state.get("minibatch.b1", b1), state.get("minibatch.W2", W2), state.get("minibatch.b2", b2)
         outputs = []
         t = 0
@@ -297,7 +291,7 @@ class TttMlpMemory(nn.Module):
             t, pos = t + n, (pos + n) % C
         state = {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2}
         if pos:
-            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.b1"] = b1_start
             state["minibatch.W2"] = W2_start

@@ -13,7 +13,6 @@ Cite: Behrouz, Razaviyayn, Zhong & Mirrokni 2025, It's All Connected: A Journey 
 YaadMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 YaadLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 """
-import math
 import time
 import warnings
 
@@ -110,7 +109,6 @@ class YaadMemory(nn.Module):
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = ('eta', 'alpha', )
     STATE = {'W1': ('d_k', 'hidden', ), 'W2': ('hidden', 'd_v', )}
-    CACHES = {}
     LOSS_STATES = ('W1', 'W2', )
     SCHEDULES = ('minibatch', 'online', )
     DEFAULT_SCHEDULE = 'minibatch'
@@ -161,8 +159,6 @@ class YaadMemory(nn.Module):
         state = self._check_state(state, B, q)
         if schedule == "auto":
             schedule = self.DEFAULT_SCHEDULE
-        if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
-            schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by yaad: use \"auto\" or one of minibatch, online")
         if schedule == 'minibatch':
@@ -211,10 +207,8 @@ class YaadMemory(nn.Module):
                              + (f"; missing {', '.join(missing)}" if missing else "")
                              + (f"; unknown {', '.join(map(str, extra))}" if extra else ""))
         for name, shape in self.STATE.items():
-            cache = ["n"] if name in self.CACHES else []
-            sizes = [None] if cache else []
-            _check(f"state[{name!r}]", state[name], ["B", "H", *cache, *shape],
-                   [B, self.heads, *sizes, *(getattr(self, d) for d in shape)], ("the views", like))
+            _check(f"state[{name!r}]", state[name], ["B", "H", *shape],
+                   [B, self.heads, *(getattr(self, d) for d in shape)], ("the views", like))
         return state
 
     def f(self, u, W1, W2):
@@ -271,11 +265,11 @@ class YaadMemory(nn.Module):
         Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
-        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
         W1, W2 = state['W1'], state['W2']
-        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
         outputs = []
         t = 0
@@ -289,7 +283,7 @@ class YaadMemory(nn.Module):
             t, pos = t + n, (pos + n) % C
         state = {'W1': W1, 'W2': W2}
         if pos:
-            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.W2"] = W2_start
         return torch.cat(outputs, dim=1), state

@@ -10,6 +10,7 @@ decision's (:attr:`~memspec.schedule.ScheduleDecision.schedules`).
 from __future__ import annotations
 
 import hashlib
+import re
 
 from ..lang.expr import Name, unparse
 from ..lang.fmt import to_yaml
@@ -52,27 +53,28 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
     body()
     body()
     layer.layer_class(ctx, body)
-    # module-level helpers, only those used
-    L("import math")
-    L("import time")
-    L("import warnings")
-    L()
-    L("import torch")
-    L("import torch.nn.functional as F")
-    L("from torch import nn")
-    L()
-    L()
+    # the runtime pieces the code calls (only those), then the imports they and the code use
     wiring = []
     if ctx.spec.wiring.kind != "none":
         wiring = ["# ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----\n"
                   + wiring_source(ctx.spec.wiring.kind)]
-    always = [runtime_source(_check), runtime_source(_Compiled)]
-    for part in ctx.helper_sources() + always + ctx.parts + wiring:
-        L.block(part)
-        L()
-        L()
-    text = "\n".join(L.lines + body.lines).rstrip("\n") + "\n"
-    return text
+    parts = Lines()
+    for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + ctx.parts + wiring:
+        parts.block(part)
+        parts()
+        parts()
+    code = "\n".join(parts.lines + body.lines)
+    for module in ("math", "time", "warnings"):
+        if re.search(rf"\b{module}\.", code):
+            L(f"import {module}")
+    L()
+    L("import torch")
+    if re.search(r"\bF\.", code):
+        L("import torch.nn.functional as F")
+    L("from torch import nn")
+    L()
+    L()
+    return "\n".join(L.lines).rstrip("\n") + "\n\n\n" + code.rstrip("\n") + "\n"
 
 
 def header(ctx, L):
@@ -148,7 +150,8 @@ def memory_class(ctx, L):
     state_items = ", ".join(f"{s!r}: ({''.join(f'{x!r}, ' for x in st.shape)})" for s, st in spec.state.items())
     L(f"STATE = {{{state_items}}}")
     caches = {s: st.window for s, st in spec.state.items() if st.cache}
-    L(f"CACHES = {caches!r}")
+    if caches:
+        L(f"CACHES = {caches!r}")
     L(f"LOSS_STATES = ({''.join(f'{s!r}, ' for s in ctx.loss_states)})")
     L(f"SCHEDULES = ({''.join(f'{s!r}, ' for s in ctx.schedules)})")
     L(f"DEFAULT_SCHEDULE = {ctx.default!r}")
@@ -300,8 +303,6 @@ def forward(ctx, L):
         L(f"state = self._check_state(state, {B}, {ctx.first})")
         L("if schedule == \"auto\":")
         L("    schedule = self.DEFAULT_SCHEDULE")
-        L("if schedule == \"chunk\" and self.DEFAULT_SCHEDULE in (\"additive\", \"delta\"):")
-        L("    schedule = self.DEFAULT_SCHEDULE")
         L("if schedule not in self.SCHEDULES:")
         L(f"    raise ValueError(f\"schedule {{schedule!r}} is not admitted by {spec.name}: use \\\"auto\\\" or one of "
           f"{', '.join(ctx.schedules)}\")")
@@ -366,10 +367,14 @@ def validation(ctx, L):
         L("                     + (f\"; missing {', '.join(missing)}\" if missing else \"\")")
         L("                     + (f\"; unknown {', '.join(map(str, extra))}\" if extra else \"\"))")
         L("for name, shape in self.STATE.items():")
-        L("    cache = [\"n\"] if name in self.CACHES else []")
-        L("    sizes = [None] if cache else []")
-        L("    _check(f\"state[{name!r}]\", state[name], [\"B\", \"H\", *cache, *shape],")
-        L(f"           [B, {H}, *sizes, *(getattr(self, d) for d in shape)], (\"the views\", like))")
+        if any(st.cache for st in ctx.spec.state.values()):
+            L("    cache = [\"n\"] if name in self.CACHES else []")
+            L("    sizes = [None] if cache else []")
+            L("    _check(f\"state[{name!r}]\", state[name], [\"B\", \"H\", *cache, *shape],")
+            L(f"           [B, {H}, *sizes, *(getattr(self, d) for d in shape)], (\"the views\", like))")
+        else:
+            L("    _check(f\"state[{name!r}]\", state[name], [\"B\", \"H\", *shape],")
+            L(f"           [B, {H}, *(getattr(self, d) for d in shape)], (\"the views\", like))")
         L("return state")
     L()
 
