@@ -211,7 +211,7 @@ def chunk_delta(q, k, v, beta, S0, chunk):
             qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4).reshape(nBH, c, K)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
             Y_w, Y_u = torch.bmm(scores.tril_(0), X).split([K, V], dim=-1)  # P W, P U
-            neg_q = (Y_w - qg)   # P W - Qd
+            neg_q = Y_w - qg   # P W - Qd
             # [nBH, c, V] = P U + (Qd - P W) S_start
             og = torch.baddbmm(Y_u, neg_q, S_starts, alpha=-1)
             outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)

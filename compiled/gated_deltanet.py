@@ -152,7 +152,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk):
     G = max(1, min(N, G))                                            # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
-    decayed = (log_gamma is not None)
+    decayed = log_gamma is not None
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     eye = torch.eye(K, dtype=dt, device=k.device)
     Np = N + (r > 0)                                                 # chunks, the tail included
@@ -179,7 +179,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk):
         g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
         Lq = L                             # log decay a probe sees
         q_fac = torch.exp(Lq)
-        shared = (qq is not None)   # one decay matrix for solve and read
+        shared = qq is not None   # one decay matrix for solve and read
 
     # exp(rows_t - cols_s) on and below the diagonal, 1 above
     def decay_matrix(rows, cols, diagonal):

@@ -122,7 +122,7 @@ def chunk_additive(q, k, v, S0, chunk):
     qq = q.to(dt) if q is not None else None
     S = k.new_zeros(BH, K * V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K * V)
     idx = torch.arange(C, device=k.device)
-    read_mask = (idx[:, None] >= idx[None, :])   # [C, C]
+    read_mask = idx[:, None] >= idx[None, :]   # [C, C]
     gidx = torch.arange(G, device=k.device)
     # [G, G]
     strict = gidx[:, None] > gidx[None, :]
