@@ -76,6 +76,28 @@ class _Compiled:
         return self.fn(*args)
 
 
+def _finite_prefix(*xs):
+    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
+    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
+    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
+    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
+    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
+    ok = None
+    for x in xs:
+        f = torch.isfinite(x)
+        if f.dim() > 3:
+            f = f.flatten(3).all(-1)
+        ok = f if ok is None else ok & f
+    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
+
+
+def _where_ok(ok, x, fill):
+    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
+    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
+            torch.full((), fill, dtype=x.dtype,
+                       device=x.device))
+
+
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -295,6 +317,8 @@ class DeltanetMemory(nn.Module):
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by "
                              'deltanet: use "auto" or one of delta, minibatch, online')
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, eta, state)
         if schedule == 'delta':
@@ -407,6 +431,11 @@ class DeltanetMemory(nn.Module):
         W = state['W']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
+        # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
+        ok = _finite_prefix(q, k, v, eta)
+        # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
+        q, k, v, eta = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0),
+                _where_ok(ok, eta, 0.0))
         outputs = []
         t = 0
         while t < T:
@@ -418,11 +447,13 @@ class DeltanetMemory(nn.Module):
             o_c, (W,) = fn(W_start, W, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n])
             outputs.append(o_c)
             t, pos = t + n, (pos + n) % C
+        # after a non-finite input the state is not finite, as token by token
+        W = _where_ok(ok[:, -1], W, float("nan"))
         state = {'W': W}
         if pos:
             state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
-        return torch.cat(outputs, dim=1), state
+        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
 
     def _chunk_loss(self, z_W, W, v, kn):
         """The inner loss of all C tokens of a chunk at once, at the chunk-start state W [B, H, d_k,
@@ -514,7 +545,7 @@ class DeltanetLayer(nn.Module):
         logit = self.eta_proj(x)  # [B, T, H]
         eta = torch.sigmoid(logit)  # [B, T, H]
         o, state = self.memory(q, k, v, eta=eta, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -526,4 +557,4 @@ class DeltanetLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_v]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

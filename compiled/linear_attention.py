@@ -242,6 +242,8 @@ class LinearAttentionMemory(nn.Module):
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by "
                              'linear_attention: use "auto" or one of additive, online')
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'additive':
             return self._forward_chunk(q, k, v, state)
         return self._forward_online(q, k, v, state)
@@ -371,7 +373,7 @@ class LinearAttentionLayer(nn.Module):
         k = self.k_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         v = self.v_proj(x).view(B, T, self.heads, self.memory.d_v)  # [B, T, H, d_v]
         o, state = self.memory(q, k, v, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -383,4 +385,4 @@ class LinearAttentionLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_v]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

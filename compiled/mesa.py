@@ -147,6 +147,8 @@ class MesaMemory(nn.Module):
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by "
                              'mesa: use "auto" or one of online')
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         return self._forward_online(q, k, v, eta, alpha, state)
 
     def step(self, q, k, v, *, eta=None, alpha=None, state=None, **unknown):
@@ -283,7 +285,7 @@ class MesaLayer(nn.Module):
         logit = self.alpha_proj(x)  # [B, T, H]
         alpha = torch.sigmoid(logit)  # [B, T, H]
         o, state = self.memory(q, k, v, eta=eta, alpha=alpha, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
     def read(self, x, state=None):
@@ -295,4 +297,4 @@ class MesaLayer(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         o = self.memory.read(q, state=state)  # [B, T, H, d_v]
-        return self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        return self.o_proj(o.flatten(2))  # [B, T, d_model]

@@ -23,7 +23,6 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -93,6 +92,25 @@ def _causal_mask(T, N, window, device):
     if window is not None:
         allowed = allowed & (j > pos - window)
     return allowed
+
+
+def _masked_attention(q, K, V, mask, scale):
+    """``scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale)`` (q [B, H, T, d],
+    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool) -> [B, H, T, e], with a non-finite
+    query, key or value reaching only the outputs that attend to it: non-finite entries are
+    replaced by zeros before the products (``torch.where``: a masked weight times a future
+    inf would be nan) and the outputs that do attend to one (or whose query is one) are nan,
+    as token by token."""
+    bad_kv = ~(torch.isfinite(K).all(-1) & torch.isfinite(V).all(-1))      # [B, H, N]
+    bad_q = ~torch.isfinite(q).all(-1)                                     # [B, H, T]
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        torch.where(bad_q.unsqueeze(-1), zero, q), torch.where(bad_kv.unsqueeze(-1), zero, K),
+        torch.where(bad_kv.unsqueeze(-1), zero, V), attn_mask=mask, scale=scale)
+    reached = (mask.to(q.dtype) @ bad_kv.to(q.dtype).unsqueeze(-1)).squeeze(-1) > 0   # [B, H, T]
+    return torch.where((reached | bad_q).unsqueeze(-1),
+            torch.full((), float("nan"), dtype=out.dtype,
+                       device=out.device), out)
 
 
 class SlidingWindowAttentionMemory(nn.Module):
@@ -165,6 +183,8 @@ class SlidingWindowAttentionMemory(nn.Module):
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by "
                              'sliding_window_attention: use "auto" or one of cache, online')
+        if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
+            return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'cache':
             return self._forward_cache(q, k, v, state)
         return self._forward_online(q, k, v, state)
@@ -240,8 +260,8 @@ class SlidingWindowAttentionMemory(nn.Module):
         V_all = torch.cat([state['V'], v.transpose(1, 2)], dim=2)  # [B, H, n + T, d_v]
         mask = _causal_mask(T, K_all.shape[2], 512, q.device)  # [T, n + T]
         # [B, T, H, d_v]
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), K_all, V_all, attn_mask=mask,
-                scale=self.d_k ** -0.5).transpose(1, 2)
+        attended = _masked_attention(q.transpose(1, 2), K_all, V_all, mask,
+                self.d_k ** -0.5).transpose(1, 2)
         o = attended  # [B, T, H, d_v]
         return o, {'K': K_all[:, :, -512:], 'V': V_all[:, :, -512:]}
 
@@ -276,5 +296,5 @@ class SlidingWindowAttentionLayer(nn.Module):
         k = self.k_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         v = self.v_proj(x).view(B, T, self.heads, self.memory.d_v)  # [B, T, H, d_v]
         o, state = self.memory(q, k, v, state=state)  # [B, T, H, d_v]
-        y = self.o_proj(o.reshape(B, T, -1))  # [B, T, d_model]
+        y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y

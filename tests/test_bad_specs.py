@@ -118,7 +118,7 @@ def test_ten_megabyte_file(tmp_path, at_root):
     assert big.stat().st_size > 10_000_000
     rc, out, err = run_check(str(big))
     assert rc == 1
-    assert err == (f"{big}:1:1: error: file too large (10.0 MB); a spec is at most 1 MB\n"
+    assert err == (f"{big}:1:1: error: file too large (10.0 MB); a spec is at most 64 KB\n"
                    f"    name: huge\n    ^\n    hint: is this the right file?\n")
 
 

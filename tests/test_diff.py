@@ -505,10 +505,12 @@ def test_shipped_reformatted_spec_is_equal(tmp_path):
 
 
 def test_shipped_five_line_variant_shows_exactly_its_overrides(tmp_path):
-    (tmp_path / "titans_huber.yaml").write_text(textwrap.dedent(f"""\
-        extends: {SPECS / 'titans.yaml'}
+    # extends stays inside the variant's folder tree: the base is copied next to it
+    (tmp_path / "titans.yaml").write_bytes((SPECS / "titans.yaml").read_bytes())
+    (tmp_path / "titans_huber.yaml").write_text(textwrap.dedent("""\
+        extends: titans.yaml
         name: titans_huber
-        constants: {{delta: 1.0}}
+        constants: {delta: 1.0}
         loss: sum(huber(f(kn) - vs, delta))
         schedule: minibatch(16)
         """))

@@ -32,6 +32,10 @@ at the offending span and carries its own code:
                        a model using a view, gate or let: the model is f(u; state))
 ``E-state-unwritten``  a state no update statement assigns
 ``E-state-unread``     a state whose value never reaches the output
+``E-limit``            an expression that grows past the limits once inlined
+                       (:mod:`memspec.check.complexity`)
+``E-size``             a parameter or state tensor (or all of them) too large to allocate
+                       (:mod:`memspec.check.sizes`; the message gives the bytes)
 ``W-state-temporary``  (warning) a state always overwritten before it is read in a
                        step (a per-token temporary carried for nothing)
 ``W-unused``           (warning) a let/view/gate/param/constant/dim/model/loss
@@ -50,9 +54,12 @@ from typing import Iterable, Optional
 import networkx as nx
 
 from ..lang.errors import Collector, Diagnostic, Span, did_you_mean, sorted_diagnostics
+from ..lang.limits import MAX_NAME_CHARS, MAX_QUOTED_CHARS, quote
 from ..lang.expr import FUNCTIONS, Call, Expr, Name
+from .complexity import inlined_problems
 from .graph import lower
-from ..lang.names import RESERVED_NAMES
+from .sizes import size_problems
+from ..lang.names import RESERVED_NAMES, class_names, runtime_names, shadows_module
 from ..lang.shapes import let_order
 
 IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -74,10 +81,13 @@ SECTIONS = (
 LAYER_DIMS = frozenset({"d_model", "heads"})
 
 
-def identifier_problem(name: str) -> Optional[tuple[str, str]]:
-    """Why ``name`` cannot be a spec identifier, as (message tail, hint), or None."""
+def identifier_problem(name: str, spec_name: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """Why ``name`` cannot be a spec identifier, as (message tail, hint), or None.  With
+    ``spec_name``, also the names of the classes that spec's module defines."""
     if isinstance(name, str) and name.startswith("_") and IDENT_RE.fullmatch("a" + name.lstrip("_")):
         return ("starts with '_'", "names starting with '_' (and dunders like __class__) belong to Python")
+    if isinstance(name, str) and len(name) > MAX_NAME_CHARS:
+        return (f"is too long ({len(name)} characters; at most {MAX_NAME_CHARS})", "choose a shorter name")
     if not isinstance(name, str) or not IDENT_RE.fullmatch(name):
         return ("is not a plain identifier",
                 "names are a letter followed by letters, digits or '_' (no spaces or punctuation)")
@@ -88,6 +98,12 @@ def identifier_problem(name: str) -> Optional[tuple[str, str]]:
     if name in RESERVED_NAMES:
         return ("is reserved: the generated code uses it",
                 "reserved names: " + ", ".join(sorted(RESERVED_NAMES, key=str.lower)))
+    if name in runtime_names():
+        return ("is reserved: memspec's runtime code, which generated modules carry, defines it",
+                "reserved runtime names: " + ", ".join(sorted(n for n in runtime_names() if not n.startswith("_"))))
+    if spec_name is not None and name in class_names(spec_name):
+        return ("is the name of a class the generated module defines",
+                f"{spec_name} generates {', '.join(sorted(class_names(spec_name)))}; choose another name")
     if name in BUILTIN_NAMES:
         return ("is a Python builtin", "generated code would shadow it; choose another name")
     return None
@@ -112,11 +128,15 @@ class _Checker:
         if keyword.iskeyword(spec.name):
             self.d.error(f"the spec name '{spec.name}' is a Python keyword", self.span("name"),
                          hint="the compiled module is compiled/<name>.py; choose another name", code="E-identifier")
+        elif shadows_module(spec.name):
+            self.d.error(f"the spec name '{spec.name}' is the name of a Python module", self.span("name"),
+                         hint=f"compiled/{spec.name}.py would shadow the module {spec.name} for code run in that "
+                              f"folder; choose another name", code="E-identifier")
         seen: dict[str, tuple[str, Optional[Span]]] = {}
         for section, word in SECTIONS:
             for n in getattr(spec, section):
                 sp = self.span(section, n)
-                prob = identifier_problem(n)
+                prob = identifier_problem(n, spec.name)
                 if prob is not None:
                     self.bad_names.add(n)
                     self.d.error(f"{word} name {_q(n)} {prob[0]}", sp, hint=prob[1], code="E-identifier")
@@ -137,7 +157,7 @@ class _Checker:
         if m is None:
             return
         for what, n, sp in (("model name", m.name, m.name_span), ("model argument", m.arg, m.arg_span)):
-            prob = identifier_problem(n)
+            prob = identifier_problem(n, spec.name)
             if prob is not None:
                 self.bad_names.add(n)
                 self.d.error(f"{what} {_q(n)} {prob[0]}", sp or m.span, hint=prob[1], code="E-identifier")
@@ -250,7 +270,7 @@ class _Checker:
             self.d.error(f"the temporary {_q(t)} would shadow {shadowed[t]}", tsp,
                          hint="give the temporary a name of its own, e.g. g", code="E-temp-shadow")
             return
-        prob = identifier_problem(t)
+        prob = identifier_problem(t, self.spec.name)
         if prob is not None:
             self.bad_names.add(t)
             self.d.error(f"temporary name {_q(t)} {prob[0]}", tsp, hint=prob[1], code="E-identifier")
@@ -431,6 +451,12 @@ class _Checker:
             self.d.warning("the loss is never used: no update statement takes grad(loss, ...)", spec.loss.span,
                            hint="remove it, or write an update like W = W - eta * grad(loss, W)", code="W-unused")
 
+    def sizes(self) -> None:
+        """Parameters and state that could not be allocated (memspec.check.sizes)."""
+        for message, path in size_problems(self.spec):
+            self.d.error(message, self.span(*path) or self.span("dims"),
+                         hint="lower the dims (memspec.build(spec, d_k=...) sets them at build time)", code="E-size")
+
     def all_exprs(self) -> Iterable[Expr]:
         for _, e in self.other_exprs():
             yield e
@@ -451,6 +477,7 @@ class _Checker:
         self.updates()
         self.loss_scalar()
         self.states()
+        self.sizes()
         # warnings only for an otherwise valid spec: with errors they are mostly echoes
         if not self.d.errors:
             self.grad_dependence()
@@ -464,9 +491,9 @@ _EXPRESSION_CODES = frozenset({"E-unknown-name", "E-unknown-function", "E-arity"
 
 def _q(name: str) -> str:
     """A name quoted for messages; odd names are shown with their escapes."""
-    if isinstance(name, str) and name.isprintable() and "'" not in name:
+    if isinstance(name, str) and name.isprintable() and "'" not in name and len(name) <= MAX_QUOTED_CHARS:
         return f"'{name}'"
-    return repr(name)
+    return quote(name)
 
 
 def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
@@ -482,6 +509,10 @@ def _dedupe(diags: list[Diagnostic]) -> list[Diagnostic]:
 def check(spec) -> tuple[nx.DiGraph, list[Diagnostic]]:
     """Lower ``spec`` and verify it: the graph and every diagnostic (errors and
     warnings, sorted by position).  The spec is valid when no diagnostic is an error."""
+    too_large = inlined_problems(spec)
+    if too_large:   # checked first: lowering and every later phase inline
+        return nx.DiGraph(), [Diagnostic("error", m, sp, "name fewer, smaller steps; memspec inlines lets, "
+                                         "temporaries and the model", "E-limit") for m, sp in too_large]
     graph = lower(spec)
     return graph, _Checker(spec, graph).run()
 

@@ -1,11 +1,12 @@
 """Emitter of the ``cache`` family: ``_forward_cache``, softmax attention over [cached | new]
 keys and values at once through ``scaled_dot_product_attention`` with a causal
-(windowed) mask; the new state is the cache trimmed to its window."""
+(windowed) mask (``_masked_attention``: a non-finite key or value reaches only the outputs
+that attend to it); the new state is the cache trimmed to its window."""
 from __future__ import annotations
 
 from ..lang.expr import Call, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _causal_mask
+from ..runtime.helpers import _causal_mask, _masked_attention
 from .exprs import P_ATOM, ExprEmitter
 from .text import dims_text, shape_text
 
@@ -37,11 +38,12 @@ def emit(ctx, L) -> None:
                 mask = fresh("mask", taken)
                 L(f"{mask} = _causal_mask({T}, {full[K.id]}.shape[2], {win}, {ctx.first}.device)", "[T, n + T]")
                 name = fresh("attended", taken)
-                L(f"{name} = F.scaled_dot_product_attention({em._emit(q).at(P_ATOM)}.transpose(1, 2), {full[K.id]}, "
-                  f"{full[V.id]}, attn_mask={mask}, scale={em.emit(scale)}).transpose(1, 2)",
+                L(f"{name} = _masked_attention({em._emit(q).at(P_ATOM)}.transpose(1, 2), {full[K.id]}, "
+                  f"{full[V.id]}, {mask}, {em.emit(scale)}).transpose(1, 2)",
                   shape_text("B, T, H", ctx.shape(c)))
                 pre[unparse(c)] = name
         ctx.need(_causal_mask)
+        ctx.need(_masked_attention)
         rd = ExprEmitter(spec, grads=pre, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
         L(f"o = {rd.emit(spec.read)}", shape_text("B, T, H", ctx.read_shape()))
         items = []

@@ -19,7 +19,7 @@ from ..lang.shapes import ShapeEnv, let_order
 from ..runtime import helpers as runtime_helpers
 from ..schedule.decide import DEFAULT_CHUNK, ScheduleDecision
 from .exprs import ExprEmitter
-from .text import class_name, shape_text
+from .text import class_name, inert, shape_text
 
 # the language's functions the emitted code may call, as module-level helpers
 HELPER_FUNCTIONS = ("layernorm", "rmsnorm", "l2norm", "huber", "attend", "append")
@@ -51,6 +51,8 @@ class Context:
             set(spec.params) | set(spec.state) | set(spec.let)
         if spec.model is not None:
             spec_names |= {spec.model.name, spec.model.arg}
+        for n in spec_names | {spec.name} | {st.target for st in spec.update}:
+            inert(n, "name")   # every name the code binds or reads: a plain identifier, or UnsafeValue
         self.spec_names = spec_names | set(GENERATED_NAMES) | set(HELPER_FUNCTIONS) | set(LANGUAGE_NAMES) | \
             {st.target for st in spec.update}   # per-token temporaries are locals of the generated code
         # attribute names on the Memory module

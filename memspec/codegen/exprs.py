@@ -30,8 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
 from ..lang.shapes import ShapeEnv
+from .text import inert
 
 # Python precedence levels of emitted code (higher binds tighter).
 P_ADD, P_MUL, P_NEG, P_POW, P_ATOM = 1, 2, 3, 4, 9
@@ -129,7 +130,7 @@ class ExprEmitter:
 
     @staticmethod
     def _num(v) -> Code:
-        text = format_number(v)
+        text = inert(v)   # a literal: repr, or float("inf") / float("nan") (never a bare inf)
         neg = text.startswith("-")
         return Code(text, P_NEG if neg else P_ATOM, 0, number=True)
 

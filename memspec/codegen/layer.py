@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..lang.expr import unparse
 from ..lang.names import fresh
 from .exprs import ExprEmitter
-from .text import shape_text
+from .text import inert, shape_text
 
 WIRING_TEXT = {
     "mac": "MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],\n"
@@ -30,7 +30,8 @@ def layer_class(ctx, L):
         for v in ctx.views:
             L(f"{v} = {v}_proj(x) viewed [B, T, H, {spec.views[v].dim}]")
         for g, gate in spec.gates.items():
-            L(f"{g} = {unparse(gate.formula)} with logit = {g}_proj(x) [B, T, H] (bias init {gate.bias!r})")
+            L(f"{g} = {inert(unparse(gate.formula), 'doc')} with logit = {g}_proj(x) [B, T, H] "
+              f"(bias init {inert(float(gate.bias), 'doc')})")
         if wired:
             L(f"(The bare memory layer: {n}Layer wraps it in the spec's wiring, {spec.wiring.kind}.)")
         L('"""')
@@ -47,7 +48,7 @@ def layer_class(ctx, L):
                 L(f"self.{v}_proj = nn.Linear(d_model, heads * {spec.views[v].dim}, bias=False)")
             for g, gate in spec.gates.items():
                 L(f"self.{g}_proj = nn.Linear(d_model, heads)")
-                L(f"nn.init.constant_(self.{g}_proj.bias, {float(gate.bias)!r})")
+                L(f"nn.init.constant_(self.{g}_proj.bias, {inert(float(gate.bias))})")
             dims = [d for d in spec.dims]
             kw = ", ".join(([] if "heads" in spec.dims else ["heads=heads"]) + [f"{d}={d}" for d in dims])
             L(f"self.memory = {n}Memory({kw}, chunk=chunk, compile=compile)")
@@ -69,7 +70,7 @@ def layer_class(ctx, L):
             kw = "".join(f"{g}={g}, " for g in ctx.gates)
             L(f"o, state = self.memory({', '.join(ctx.views)}, {kw}state=state)",
               shape_text("B, T, H", rshape))
-            L(f"y = self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
+            L("y = self.o_proj(o.flatten(2))", "[B, T, d_model]")
             L("return (y, state) if return_state else y")
         rviews = ctx.read_views()
         if rviews is not None:
@@ -80,7 +81,7 @@ def layer_class(ctx, L):
                   "(default: the initial one), with no write." + '"""')
                 layer_views(ctx, L, rviews, B, T)
                 L(f"o = self.memory.read({', '.join(rviews)}, state=state)", shape_text("B, T, H", rshape))
-                L(f"return self.o_proj(o.reshape({B}, {T}, -1))", "[B, T, d_model]")
+                L("return self.o_proj(o.flatten(2))", "[B, T, d_model]")
     if wired:
         L()
         L()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..lang.expr import Name, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _decay_matrix, _linear_scan
+from ..runtime.helpers import _decay_matrix, _finite_prefix, _linear_scan, _where_ok
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import term_add, term_mul
 from . import dual
@@ -63,6 +63,11 @@ def emit(ctx, L) -> None:
         if starts:
             L(f"{', '.join(starts.values())} = "
               f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
+        ok = fresh("ok", taken)
+        L(f"{ok} = _finite_prefix({', '.join(sv)})",
+          "[B, T, H]: the tokens before the first non-finite input (of each batch row and head)")
+        L(f"{', '.join(sv)} = {', '.join(f'_where_ok({ok}, {x}, 0.0)' for x in sv)}",
+          "masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products")
         L(f"{outs} = []")
         L(f"{t} = 0")
         L(f"while {t} < {T}:")
@@ -78,13 +83,18 @@ def emit(ctx, L) -> None:
             L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
+        ctx.need(_finite_prefix)
+        ctx.need(_where_ok)
+        nan = 'float("nan")'
+        L(f"{', '.join(cur)} = {', '.join(f'_where_ok({ok}[:, -1], {x}, {nan})' for x in cur)}",
+          "after a non-finite input the state is not finite, as token by token")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
         L(f"if {pos}:")
         with L.indent():
             L(f"state[\"minibatch.pos\"] = {pos}")
             for s, v in starts.items():
                 L(f"state[\"minibatch.{s}\"] = {v}")
-        L(f"return torch.cat({outs}, dim=1), state")
+        L(f"return _where_ok({ok}, torch.cat({outs}, dim=1), {nan}), state")
     L()
     plan = ctx.plans["minibatch"]
     if plan.dual is not None:

@@ -1,7 +1,13 @@
-"""Writing generated source: indented lines, shape comments, class names."""
+"""Writing generated source: indented lines, shape comments, class names, and
+:func:`inert`, the one function through which a spec's values reach the source."""
 from __future__ import annotations
 
+import keyword
+import math
+import re
 import textwrap
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Lines:
@@ -17,7 +23,7 @@ class Lines:
             return
         line = "    " * self.level + text
         if comment:
-            line += "  # " + comment
+            line += "  # " + inert(comment, "comment")
         self.lines.append(line)
 
     def block(self, text: str):
@@ -54,9 +60,75 @@ def tuple_text(names) -> str:
     return f"({', '.join(names)}{',' if len(names) == 1 else ''})"
 
 
-def class_name(name: str) -> str:
-    """``gated_deltanet`` -> ``GatedDeltanet``."""
-    return "".join(p[:1].upper() + p[1:] for p in name.split("_") if p) or "Spec"
+from ..lang.names import class_name  # noqa: E402,F401  (re-exported: the one definition is in lang.names)
+
+
+# ------------------------------------------------------------------ inert text
+INERT_KINDS = ("literal", "comment", "doc", "name")
+
+
+class UnsafeValue(ValueError):
+    """A value the generator was asked to write that cannot be made inert (an internal error:
+    the checks admit only values :func:`inert` can write)."""
+
+
+def inert(value, kind: str = "literal") -> str:
+    """The one way a value from a spec reaches generated source, made inert for ``kind``:
+
+    * ``"literal"`` -- a Python literal that evaluates to ``value`` (str, int, float, bool,
+      None, and tuples, lists and dicts of them): text through ``repr`` (every non-printable
+      character escaped, lone surrogates included); a float is finite ``repr`` or an explicit
+      ``float("inf")`` / ``float("-inf")`` / ``float("nan")``, never a bare ``inf``;
+    * ``"comment"`` -- one line of a ``#`` comment: every character that is not printable
+      (``\\n``, ``\\r``, ``\\x0b``, ``\\x0c``, ``\\x1c``-``\\x1e``, ``\\x85``, ``\\u2028``,
+      ``\\u2029``, NUL, other controls, lone surrogates) written as its escape, so the
+      comment cannot end early;
+    * ``"doc"`` -- text inside a ``\"\"\"`` docstring line: as a comment, and also every
+      backslash doubled and every ``"`` escaped, so that no escape sequence forms (``\\N``)
+      and the docstring cannot close;
+    * ``"name"`` -- an identifier the generated code binds or reads: returned unchanged
+      once it is a plain ASCII identifier and no Python keyword, else :class:`UnsafeValue`.
+    """
+    if kind == "literal":
+        return _literal(value)
+    if kind == "name":
+        if isinstance(value, str) and _IDENT.fullmatch(value) and not keyword.iskeyword(value):
+            return value
+        raise UnsafeValue(f"not a plain identifier: {value!r:.80}")
+    if kind not in ("comment", "doc"):
+        raise UnsafeValue(f"unknown kind {kind!r}")
+    text = value if isinstance(value, str) else _literal(value)
+    out = []
+    for ch in text:
+        if kind == "doc" and ch == "\\":
+            out.append("\\\\")
+        elif kind == "doc" and ch == '"':
+            out.append('\\"')
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            esc = ascii(ch)[1:-1]        # '\x0b', '\u2028', '\ud800', '\x00'
+            out.append(esc.replace("\\", "\\\\") if kind == "doc" else esc)
+    return "".join(out)
+
+
+def _literal(v) -> str:
+    if v is None or isinstance(v, (bool, str)):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(int(v))
+    if isinstance(v, float):
+        if math.isfinite(v):
+            return repr(float(v))
+        return 'float("nan")' if math.isnan(v) else ('float("inf")' if v > 0 else 'float("-inf")')
+    if isinstance(v, tuple):
+        items = [_literal(x) for x in v]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if isinstance(v, list):
+        return "[" + ", ".join(_literal(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(x)}" for k, x in v.items()) + "}"
+    raise UnsafeValue(f"cannot write a {type(v).__name__} as a literal")
 
 
 def string_pieces(text: str, column: int, width: int = 100) -> list[str]:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Sequence
+
+from .limits import MAX_MESSAGE_CHARS
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,11 @@ def _source_line(file: str, line: int, sources: dict[str, str] | None) -> str | 
     text = (sources or {}).get(file)
     if text is None:
         text = _SOURCE_CACHE.get(file)
-    if text is None:
-        try:
-            text = Path(file).read_text(encoding="utf-8", errors="replace")
-        except OSError:
+    if text is None:  # a file read by another process: the same bounded, regular-file-only read
+        from .source import read_text
+
+        text = read_text(file)
+        if text is None:
             return None
     lines = text.splitlines()
     if 1 <= line <= len(lines):
@@ -121,11 +123,45 @@ def _source_line(file: str, line: int, sources: dict[str, str] | None) -> str | 
 MAX_QUOTED_LINE = 200
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: every character that is not printable (control
+    characters such as ESC, line and paragraph separators, bidi overrides, lone surrogates)
+    is written as its escape (``\\x1b``, ``\\u2028``); spaces stay."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def json_printable(text: str) -> str:
+    """JSON text with every non-printable character but the newline written as a ``\\uXXXX``
+    escape (astral ones as a surrogate pair): the same JSON value, safe on a terminal."""
+    if text.isprintable():
+        return text
+
+    def esc(ch: str) -> str:
+        if ch == "\n" or ch.isprintable():
+            return ch
+        o = ord(ch)
+        if o > 0xFFFF:
+            o -= 0x10000
+            return f"\\u{0xD800 + (o >> 10):04x}\\u{0xDC00 + (o & 0x3FF):04x}"
+        return f"\\u{o:04x}"
+
+    return "".join(esc(ch) for ch in text)
+
+
+def _bounded(text: str) -> str:
+    text = printable(text)
+    if len(text) > MAX_MESSAGE_CHARS:
+        return text[:MAX_MESSAGE_CHARS] + f"… ({len(text)} characters)"
+    return text
+
+
 def render_diagnostic(d: Diagnostic, sources: dict[str, str] | None = None) -> str:
     out = []
     s = d.span
     if s is not None:
-        out.append(f"{s.file}:{s.line}:{s.col}: {d.severity}: {d.message}")
+        out.append(f"{printable(s.file)}:{s.line}:{s.col}: {d.severity}: {_bounded(d.message)}")
         src = _source_line(s.file, s.line, sources)
         if src is not None:
             src = src.replace("\t", " ")
@@ -144,7 +180,7 @@ def render_diagnostic(d: Diagnostic, sources: dict[str, str] | None = None) -> s
             out.append("    " + src)
             out.append("    " + " " * start + "^" + "~" * (width - 1))
     else:
-        out.append(f"{d.severity}: {d.message}")
+        out.append(f"{d.severity}: {_bounded(d.message)}")
     if d.hint:
-        out.append(f"    hint: {d.hint}")
+        out.append(f"    hint: {_bounded(d.hint)}")
     return "\n".join(out)

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
+from importlib import resources
 from typing import Callable, Iterator, Optional, Union
 
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from .errors import Diagnostic, Span, SpecError
+from .limits import MAX_EXPR_CHARS, MAX_EXPR_DEPTH, MAX_NUMBER_CHARS, quote
 
-GRAMMAR_PATH = Path(__file__).resolve().parent.parent.parent / "grammars" / "memspec.lark"
+GRAMMAR_RESOURCE = ("memspec.lang", "memspec.lark")
+"""The grammar as package data: ``grammars/memspec.lark`` of the repository, linked into the
+package (``memspec/lang/memspec.lark``) and shipped in the wheel (pyproject's package-data)."""
 
 # name -> (min args, max args, description).  The fixed whitelist of functions.
 FUNCTIONS: dict[str, tuple[int, int, str]] = {
@@ -230,7 +233,8 @@ def unparse(e: Expr) -> str:
 # ------------------------------------------------------------------ parser
 @lru_cache(maxsize=None)
 def grammar_text() -> str:
-    return GRAMMAR_PATH.read_text(encoding="utf-8")
+    package, name = GRAMMAR_RESOURCE
+    return resources.files(package).joinpath(name).read_text(encoding="utf-8")
 
 
 @lru_cache(maxsize=None)
@@ -395,7 +399,7 @@ def parse_error_diagnostic(err: UnexpectedInput, text: str, pos: SourcePos, what
             msg = f"unexpected end of {what}"
             width = 1
         else:
-            msg = f"unexpected {str(tok)!r} in {what}"
+            msg = f"unexpected {quote(str(tok))} in {what}"
             width = max(1, len(str(tok)))
         hint = describe_expected(err.expected) or None
         span = pos.at(line, col, line, col + width)
@@ -420,12 +424,57 @@ def parse_error_diagnostic(err: UnexpectedInput, text: str, pos: SourcePos, what
     return Diagnostic("error", msg, span, hint, code="E-parse")
 
 
+EXPR_RULES = frozenset({"add", "sub", "mul", "div", "matmul", "pow", "neg", "transpose", "call", "number", "name"})
+_NUMBER_TOKENS = frozenset({"NUMBER", "SIGNED_NUMBER", "INT"})
+_EXPR_HOLDERS = frozenset({"let_decl", "gate_decl", "read_decl", "loss_decl", "stmt", "fundef"})
+
+
+def limit_problems(tree, pos: SourcePos) -> list[Diagnostic]:
+    """The limits of :mod:`memspec.lang.limits` on a parse tree, checked without recursion
+    (before the recursive transformer and every later phase see it): expression length
+    and nesting depth, number-literal length."""
+    out: list[Diagnostic] = []
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Token):
+            if node.type in _NUMBER_TOKENS and len(node) > MAX_NUMBER_CHARS:
+                out.append(Diagnostic("error", f"number too long ({len(node)} characters; at most {MAX_NUMBER_CHARS})",
+                                      pos.of_token(node), code="E-limit"))
+            continue
+        if node is None:
+            continue
+        if node.data in _EXPR_HOLDERS and not node.meta.empty and \
+                node.meta.end_pos - node.meta.start_pos > MAX_EXPR_CHARS:   # `.mem`: parentheses count too
+            out.append(Diagnostic("error", f"expression too long ({node.meta.end_pos - node.meta.start_pos} "
+                                           f"characters; at most {MAX_EXPR_CHARS})",
+                                  pos.at(node.meta.line, node.meta.column), code="E-limit",
+                                  hint="name parts of it with let"))
+            continue
+        if node.data in EXPR_RULES:
+            depth += 1
+            if depth > MAX_EXPR_DEPTH:
+                out.append(Diagnostic("error", f"expression nested too deeply (more than {MAX_EXPR_DEPTH} levels "
+                                               f"of operators and calls)",
+                                      pos.of_meta(node.meta) or pos.at(1, 1), code="E-limit",
+                                      hint="name parts of it with let"))
+                continue
+        stack.extend((c, depth) for c in node.children)
+    return out
+
+
 def _parse(text: str, start: str, pos: SourcePos | None, what: str):
     pos = pos or SourcePos("<expr>")
+    if len(text) > MAX_EXPR_CHARS:
+        raise SpecError([Diagnostic("error", f"{what} too long ({len(text)} characters; at most {MAX_EXPR_CHARS})",
+                                    pos.at(1, 1), "name parts of it with let", code="E-limit")])
     try:
         tree = parser(start).parse(text)
     except UnexpectedInput as err:
         raise SpecError([parse_error_diagnostic(err, text, pos, what)]) from None
+    problems = limit_problems(tree, pos)
+    if problems:
+        raise SpecError(problems)
     return ExprBuilder(pos).transform(tree)
 
 

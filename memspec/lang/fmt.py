@@ -36,7 +36,8 @@ from functools import lru_cache
 
 import yaml
 
-from .errors import Diagnostic, Span, SpecError
+from .errors import Diagnostic, Span, SpecError, json_printable
+from .limits import quote
 from .expr import format_number, unparse
 from .spec import Gate, Param, Spec, State, Wiring
 
@@ -250,8 +251,8 @@ def to_yaml(spec: Spec) -> str:
 
 # ----------------------------------------------------------------------- to_mem
 def _mem_string(s: str) -> str:
-    """A `.mem` STRING (a Python string literal: the frontend reads it with literal_eval)."""
-    return json.dumps(s, ensure_ascii=False)
+    """A `.mem` STRING (JSON's escapes: the frontend reads it with json.loads)."""
+    return json_printable(json.dumps(s, ensure_ascii=False))   # no raw control character reaches a terminal
 
 
 def _mem_number(v) -> str:
@@ -273,7 +274,7 @@ def _check_mem_names(spec: Spec) -> None:
         if not _IDENT.fullmatch(name):
             span = spec.key_span(*path) if path else None
             bad.append(Diagnostic(
-                "error", f"{what} {name!r} is not an identifier and cannot be written in .mem",
+                "error", f"{what} {quote(name)} is not an identifier and cannot be written in .mem",
                 span or (Span(spec.path, 1, 1) if spec.path else None),
                 hint="rename it to a plain identifier (letters, digits, _)", code="E-fmt"))
 

@@ -647,27 +647,46 @@ def _fn_examples() -> str:
 
 
 def let_order(lets: dict) -> list:
-    """Lets in dependency order (each after the lets it uses); lets in a cycle are left out."""
+    """Lets in dependency order (each after the lets it uses); lets in a cycle are left out.
+
+    A depth-first walk written with an explicit stack (a chain of thousands of lets must not
+    exhaust Python's recursion): the order is the recursive walk's, dependencies visited in
+    the order they occur, a let that reaches a cycle left out with the cycle."""
     deps = {n: [x.id for x in e.walk() if isinstance(x, Name) and x.id in lets] for n, e in lets.items()}
     done: list = []
     state: dict = {}
-
-    def visit(n, stack):
-        if state.get(n) == "done":
-            return True
-        if state.get(n) in ("busy", "cycle"):
-            return False
-        state[n] = "busy"
-        ok = all(visit(d, stack + [n]) for d in deps[n])
-        if ok:
+    for root in lets:
+        if state.get(root) in ("done", "busy", "cycle"):
+            continue
+        state[root] = "busy"
+        stack = [(root, iter(deps[root]))]
+        while stack:
+            n, it = stack[-1]
+            failed = state[n] == "cycle"
+            child = None
+            if not failed:
+                for d in it:
+                    st = state.get(d)
+                    if st == "done":
+                        continue
+                    if st in ("busy", "cycle"):
+                        failed = True
+                        break
+                    child = d
+                    break
+            if failed:
+                state[n] = "cycle"
+                stack.pop()
+                if stack:
+                    state[stack[-1][0]] = "cycle"   # all(...) stops at the first failed dependency
+                continue
+            if child is not None:
+                state[child] = "busy"
+                stack.append((child, iter(deps[child])))
+                continue
             state[n] = "done"
             done.append(n)
-        else:
-            state[n] = "cycle"
-        return ok
-
-    for n in lets:
-        visit(n, [])
+            stack.pop()
     return done
 
 

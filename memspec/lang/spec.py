@@ -10,12 +10,14 @@ dims and exclude the batch and head axes.
 """
 from __future__ import annotations
 
+import math
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from .expr import Assign, Expr, FunDef, Name, parse_expr, parse_fundef, parse_stmt
+from .limits import MAX_NAME_CHARS, MAX_NUMBER_CHARS, MAX_SIZE, quote
 
 
 def _as_expr(v: Any) -> Any:
@@ -45,13 +47,50 @@ def _as_shape(v: Any) -> Any:
     if isinstance(v, str):
         s = v.strip()
         if not (s.startswith("[") and s.endswith("]")):
-            raise ValueError(f"a shape is written in dims, like [d_k, d_v]; got {v!r}")
+            raise ValueError(f"a shape is written in dims, like [d_k, d_v]; got {quote(v)}")
         inner = s[1:-1].strip()
         return [p.strip() for p in inner.split(",")] if inner else []
     return v
 
 
 Shape = Annotated[list[str], BeforeValidator(_as_shape)]
+
+
+def _what(v: Any) -> str:
+    if isinstance(v, bool):
+        return f"a boolean ({str(v).lower()})"
+    if isinstance(v, str):
+        return f"text ({quote(v)})"
+    if v is None:
+        return "nothing (null)"
+    return type(v).__name__
+
+
+def _size(v: Any) -> Any:
+    """A size (dims, chunk, window, segment, persistent): an integer, never a boolean, a float
+    or text, at most MAX_SIZE."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {_what(v)}")
+    if v > MAX_SIZE:
+        raise ValueError(f"{v if len(str(v)) <= 20 else 'the value'} is too large: a size is at most {MAX_SIZE}")
+    return v
+
+
+def _number(v: Any) -> Any:
+    """A number (constants, gate biases): an int or float, or text that is one (YAML 1.1 reads
+    ``1e-6``, without a dot, as text); never a boolean."""
+    if isinstance(v, str) and len(v) <= MAX_NUMBER_CHARS:
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise ValueError(f"expected a number, got {_what(v)}")
+    return v
+
+
+Size = Annotated[int, BeforeValidator(_size)]
+Number = Annotated[float, BeforeValidator(_number)]
 
 INIT_RE = re.compile(
     r"^(?:(?P<kind>zeros|ones|eye)|normal\((?P<std>[0-9.eE+-]+)\)"
@@ -65,7 +104,7 @@ def parse_init(text: str) -> dict:
     m = INIT_RE.match(s)
     if not m:
         raise ValueError(
-            f"unknown init {text!r}: use zeros, ones, eye, normal(std), learned or learned(<init>)"
+            f"unknown init {quote(text)}: use zeros, ones, eye, normal(std), learned or learned(<init>)"
         )
     if s.startswith("learned"):
         inner = m.group("inner") or "normal(0.02)"
@@ -74,14 +113,19 @@ def parse_init(text: str) -> dict:
         return out
     if m.group("kind"):
         return {"learned": False, "kind": m.group("kind"), "std": None}
-    std = float(m.group("std"))
-    if not std >= 0:
-        raise ValueError(f"normal(std) needs std >= 0, got {std}")
+    try:
+        std = float(m.group("std")) if len(m.group("std")) <= MAX_NUMBER_CHARS else math.nan
+    except ValueError:
+        raise ValueError(f"normal(std) needs a number, got {quote(m.group('std'))}") from None
+    if not (std >= 0 and math.isfinite(std)):
+        raise ValueError(f"normal(std) needs a finite std >= 0, got {quote(m.group('std'))}")
     return {"learned": False, "kind": "normal", "std": std}
 
 
 def _canonical_init(v: Any) -> Any:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
+    if isinstance(v, bool):
+        raise ValueError(f"expected an init (zeros, ones, eye, normal(std), learned), got {_what(v)}")
+    if isinstance(v, (int, float)):
         return v
     if isinstance(v, str):
         d = parse_init(v)
@@ -116,7 +160,7 @@ class Gate(Node):
     """A per-token scalar per head, ``[B, T, H]``: ``formula`` of ``logit = x @ w + bias``."""
 
     formula: ExprField = Field(default_factory=lambda: parse_expr("sigmoid(logit)"))
-    bias: float = 0.0
+    bias: Number = 0.0
 
 
 class Param(Node):
@@ -137,7 +181,7 @@ class State(Node):
     shape: Shape
     init: str = "zeros"
     cache: bool = False
-    window: int | None = None
+    window: Optional[Size] = None
 
     @field_validator("init", mode="before")
     @classmethod
@@ -168,9 +212,9 @@ class Wiring(Node):
     """How the memory is wired into a network (Titans §4): none, mac, mag or mal."""
 
     kind: Literal["none", "mac", "mag", "mal"] = "none"
-    segment: int = 64
-    window: int = 64
-    persistent: int = 4
+    segment: Size = 64
+    window: Size = 64
+    persistent: Size = 4
 
     @field_validator("segment", "window")
     @classmethod
@@ -201,8 +245,8 @@ class Spec(Node):
     name: str
     description: str = ""
     cite: str = ""
-    dims: dict[str, int] = Field(default_factory=dict)
-    constants: dict[str, float] = Field(default_factory=dict)
+    dims: dict[str, Size] = Field(default_factory=dict)
+    constants: dict[str, Number] = Field(default_factory=dict)
     views: dict[str, View] = Field(default_factory=dict)
     gates: dict[str, Gate] = Field(default_factory=dict)
     params: dict[str, Param] = Field(default_factory=dict)
@@ -250,19 +294,32 @@ class Spec(Node):
             v = v.replace(" ", "")
             m = SCHEDULE_RE.match(v)
             if not m:
-                raise ValueError(f"unknown schedule {v!r}: use auto, online, chunk(N) or minibatch(N)")
+                raise ValueError(f"unknown schedule {quote(v)}: use auto, online, chunk(N) or minibatch(N)")
             n = m.group(2) or m.group(3)
             if n is not None and int(n) < 1:
                 raise ValueError("a chunk size must be >= 1")
+            if n is not None and (len(n) > 10 or int(n) > MAX_SIZE):
+                raise ValueError(f"a chunk size is at most {MAX_SIZE}")
         return v
 
     @field_validator("name")
     @classmethod
     def _name_form(cls, v):
+        if len(v) > MAX_NAME_CHARS:
+            raise ValueError(f"a spec name is at most {MAX_NAME_CHARS} characters, got {len(v)}")
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", v):
             raise ValueError(
-                f"a spec name is a plain identifier (letters, digits, _), got {v!r}"
+                f"a spec name is a plain identifier (letters, digits, _), got {quote(v)}"
             )
+        return v
+
+    @field_validator("description", "cite")
+    @classmethod
+    def _text_is_unicode(cls, v):
+        for i, ch in enumerate(v):
+            if "\ud800" <= ch <= "\udfff":
+                raise ValueError(f"text holds a lone surrogate {ascii(ch)} at character {i + 1}, which is not a "
+                                 f"character (UTF-8 cannot write it)")
         return v
 
     # ------------------------------------------------------------ helpers

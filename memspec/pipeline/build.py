@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import linecache
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -31,8 +32,11 @@ from ..check.verify import check
 from ..codegen import class_name, generate
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.frontend import load
+from ..lang.limits import MAX_SIZE, quote
+from ..lang.source import read_text
 from ..lang.spec import Spec
 from ..schedule import ScheduleDecision, analyse
+from .source_check import check_source
 from .write import write_atomic
 
 SpecLike = Union[Spec, str, Path]
@@ -49,20 +53,18 @@ class Checked:
     text: str | None                    # the file's text (hashed into the header)
 
 
-def load_checked(spec_or_path: SpecLike | Checked) -> Checked:
-    """Load (a path) and check a spec; raise SpecError with every error (warnings included)."""
+def load_checked(spec_or_path: SpecLike | Checked, *, allow_extends_outside: bool = False) -> Checked:
+    """Load (a path) and check a spec; raise SpecError with every error (warnings included).
+    ``allow_extends_outside``: see :func:`memspec.lang.frontend.load`."""
     if isinstance(spec_or_path, Checked):
         return spec_or_path
     if isinstance(spec_or_path, Spec):
         spec, path, text = spec_or_path, spec_or_path.path, None
     else:
         p = Path(spec_or_path)
-        spec = load(p)
+        spec = load(p, allow_extends_outside=allow_extends_outside)
         path = _display(p)
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            text = None
+        text = read_text(p)   # regular files only, bounded (the file was just read as a spec)
     graph, diags = check(spec)
     if any(d.severity == "error" for d in diags):
         raise SpecError(diags)
@@ -71,8 +73,8 @@ def load_checked(spec_or_path: SpecLike | Checked) -> Checked:
 
 def _display(path: Path) -> str:
     try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
+        return Path(os.path.abspath(path)).relative_to(os.getcwd()).as_posix()
+    except (ValueError, OSError):
         return path.as_posix()
 
 
@@ -102,7 +104,9 @@ def compile_with_decision(spec_or_path: SpecLike | Checked, out_dir: Union[str, 
     checked = load_checked(spec_or_path)
     decision = decide(checked.spec)
     out = Path(out_dir) / f"{checked.spec.name}.py"
-    write_atomic(out, generate_source(checked, decision))
+    text = generate_source(checked, decision)
+    check_source(text, checked.spec, str(out))   # before anything is written: an internal error writes nothing
+    write_atomic(out, text)
     return out, decision
 
 
@@ -113,14 +117,16 @@ def decision_text(decision: ScheduleDecision) -> str:
     return f"schedule {decision.family}{chunk}, {kind}"
 
 
-def load_module(text: str, name: str) -> types.ModuleType:
+def load_module(text: str, name: str, spec: Spec | None = None) -> types.ModuleType:
     """Execute generated module text as a fresh module; its source is registered in
-    linecache under a pseudo file name, so tracebacks show the generated lines."""
+    linecache under a pseudo file name, so tracebacks show the generated lines.  The text
+    passes :func:`~.source_check.check_source` first (as ``compile`` checks it before writing)."""
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
     modname = f"memspec_compiled_{name}_{digest}"
     if modname in sys.modules:
         return sys.modules[modname]
     filename = f"<memspec compiled/{name}.py {digest}>"
+    check_source(text, spec, filename)
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     mod = types.ModuleType(modname)
     mod.__file__ = filename
@@ -131,7 +137,7 @@ def load_module(text: str, name: str) -> types.ModuleType:
 
 def _module(spec_or_path: SpecLike | Checked):
     checked = load_checked(spec_or_path)
-    return checked.spec, load_module(generate_source(checked), checked.spec.name)
+    return checked.spec, load_module(generate_source(checked), checked.spec.name, checked.spec)
 
 
 def build(spec_or_path: SpecLike | Checked, *, compile: bool = True, **dims):  # noqa: A002
@@ -169,4 +175,12 @@ def _check_dims(spec: Spec, dims: dict, wiring: bool = False) -> None:
         if k == "persistent" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
             continue   # no persistent tokens
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"dim {k} must be a positive integer, got {v!r}")
+            raise ValueError(f"dim {k} must be a positive integer, got {quote(v)}")
+        if v > MAX_SIZE:
+            raise ValueError(f"dim {k} is at most {MAX_SIZE}, got {v}")
+    from ..check.sizes import size_problems
+
+    sizes = {k: v for k, v in dims.items() if k in ("segment", "window", "persistent")}
+    problems = size_problems(spec, {k: v for k, v in dims.items() if k not in sizes}, sizes)
+    if problems:
+        raise ValueError(f"{spec.name} with these dims cannot be allocated: {problems[0][0]}")

@@ -136,3 +136,42 @@ def _causal_mask(T, N, window, device):
     if window is not None:
         allowed = allowed & (j > pos - window)
     return allowed
+
+
+def _finite_prefix(*xs):
+    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
+    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
+    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
+    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
+    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
+    ok = None
+    for x in xs:
+        f = torch.isfinite(x)
+        if f.dim() > 3:
+            f = f.flatten(3).all(-1)
+        ok = f if ok is None else ok & f
+    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
+
+
+def _where_ok(ok, x, fill):
+    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
+    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x, torch.full((), fill, dtype=x.dtype,
+                       device=x.device))
+
+
+def _masked_attention(q, K, V, mask, scale):
+    """``scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale)`` (q [B, H, T, d],
+    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool) -> [B, H, T, e], with a non-finite
+    query, key or value reaching only the outputs that attend to it: non-finite entries are
+    replaced by zeros before the products (``torch.where``: a masked weight times a future
+    inf would be nan) and the outputs that do attend to one (or whose query is one) are nan,
+    as token by token."""
+    bad_kv = ~(torch.isfinite(K).all(-1) & torch.isfinite(V).all(-1))      # [B, H, N]
+    bad_q = ~torch.isfinite(q).all(-1)                                     # [B, H, T]
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        torch.where(bad_q.unsqueeze(-1), zero, q), torch.where(bad_kv.unsqueeze(-1), zero, K),
+        torch.where(bad_kv.unsqueeze(-1), zero, V), attn_mask=mask, scale=scale)
+    reached = (mask.to(q.dtype) @ bad_kv.to(q.dtype).unsqueeze(-1)).squeeze(-1) > 0   # [B, H, T]
+    return torch.where((reached | bad_q).unsqueeze(-1), torch.full((), float("nan"), dtype=out.dtype,
+                       device=out.device), out)

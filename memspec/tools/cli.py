@@ -1,15 +1,28 @@
 """The `memspec` command line.
 
-Exit status: 0 success, 1 invalid spec (or, for `diff`, specs differ), 2 usage error.
-Each subcommand is a function ``cmd_<name>(args) -> int`` registered in ``build_parser``.
+Exit status: 0 success, 1 invalid spec (or, for `diff`, specs differ), 2 usage error,
+70 internal error (a bug in memspec: one line names it; ``--debug`` or ``MEMSPEC_DEBUG=1``
+prints the traceback).  Each subcommand is a function ``cmd_<name>(args) -> int``
+registered in ``build_parser``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from ..lang.errors import Diagnostic, SpecError
+from ..lang.errors import Diagnostic, SpecError, printable
+from ..lang.limits import clip
+from ..pipeline.write import WriteError
+
+EXIT_INTERNAL = 70   # sysexits' EX_SOFTWARE: not 0, 1 or 2, which mean ok, invalid spec, usage
+
+
+class Options:
+    """Settings of the whole command line (set by ``main`` from the global flags)."""
+
+    allow_extends_outside = False
 
 
 class UsageError(Exception):
@@ -33,7 +46,7 @@ def load_checked(path: str, *, warnings: bool = True):
     :class:`~memspec.pipeline.build.Checked` or raises SpecError."""
     from ..pipeline.build import load_checked as pipeline_load
 
-    checked = pipeline_load(path)
+    checked = pipeline_load(path, allow_extends_outside=Options.allow_extends_outside)
     if warnings:
         _print_diags(list(checked.warnings))
     return checked
@@ -41,12 +54,16 @@ def load_checked(path: str, *, warnings: bool = True):
 
 # ------------------------------------------------------------------ commands
 def expand_spec_paths(paths: list[str]) -> list[str]:
-    """Files as given; a directory stands for the spec files under it (sorted)."""
+    """Files as given; a directory stands for the spec files under it (sorted; symlinked
+    folders are not followed).  A directory with no spec file is a usage error."""
     out: list[str] = []
     for p in paths:
         d = Path(p)
         if d.is_dir():
-            out.extend(str(f) for f in sorted(d.rglob("*")) if f.suffix in (".yaml", ".yml", ".mem"))
+            found = [str(f) for f in sorted(d.rglob("*")) if f.suffix in (".yaml", ".yml", ".mem")]
+            if not found:
+                raise UsageError(f"{printable(clip(p, 200))}: no spec files (*.yaml, *.yml, *.mem) in this folder")
+            out.extend(found)
         else:
             out.append(p)
     return out
@@ -62,7 +79,7 @@ def cmd_check(args) -> int:
             status = 1
             continue
         if not args.quiet:
-            print(f"{path}: ok")
+            print(f"{printable(path)}: ok")
     return status
 
 
@@ -70,7 +87,7 @@ def cmd_fmt(args) -> int:
     from ..lang.fmt import to_mem, to_yaml
     from ..lang.frontend import format_of, load
 
-    spec = load(args.file)
+    spec = load(args.file, allow_extends_outside=Options.allow_extends_outside)
     target = args.to or format_of(args.file)
     text = to_yaml(spec) if target == "yaml" else to_mem(spec)
     if args.write:
@@ -124,14 +141,9 @@ def _graphviz(dot_text: str, fmt: str, output: str | None) -> int:
         print(f"memspec: error: dot failed: {proc.stderr.decode('utf-8', 'replace').strip()}", file=sys.stderr)
         return 1
     if output:
-        import os
-        import tempfile
+        from ..pipeline.write import write_atomic
 
-        out = Path(output)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent if str(out.parent) else ".")
-        with os.fdopen(fd, "wb") as f:
-            f.write(proc.stdout)
-        os.replace(tmp, out)
+        write_atomic(Path(output), proc.stdout)
     else:
         sys.stdout.flush()
         sys.stdout.buffer.write(proc.stdout)
@@ -208,12 +220,12 @@ def cmd_compile(args) -> int:
     for path in args.files:
         try:
             out, decision = compile_with_decision(load_checked(path), args.output)
-            print(f"wrote {out} ({decision_text(decision)})")
+            print(f"wrote {printable(str(out))} ({decision_text(decision)})")
         except SpecError as err:
             _print_diags(err.diagnostics)
             status = 1
-        except OSError as err:
-            print(f"memspec: error: cannot write {args.output}: {err.strerror}", file=sys.stderr)
+        except WriteError as err:
+            print(f"memspec: error: cannot write {printable(str(err.path))}: {err.reason}", file=sys.stderr)
             return 2
     return status
 
@@ -251,10 +263,28 @@ def _train_arguments(s, compare: bool) -> None:
     s.set_defaults(compare=compare)
 
 
+def _global_flags(p: argparse.ArgumentParser, top: bool) -> None:
+    """Flags every subcommand takes too (``memspec --debug check x`` = ``memspec check --debug x``)."""
+    d = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("--debug", action="store_true", help="on an internal error, print the traceback "
+                   "(also: MEMSPEC_DEBUG=1)", **d)
+    p.add_argument("--allow-extends-outside", action="store_true",
+                   help="let `extends` name files outside the spec's folder tree", **d)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="memspec", description="Fast-weight memories as specs, compiled to PyTorch.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
+    _global_flags(p, top=True)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    _add_parser = sub.add_parser
+
+    def add_parser(*a, **kw):
+        s = _add_parser(*a, **kw)
+        _global_flags(s, top=False)
+        return s
+
+    sub.add_parser = add_parser   # every subcommand, including those registered elsewhere (lab, _EXTRA_COMMANDS)
 
     s = sub.add_parser("check", help="validate spec files (all errors, located)")
     s.add_argument("files", nargs="+")
@@ -343,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
+    debug = args.debug or os.environ.get("MEMSPEC_DEBUG", "") not in ("", "0")
+    Options.allow_extends_outside = args.allow_extends_outside
     try:
         return args.func(args)
     except SpecError as err:
@@ -351,11 +383,30 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"memspec: error: {err}", file=sys.stderr)
         return 2
+    except WriteError as err:
+        print(f"memspec: error: cannot write {printable(str(err.path))}: {err.reason}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as err:  # a bug in memspec (or its environment): one line, no traceback
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(internal_error_line(err, debug), file=sys.stderr)
+        return EXIT_INTERNAL
+    finally:
+        Options.allow_extends_outside = False
+
+
+def internal_error_line(err: BaseException, debug: bool = False) -> str:
+    """The one line an internal error prints: what failed, and how to see more."""
+    what = printable(clip(str(err), 300)) or "(no message)"
+    more = "" if debug else "; run with --debug (or MEMSPEC_DEBUG=1) for the traceback"
+    return f"memspec: internal error: {type(err).__name__}: {what} (a bug in memspec{more})"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
 
-from ..lang.errors import Span
+from ..lang.errors import Span, json_printable, printable
 from ..lang.expr import Expr, FunDef, format_number, unparse
 from ..lang.normalize import Normalizer, skeleton
 from ..lang.spec import Gate, Param, Spec, State, View, Wiring
@@ -509,34 +509,35 @@ def render_text(edits: list[Edit], *, color: bool = False, heading: str | None =
     def c(kind: str, s: str) -> str:
         return f"{ANSI[kind]}{s}{ANSI['reset']}" if color else s
 
+    # spec text is made printable before memspec's own colour codes are added
     lines: list[str] = []
     if heading:
-        lines.append(c("bold", heading))
+        lines.append(c("bold", "\n".join(printable(h) for h in heading.split("\n"))))
     for comp, es in _grouped(edits):
         lines.append(c("bold", comp))
         for e in es:
-            lines.append("  " + c(e.kind, f"{SIGN[e.kind]} {_summary(e)}"))
+            lines.append("  " + c(e.kind, f"{SIGN[e.kind]} {printable(_summary(e))}"))
             a, b = source_line(e.old_span), source_line(e.new_span)
             if a:
-                lines.append("      " + c("removed", "- " + a))
+                lines.append("      " + c("removed", "- " + printable(a)))
             if b:
-                lines.append("      " + c("added", "+ " + b))
+                lines.append("      " + c("added", "+ " + printable(b)))
     return "\n".join(lines) + ("\n" if lines else "")
 
 
 def _md(s: Any) -> str:
-    return _short(s).replace("|", "\\|")
+    return printable(_short(s)).replace("|", "\\|")
 
 
 def render_markdown(edits: list[Edit], *, heading: str | None = None) -> str:
     out: list[str] = []
     if heading:
-        out += [f"### {heading}", ""]
+        out += [f"### {' '.join(printable(h) for h in heading.split(chr(10)))}", ""]
     if not edits:
         return "\n".join(out + ["No differences.", ""])
     out += ["| | component | path | old | new | where |", "|---|---|---|---|---|---|"]
     for e in edits:
-        where = " → ".join(f"{s.file}:{s.line}" for s in (e.old_span, e.new_span) if s is not None)
+        where = " → ".join(f"{printable(s.file)}:{s.line}" for s in (e.old_span, e.new_span) if s is not None)
         old = f"`{_md(e.old)}`" if e.old is not None else ""
         new = f"`{_md(e.new)}`" if e.new is not None else ""
         out.append(f"| {SIGN[e.kind]} | {e.component} | `{_md(e.where())}` | {old} | {new} | {where} |")
@@ -549,11 +550,11 @@ def render_json(edits: list[Edit], graph: list[Edit] | None = None) -> str:
     doc: dict[str, Any] = {"equal": not edits, "edits": [e.to_json() for e in edits]}
     if graph is not None:
         doc["graph"] = [e.to_json() for e in graph]
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    return json_printable(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 
 
 def _dot_id(s: Any) -> str:
-    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + printable(str(s)).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 DOT_COLORS = {"added": "#2e7d32", "removed": "#c62828", "changed": "#ef6c00", "same": "#444444"}
@@ -577,7 +578,7 @@ def render_dot(ga, gb, *, title: str = "diff") -> str:
             st = "same" if same else "changed"
             text = node_text(gb.nodes[n]) if same else f"{node_text(ga.nodes[n])} → {node_text(gb.nodes[n])}"
         style = ', style="rounded,filled,dashed"' if st == "removed" else ""
-        label = f"{n}\\n{text}".replace('"', '\\"')
+        label = printable(f"{n}\\n{text}").replace('"', '\\"')
         lines.append(f'  {_dot_id(n)} [label="{label}", color="{DOT_COLORS[st]}", '
                      f'fillcolor="{DOT_FILL[st]}"{style}];')
     edges = list(ga.edges) + [e for e in gb.edges if not ga.has_edge(*e)]

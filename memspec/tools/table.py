@@ -26,10 +26,11 @@ from __future__ import annotations
 import csv
 import io
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
 from .diff import WIRING_FIELDS, derived_schedule
+from ..lang.errors import printable
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute
 from ..lang.normalize import canon
 from ..lang.spec import Spec
@@ -478,6 +479,8 @@ def rows(specs: Iterable[Spec]) -> list[Row]:
 def render_table(rs: list[Row], fmt: str = "markdown") -> str:
     keys = [k for k, _ in COLUMNS]
     heads = [h for _, h in COLUMNS]
+    # spec text (citations, names, formulas) is printed escaped: no terminal control characters
+    rs = [Row(**{f.name: printable(getattr(r, f.name)) for f in fields(Row)}) for r in rs]
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")

@@ -7,19 +7,21 @@ All problems of a file are collected and raised together as one ``SpecError``.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from ..errors import Collector, Span, SpecError, did_you_mean, remember_source
+from ..errors import Collector, Span, SpecError, did_you_mean, printable, remember_source
+from ..limits import MAX_EXTENDS_CHAIN, MAX_SPEC_BYTES, clip, quote
+from ..source import NotReadable, read_regular
 from ..expr import Assign, Expr, FunDef, Num, SourcePos, parse_expr, parse_fundef, parse_stmt
 from ..spec import Gate, Param, Spec, State, View, Wiring
 from .mem_frontend import read_mem
 from .raw import RawSpec, merge_raw
 from .yaml_frontend import read_yaml
 
-MAX_BYTES = 1_000_000
 SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".mem": "mem"}
 
 
@@ -27,28 +29,37 @@ def format_of(path: str | Path) -> str | None:
     return SUFFIXES.get(Path(path).suffix.lower())
 
 
+def resolved(path: str | Path) -> Path:
+    """``path`` made absolute with symlinks followed as far as they go (never raises: a
+    symlink loop stays as it is, and reading it reports the loop)."""
+    return Path(os.path.realpath(path))
+
+
 def display_path(path: Path) -> str:
     """Paths in messages are relative to the working directory when possible."""
     try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
+        return str(Path(os.path.abspath(path)).relative_to(os.getcwd()))
+    except (ValueError, OSError):
         return str(path)
 
 
-def read_source(path: Path, file: str, diags: Collector) -> str | None:
+def read_source(path: Path, file: str, diags: Collector, via: Span | None = None) -> str | None:
+    """The text of a spec file: a regular file (symlinks followed) of at most
+    ``MAX_SPEC_BYTES``, UTF-8 without NUL; otherwise a located error and None."""
     try:
-        size = path.stat().st_size
-    except OSError as err:
-        diags.error(f"cannot read spec: {err.strerror}", Span(file, 1, 1))
+        data = read_regular(path, MAX_SPEC_BYTES)
+    except NotReadable as err:
+        if err.missing:
+            diags.error(f"no such spec file: {printable(file)}", via or Span(file, 1, 1),
+                        hint="extends paths are relative to the spec file that extends" if via else None)
+        elif err.head:
+            remember_source(file, err.head.decode("utf-8", errors="replace").split("\n", 1)[0])
+            diags.error(err.reason, Span(file, 1, 1), hint="is this the right file?")
+        else:
+            remember_source(file, "")  # nothing to quote
+            diags.error(f"cannot read spec: {err.reason}" if not err.reason.startswith("is ") else err.reason,
+                        via or Span(file, 1, 1))
         return None
-    if path.is_dir():
-        diags.error("is a directory, not a spec file", Span(file, 1, 1))
-        return None
-    if size > MAX_BYTES:
-        diags.error(f"file too large ({size / 1e6:.1f} MB); a spec is at most {MAX_BYTES // 1_000_000} MB",
-                    Span(file, 1, 1), hint="is this the right file?")
-        return None
-    data = path.read_bytes()
     if b"\x00" in data:
         i = data.index(b"\x00")
         line = data[:i].count(b"\n") + 1
@@ -62,6 +73,7 @@ def read_source(path: Path, file: str, diags: Collector) -> str | None:
         before = data[: err.start]
         line = before.count(b"\n") + 1
         col = len(before[before.rfind(b"\n") + 1 :].decode("utf-8", errors="replace")) + 1
+        remember_source(file, data.decode("utf-8", errors="replace"))
         diags.error("invalid UTF-8 in spec file", Span(file, line, col), hint="a spec is UTF-8 text")
         return None
     if text.startswith("\ufeff"):
@@ -70,19 +82,47 @@ def read_source(path: Path, file: str, diags: Collector) -> str | None:
     return text
 
 
-def read_raw(path: Path, diags: Collector, chain: tuple[Path, ...] = (), via: Span | None = None) -> RawSpec | None:
-    """Read one file and everything it extends, merged."""
+PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+
+def extends_root(spec_path: str | Path) -> Path:
+    """The folder tree ``extends`` stays in: the spec's own folder, widened to the project it
+    lies in (the nearest folder above it holding pyproject.toml, setup.py, setup.cfg or .git)
+    when that project is below the home folder, so that ``specs/variants/x.yaml`` may extend
+    ``../titans.yaml``.  A spec downloaded to a folder outside any project reaches only its
+    own folder tree; the home folder (a dotfiles repository) and ``/`` never count as a project."""
+    folder = resolved(spec_path).parent
+    try:
+        home = resolved(Path.home())
+    except (RuntimeError, KeyError, OSError):
+        home = None
+    for d in (folder, *folder.parents):
+        if d == Path(d.anchor) or (home is not None and (d == home or d in home.parents)):
+            break
+        if any(os.path.lexists(d / m) for m in PROJECT_MARKERS):
+            return d
+    return folder
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def read_raw(path: Path, diags: Collector, chain: tuple[Path, ...] = (), via: Span | None = None,
+             root: Path | None = None) -> RawSpec | None:
+    """Read one file and everything it extends, merged.  ``root``: the folder tree every
+    ``extends`` must stay in (None: anywhere)."""
     file = display_path(path)
     fmt = format_of(path)
     if fmt is None:
-        diags.error(f"unknown spec format {path.suffix!r}", via or Span(file, 1, 1),
+        diags.error(f"unknown spec format {quote(path.suffix)}", via or Span(file, 1, 1),
                     hint="spec files end in .yaml, .yml or .mem")
         return None
-    if not path.exists():
-        diags.error(f"no such spec file: {file}", via or Span(file, 1, 1),
-                    hint="extends paths are relative to the spec file that extends" if via else None)
-        return None
-    text = read_source(path, file, diags)
+    text = read_source(path, file, diags, via)
     if text is None:
         return None
     if not text.strip():
@@ -94,12 +134,26 @@ def read_raw(path: Path, diags: Collector, chain: tuple[Path, ...] = (), via: Sp
     if raw.extends is None:
         _strip_drops(raw.data)
         return raw
-    base_path = (path.parent / raw.extends).resolve()
-    if base_path in chain or base_path == path.resolve():
-        cycle = " -> ".join(display_path(p) for p in (*chain, path.resolve(), base_path))
-        diags.error(f"cycle of extends: {cycle}", raw.extends_span, hint="a spec cannot extend itself")
+    here = resolved(path)
+    if len(chain) + 1 >= MAX_EXTENDS_CHAIN:
+        diags.error(f"too many levels of extends (at most {MAX_EXTENDS_CHAIN} files in a chain)", raw.extends_span)
         return None
-    base = read_raw(base_path, diags, chain + (path.resolve(),), raw.extends_span)
+    if "\x00" in raw.extends or not raw.extends:
+        diags.error("extends needs a file name", raw.extends_span)
+        return None
+    base_path = resolved(path.parent / raw.extends)
+    if base_path in chain or base_path == here:
+        cycle = " -> ".join(display_path(p) for p in (*chain, here, base_path))
+        diags.error(f"cycle of extends: {printable(cycle)}", raw.extends_span, hint="a spec cannot extend itself")
+        return None
+    if root is not None and not _inside(base_path, root):
+        diags.error(f"extends {quote(raw.extends)} points outside {printable(display_path(root).rstrip('/') + '/')}, "
+                    f"the folder tree the spec may extend from",
+                    raw.extends_span,
+                    hint="a spec extends files in its own folder tree (or its project's); to allow others pass "
+                         "--allow-extends-outside (memspec.load(path, allow_extends_outside=True))")
+        return None
+    base = read_raw(base_path, diags, chain + (here,), raw.extends_span, root)
     if base is None:
         return None
     merged = merge_raw(base, raw)
@@ -204,14 +258,14 @@ def map_validation_errors(err: ValidationError, raw: RawSpec, diags: Collector) 
             where = "spec" if not parent else " ".join(str(p) for p in parent)
             hint = did_you_mean(str(key), fields) or (
                 "allowed: " + ", ".join(fields) if fields else None)
-            diags.error(f"unknown field {key!r} in {where}", raw.key_span_of(loc), hint=hint)
+            diags.error(f"unknown field {quote(key)} in {clip(where)}", raw.key_span_of(loc), hint=hint)
         elif typ == "missing":
             parent, key = loc[:-1], loc[-1]
             where = "spec" if not parent else " ".join(str(p) for p in parent)
-            diags.error(f"missing field {key!r} in {where}", raw.key_span_of(parent) if parent else raw.span_of(()),
+            diags.error(f"missing field {quote(key)} in {clip(where)}", raw.key_span_of(parent) if parent else raw.span_of(()),
                         hint=_missing_hint(str(key)))
         else:
-            field = ".".join(str(p) for p in loc) or "spec"
+            field = clip(".".join(str(p) for p in loc) or "spec")
             inp = e.get("input")
             msg = _plain(e["msg"])
             if typ in ("dict_type", "model_type", "model_attributes_type"):
@@ -225,7 +279,7 @@ def map_validation_errors(err: ValidationError, raw: RawSpec, diags: Collector) 
             elif typ in ("float_type", "float_parsing"):
                 msg = f"expected a number, got {_kind(inp)}"
             elif typ == "literal_error":
-                msg = f"{_plain(e['msg'])}, got {inp!r}" if not isinstance(inp, (dict, list)) else _plain(e["msg"])
+                msg = f"{_plain(e['msg'])}, got {quote(inp)}" if not isinstance(inp, (dict, list)) else _plain(e["msg"])
             elif typ == "is_instance_of":
                 msg = f"expected an expression, got {_kind(inp)}"
             diags.error(f"{field}: {msg}", raw.span_of(loc))
@@ -273,11 +327,15 @@ def spec_from_raw(raw: RawSpec, diags: Collector, path: str | None = None) -> Sp
     return spec
 
 
-def load(path: str | Path) -> Spec:
-    """Load a spec from ``.yaml``/``.yml``/``.mem``; raises ``SpecError`` with all problems."""
+def load(path: str | Path, *, allow_extends_outside: bool = False) -> Spec:
+    """Load a spec from ``.yaml``/``.yml``/``.mem``; raises ``SpecError`` with all problems.
+
+    ``extends`` may name only files inside :func:`extends_root` (after following
+    symlinks) unless ``allow_extends_outside`` is true."""
     p = Path(path)
     diags = Collector()
-    raw = read_raw(p, diags)
+    root = None if allow_extends_outside else extends_root(p)
+    raw = read_raw(p, diags, root=root)
     spec = spec_from_raw(raw, diags, str(p)) if raw is not None and not diags.errors else None
     diags.raise_if_errors()
     assert spec is not None

@@ -14,13 +14,14 @@ A `.mem` file is a sequence of declarations::
 """
 from __future__ import annotations
 
-import ast as _pyast
+import json
 
 from lark import Token
 from lark.exceptions import UnexpectedInput
 
 from ..errors import Collector, Span
-from ..expr import ExprBuilder, SourcePos, parse_error_diagnostic, parser
+from ..limits import quote
+from ..expr import ExprBuilder, SourcePos, limit_problems, parse_error_diagnostic, parser
 from .raw import RawSpec
 
 _SINGLE = {
@@ -50,8 +51,29 @@ _DROP_KINDS = {"view": "views", "gate": "gates", "state": "state", "param": "par
                "const": "constants", "dim": "dims"}
 
 
+STRING_ESCAPES = '\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX'
+
+
+class _BadString(Exception):
+    def __init__(self, offset: int, message: str):
+        super().__init__(message)
+        self.offset, self.message = offset, message
+
+
 def _unquote(tok: Token) -> str:
-    return _pyast.literal_eval(str(tok))
+    """The text of a STRING token: JSON's escapes (what ``memspec fmt`` writes), nothing else."""
+    s = str(tok)
+    try:
+        return json.loads(s, strict=False)
+    except json.JSONDecodeError as err:
+        i = err.pos if s[err.pos:err.pos + 1] == "\\" else max(0, err.pos - 1)
+        j = i + 2
+        while s[i + 1:i + 2] == "u" and j < i + 6 and j < len(s) and s[j] in "0123456789abcdefABCDEF":
+            j += 1
+        esc = s[i:j]
+        raise _BadString(i, f"invalid escape {esc} in a string") from None
+    except RecursionError:  # pragma: no cover - a STRING token is flat
+        raise _BadString(0, "invalid string") from None
 
 
 def _number(tok: Token):
@@ -80,6 +102,10 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
         d = parse_error_diagnostic(err, text, pos, ".mem file")
         diags.extend([d])
         return None
+    problems = limit_problems(tree, pos)
+    if problems:
+        diags.extend(problems)
+        return None
     tree = ExprBuilder(pos).transform(tree)
     if not tree.children:
         diags.error("empty spec: no declarations", Span(file, 1, 1),
@@ -103,6 +129,16 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
         if key_span is not None:
             raw.key_spans[path] = key_span
 
+    def text_of(tok: Token) -> str | None:
+        try:
+            return _unquote(tok)
+        except _BadString as err:
+            sp = pos.of_token(tok)
+            col = sp.col + err.offset
+            diags.error(err.message, Span(file, sp.line, col, sp.line, col + 2),
+                        hint=f"strings use the escapes {STRING_ESCAPES}")
+            return None
+
     for item in tree.children:
         kind = item.data
         span = pos.of_meta(item.meta) or Span(file, 1, 1)
@@ -110,11 +146,15 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
         if kind in ("memory_decl", "order_decl"):
             put((_SINGLE[kind],), str(ch[0]), pos.of_token(ch[0]))
         elif kind in ("description_decl", "cite_decl"):
-            put((_SINGLE[kind],), _unquote(ch[0]), pos.of_token(ch[0]))
+            text = text_of(ch[0])
+            if text is not None:
+                put((_SINGLE[kind],), text, pos.of_token(ch[0]))
         elif kind == "extends_decl":
             if raw.extends is not None:
                 diags.error("duplicate extends", span)
-            raw.extends, raw.extends_span = _unquote(ch[0]), pos.of_token(ch[0])
+            text = text_of(ch[0])
+            if text is not None:
+                raw.extends, raw.extends_span = text, pos.of_token(ch[0])
         elif kind == "dims_decl":
             dims = {}
             raw.spans[("dims",)] = span
@@ -123,7 +163,7 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
                     continue
                 name = str(e.children[0])
                 if name in dims:
-                    diags.error(f"duplicate dim {name!r}", pos.of_token(e.children[0]))
+                    diags.error(f"duplicate dim {quote(name)}", pos.of_token(e.children[0]))
                     continue
                 dims[name] = int(str(e.children[1]))
                 raw.spans[("dims", name)] = pos.of_token(e.children[1])
@@ -200,7 +240,7 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
             what, name = str(ch[0]), str(ch[1])
             section = _DROP_KINDS.get(what)
             if section is None:
-                diags.error(f"cannot drop a {what!r}", pos.of_token(ch[0]),
+                diags.error(f"cannot drop a {quote(what)}", pos.of_token(ch[0]),
                             hint="drop one of: " + ", ".join(sorted(_DROP_KINDS)))
                 continue
             data.setdefault(section, {})[name] = None

@@ -10,6 +10,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 
 from ..errors import Collector, Span
+from ..limits import MAX_NUMBER_CHARS, clip, quote
 from ..expr import SourcePos
 from .raw import RawSpec
 
@@ -46,11 +47,40 @@ def _text_pos(node, file: str, lines: list[str]) -> SourcePos:
     return SourcePos(file, m.line + 1, m.column + 1, cont_col=m.column + 1)
 
 
+class _AliasFound(Exception):
+    def __init__(self, mark, what: str):
+        super().__init__(what)
+        self.mark, self.what = mark, what
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, refusing anchors and aliases before they are composed: an alias
+    shares a node, and a few lines of aliases of aliases ("billion laughs") stand for more
+    values than memory holds.  A spec never needs them (``extends`` shares between files)."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _AliasFound(event.start_mark, f"alias *{event.anchor}")
+        if getattr(event, "anchor", None) is not None:
+            raise _AliasFound(event.start_mark, f"anchor &{event.anchor}")
+        return super().compose_node(parent, index)
+
+
+_NUMBER_TAGS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
+
+
 def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
     """Parse ``text`` (YAML) into a RawSpec; problems go to ``diags``."""
     raw = RawSpec(file=file)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_Loader)
+    except _AliasFound as err:
+        m = err.mark
+        diags.error(f"YAML anchors and aliases are not allowed in a spec (found {clip(err.what)})",
+                    Span(file, m.line + 1, m.column + 1),
+                    hint="write the value out; to share a spec's parts use extends")
+        return None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         span = Span(file, mark.line + 1, mark.column + 1) if mark else Span(file, 1, 1)
@@ -93,7 +123,7 @@ def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
             ok = False
             return None
         if n.tag not in _CORE_TAGS:
-            diags.error(f"YAML tag {n.tag!r} is not allowed in a spec", _span(n, file),
+            diags.error(f"YAML tag {quote(n.tag)} is not allowed in a spec", _span(n, file),
                         hint="specs use plain YAML: mappings, lists, strings and numbers")
             ok = False
             return None
@@ -104,11 +134,16 @@ def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
                     diags.error("mapping keys must be plain names", _span(kn, file))
                     ok = False
                     continue
-                key = constructor.construct_object(kn)
+                try:
+                    key = constructor.construct_object(kn)
+                except (ValueError, OverflowError):
+                    diags.error("mapping keys must be plain names", _span(kn, file))
+                    ok = False
+                    continue
                 if not isinstance(key, str):
                     key = str(key) if key is not None else "null"
                 if key in out:
-                    diags.error(f"duplicate key {key!r}", _span(kn, file),
+                    diags.error(f"duplicate key {quote(key)}", _span(kn, file),
                                 hint="each key may appear once in a mapping")
                     ok = False
                     continue
@@ -117,7 +152,16 @@ def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
             return out
         if isinstance(n, yaml.SequenceNode):
             return [convert(c, path + (i,), depth + 1) for i, c in enumerate(n.value)]
-        value = constructor.construct_object(n)
+        if n.tag in _NUMBER_TAGS and len(n.value) > MAX_NUMBER_CHARS:
+            diags.error(f"number too long ({len(n.value)} characters; at most {MAX_NUMBER_CHARS})", _span(n, file))
+            ok = False
+            return None
+        try:
+            value = constructor.construct_object(n)
+        except (ValueError, OverflowError) as err:
+            diags.error(f"cannot read this value: {clip(str(err))}", _span(n, file))
+            ok = False
+            return None
         if isinstance(value, str):
             raw.text_pos[path] = _text_pos(n, file, lines)
         return value
