@@ -281,3 +281,25 @@ def test_peer_hgrn2_as_gla():
     o_ref, S_ref = peer.naive_recurrent_gla(q, k, v, log_g, initial_state=S0, output_final_state=True)
     o, S = chunk_additive(scaled(q), k, v, log_g, S0, 64)
     assert rel(o, o_ref) <= 1e-4 and rel(S, S_ref) <= 1e-4
+
+
+# ------------------------------------------------------------------ specialised kernels (codegen)
+@pytest.mark.parametrize("inclusive", [True, False])
+@pytest.mark.parametrize("state_only", [False, True])
+def test_channel_specialised_equals_general(inclusive, state_only):
+    """The kernel specialised the way a generated module carries it (memspec.codegen.specialise:
+    constant arguments bound, decided branches dropped) gives the general kernel's numbers bit for
+    bit with per-channel decays; bound to no decay, no per-channel code is left."""
+    from memspec.codegen.specialise import specialise
+
+    consts = {"inclusive": inclusive, "group": None} | ({"q": None} if state_only else {})
+    ns = {"torch": torch}
+    exec(compile(specialise(chunk_additive, **consts), "<specialised>", "exec"), ns)
+    q, k, v, lg, S0 = make(2, 37, 2, 5, 3, dtype=torch.float64, seed=30)
+    want = chunk_additive(None if state_only else q, k, v, lg, S0, 8, inclusive)
+    got = ns["chunk_additive"](*([] if state_only else [q]), k, v, lg, S0, 8)
+    assert (got[0] is None) == state_only and torch.equal(got[1], want[1])
+    if not state_only:
+        assert torch.equal(got[0], want[0])
+    src = specialise(chunk_additive, log_gamma=None, **consts)
+    assert not any(name in src for name in ("gam_t", "inplace", "XE", "levels", "channel ="))

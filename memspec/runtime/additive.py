@@ -146,12 +146,12 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return x.reshape(n * BH, c, x.shape[-1]).contiguous()
 
-    # without autograd, the per-channel factors are updated in place
-    inplace = not (torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, log_gamma, S0) + vs))
+    if channel:  # without autograd, the per-channel factors are updated in place
+        inputs = (q, k, log_gamma, S0) + vs
+        inplace = not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs))
     outs = []                                                        # [B, n, c, H, V] per group
-    for (n, c, m), qp, kp, vp, lp in zip(groups, split(q), split(k), zip(*(split(x) for x in vs)),
-                                        split(log_gamma)):
+    pieces = zip(groups, split(q), split(k), zip(*(split(x) for x in vs)), split(log_gamma))
+    for (n, c, m), qp, kp, vp, lp in pieces:
         nBH = n * BH
         vg = block(vp, n, c, m)                                      # [nBH, c, V]
         if channel:
@@ -161,49 +161,46 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             # of decays (each <= 1); XE_h = [k E_h | q F_h] goes to the next level by one product
             gam_t = torch.exp(lp.to(dt))                             # [B, n m, H, K] decay of each token
             P = block([gam_t], n, c, m, pad=1.0)                     # [nBH, c, K] decay of each h-block (h = 1)
-            if qp is None:
+            if q is None:
                 XE = block([kp], n, c, m)                            # [nBH, c, K] (E_1 = 1)
             else:                                                    # [nBH, c, 2K] (F_1 = gamma_t, or 1)
                 XE = block([kp, qp.to(dt) * gam_t if inclusive else qp], n, c, m)
             W = XE.shape[-1]
             og = None                                                # [nBH, c, V] outputs of the chunk's pairs
-            if qp is not None and inclusive:                         # pairs s = t weigh 1
+            if inclusive and q is not None:                         # pairs s = t weigh 1
                 og = block([(qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True)], n, c, m) * vg
             ones = P.new_ones(nBH * c // 2, 1, 1, K)
             h = 1
             while h < c:
                 nb = nBH * c // (2 * h)                              # blocks of 2h tokens
                 XEb = XE.view(nb, 2, h, W)
-                if qp is not None:
+                if q is not None:
                     kt, qt = XEb[:, 0, :, :K], XEb[:, 1, :, K:]      # [nb, h, K]: first halves' k E, second halves' q F
                     v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
-                    if h == 1:                                       # one pair per block
-                        pair = ((qt * kt).sum(-1, keepdim=True), v1)
-                    elif h == 2:                                     # tiny matmuls: column by column
-                        scores = torch.bmm(qt, kt.transpose(1, 2))   # [nb, 2, 2]
-                        pair = (scores[:, :, :1], v1[:, :1], scores[:, :, 1:], v1[:, 1:])
-                    else:
-                        pair = (torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1),)
-                    if h <= (1 if inclusive else 2):  # out of place until og depends on q, k, v and the decays
-                        o2 = pair[0] if len(pair) == 1 else sum(a * b for a, b in zip(pair[::2], pair[1::2]))
-                        o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
-                        og = torch.stack([o1, o2 if og is None else og.view(nb, 2, h, V)[:, 1] + o2], 1).view(nBH, c, V)
-                    else:                                            # then in place (vmap)
-                        o2 = og.view(nb, 2, h, V)[:, 1]
-                        if len(pair) == 1:
-                            o2.add_(pair[0])
+                    o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves' outputs
+                    fresh = h <= (1 if inclusive else 2)  # out of place until og depends on q, k, v and the decays (vmap)
+                    if h <= 2:                                       # tiny blocks: column by column
+                        scores = (qt * kt).sum(-1, keepdim=True) if h == 1 else torch.bmm(qt, kt.transpose(1, 2))
+                        cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]   # [nb, h, 1], [nb, 1, V]
+                        if fresh:
+                            cross = sum(a * b for a, b in cols)
+                            o2 = cross if o2 is None else o2 + cross
+                            o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
+                            og = torch.stack([o1, o2], 1).view(nBH, c, V)
                         else:
-                            for a, b in zip(pair[::2], pair[1::2]):
+                            for a, b in cols:
                                 o2.addcmul_(a, b)
+                    else:
+                        o2.add_(torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1))
                 Pb = P.view(nb, 2, 1, K)                             # the decays of the two halves
                 # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the first's
                 if inplace and h > 1:                                # (XE_1 may be k itself; XE_2 on depends on the decays)
                     XEb[:, 0, :, :K].mul_(Pb[:, 1])
-                    if qp is not None:
+                    if q is not None:
                         XEb[:, 1, :, K:].mul_(Pb[:, 0])
                 else:
                     one = ones[:nb]
-                    fac = torch.cat([Pb[:, 1:], one] + ([] if qp is None else [one, Pb[:, :1]]), -1)
+                    fac = torch.cat([Pb[:, 1:], one] + ([] if q is None else [one, Pb[:, :1]]), -1)
                     XE = (XEb * fac.view(nb, 2, 1, W)).view(nBH, c, W)
                 P = Pb[:, 0] * Pb[:, 1]                              # [nb, 1, K]
                 h *= 2
@@ -211,7 +208,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             g_end = P.view(n, BH, K, 1)                              # [n, BH, K, 1] decay over each chunk
         else:
             kg = block([kp], n, c, m)                                # [nBH, c, K]
-            if lp is not None:
+            if log_gamma is not None:
                 lg = block([lp[..., None]], n, c, m)                 # [nBH, c, 1]
                 L = torch.cumsum(lg, dim=1)                          # [nBH, c, 1] cumulative log decay
                 Lq = L if inclusive else L - lg                      # the log decay a probe sees
@@ -222,9 +219,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
         kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
         starts = [S]
         for j in range(n):  # forward in the chunks: a non-finite increment reaches only later chunks
-            S = torch.addcmul(kv[j], g_end[j], S) if lp is not None else S + kv[j]   # [BH, K, V]
+            S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None else S + kv[j]   # [BH, K, V]
             starts.append(S)
-        if qp is None:
+        if q is None:
             continue
         S_starts = torch.stack(starts[:-1]).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
         if channel:                                                  # + (q F_c) @ S_start
@@ -233,7 +230,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             qg = block([qp], n, c, m)                                # [nBH, c, K]
             d = 0 if inclusive else -1                               # pairs s <= t (s < t)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
-            if lp is not None:
+            if log_gamma is not None:
                 Lq1, L1 = Lq[..., 0], L[..., 0]                      # [nBH, c]
                 # exp(Lq_t - L_s) on the pairs; the rest is zeroed before exp (exp(0) = 1, masked after)
                 decay = torch.exp((Lq1[:, :, None] - L1[:, None, :]).tril(d))
