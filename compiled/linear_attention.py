@@ -201,7 +201,7 @@ def chunk_additive(q, k, v, S0, chunk):
     S_out = S.view(B, H, K, V).to(out_dtype)
     if q is None:
         return None, S_out
-    # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
+    # one copy into [B, T, H, V] (a second one only for a tail chunk)
     full = outs[:len(outs) - (r > 0)]
     o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else None
     if r:

@@ -167,7 +167,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
                 XE = block([kp, qp.to(dt) * gam_t if inclusive else qp], n, c, m)
             W = XE.shape[-1]
             og = None                                                # [nBH, c, V] outputs of the chunk's pairs
-            if inclusive and q is not None:                         # pairs s = t weigh 1
+            if inclusive and q is not None:                          # pairs s = t weigh 1
                 og = block([(qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True)], n, c, m) * vg
             ones = P.new_ones(nBH * c // 2, 1, 1, K)
             h = 1
@@ -177,8 +177,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
                 if q is not None:
                     kt, qt = XEb[:, 0, :, :K], XEb[:, 1, :, K:]      # [nb, h, K]: first halves' k E, second halves' q F
                     v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
-                    o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves' outputs
-                    fresh = h <= (1 if inclusive else 2)  # out of place until og depends on q, k, v and the decays (vmap)
+                    o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves
+                    # out of place until og depends on q, k, v and the decays: in place after (vmap)
+                    fresh = h <= (1 if inclusive else 2)
                     if h <= 2:                                       # tiny blocks: column by column
                         scores = (qt * kt).sum(-1, keepdim=True) if h == 1 else torch.bmm(qt, kt.transpose(1, 2))
                         cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]   # [nb, h, 1], [nb, 1, V]
@@ -194,7 +195,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
                         o2.add_(torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1))
                 Pb = P.view(nb, 2, 1, K)                             # the decays of the two halves
                 # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the first's
-                if inplace and h > 1:                                # (XE_1 may be k itself; XE_2 on depends on the decays)
+                # in place from XE_2 on (XE_1 may be k itself; XE_2 depends on the decays: vmap)
+                if inplace and h > 1:
                     XEb[:, 0, :, :K].mul_(Pb[:, 1])
                     if q is not None:
                         XEb[:, 1, :, K:].mul_(Pb[:, 0])
@@ -248,7 +250,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     S_out = S.view(B, H, K, V).to(out_dtype)
     if q is None:
         return None, S_out
-    # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
+    # one copy into [B, T, H, V] (a second one only for a tail chunk)
     full = outs[:len(outs) - (r > 0)]
     o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else None
     if r:
