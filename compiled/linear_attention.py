@@ -126,11 +126,13 @@ def chunk_additive(q, k, v, S0, chunk):
             term is token-local and computed outside the kernel).
         group: chunks per batched group G (default: as above); any G >= 1
             gives the same numbers.
+        per_channel: whether log_gamma is per key channel; None: from its rank.  A generated
+            module passes its decay's kind, so that its specialised kernel keeps one path.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
 
-    Specialised for this module: log_gamma=None, inclusive=True, group=None.
+    Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=None.
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
@@ -142,6 +144,7 @@ def chunk_additive(q, k, v, S0, chunk):
     if T == 0:
         o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
         return o, S.view(B, H, K, V).to(out_dtype)
+    # one log decay per key channel (decided operands first: the specialiser folds them)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
     if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call

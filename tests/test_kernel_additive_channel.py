@@ -289,17 +289,22 @@ def test_peer_hgrn2_as_gla():
 def test_channel_specialised_equals_general(inclusive, state_only):
     """The kernel specialised the way a generated module carries it (memspec.codegen.specialise:
     constant arguments bound, decided branches dropped) gives the general kernel's numbers bit for
-    bit with per-channel decays; bound to no decay, no per-channel code is left."""
+    bit with per-channel decays; bound to per-head decays (per_channel=False) or to none, no
+    per-channel code is left, and bound to per_channel=True no per-head code."""
     from memspec.codegen.specialise import specialise
 
     consts = {"inclusive": inclusive, "group": None} | ({"q": None} if state_only else {})
-    ns = {"torch": torch}
-    exec(compile(specialise(chunk_additive, **consts), "<specialised>", "exec"), ns)
     q, k, v, lg, S0 = make(2, 37, 2, 5, 3, dtype=torch.float64, seed=30)
     want = chunk_additive(None if state_only else q, k, v, lg, S0, 8, inclusive)
-    got = ns["chunk_additive"](*([] if state_only else [q]), k, v, lg, S0, 8)
-    assert (got[0] is None) == state_only and torch.equal(got[1], want[1])
-    if not state_only:
-        assert torch.equal(got[0], want[0])
-    src = specialise(chunk_additive, log_gamma=None, **consts)
-    assert not any(name in src for name in ("gam_t", "inplace", "XE", "levels", "channel ="))
+    for extra in ({}, {"per_channel": True}):
+        ns = {"torch": torch}
+        src = specialise(chunk_additive, **consts, **extra)
+        exec(compile(src, "<specialised>", "exec"), ns)
+        got = ns["chunk_additive"](*([] if state_only else [q]), k, v, lg, S0, 8)
+        assert (got[0] is None) == state_only and torch.equal(got[1], want[1])
+        if not state_only:
+            assert torch.equal(got[0], want[0])
+    assert "cumsum" not in src and "tril" not in src                 # per_channel=True: no per-head path
+    for extra in ({"per_channel": False}, {"log_gamma": None, "per_channel": None}):
+        src = specialise(chunk_additive, **consts, **extra)
+        assert not any(name in src for name in ("gam_t", "inplace", "XE", "levels", "channel ="))

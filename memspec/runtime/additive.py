@@ -43,7 +43,7 @@ def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
     return o, S.to(S0.dtype if S0 is not None else v.dtype)
 
 
-def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
+def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, per_channel=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
 
     Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and
@@ -97,6 +97,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             term is token-local and computed outside the kernel).
         group: chunks per batched group G (default: as above); any G >= 1
             gives the same numbers.
+        per_channel: whether log_gamma is per key channel; None: from its rank.  A generated
+            module passes its decay's kind, so that its specialised kernel keeps one path.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
@@ -111,7 +113,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     if T == 0:
         o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
         return o, S.view(B, H, K, V).to(out_dtype)
-    channel = log_gamma is not None and log_gamma.dim() == 4        # one log decay per key channel
+    # one log decay per key channel (decided operands first: the specialiser folds them)
+    channel = per_channel if per_channel is not None else log_gamma is not None and log_gamma.dim() == 4
     C = max(1, min(int(chunk), T))
     if channel:                                                      # a power of two: halved level by level
         C = 1 << (C.bit_length() - 1)
