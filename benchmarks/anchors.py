@@ -16,19 +16,29 @@ fraction of the bmm peak.
 With ``--backward`` each row times forward + backward (training): every input requires
 grad and the loss is a fixed random projection of the outputs and the final state.
 
+Per-channel decays (GLA; issue 12) get a second table: ``chunk_additive`` with log decays
+``[B, T, H, K]`` next to its own token recurrence (``recurrent_additive``, timed on fewer
+rounds, it is slow) and to a pure-PyTorch chunked GLA written here from the math the way
+flash-linear-attention's references are (chunks of 64, secondary sub-chunks of 16: scores
+between sub-chunks factor through the query sub-chunk's start, those inside a sub-chunk are
+built pairwise per channel, then a loop over chunks); and, when flash-linear-attention is
+installed, the per-head decay kernel next to its ``naive_chunk_simple_gla``.
+
     python benchmarks/anchors.py [--T 2048] [--threads 2] [--backward] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from memspec.tools.bench import bmm_peak
-from memspec.runtime.additive import chunk_additive
+from memspec.runtime.additive import chunk_additive, recurrent_additive
 from memspec.runtime.delta import chunk_delta
 
 
@@ -115,6 +125,53 @@ def naive_chunk_decayed_linear_attention(q, k, v, g, S0, C=64):
     return o.reshape(B, H, T, -1), S
 
 
+def naive_chunk_gla(q, k, v, g, S0, C=64, c=16):
+    """Chunked GLA, fla-style: q, k, v [B, H, T, D], g [B, H, T, K] per-channel log decays
+    (T % C == 0, C % c == 0).  Inside a chunk, scores between sub-chunks of c tokens factor
+    through the log decay at the query sub-chunk's start (both factors <= 1); inside a
+    sub-chunk they are built pairwise per channel (``[c, c, K]``, masked before exp); the
+    states follow in a loop over chunks."""
+    B, H, T, K = q.shape
+    N, n = T // C, C // c
+    q, k, v, g = (x.reshape(B, H, N, C, x.shape[-1]) for x in (q, k, v, g))
+    g = g.cumsum(-2)                                                 # [B, H, N, C, K]
+    mask = torch.ones(c, c, dtype=torch.bool).tril()[:, :, None]     # s <= t
+    A = q.new_zeros(B, H, N, C, C)
+    for i in range(n):
+        rows = slice(i * c, (i + 1) * c)
+        q_i, g_i = q[..., rows, :], g[..., rows, :]
+        if i:
+            g_n = g[..., i * c - 1:i * c, :]                         # log decay before sub-chunk i
+            q_n = q_i * (g_i - g_n).exp()
+            for j in range(i):
+                cols = slice(j * c, (j + 1) * c)
+                A[..., rows, cols] = q_n @ (k[..., cols, :] * (g_n - g[..., cols, :]).exp()).transpose(-1, -2)
+        pair = (g_i[..., :, None, :] - g_i[..., None, :, :]).masked_fill(~mask, float("-inf")).exp()
+        A[..., rows, rows] = (q_i[..., :, None, :] * k[..., rows, :][..., None, :, :] * pair).sum(-1)
+    S = S0.clone()
+    o = torch.zeros_like(v)
+    for t in range(N):
+        g_t, g_end = g[:, :, t], g[:, :, t, -1:]                     # [B, H, C, K], [B, H, 1, K]
+        o[:, :, t] = (q[:, :, t] * g_t.exp()) @ S + A[:, :, t] @ v[:, :, t]
+        S = S * g_end.transpose(-1, -2).exp() + (k[:, :, t] * (g_end - g_t).exp()).transpose(-1, -2) @ v[:, :, t]
+    return o.reshape(B, H, T, -1), S
+
+
+def fla_simple_gla():
+    """flash-linear-attention's ``fla/ops/simple_gla/naive.py`` loaded by file path (no Triton
+    import), or None when it is not installed."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("einops") is None:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "ops" / "simple_gla" / "naive.py"
+    if not path.is_file():
+        return None
+    mod_spec = importlib.util.spec_from_file_location("_fla_simple_gla_naive", path)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
+
+
 def matmul_flops(fn, grad=False):
     """Matmul FLOPs of one call (``torch.utils.flop_counter``), or None where unavailable; with
     ``grad`` the call runs with autograd on (a forward + backward function)."""
@@ -139,17 +196,21 @@ def timed_pair(fn_a, fn_b, repeat, grad=False):
     return timed_many([f for f in (fn_a, fn_b) if f is not None], repeat, grad)
 
 
-def timed_many(fns, repeat, grad=False):
+def timed_many(fns, repeat, grad=False, every=None):
     """Several functions timed round-robin; for each, (median wall ms, median process CPU ms, best
-    wall ms).  ``grad``: autograd on (forward + backward functions)."""
+    wall ms).  ``grad``: autograd on (forward + backward functions).  ``every[i] = m``: function i
+    runs only in every m-th round (a slow one)."""
     wall = [[] for _ in fns]
     cpu = [[] for _ in fns]
+    every = every or [1] * len(fns)
     with torch.set_grad_enabled(grad):
-        for f in fns:
-            f()
-            f()
-        for _ in range(repeat):
+        for f, m in zip(fns, every):
+            for _ in range(2 if m == 1 else 1):
+                f()
+        for r in range(repeat):
             for i, f in enumerate(fns):
+                if r % every[i]:
+                    continue
                 t0, c0 = time.perf_counter(), time.process_time()
                 f()
                 wall[i].append(time.perf_counter() - t0)
@@ -246,9 +307,54 @@ def main():
         print(f"{name:<18} memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f}, best {m[2]:6.2f}, {frac(pk['memspec'])})   "
               f"pure-PyTorch chunked {t[0]:7.2f} ms (cpu {t[1]:6.2f}, best {t[2]:6.2f}, {frac(pk['naive_chunk'])})   "
               f"speed-up x{t[0] / m[0]:.2f} (cpu x{t[1] / m[1]:.2f}, best x{t[2] / m[2]:.2f})")
+    out["channel"] = channel_rows(a, q.detach(), k.detach(), v.detach(), S0)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
+
+
+def channel_rows(a, q, k, v, S0):
+    """Per-channel decays (GLA): memspec vs its token recurrence and the pure-PyTorch chunked GLA;
+    the per-head decay kernel vs fla's naive_chunk_simple_gla (when installed)."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H, K = q.shape
+    lgc = torch.log(0.9 + 0.1 * torch.rand(B, T, H, K, generator=g))    # per-channel log decays
+    lg = lgc[..., 0].contiguous()                                      # per-head
+    qh, kh, vh, gh = (x.transpose(1, 2).contiguous() for x in (q, k, v, lgc))
+    with torch.no_grad():  # the chunked reference agrees with ours (sanity) before timing
+        ours = chunk_additive(q, k, v, lgc, S0, 64)[0].transpose(1, 2)
+        ref = naive_chunk_gla(qh, kh, vh, gh, S0)[0]
+        assert (ours - ref).abs().max() < 1e-3, (ours - ref).abs().max()
+    peer = fla_simple_gla()
+    if peer is not None:
+        with torch.no_grad():
+            ours = chunk_additive(q, k, v, lg, S0, 64)[0]
+            ref = peer.naive_chunk_simple_gla(q, k, v, lg, initial_state=S0, scale=1.0)[0]
+            assert (ours - ref).abs().max() < 1e-3, (ours - ref).abs().max()
+    if a.backward:
+        q, k, v, lgc, lg, qh, kh, vh, gh = (x.requires_grad_() for x in (q, k, v, lgc, lg, qh, kh, vh, gh))
+    fns = {"memspec": (lambda: chunk_additive(q, k, v, lgc, S0, 64), [q, k, v, lgc]),
+           "pure-PyTorch chunked GLA": (lambda: naive_chunk_gla(qh, kh, vh, gh, S0), [qh, kh, vh, gh]),
+           "token recurrence": (lambda: recurrent_additive(q, k, v, lgc, S0), [q, k, v, lgc])}
+    run = {name: with_backward(f, ins) if a.backward else f for name, (f, ins) in fns.items()}
+    res = timed_many(list(run.values()), a.repeat, grad=a.backward, every=[1, 1, 5])
+    rows = {"per-channel decay": dict(zip(run, ({"ms": r[0], "cpu_ms": r[1], "best_ms": r[2]} for r in res)))}
+    m, c, rec = res
+    print(f"\nper-channel decays (GLA), chunk 64{'; forward + backward' if a.backward else ''}:")
+    print(f"  memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f})   pure-PyTorch chunked GLA {c[0]:7.2f} ms (cpu {c[1]:6.2f}):"
+          f" x{c[0] / m[0]:.2f} (cpu x{c[1] / m[1]:.2f})   token recurrence {rec[0]:8.1f} ms (cpu {rec[1]:7.1f}):"
+          f" x{rec[0] / m[0]:.1f} (cpu x{rec[1] / m[1]:.1f})")
+    if peer is not None:
+        pair = {"memspec": (lambda: chunk_additive(q, k, v, lg, S0, 64), [q, k, v, lg]),
+                "fla naive_chunk_simple_gla": (lambda: peer.naive_chunk_simple_gla(
+                    q, k, v, lg, initial_state=S0, output_final_state=True, scale=1.0), [q, k, v, lg])}
+        run = {name: with_backward(f, ins) if a.backward else f for name, (f, ins) in pair.items()}
+        m, t = timed_many(list(run.values()), a.repeat, grad=a.backward)
+        rows["per-head decay"] = {"memspec": {"ms": m[0], "cpu_ms": m[1], "best_ms": m[2]},
+                                  "fla naive_chunk_simple_gla": {"ms": t[0], "cpu_ms": t[1], "best_ms": t[2]}}
+        print(f"  per-head decay: memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f})   fla naive_chunk_simple_gla"
+              f" {t[0]:7.2f} ms (cpu {t[1]:6.2f}): x{t[0] / m[0]:.2f} (cpu x{t[1] / m[1]:.2f})")
+    return rows
 
 
 if __name__ == "__main__":

@@ -72,106 +72,144 @@ class _Compiled:
 
 
 def chunk_additive(q, k, v, S0, chunk):
-    """Exact chunked form of ``S_t = exp(log_gamma_t) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @
-    S_t``.
+    """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t
+    @ S_t``.
 
-    Inside a chunk of C tokens with cumulative log decays ``L_t``:
-    ``o_t = exp(L_t) q_t @ S_start + sum_{s <= t} exp(L_t - L_s) (q_t . k_s) v_s`` and
-    ``S_end = exp(L_C) S_start + sum_s exp(L_C - L_s) outer(k_s, v_s)``.
-    (``inclusive=False`` uses ``L_{t-1}`` and ``s < t``: o_t reads the state before token t.)
+    Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and
+    ``Lq_t = L_t`` (``inclusive=False``: ``L_{t-1}``, and pairs ``s < t`` instead of ``s <= t``):
+    ``o_t = (q_t * exp(Lq_t)) @ S_start + sum_{s <= t} (sum_i q_ti k_si exp(Lq_ti - L_si)) v_s`` and
+    ``S_end = Diag(exp(L_C)) S_start + sum_s outer(k_s * exp(L_C - L_s), v_s)``.
+    Every weight is the decay from an earlier token to a later one (<= 1): nothing overflows,
+    whatever the decays.
+
+    * One log decay per head (``[B, T, H]``: RetNet, Mamba-2): the pair weights
+      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (zeroed above the diagonal before
+      ``exp``, masked after the product), applied to the scores ``q k^T``.  Log decays must be
+      finite here (the code generator clamps them at log(1e-30)).
+    * One per key channel (``[B, T, H, K]``: GLA, RWKV-6, HGRN-2): the weights differ per
+      channel, so no ``[C, C]`` matrix serves.  The chunk (a power of two: ``chunk`` is rounded
+      down to one, and a shorter tail is padded with zero tokens) is halved level by level:
+      in a block of 2h tokens, a pair (t in the second half, s in the first) weighs
+      ``E_h(s) F_h(t)``, E_h(s) the product of the decays after s to the end of the first half,
+      F_h(t) the product from the second half's start through t (to t - 1 if exclusive); all
+      such pairs of a level are one batched ``(q F) (k E)^T`` matmul applied to the first
+      halves' values, and ``[k E | q F]`` passes to the next level by one product with the
+      halves' decays.  The pairs s = t (inclusive) weigh 1.  So only products of decays enter,
+      one ``exp`` per token and channel: no per-channel ``[C, C, K]`` tensor, no cancellation
+      in long cumulative sums, and a log decay of -inf (a decay of exactly 0) is exact.
+      Without autograd the factors are updated in place.
 
     Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
     512 KB: large per-call allocations are returned to the OS and page-faulted back on every
-    call; on other devices G = 64).
-    Within a group of n chunks every product is one batched matmul over (B, H, chunk):
-    the masked intra-chunk scores, the chunk increments ``K_j^T V_j``, and the states at
-    the chunk starts, ``S_j = w_j S + sum_{i<j} W_ji K_i^T V_i``, as one ``[n, n]``
-    lower-triangular (decay-weighted) matrix applied to the increments; no loop over
-    tokens or chunks inside a group.
+    call; on other devices G = 64).  Within a group every product is one batched matmul over
+    (chunks, B, H): the scores, the chunk increments ``K_j^T V_j``, the reads of the chunk-start
+    states; the states themselves follow ``S <- Diag(exp(L_C)) S + K_j^T V_j``, one fused
+    elementwise step per chunk.  In-place writes go only into tensors that depend on every
+    input, so ``torch.func.grad`` and ``vmap`` work.
+
+    Causality with non-finite inputs: a NaN or inf in token t's inputs changes no output before
+    t.  Masks are applied after products, never by multiplying a future value by zero.  The
+    per-head weights are one dense triangular product with v: v's non-finite entries are taken
+    out of it (``nan_to_num``) and put back, through a prefix sum, into the whole rows of o from
+    t to the chunk's end; later chunks see them through the state, as the token loop does.  Per
+    channel no pair is masked at all, and the non-finite entries are exactly the loop's.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, or a tuple of ``[B, T, H, V_i]`` read as their
             concatenation on the last axis (``V = sum V_i``) without a full-size copy.
-        log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
+        log_gamma: log decays (<= 0): ``[B, T, H]`` (per head, finite), ``[B, T, H, K]`` (per key
+            channel: row i of S scales by ``exp(log_gamma[..., i])``), or None for no decay.
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
         chunk: chunk size C.
-        inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
+        inclusive: True: o_t reads S_t; False: o_t reads S_{t-1} (RWKV-6's read; its bonus
+            term is token-local and computed outside the kernel).
         group: chunks per batched group G (default: as above); any G >= 1
             gives the same numbers.
+        per_channel: whether log_gamma is per key channel; None: from its rank.  A generated
+            module passes its decay's kind, so that its specialised kernel keeps one path.
 
     Returns:
-        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
 
-    Specialised for this module: log_gamma=None, inclusive=True, group=None.
+    Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=None.
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
     V = sum(x.shape[-1] for x in vs)
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
+    out_dtype = S0.dtype if S0 is not None else vs[0].dtype
+    if T == 0:
+        o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
+        return o, S.view(B, H, K, V).to(out_dtype)
+    # one log decay per key channel (decided operands first: the specialiser folds them)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
     if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
         G = round((1 << 17) / (BH * C * max(K, V, C)))
-    # caching allocators: fewer, larger launches; the [G, G] prefix stays small
-    else:
+    else:                          # caching allocators: fewer, larger launches
         G = 64
     G = max(1, min(N, G))                                            # chunks per group
-    kk, vv = k.to(dt), tuple(x.to(dt) for x in vs)                   # no copies in float32
-    qq = q.to(dt) if q is not None else None
-    S = k.new_zeros(BH, K * V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K * V)
-    idx = torch.arange(C, device=k.device)
-    read_mask = idx[:, None] >= idx[None, :]   # [C, C]
-    gidx = torch.arange(G, device=k.device)
-    # [G, G]
-    strict = gidx[:, None] > gidx[None, :]
+    # groups of n chunks of c slots holding m tokens each (m < c only in a per-channel tail,
+    # padded with zero tokens: they follow every real token, so they change no output or state)
+    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
+    if r:
+        groups.append((1, r, r))
+    sizes = [n * m for n, _, m in groups]
 
-    def block(x, a, n, c):  # tokens [a, a + n c) of [B, T, H, D] -> [B H n, c, D] (one copy)
-        return x[:, a:a + n * c].reshape(B, n, c, H, x.shape[-1]).permute(0, 3, 1, 2, 4).reshape(BH
-                * n, c, -1)
+    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group (a split, not slices: the
+        # backward of a slice fills a zero tensor of the whole input, once per group)
+        return x.split(sizes, dim=1) if x is not None else [None] * len(groups)
 
-    # the blocks of several [B, T, H, D_i] side by side: [B H n, c, sum D_i]
-    def block_cat(xs, a, n, c):
-        if len(xs) == 1:
-            return block(xs[0], a, n, c)
-        out = xs[0].new_empty(B, H, n, c, V)
-        lo = 0
+    def block(xs, n, c, m, pad=0.0):  # pieces [B, n m, H, D_i] -> [n B H, c, sum D_i], one copy;
+        # chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH); a tail of m < c
+        # tokens is padded with c - m tokens of value pad
+        parts = []
         for x in xs:
-            d = x.shape[-1]
-            out[..., lo:lo + d] = x[:, a:a + n * c].reshape(B, n, c, H, d).permute(0, 3, 1, 2, 4)
-            lo += d
-        return out.view(BH * n, c, V)
+            x = x.to(dt)
+            if m < c:
+                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, c - m), value=pad)
+            parts.append(x.reshape(B, n, c, H, x.shape[-1]).permute(1, 0, 3, 2, 4))
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return x.reshape(n * BH, c, x.shape[-1]).contiguous()
 
-    groups = [(j * C, min(G, N - j), C) for j in range(0, N, G)] + ([(N * C, 1, r)] if r else [])
-    # n -> [BH, n, n] strictly lower ones
-    lower = {}
-    outs = []
-    for a, n, c in groups:
-        kg, vg = block(kk, a, n, c), block_cat(vv, a, n, c)         # [BHn, c, K], [BHn, c, V]
+    outs = []                                                        # [B, n, c, H, V] per group
+    pieces = zip(groups, split(q), split(k), zip(*(split(x) for x in vs)), split(None))
+    for (n, c, m), qp, kp, vp, lp in pieces:
+        nBH = n * BH
+        vg = block(vp, n, c, m)                                      # [nBH, c, V]
+        kg = block([kp], n, c, m)                                # [nBH, c, K]
         kd = kg
-        if n not in lower:
-            lower[n] = strict[:n, :n].to(dt).expand(BH, n, n)
-        W = lower[n]                                             # [BH, n, n]
-        S_in = S[:, None, :]                                     # [BH, 1, KV]
-        kv = torch.bmm(kd.transpose(1, 2), vg).view(BH, n, K * V)   # [BH, n, KV] chunk increments
-        # [BH, n, KV] state at each chunk start
-        S_starts = torch.baddbmm(S_in, W, kv)
-        S = S_starts[:, -1] + kv[:, -1]                          # [BH, KV]
-        if qq is None:
+        kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
+        starts = [S]
+        # forward in the chunks: a non-finite increment reaches only later chunks
+        for j in range(n):
+            S = S + kv[j]   # [BH, K, V]
+            starts.append(S)
+        if q is None:
             continue
-        qg = block(qq, a, n, c)                                      # [BHn, c, K]
-        scores = torch.bmm(qg, kg.transpose(1, 2))                   # [BHn, c, c]
-        scores = scores.tril_(0)
-        og = torch.baddbmm(torch.bmm(qg, S_starts.view(BH * n, K, V)), scores, vg)   # [BHn, c, V]
-        outs.append(og.view(BH, n * c, V))
-    S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else vs[0].dtype)
-    if qq is None:
+        S_starts = torch.stack(starts[:-1]).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+        qg = block([qp], n, c, m)                                # [nBH, c, K]
+        d = 0                               # pairs s <= t (s < t)
+        scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
+        scores = scores.tril_(d)
+        # the triangular product with v: its non-finite entries go around it, from their row on
+        v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)               # [nBH, c, V]
+        # [nBH, c, 1] 0, or non-finite from s on
+        v_bad = torch.cumsum((vg - v_ok).sum(-1, keepdim=True), dim=1)
+        og = torch.baddbmm(torch.baddbmm(v_bad, qg, S_starts), scores, v_ok)   # [nBH, c, V]
+        outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))  # [B, n, c, H, V] (a view)
+    S_out = S.view(B, H, K, V).to(out_dtype)
+    if q is None:
         return None, S_out
-    if not outs:                                                     # T = 0
-        return kk.new_zeros(B, 0, H, V).to(vs[0].dtype), S_out
-    # [B, T, H, V]
-    o = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).view(B, H, T, V).transpose(1, 2)
+    # one copy into [B, T, H, V] (a second one only for a tail chunk)
+    full = outs[:len(outs) - (r > 0)]
+    o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else None
+    if r:
+        tail = outs[-1][:, :, :r].reshape(B, r, H, V)
+        o = torch.cat([o, tail], dim=1) if o is not None else tail
     return o.to(vs[0].dtype), S_out
 
 

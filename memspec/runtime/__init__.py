@@ -13,16 +13,25 @@ imports and no closures over module state.
 Kernels
 -------
 Layout (flash-linear-attention): views ``[B, T, H, D]``, per-token scalars
-``[B, T, H]``, states ``[B, H, K, V]``.  Row-vector convention: the probe of a state
-is ``q_t @ S`` and a write is ``outer(k_t, v_t)``.
+``[B, T, H]``, per-channel gates ``[B, T, H, D]``, states ``[B, H, K, V]``.  Row-vector
+convention: the probe of a state is ``q_t @ S`` and a write is ``outer(k_t, v_t)``; a
+per-channel decay scales the rows of S (``Diag(gamma_t) S``).
 
-Decays enter as *log* decays ``log_gamma <= 0``; inside a chunk only
-``exp(L_t - L_s)`` with ``s <= t`` (differences of cumulative log decays, never
-positive) is ever exponentiated; entries outside the causal mask are masked before
-``exp`` (to ``-inf``, or zeroed where only the strictly-lower part is read) so that
-neither the values nor their gradients can overflow into NaN.  All arithmetic runs in
-float32 or wider; the results are cast back to the input dtype.  T need not be a
-multiple of the chunk size: the last chunk is shorter (the delta kernel pads only its
-per-token scalars).  Chunks are processed in groups sized so that temporaries stay
-small (about 512 KB on CPU): larger ones are page-faulted back on every call.
+Decays enter as *log* decays ``log_gamma <= 0``; inside a chunk only the decay from an
+earlier token to a later one enters: ``exp(L_t - L_s)`` with ``s <= t`` (a difference of
+cumulative log decays, never positive), or, per channel, a product of decays (each
+``<= 1``).  Entries outside the causal mask are zeroed before ``exp`` so that neither the
+values nor their gradients can overflow into NaN.  All arithmetic runs in float32 or
+wider; the results are cast back to the input dtype.  T need not be a multiple of the
+chunk size: the last chunk is shorter (the delta kernel pads only its per-token scalars;
+the per-channel additive kernel pads its tail chunk with zero tokens).  T = 0 returns an
+empty output and the initial state.  Chunks are processed in groups sized so that
+temporaries stay small (about 512 KB on CPU): larger ones are page-faulted back on every
+call.
+
+Causality with non-finite inputs (the additive kernel; issue 10): a NaN or inf in token t's
+inputs must not reach the outputs of earlier tokens, so a causal mask is applied after the
+product it masks (``tril_``), never by multiplying a future value by zero; where a dense
+triangular matmul meets future values, their non-finite entries are taken out of it and put
+back through a causal prefix sum (see :func:`.additive.chunk_additive`).
 """
