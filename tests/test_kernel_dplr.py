@@ -60,12 +60,12 @@ def grads(out, inputs, seed=1):
     return torch.autograd.grad((o * w_o).sum() + (S * w_s).sum(), inputs)
 
 
-def check_against_recurrent(inputs, chunk, inclusive=True, simultaneous=False, tol=1e-4, **kw):
+def check_against_recurrent(inputs, chunk, inclusive=True, simultaneous=False, after=False, tol=1e-4, **kw):
     """Chunked vs token loop on the outputs, the final state and every input's gradient."""
     leaves = [x.clone().requires_grad_() if x is not None else None for x in inputs]
     used = [x for x in leaves if x is not None]
-    ref = recurrent_dplr(*leaves, inclusive, simultaneous)
-    got = chunk_dplr(*leaves, chunk, inclusive, simultaneous, **kw)
+    ref = recurrent_dplr(*leaves, inclusive, simultaneous, after)
+    got = chunk_dplr(*leaves, chunk, inclusive, simultaneous, after, **kw)
     q, k, v = leaves[:3]
     assert got[0].shape == (k.shape[0], k.shape[1], k.shape[2], v.shape[-1]) and got[1].shape == ref[1].shape
     assert got[0].dtype == ref[0].dtype and got[1].dtype == ref[1].dtype
@@ -79,13 +79,15 @@ def check_against_recurrent(inputs, chunk, inclusive=True, simultaneous=False, t
 # ---------------------------------------------------------------- chunked vs token loop
 
 @pytest.mark.parametrize("R", [1, 2, 3])
-@pytest.mark.parametrize("decay", [None, "scalar", "channel"])
+@pytest.mark.parametrize("decay,after", [(None, False), ("scalar", False), ("scalar", True),
+                                         ("channel", False), ("channel", True)])
 @pytest.mark.parametrize("inclusive", [True, False])
 @pytest.mark.parametrize("a_kind", ["scalar", "vec"])
-def test_chunk_matches_recurrent(R, decay, inclusive, a_kind):
-    """Chunk 16 over T = 37 (a partial tail chunk), B = H = 2, K != V; b as vectors."""
+def test_chunk_matches_recurrent(R, decay, after, inclusive, a_kind):
+    """Chunk 16 over T = 37 (a partial tail chunk), B = H = 2, K != V; b as vectors; the reads of
+    sub-step 0 before or after the decay."""
     inputs = make(2, 37, 2, R, 5, 3, a_kind=a_kind, b_kind="vec", decay=decay, seed=R)
-    check_against_recurrent(inputs, 16, inclusive)
+    check_against_recurrent(inputs, 16, inclusive, after=after)
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
@@ -93,8 +95,8 @@ def test_chunk_matches_recurrent(R, decay, inclusive, a_kind):
 @pytest.mark.parametrize("R", [1, 2])
 def test_lengths_at_chunk_64(T, decay, R):
     """T = 1, one short chunk, exactly one chunk, one plus a one-token tail, several with a tail."""
-    inputs = make(1, T, 2, R, 8, 8, a_kind="scalar", b_kind="vec", decay=decay, seed=T)
-    check_against_recurrent(inputs, 64, inclusive=True)
+    inputs = make(1, T, 2, R, 8, 8, a_kind="scalar", b_kind="k", decay=decay, seed=T)
+    check_against_recurrent(inputs, 64, inclusive=True, after=True)
 
 
 @pytest.mark.parametrize("b_kind", ["k", "scalar", "vec"])
@@ -112,8 +114,8 @@ def test_b_forms(b_kind, a_kind, decay):
 def test_simultaneous(R, decay, a_kind):
     """R rank-1 terms in one step (a sum, all reading the state before the token)."""
     inputs = make(1, 27, 2, R, 5, 4, a_kind=a_kind, decay=decay, seed=5)
-    for inclusive in (True, False):
-        check_against_recurrent(inputs, 8, inclusive, simultaneous=True)
+    for inclusive, after in ((True, False), (False, decay is not None)):
+        check_against_recurrent(inputs, 8, inclusive, simultaneous=True, after=after)
 
 
 def test_simultaneous_differs_from_sequential():
@@ -131,6 +133,18 @@ def test_groups_and_sub_blocks(group, sub):
     (T = 7 C + 3, C = 6: sub = 3 divides C, sub = 4 is rounded to a divisor)."""
     inputs = make(2, 7 * 6 + 3, 2, 2, 4, 5, a_kind="vec", decay="channel", seed=3)
     check_against_recurrent(inputs, 6, True, group=group, sub=sub)
+
+
+@pytest.mark.parametrize("decay", ["scalar", "channel"])
+def test_read_after_decay_is_b_times_decay(decay):
+    """read_after_decay is the same recurrence as b <- d * b on sub-step 0 (both kernels)."""
+    q, k, v, a, b, lg, S0 = make(1, 30, 2, 2, 4, 4, a_kind="vec", decay=decay, seed=16)
+    d = torch.exp(lg) if decay == "channel" else torch.exp(lg)[..., None]
+    b_pre = torch.cat([(d * b[:, :, :, 0])[:, :, :, None], b[:, :, :, 1:]], dim=3)
+    for fn in (recurrent_dplr, lambda *x, **kw: chunk_dplr(*x[:7], 8, **kw)):
+        o1, S1 = fn(q, k, v, a, b, lg, S0, read_after_decay=True)
+        o2, S2 = fn(q, k, v, a, b_pre, lg, S0)
+        assert rel(o1, o2) <= 1e-5 and rel(S1, S2) <= 1e-5
 
 
 def test_without_r_axis_equals_r_1():
@@ -346,9 +360,10 @@ def peer_inputs(B=2, T=45, H=3, K=16, V=12, seed=20):
     return g, q, k, v, beta, S0
 
 
-def both(q, k, v, a, b, lg, S0, chunk=16):
+def both(q, k, v, a, b, lg, S0, after=False, chunk=16):
     """(recurrent, chunked) results of memspec's kernels on the mapped inputs."""
-    return recurrent_dplr(q, k, v, a, b, lg, S0), chunk_dplr(q, k, v, a, b, lg, S0, chunk)
+    return (recurrent_dplr(q, k, v, a, b, lg, S0, read_after_decay=after),
+            chunk_dplr(q, k, v, a, b, lg, S0, chunk, read_after_decay=after))
 
 
 def assert_close_to_peer(ours, o_peer, S_peer, tol=1e-4):
@@ -358,12 +373,14 @@ def assert_close_to_peer(ours, o_peer, S_peer, tol=1e-4):
 
 def test_peer_gated_delta_rule():
     """naive_recurrent_gated_delta_rule: S <- exp(g) S; S += k (beta (v - k^T S)) with the error read
-    after the decay; o = (q / sqrt(K)) S.  Here: log_decay = g, a = -beta (times k), b = exp(g)
-    (times k: the read after the decay), v <- beta v, q <- q / sqrt(K)."""
+    after the decay; o = (q / sqrt(K)) S.  Here: log_decay = g, a = -beta (times k), b = None (= k)
+    with read_after_decay, v <- beta v, q <- q / sqrt(K); equally b = exp(g) (times k) read before."""
     mod = fla_naive("gated_delta_rule")
     g, q, k, v, beta, S0 = peer_inputs()
     lg = torch.log(0.7 + 0.3 * torch.rand(beta.shape, generator=g))
     o_p, S_p = mod.naive_recurrent_gated_delta_rule(q, k, v, beta, lg, initial_state=S0, output_final_state=True)
+    ours = both(q / math.sqrt(q.shape[-1]), k, v * beta[..., None], -beta, None, lg, S0, after=True)
+    assert_close_to_peer(ours, o_p, S_p)
     ours = both(q / math.sqrt(q.shape[-1]), k, v * beta[..., None], -beta, torch.exp(lg), lg, S0)
     assert_close_to_peer(ours, o_p, S_p)
 
@@ -382,25 +399,29 @@ def test_peer_delta_rule():
 def test_peer_kda():
     """naive_recurrent_kda: S <- Diag(exp(g)) S per key channel; S += (beta k) (v - k^T S)^T with the
     read after the decay; o = (q / sqrt(K)) S.  Here: per-channel log_decay = g, a = -beta,
-    b = exp(g) * k (k^T Diag(d) S = (d * k)^T S), v <- beta v."""
+    b = None (= k) with read_after_decay, v <- beta v; equally b = exp(g) * k read before the decay
+    (k^T Diag(d) S = (d * k)^T S)."""
     mod = fla_naive("kda")
     g, q, k, v, beta, S0 = peer_inputs()
     lg = torch.log(0.5 + 0.5 * torch.rand(q.shape, generator=g))
     o_p, S_p = mod.naive_recurrent_kda(q, k, v, lg, beta, initial_state=S0, output_final_state=True)
+    ours = both(q / math.sqrt(q.shape[-1]), k, v * beta[..., None], -beta, None, lg, S0, after=True)
+    assert_close_to_peer(ours, o_p, S_p)
     ours = both(q / math.sqrt(q.shape[-1]), k, v * beta[..., None], -beta, torch.exp(lg) * k, lg, S0)
     assert_close_to_peer(ours, o_p, S_p)
 
 
 def test_peer_gdn2():
     """naive_recurrent_gdn2: S <- Diag(exp(g)) S; S += k (w * v - (b_gate * k)^T S)^T, read after the
-    decay.  Here: per-channel log_decay = g, a = -1 (times k), b = exp(g) * b_gate * k, v <- w * v."""
+    decay.  Here: per-channel log_decay = g, a = -1 (times k), b = b_gate * k with read_after_decay,
+    v <- w * v."""
     mod = fla_naive("gdn2")
     g, q, k, v, beta, S0 = peer_inputs()
     lg = torch.log(0.5 + 0.5 * torch.rand(q.shape, generator=g))
     b_gate = torch.rand(q.shape, generator=g)
     w = torch.rand(v.shape, generator=g)
     o_p, S_p = mod.naive_recurrent_gdn2(q, k, v, lg, b_gate, w, initial_state=S0, output_final_state=True)
-    ours = both(q / math.sqrt(q.shape[-1]), k, w * v, -torch.ones_like(beta), torch.exp(lg) * b_gate * k, lg, S0)
+    ours = both(q / math.sqrt(q.shape[-1]), k, w * v, -torch.ones_like(beta), b_gate * k, lg, S0, after=True)
     assert_close_to_peer(ours, o_p, S_p)
 
 
@@ -408,13 +429,13 @@ def test_peer_comba():
     """naive_recurrent_comba (the recurrent convention: the error p^T S is read AFTER the decay;
     naive_chunk_comba reads it before, so it is not used): S <- exp(g) S;
     S += k (beta (v - p^T S))^T; o = (q / sqrt(K)) S.  Here: log_decay = g (scalar), a = -beta,
-    b = exp(g) p, v <- beta v."""
+    b = p with read_after_decay, v <- beta v."""
     mod = fla_naive("comba")
     g, q, k, v, beta, S0 = peer_inputs()
     p = torch.nn.functional.normalize(torch.randn(q.shape, generator=g), dim=-1)
     lg = torch.log(0.7 + 0.3 * torch.rand(beta.shape, generator=g))
     o_p, S_p = mod.naive_recurrent_comba(q, k, v, p, beta, lg, initial_state=S0, output_final_state=True)
-    ours = both(q / math.sqrt(q.shape[-1]), k, v * beta[..., None], -beta, torch.exp(lg)[..., None] * p, lg, S0)
+    ours = both(q / math.sqrt(q.shape[-1]), k, v * beta[..., None], -beta, p, lg, S0, after=True)
     assert_close_to_peer(ours, o_p, S_p)
 
 
@@ -423,7 +444,8 @@ def test_peer_gated_delta_product(R):
     """naive_recurrent_gated_delta_product: keys, values, betas flattened over (token, step)
     ``[B, T R, H, *]``; S <- exp(g_t) S once per token, then R steps S += k_j (beta_j (v_j - k_j^T S))^T;
     o_t = (q_t * scale) S after the last step.  Here: k, v [B, T, H, R, *]; a = -beta [B, T, H, R];
-    b = scalars times k: exp(g_t) on step 0 (read after the decay), 1 on the others; v <- beta v."""
+    b = None (= k) with read_after_decay (step 0 reads after the decay); equally b = scalars times k,
+    exp(g_t) on step 0 and 1 on the others, read before; v <- beta v."""
     mod = fla_naive("gated_delta_product")
     g, q, _, _, _, S0 = peer_inputs()
     B, T, H, K = q.shape
@@ -437,8 +459,8 @@ def test_peer_gated_delta_product(R):
     step = lambda x: x.view(B, T, R, H, *x.shape[3:]).transpose(2, 3)  # noqa: E731  [B, T, H, R, *]
     k, v, beta = step(kf), step(vf), step(bf)
     b = torch.cat([torch.exp(lg)[..., None], torch.ones(B, T, H, R - 1)], dim=-1)
-    ours = both(q * K ** -0.5, k, v * beta[..., None], -beta, b, lg, S0)
-    assert_close_to_peer(ours, o_p, S_p)
+    assert_close_to_peer(both(q * K ** -0.5, k, v * beta[..., None], -beta, b, lg, S0), o_p, S_p)
+    assert_close_to_peer(both(q * K ** -0.5, k, v * beta[..., None], -beta, None, lg, S0, after=True), o_p, S_p)
 
 
 def test_peer_dplr_recurrence():

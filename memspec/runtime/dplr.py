@@ -5,23 +5,29 @@ One token applies R >= 1 sub-steps in order; sub-step r is
     S <- Diag(d_{t,r}) S + a_{t,r} (b_{t,r}^T S) + outer(k_{t,r}, v_{t,r})
 
 on the state ``S [K, V]`` (row-vector convention: reads ``q @ S``), where ``b`` reads the state
-*before* the sub-step and the decay ``d_t = exp(log_decay_t)`` (a scalar or one factor per key
-channel) acts on the first sub-step of the token only.  This one form covers:
+*before* the sub-step (``read_after_decay=True``: sub-step 0 reads it after the decay, i.e.
+``b <- d * b``) and the decay ``d_t = exp(log_decay_t)`` (a scalar or one factor per key channel)
+acts on the first sub-step of the token only.  ``a`` and ``b`` may be vectors, or scalars
+meaning that multiple of ``k``.  This one form covers:
 
 ==========================  ==========================================================================
 DeltaNet                    ``a = -beta`` (scalar: ``a = -beta k``), ``b = None`` (``= k``), ``v <- beta v``
-gated DeltaNet              + scalar ``log_decay``; ``b = exp(log_decay)`` (scalar, the error read
-                            after the decay) or ``None`` (read before it)
-Kimi Delta Attention        per-channel ``log_decay [B, T, H, K]``, ``a = -beta``, ``b = exp(g) * k``
-Gated DeltaNet-2            per-channel decay, ``a = -1``, ``b = exp(g) * b_gate * k``, ``v <- w * v``
-Comba                       scalar decay, ``a = -beta``, ``b = exp(log_decay) * p`` (``p != k``)
-RWKV-7 / DPLR               per-channel decay, arbitrary vectors ``a``, ``b``
+gated DeltaNet              + scalar ``log_decay``, ``read_after_decay=True`` (the error read after
+                            the decay; False reads it before)
+Kimi Delta Attention        per-channel ``log_decay [B, T, H, K]``, ``a = -beta``, ``b = None``,
+                            ``read_after_decay=True``
+Gated DeltaNet-2            per-channel decay, ``a = -1``, ``b = b_gate * k``, ``v <- w * v``,
+                            ``read_after_decay=True``
+Comba                       scalar decay, ``a = -beta``, ``b = p`` (a vector ``!= k``),
+                            ``read_after_decay=True``
+RWKV-7 / DPLR               per-channel decay, arbitrary vectors ``a``, ``b`` (read before the decay)
 gated DeltaProduct          R Householder steps per token: ``k, v [B, T, H, R, *]``, ``a = -beta``
-                            ``[B, T, H, R]``, ``b`` = ``k`` scaled by the decay on sub-step 0 only
+                            ``[B, T, H, R]``, ``b = None``, ``read_after_decay=True``
 ==========================  ==========================================================================
 
 ``simultaneous=True`` instead applies the R rank-1 terms of a token at once, all reading the
-state before the token: ``S <- Diag(d_t) S + sum_r a_{t,r} (b_{t,r}^T S) + sum_r outer(k_{t,r}, v_{t,r})``.
+state before the token (after its decay with ``read_after_decay``):
+``S <- Diag(d_t) S + sum_r a_{t,r} (b_{t,r}^T S) + sum_r outer(k_{t,r}, v_{t,r})``.
 
 See :mod:`memspec.runtime` for the rules every kernel here follows (standalone, torch only,
 log decays, float32 arithmetic, groups of chunks).
@@ -31,13 +37,14 @@ from __future__ import annotations
 import torch
 
 
-def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=False):
+def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=False, read_after_decay=False):
     """Token-loop reference for the diagonal-plus-low-rank recurrence (see the module docstring).
 
     Sub-step r of token t: ``u = b_{t,r} @ S`` (the state before the sub-step), then
     ``S <- Diag(d) S + outer(a_{t,r}, u) + outer(k_{t,r}, v_{t,r})`` with ``d = exp(log_decay_t)``
-    on sub-step 0 and ``d = 1`` on the others.  ``o_t = q_t @ S`` after the token's last sub-step
-    (``inclusive``) or before its first (``inclusive=False``).
+    on sub-step 0 and ``d = 1`` on the others (``read_after_decay``: on sub-step 0, ``u`` reads
+    ``Diag(d) S``).  ``o_t = q_t @ S`` after the token's last sub-step (``inclusive``) or before
+    its first (``inclusive=False``).
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
@@ -53,6 +60,8 @@ def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=Fa
         inclusive: True: o_t reads the state after token t; False: before it.
         simultaneous: True: the R terms of a token all read the state before the token
             (``S <- Diag(d) S + sum_r a_r (b_r^T S) + sum_r outer(k_r, v_r)``).
+        read_after_decay: True: the reads of sub-step 0 (all sub-steps when simultaneous)
+            see the state after the token's decay.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
@@ -75,13 +84,15 @@ def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=Fa
             d = torch.exp(log_decay[:, t].to(dt))                                   # [B, H] or [B, H, K]
             d = d[..., None] if d.dim() == 3 else d[..., None, None]
         if simultaneous:
-            u = torch.einsum("bhrk,bhkv->bhrv", b[:, t], S)                         # [B, H, R, V]
-            S = S if d is None else d * S
-            S = S + torch.einsum("bhrk,bhrv->bhkv", a[:, t], u) + torch.einsum("bhrk,bhrv->bhkv", k[:, t], v[:, t])
+            S_dec = S if d is None else d * S
+            u = torch.einsum("bhrk,bhkv->bhrv", b[:, t], S_dec if read_after_decay else S)   # [B, H, R, V]
+            S = S_dec + torch.einsum("bhrk,bhrv->bhkv", a[:, t], u) + torch.einsum("bhrk,bhrv->bhkv", k[:, t], v[:, t])
         else:
             for r in range(R):
+                if r == 0 and d is not None and read_after_decay:
+                    S = d * S
                 u = torch.einsum("bhk,bhkv->bhv", b[:, t, :, r], S)                 # [B, H, V]
-                if r == 0 and d is not None:
+                if r == 0 and d is not None and not read_after_decay:
                     S = d * S
                 S = S + a[:, t, :, r, :, None] * u[..., None, :] + k[:, t, :, r, :, None] * v[:, t, :, r, None, :]
         if q is not None:
@@ -93,13 +104,14 @@ def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=Fa
     return o, S.to(S0.dtype if S0 is not None else v.dtype)
 
 
-def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous=False, group=None, sub=None):
+def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous=False, read_after_decay=False,
+               group=None, sub=None):
     """Exact chunked diagonal-plus-low-rank recurrence (WY / UT representation, generalised).
 
     The recurrence is :func:`recurrent_dplr`'s; all arguments mean the same (shapes there).
     Inside a chunk the C R sub-steps are indexed ``i = t R + r``.  With cumulative log decays
-    ``L_t`` (per channel where the decay is), the read of sub-step i,
-    ``u_i = b_i^T S_{i-1}``, is affine in the chunk's start state:
+    ``L_t`` (per channel where the decay is), the read of sub-step i, ``u_i = b_i^T S_{i-1}``,
+    is affine in the chunk's start state:
     ``u_i = (e^{l_i} b_i)^T S_start + sum_{j < i} A_ij u_j + (A^k V)_i`` with
     ``A_ij = sum_c b_ic a_jc e^{l_ic - L_jc}`` (``l_i`` the log decay the read of i sees), so
     all reads of a chunk come from ONE unit-lower-triangular solve (batched over chunks),
@@ -111,11 +123,12 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     (every delta-rule variant), the write and the correction share the key and the system is
     the delta rule's: ``z = alpha u + v`` solves ``(I - diag(alpha) A) z = alpha e^{l} b S + V``.
 
-    Decays are exponentiated only as differences ``l_i - L_j <= 0``.  Per-channel decays use
-    sub-blocks of ``sub`` tokens: between blocks the factor splits at the later block's start
-    (``e^{l_i - ref_I} e^{ref_I - L_j}``, both <= 1, the block sums added exactly); inside a
-    block it is formed per channel: finite values and gradients for any log decay >= -80
-    per token (smaller ones are clamped to -80).
+    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays), or, per
+    channel, in sub-blocks of ``sub`` tokens: between blocks the factor splits at the later
+    block's start, ``e^{l_i - ref_I} e^{ref_I - L_j}`` (both <= 1, block sums added exactly);
+    inside a block it splits at the block's start in float64 (``e^{-lambda_j}`` <= e^640 with
+    log decays >= -40 per token and ``sub <= 16``).  Log decays below -40 per token are clamped
+    to -40 (a factor of 4e-18): finite values and gradients for any input.
 
     Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
     replaced by an identity token (by ``torch.where``), and every output that reads a state at or
@@ -124,16 +137,17 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
 
     Args:
         q, k, v, a, b, log_decay, S0: as in :func:`recurrent_dplr` (``q [B, T, H, K]``,
-            ``k, b [B, T, H, R, K]``, ``v [B, T, H, R, V]``, ``a [B, T, H, R, K]`` or
-            ``[B, T, H, R]``, ``b`` also ``[B, T, H, R]`` or None, ``log_decay [B, T, H]`` or
+            ``k [B, T, H, R, K]``, ``v [B, T, H, R, V]``, ``a [B, T, H, R, K]`` or ``[B, T, H, R]``,
+            ``b [B, T, H, R, K]`` or ``[B, T, H, R]`` or None, ``log_decay [B, T, H]`` or
             ``[B, T, H, K]`` or None, ``S0 [B, H, K, V]`` or None; without the R axis for R = 1).
         chunk: tokens per chunk C (C R sub-steps enter each solve).
         inclusive: True: o_t reads the state after token t; False: before it.
         simultaneous: the R terms of a token read the state before the token.
+        read_after_decay: the reads of sub-step 0 see the state after the token's decay.
         group: chunks per batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere);
             any G >= 1 gives the same numbers.
-        sub: tokens per decay sub-block for per-channel decays (default about sqrt(C / R),
-            a divisor of C); any value gives the same numbers.
+        sub: tokens per decay sub-block for per-channel decays (default 16, or the largest
+            divisor of C below it; at most 16); any value gives the same numbers.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
@@ -145,8 +159,9 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     V = v.shape[-1]
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
+    wide = torch.float64                                             # the in-block factors of per-channel decays
     dev = k.device
-    a_vec = a.dim() == 5                                              # a given as vectors
+    a_vec = a.dim() == 5                                             # a given as vectors (else a scalar times k)
     b_kind = "k" if b is None else ("vec" if b.dim() == 5 else "scalar")
     decay = None if log_decay is None else ("channel" if log_decay.dim() == 4 else "scalar")
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
@@ -156,15 +171,15 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     C = max(1, min(int(chunk), T))
     N, rem = divmod(T, C)
     Np = N + (rem > 0)
-    nsub = 1                                                          # tokens per decay sub-block
+    ns = 1                                                           # tokens per decay sub-block
     if decay == "channel":
-        target = int(sub) if sub is not None else max(1, round((C / R) ** 0.5))
-        nsub = max(d for d in range(1, min(target, C) + 1) if C % d == 0)
-    n_full = C * R                                                    # sub-steps of a full chunk
-    width = max(K + V, n_full) if not a_vec else max(K + V, 2 * n_full)
+        target = max(1, min(16, int(sub) if sub is not None else 16, C))
+        ns = max(d for d in range(1, target + 1) if C % d == 0)
+    w = 2 if a_vec else 1                                            # column factor sets: [-a | k] or [k]
+    n_full = C * R
+    width = max(K + V, w * n_full)
     if decay == "channel":
-        nb_full = C // nsub
-        width = max(width, (nb_full * (2 if a_vec else 1) + nsub * R) * K)
+        width = max(width, w * (C // ns) * K)
     if group is not None:
         G = int(group)
     elif dev.type == "cpu":         # temporaries near 512 KB (float32): no page faults per call
@@ -172,207 +187,240 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     else:                           # caching allocators: fewer, larger launches
         G = 64
     G = max(1, min(N, G)) if N else 1
-    # groups (chunks n, tokens c, tokens after padding cp): the tail chunk is padded with identity
+    # groups (chunks nc, tokens c, tokens after padding cp): the tail chunk is padded with identity
     # tokens (zeros) to a multiple of the decay sub-block
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
     if rem:
-        groups.append((1, rem, -(-rem // nsub) * nsub))
+        groups.append((1, rem, -(-rem // ns) * ns))
+    after = read_after_decay and decay is not None
 
     # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
         x = x.reshape(B, T, H, r)
         if Np * C > T:
             x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, Np * C - T))
-        return x.reshape(B, Np, C, H, r).permute(1, 0, 3, 2, 4).reshape(Np, BH, C * r)
+        return x.reshape(B, Np, C, H, r).permute(1, 0, 3, 2, 4).contiguous().view(Np, BH, C * r)
 
-    total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)    # [B, T, H]: non-finite iff an input is
+    # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
+    total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
     total = total + (a.sum((-2, -1), dtype=dt) if a_vec else a.sum(-1, dtype=dt))
     if b_kind != "k":
         total = total + (b.sum((-2, -1), dtype=dt) if b_kind == "vec" else b.sum(-1, dtype=dt))
     if decay is not None:
-        lg_all = log_decay.to(dt).clamp_min(-80.0)
+        lg_all = log_decay.to(dt).clamp_min(-40.0)
         total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
-    ok = torch.isfinite(per_chunk(total, 1))                          # [Np, BH, C] bool (padding: ok)
-    bad_cum = torch.cumsum((~ok).to(dt), dim=-1) > 0                 # a bad token at or before t
-    chunk_bad = bad_cum[..., -1]                                      # [Np, BH]
-    if q is not None:
-        q_ok = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
-        read_bad = bad_cum if inclusive else torch.cumsum((~ok).to(dt), dim=-1) - (~ok).to(dt) > 0
-        read_bad = read_bad | ~q_ok                                   # [Np, BH, C]
-    ok_r = ok.repeat_interleave(R, dim=-1) if R > 1 else ok          # [Np, BH, C R]
+    okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
+    badf = (~okf).to(dt)
+    bad_cum = torch.cumsum(badf, dim=-1) > 0                         # a bad token at or before t
     zero = torch.zeros((), dtype=dt, device=dev)
-    a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)   # scalar a, [Np, BH, C R]
+    nan = torch.full((), float("nan"), dtype=dt, device=dev)
+    if q is not None:
+        q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
+        read_bad = bad_cum if inclusive else torch.cumsum(badf, dim=-1) - badf > 0
+        read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
+    ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
+    a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
     b_s = torch.where(ok_r, per_chunk(b.to(dt), R), zero) if b_kind == "scalar" else None
-    g_s = torch.where(ok, per_chunk(lg_all, 1), zero) if decay == "scalar" else None
 
-    # ---- masks (sub-step i = t R + r; token of i = i // R)
+    # ---- masks of a chunk of c tokens (sub-step i = t R + r; token of i = i // R)
     def masks(c):
         n = c * R
         tok = torch.arange(n, device=dev) // R
-        sub_r = torch.arange(n, device=dev) % R
-        ti = torch.arange(c, device=dev)
         if simultaneous:
             solve = tok[:, None] > tok[None, :]                      # j in an earlier token
-            first = torch.ones(n, dtype=torch.bool, device=dev)      # every read sees the previous token
         else:
             solve = torch.arange(n, device=dev)[:, None] > torch.arange(n, device=dev)[None, :]
-            first = sub_r == 0                                        # only sub-step 0 reads before the decay
+        ti = torch.arange(c, device=dev)
         read = ti[:, None] >= tok[None, :] if inclusive else ti[:, None] > tok[None, :]   # [c, n]
-        return solve, read, first
+        return solve, read
 
-    mask_cache = {}
+    mask_cache = {c: masks(c) for c in {cp for _, _, cp in groups}}
+    # which reads see the state before the token's decay: none (read_after_decay), all (simultaneous,
+    # or R = 1), or sub-step 0 only
+    before = "none" if after else ("all" if simultaneous or R == 1 else "first")
 
     def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
         return x.split([nc * c for nc, c, _ in groups], dim=1) if x is not None else [None] * len(groups)
 
-    def split_c(x):  # [Np, BH, ...] -> one [n, BH, ...] piece per group
-        return x.split([nc for nc, _, _ in groups], dim=0)
+    def split_c(x):  # [Np, BH, ...] -> one [nc, BH, ...] piece per group
+        return x.split([nc for nc, _, _ in groups], dim=0) if x is not None else [None] * len(groups)
+
+    # ---- decay factors of every chunk at once
+    dec = {}
+    if decay == "scalar":
+        g = torch.where(okf, per_chunk(lg_all, 1), zero)             # [Np, BH, C]
+        L = torch.cumsum(g, dim=-1)                                   # cumulative log decay in the chunk
+        Lp = L - g                                                    # before token t's decay
+        Lr = L.repeat_interleave(R, dim=-1) if R > 1 else L          # [Np, BH, C R] column log of sub-step j
+        first = torch.arange(C * R, device=dev) % R == 0              # sub-step 0 of each token
+        l_row = Lr if before == "none" else (Lp.repeat_interleave(R, dim=-1) if R > 1 else Lp)
+        if before == "first":
+            l_row = torch.where(first, l_row, Lr)
+        Lq = L if inclusive else Lp                                   # the log decay a probe sees
+        dec = {"L": L, "Lr": Lr, "l_row": l_row, "Lq": Lq, "e_row": torch.exp(l_row),
+               "end": torch.exp(L[..., -1:] - Lr), "g_end": torch.exp(L[..., -1]), "e_q": torch.exp(Lq)}
+    elif decay == "channel":
+        nb = C // ns
+        glog = lg_all if Np * C == T else torch.nn.functional.pad(lg_all, (0, 0, 0, 0, 0, Np * C - T))
+        glog = glog.reshape(B, Np, C, H, K).permute(1, 0, 3, 2, 4).reshape(Np, BH, C, K)
+        glog = torch.where(okf[..., None], glog, zero).view(Np, BH, nb, ns, K)
+        lam = torch.cumsum(glog, dim=3)                               # in-block cumulative log decay (inclusive)
+        lamp = lam - glog                                             # before the token's decay
+        tot = lam[:, :, :, -1]                                        # [Np, BH, nb, K] each block's log decay
+        ref = torch.cumsum(tot, dim=2) - tot                          # before block I (a prefix sum: exact)
+        suf = torch.flip(torch.cumsum(torch.flip(tot, (2,)), dim=2), (2,)) - tot   # after block J
+        bi = torch.arange(nb, device=dev)
+        between = ((bi[None, :, None] > bi[None, None, :]) & (bi[None, :, None] < bi[:, None, None])).to(dt)
+        seg = torch.einsum("imj,nbmk->nbijk", between, tot).contiguous()   # blocks strictly between J and I
+        e_nlam = torch.exp(lam.to(wide, copy=True).neg_())                    # e^{-lam_j} <= e^{16 * 40} (float64)
+        e_colend = (e_nlam * torch.exp(tot.to(wide))[:, :, :, None]).to(dt)   # e^{tot_J - lam_j} <= 1
+        dec = {"e_nlam": e_nlam, "e_colend": e_colend, "end": torch.exp(suf)[:, :, :, None] * e_colend,
+               "e_seg": torch.exp(seg), "e_ref": torch.exp(ref), "g_end": torch.exp(ref[:, :, -1] + tot[:, :, -1])}
+        # row factors e^{rho_i} <= 1 (float64) per token and row slot: the R reads, then the probe
+        lam_q = None if q is None else ("lam" if inclusive else "lamp")
+        slots = [("lamp" if before == "all" or (before == "first" and r == 0) else "lam") for r in range(R)]
+        slots += [lam_q] if lam_q else []
+        e_lam = torch.reciprocal(e_nlam) if "lam" in slots else None
+        e_lamp = torch.exp(lamp.to(wide)) if "lamp" in slots else None
+        pick = {"lam": e_lam, "lamp": e_lamp}
+        if len(set(slots)) == 1:
+            dec["e_row"] = pick[slots[0]][:, :, :, :, None]            # [Np, BH, nb, ns, 1, K]
+        else:
+            dec["e_row"] = torch.stack([pick[x] for x in slots], dim=4)   # [Np, BH, nb, ns, slots, K]
+    dec_p = {key: split_c(x) for key, x in dec.items()}
 
     k_p, v_p, q_p = split_t(k), split_t(v), split_t(q)
     a_p = split_t(a) if a_vec else split_c(a_s)
-    b_p = split_t(b) if b_kind == "vec" else (split_c(b_s) if b_kind == "scalar" else [None] * len(groups))
-    g_p = split_t(lg_all) if decay == "channel" else (split_c(g_s) if decay == "scalar" else [None] * len(groups))
-    ok_p, bad_p, chunk_bad_p = split_c(ok), split_c(bad_cum), split_c(chunk_bad)
+    b_p = split_t(b) if b_kind == "vec" else split_c(b_s)
+    ok_p, chunk_bad_p = split_c(okf), split_c(bad_cum[..., -1])
     rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
-    q_ok_p = split_c(q_ok) if q is not None else [None] * len(groups)
+    q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
     eye = torch.eye(K, dtype=dt, device=dev)
-    outs = []
+    outs = []                                                        # [B, nc, c, H, V] per group
     for gi, (nc, c, cp) in enumerate(groups):
         nBH, n = nc * BH, cp * R
-        if cp not in mask_cache:
-            mask_cache[cp] = masks(cp)
-        m_solve, m_read, first = mask_cache[cp]
+        m_solve, m_read = mask_cache[cp]
         okg = ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
+        dg_ = {key: x[gi] for key, x in dec_p.items()}               # this group's decay factors
 
-        def lay(x, d, rr=R, keep=okg):  # piece [B, nc c, H(, rr), d] -> [nBH, cp rr, d] (one copy; bad tokens zeroed)
-            x = x.reshape(B, nc, c, H, rr, d).permute(1, 0, 3, 2, 4, 5)
+        def lay(x, rr=R):  # piece [B, nc c, H(, rr), d] -> [nc, B, H, cp, rr, d] chunk-major view (tail padded)
+            x = x.reshape(B, nc, c, H, rr, x.shape[-1]).permute(1, 0, 3, 2, 4, 5)
             if cp > c:
                 x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, cp - c))
-            return torch.where(keep, x.to(dt), zero).reshape(nBH, cp * rr, d)
+            return x
 
-        def scal(x):  # [nc, BH, C R] -> [nBH, n]
-            return x[..., :n].reshape(nBH, n)
+        def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+            return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
 
-        kg = lay(k_p[gi], K)                                          # [nBH, n, K]
-        vg = lay(v_p[gi], V)                                          # [nBH, n, V]
+        # k and v side by side in one buffer, bad tokens zeroed (torch.where, never a product)
+        kv = torch.where(okg, torch.cat([lay(k_p[gi]), lay(v_p[gi])], dim=-1).to(dt), zero).view(nBH, n, K + V)
+        kg, vg = kv[:, :, :K], kv[:, :, K:]                          # [nBH, n, K], [nBH, n, V] (views)
         if b_kind == "vec":
-            bg = lay(b_p[gi], K)
-        elif b_kind == "scalar":
-            bg = kg * scal(b_p[gi])[..., None]
-        else:
-            bg = kg
-        # left factor, sign folded in: "an" = -a (vector a) or "ab" = -alpha b (scalar a: a = alpha k)
+            bg = torch.where(okg, lay(b_p[gi]).to(dt), zero).reshape(nBH, n, K)
+        # solve rows (the reads) and the column factor sets; the signs are folded in:
+        # vector a: rows b, columns [-a | k]; scalar a: rows -alpha b, columns k
         if a_vec:
-            an = -lay(a_p[gi], K)                                     # [nBH, n, K]
+            an = torch.where(okg, -lay(a_p[gi]).to(dt), zero).reshape(nBH, n, K)
+            cols = torch.cat([an, kg], dim=1)                       # [nBH, 2 n, K]
+            rows = bg if b_kind == "vec" else (kg * scal(b_p[gi])[..., None] if b_kind == "scalar" else kg)
         else:
-            alpha = scal(a_p[gi])                                     # [nBH, n]
-            ab = bg * (-alpha)[..., None]                             # rows of the solve: -alpha_i b_i
-        cols = torch.cat([an, kg], dim=1) if a_vec else kg           # [nBH, w n, K] column factors
-        rows = bg if a_vec else ab                                    # [nBH, n, K] solve-row factors
-        qg = lay(q_p[gi].unsqueeze(3), K, 1, q_ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)) if q is not None else None
+            cols = kg
+            rscale = -scal(a_p[gi])                                  # [nBH, n]
+            if b_kind == "scalar":
+                rscale = rscale * scal(b_p[gi])
+            rows = (bg if b_kind == "vec" else kg) * rscale[..., None]
+        qg = None
+        if q is not None:
+            qkeep = q_ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
+            qg = torch.where(qkeep, lay(q_p[gi].unsqueeze(3), 1).to(dt), zero).reshape(nBH, cp, K)
 
-        if decay == "scalar":
-            g = g_p[gi][..., :cp].reshape(nBH, cp)                    # [nBH, cp] log decays
-            L = torch.cumsum(g, dim=-1)                               # cumulative log decay in the chunk
-            Lp = L - g                                                # before token t's decay
-            Lr = L.repeat_interleave(R, dim=-1) if R > 1 else L       # [nBH, n] column log of sub-step j
-            Lpr = Lp.repeat_interleave(R, dim=-1) if R > 1 else Lp
-            l_row = torch.where(first, Lpr, Lr)                       # [nBH, n] log the read of i sees
-            row_fac = torch.exp(l_row)                                # e^{l_i}
-            end_fac = torch.exp(L[:, -1:] - Lr)                       # [nBH, n] decay from j to the chunk end
-            g_end = torch.exp(L[:, -1])                               # [nBH]
-            dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))   # [nBH, n, n]
-            Nmat = torch.bmm(rows, cols.transpose(1, 2))              # [nBH, n, w n]
-            if a_vec:
-                Nmat = (Nmat.view(nBH, n, 2, n) * dec_s[:, :, None, :]).view(nBH, n, 2 * n)
+        if decay == "channel":
+            # ---- per-channel decays, sub-blocks of ns tokens (nbk per chunk, m sub-steps each); the read
+            # rows and the probe rows of a block enter the same products
+            nbk, m = cp // ns, ns * R
+            blk = lambda x: x[:, :, :nbk].reshape(nBH, nbk, *x.shape[3:])  # noqa: E731  [nc, BH, nb, ...] -> [nBH, nbk, ...]
+            sl = R + (q is not None)                                  # row slots per token: R reads (+ the probe)
+            x = rows.view(nBH, nbk, ns, R, K)
+            if q is not None:
+                x = torch.cat([x, qg.view(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
+            x64 = (x * blk(dg_["e_row"])).view(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
+            mask_d = m_solve[:m, :m].view(ns, R, m)
+            if q is not None:
+                mask_d = torch.cat([mask_d, m_read[:ns, None, :m]], dim=1)   # [ns, sl, m]
+            mask_d = mask_d.reshape(ns * sl, 1, 1, m)
+            y = cols.view(nBH, w, nbk, ns, R, K)
+            # inside a block: e^{rho_i - lam_j} = e^{rho_i} e^{-lam_j} in float64
+            y64 = (y * blk(dg_["e_nlam"])[:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m, K)
+            dgm = torch.matmul(x64, y64.transpose(-1, -2)).view(nBH, nbk, ns * sl, w, 1, m)
+            dgm = torch.where(mask_d, dgm, 0.0).to(dt)
+            x32 = x64.to(dt)
+            if nbk == 1:
+                full = dgm                                            # [nBH, 1, ns sl, w, 1, m]
             else:
-                Nmat = Nmat * dec_s
-        elif decay == "channel":
-            gch = lay(g_p[gi].unsqueeze(3), K, 1)                    # [nBH, cp, K] (bad tokens: 0)
-            nbk, m = cp // nsub, nsub * R                             # sub-blocks, sub-steps per block
-            gb = gch.view(nBH, nbk, nsub, K)
-            lam = torch.cumsum(gb, dim=2)                             # local inclusive cumulative logs
-            lamp = lam - gb                                           # local, before the token's decay
-            tot = lam[:, :, -1]                                       # [nBH, nbk, K] per block
-            ref = torch.cumsum(tot, dim=1) - tot                      # log decay before block I (prefix sum)
-            suf = torch.flip(torch.cumsum(torch.flip(tot, (1,)), dim=1), (1,)) - tot   # after block J
-            idx = torch.arange(nbk, device=dev)
-            between = (idx[None, :, None] > idx[None, None, :]) & (idx[:, None, None] > idx[None, None, :]) \
-                & (idx[None, :, None] < idx[:, None, None])            # [I, m, J]: J < m < I
-            seg = torch.einsum("imj,bmk->bijk", between.to(dt), tot)  # [nBH, I, J, K]: sum of blocks strictly between
-            lam_r = lam.repeat_interleave(R, dim=2) if R > 1 else lam     # [nBH, nbk, m, K] column logs
-            lamp_r = lamp.repeat_interleave(R, dim=2) if R > 1 else lamp
-            first_b = first.view(nbk, m)[0] if not simultaneous else None
-            rho = lamp_r if (simultaneous or R == 1) else torch.where(first_b[:, None], lamp_r, lam_r)   # local row logs
-            # off-diagonal blocks: e^{l_i - L_j} = e^{rho_i} * e^{seg_IJ + tot_J - lam_j}, both factors <= 1
-            col_e = torch.exp(seg[:, :, :, None, :] + (tot[:, None, :, None, :] - lam_r[:, None]))   # [nBH, I, J, m, K]
-            col_e = col_e.reshape(nBH, nbk, n, K)
-            blk_lt = (idx[:, None] > idx[None, :])                    # [I, J]
-
-            def decayed(x, rho_x, mx, ys, mask_d):
-                """sum_c x_ic y_jc e^{rho-global_i - L_j} masked: rows x [nBH, nbk mx, K] with local logs
-                rho_x [nBH, nbk, mx, K]; ys [nBH, w, n, K]; mask_d [mx, m] inside a block.
-                Returns [nBH, nbk mx, w, n]."""
-                w = ys.shape[1]
-                xr = x.view(nBH, nbk, mx, K) * torch.exp(rho_x)      # e^{rho_i} x_i
-                Y = col_e[:, :, None] * ys[:, None]                   # [nBH, I, w, n, K]
-                off = torch.matmul(xr[:, :, None], Y.transpose(-1, -2))   # [nBH, I, w, mx, n]
-                off = off.permute(0, 1, 3, 2, 4).reshape(nBH, nbk, mx, w, nbk, m)
-                yb = ys.view(nBH, w, nbk, m, K).transpose(1, 2)       # [nBH, nbk, w, m, K]
-                e_in = torch.exp((rho_x[:, :, :, None, :] - lam_r[:, :, None, :, :]).clamp_max(0.0))  # [nBH, nbk, mx, m, K]
-                diag = torch.einsum("bimk,bimjk,biwjk->bimwj", x.view(nBH, nbk, mx, K), e_in, yb)  # [nBH, nbk, mx, w, m]
-                eq = torch.eye(nbk, dtype=torch.bool, device=dev)
-                full = torch.where(blk_lt[:, None, None, :, None], off,
-                                   torch.where(eq[:, None, None, :, None] & mask_d[None, :, None, None, :],
-                                               diag[:, :, :, :, None, :], zero))
-                return full.reshape(nBH, nbk * mx, w, n)
-
-            Nmat = decayed(rows, rho, m, cols.view(nBH, 2 if a_vec else 1, n, K),
-                           m_solve[:m, :m]).reshape(nBH, n, -1)      # [nBH, n, w n]
-            row_fac = torch.exp(ref[:, :, None] + rho).reshape(nBH, n, K)         # e^{l_i} per channel
-            end_fac = torch.exp(suf[:, :, None] + (tot[:, :, None] - lam_r)).reshape(nBH, n, K)
-            g_end = torch.exp(ref[:, -1] + tot[:, -1])                # [nBH, K]
+                # between blocks J < I: e^{rho_i} * e^{seg_IJ} * e^{tot_J - lam_j}, each <= 1
+                e_seg = dg_["e_seg"][:, :, :nbk, :nbk].reshape(nBH, nbk, nbk, K)
+                yI = e_seg[:, :, None, :, None, None] * (y * blk(dg_["e_colend"])[:, None, :, :, None])[:, None]
+                off = torch.matmul(x32, yI.reshape(nBH, nbk, w * n, K).transpose(-1, -2))
+                off = off.view(nBH, nbk, ns * sl, w, nbk, m)
+                bi = torch.arange(nbk, device=dev)
+                full = torch.where((bi[:, None] > bi[None, :])[:, None, None, :, None], off,
+                                   torch.where((bi[:, None] == bi[None, :])[:, None, None, :, None], dgm, zero))
+                x32 = x32 * blk(dg_["e_ref"])[:, :, None]             # e^{l_i} rows (the block offset)
+            full = full.view(nBH, nbk, ns, sl, w * n)
+            x32 = x32.view(nBH, nbk, ns, sl, K)
+            Nmat = full[:, :, :, :R].reshape(nBH, n, w * n)           # [nBH, n, w n]
+            rk = x32[:, :, :, :R].reshape(nBH, n, K)                  # e^{l_i} rows
+            if q is not None:
+                P = full[:, :, :, R].reshape(nBH, cp, w * n)
+                qd = x32[:, :, :, R].reshape(nBH, cp, K)
+            end_fac = blk(dg_["end"])[:, :, :, None].expand(-1, -1, -1, R, -1).reshape(nBH, n, K)   # e^{L_C - L_j}
+            g_end = dg_["g_end"].reshape(nBH, K)
+        elif decay == "scalar":
+            L, Lr, l_row = scal(dg_["L"]), scal(dg_["Lr"]), scal(dg_["l_row"])
+            shared = R == 1 and not simultaneous and after and inclusive and q is not None
+            if shared:   # the reads and the probes see the same decays: one matrix, masked at the read
+                dec_s = torch.exp((L[:, :, None] - L[:, None, :]).tril())
+            else:
+                dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))   # [nBH, n, n]
+            Nmat = torch.bmm(rows, cols.transpose(1, 2))              # [nBH, n, w n]
+            Nmat = (Nmat.view(nBH, n, w, n) * dec_s[:, :, None, :]).view(nBH, n, w * n) if a_vec else Nmat * dec_s
+            rk = rows * scal(dg_["e_row"])[..., None]
+            end_fac = scal(dg_["end"])[..., None]                     # [nBH, n, 1]
+            g_end = dg_["g_end"].reshape(nBH)
         else:
             Nmat = torch.bmm(rows, cols.transpose(1, 2))
+            rk = rows
         if decay != "channel" and (a_vec or (simultaneous and R > 1)):
-            # the solve reads only the strict lower triangle; A^{bk} V and the simultaneous mask need zeros
+            # the solve reads only the strict lower triangle; A^{bk} V and simultaneous steps need zeros
             Nmat = torch.where(m_solve.repeat(1, 2) if a_vec else m_solve, Nmat, zero)
 
-        # right-hand side and the one triangular solve: (I + N) X = rhs, X = [W | U]
-        if decay is None:
-            rk = rows if not a_vec else bg
-        elif decay == "scalar":
-            rk = (rows if not a_vec else bg) * row_fac[..., None]
-        else:
-            rk = (rows if not a_vec else bg) * row_fac
+        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
         if a_vec:
             Nba, Nbk = Nmat[:, :, :n], Nmat[:, :, n:]                 # -A^{ba}, A^{bk}
             rhs = torch.cat([rk, torch.bmm(Nbk, vg)], dim=-1)         # [e^l b | A^{bk} V]
         else:
             Nba = Nmat
             rhs = torch.cat([rk, vg], dim=-1)                         # [-alpha e^l b | V]
+        # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
         X = torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
                                           unitriangular=True).transpose(1, 2)   # [nBH, n, K + V]
         Wk, U = X.split([K, V], dim=-1)
-        # chunk transition S_end = M S_start + D
+        # ---- the chunk's transition S_end = M S_start + D
         if decay is None:
             kd, M0 = kg, eye.expand(nBH, K, K)
-            ad = an if a_vec else None
         elif decay == "scalar":
-            kd = kg * end_fac[..., None]
-            ad = an * end_fac[..., None] if a_vec else None
-            M0 = eye * g_end.view(nBH, 1, 1)
+            kd, M0 = kg * end_fac, eye * g_end.view(nBH, 1, 1)
         else:
-            kd = kg * end_fac
-            ad = an * end_fac if a_vec else None
-            M0 = torch.diag_embed(g_end)
-        if a_vec:   # M = Diag + A~^T W, D = A~^T U + K~^T V  (an = -a)
-            M = torch.baddbmm(M0, ad.transpose(1, 2), Wk, alpha=-1)
-            D = torch.baddbmm(torch.bmm(kd.transpose(1, 2), vg), ad.transpose(1, 2), U, alpha=-1)
-        else:       # z = -W S + U (the solve's right side carries -alpha): M = Diag - K~^T W, D = K~^T U
-            M = torch.baddbmm(M0, kd.transpose(1, 2), Wk, alpha=-1)
-            D = torch.bmm(kd.transpose(1, 2), U)
-        D = torch.where(chunk_bad_p[gi].reshape(nBH, 1, 1), torch.full((), float("nan"), dtype=dt, device=dev), D)
+            kd, M0 = kg * end_fac, torch.diag_embed(g_end)
+        kd_t = kd.transpose(1, 2)
+        if a_vec:   # M = Diag + A~^T W, D = A~^T U + K~^T V (cols hold -a)
+            ad_t = (an * end_fac if decay is not None else an).transpose(1, 2)
+            M = torch.baddbmm(M0, ad_t, Wk, alpha=-1)
+            D = torch.baddbmm(torch.bmm(kd_t, vg), ad_t, U, alpha=-1)
+        else:       # z = U - W S (rhs carried -alpha): M = Diag - K~^T W, D = K~^T U
+            M = torch.baddbmm(M0, kd_t, Wk, alpha=-1)
+            D = torch.bmm(kd_t, U)
+        D = torch.where(chunk_bad_p[gi].reshape(nBH, 1, 1), nan, D)  # a bad token poisons the state
         starts = [S]
         for M_j, D_j in zip(M.view(nc, BH, K, K).unbind(0), D.view(nc, BH, K, V).unbind(0)):
             S = torch.baddbmm(D_j, M_j, S)                            # the only sequential part
@@ -380,23 +428,19 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         if q is None:
             continue
         S_starts = torch.stack(starts[:-1]).view(nBH, K, V) if nc > 1 else starts[0]
-        # query scores P [nBH, cp, w n], masked and decayed
-        if decay == "channel":
-            rho_q = lam if inclusive else lamp                        # [nBH, nbk, nsub, K]
-            P = decayed(qg, rho_q, nsub, cols.view(nBH, 2 if a_vec else 1, n, K),
-                        m_read.view(nbk, nsub, nbk, m)[0, :, 0]).reshape(nBH, cp, -1)
-            qd = qg * torch.exp(ref[:, :, None] + rho_q).reshape(nBH, cp, K)
-        else:
+        # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
+        if decay != "channel":
             P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]
+            qd = qg
             if decay == "scalar":
-                Lq = L if inclusive else Lp
-                dec_q = torch.exp(torch.where(m_read, Lq[:, :, None] - Lr[:, None, :], zero))   # [nBH, cp, n]
-                P = P.view(nBH, cp, -1, n) * dec_q[:, :, None, :]
-                qd = qg * torch.exp(Lq)[..., None]
+                Lq = scal(dg_["Lq"])
+                dec_q = dec_s if shared else torch.exp(torch.where(m_read, Lq[:, :, None] - Lr[:, None, :], zero))
+                P = (P.view(nBH, cp, w, n) * dec_q[:, :, None, :]).view(nBH, cp, w * n) if a_vec else P * dec_q
+                qd = qg * scal(dg_["e_q"])[..., None]
+            if R == 1 and not a_vec:
+                P = P.tril_(0 if inclusive else -1)
             else:
-                P = P.view(nBH, cp, -1, n)
-                qd = qg
-            P = torch.where(m_read[:, None, :], P, zero).view(nBH, cp, -1)
+                P = torch.where((m_read.repeat(1, 2) if a_vec else m_read), P, zero)
         if a_vec:
             Pa, Pk = P[:, :, :n], P[:, :, n:]                         # -P^a, P^k
             Y_w, Y_u = torch.bmm(Pa, X).split([K, V], dim=-1)
@@ -404,12 +448,14 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         else:
             Y_w, Y_u = torch.bmm(P, X).split([K, V], dim=-1)          # P W, P U
             og = torch.baddbmm(Y_u, Y_w - qd, S_starts, alpha=-1)     # (Q~ - P W) S + P U
-        rb = rb_p[gi][..., :cp].reshape(nBH, cp, 1)
-        og = torch.where(rb, torch.full((), float("nan"), dtype=dt, device=dev), og)
-        og = og.view(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4)      # [B, nc, c, H, V]
-        outs.append(og.reshape(B, nc * c, H, V))
+        og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan, og)
+        outs.append(og.view(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
     S_out = S.view(B, H, K, V).to(s_dtype)
     if q is None:
         return None, S_out
-    o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
+    full = [x for x, (_, c, _) in zip(outs, groups) if c == C]
+    o = torch.cat(full, dim=1).view(B, N * C, H, V) if full else v.new_zeros(B, 0, H, V, dtype=dt)
+    if len(full) < len(outs):
+        o = torch.cat([o, outs[-1].reshape(B, rem, H, V)], dim=1)
     return o.to(v.dtype), S_out
