@@ -286,9 +286,11 @@ def test_zero_decays_stay_finite(decay):
 @pytest.mark.parametrize("which", ["q", "k", "v", "a", "b", "log_decay"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_token_masked(which, bad):
-    """A NaN / inf in token 10's inputs: outputs 0..9 (and the gradients of a loss on them) equal
-    the clean run's; a bad state input makes every later output and the final state non-finite,
-    a bad probe only its own output (issue 10, section 3: masked by torch.where)."""
+    """A NaN / inf in token 10's inputs (head 1 only): outputs 0..9, head 0 throughout, and every
+    input's gradient of a loss on outputs 0..9 equal the clean run's bit for bit (no future NaN ever
+    meets a zero of the causal mask, forward or backward); a bad state input makes every later
+    output of head 1 and its final state non-finite, a bad probe only its own output (issue 10,
+    section 3: masked by torch.where)."""
     names = ["q", "k", "v", "a", "b", "log_decay", "S0"]
     clean = make(1, 40, 2, 2, 8, 8, a_kind="vec", decay="channel", seed=13)
     dirty = [x.clone() for x in clean]
@@ -307,11 +309,8 @@ def test_non_finite_token_masked(which, bad):
         assert not torch.isfinite(od[:, 10:, 1]).any() and not torch.isfinite(Sd[:, 1]).any()
     gc = torch.autograd.grad(oc[:, :10].square().sum(), lc)
     gd = torch.autograd.grad(od[:, :10].square().sum(), ld)
-    for n, g1, g2 in zip(names, gc, gd):
-        if n == "S0":
-            assert torch.equal(g1, g2)
-        else:
-            assert torch.isfinite(g2[:, :10]).all() and torch.equal(g1[:, :10], g2[:, :10])
+    for g1, g2 in zip(gc, gd):   # every input's gradient, the bad token's included (0 there)
+        assert torch.equal(g1, g2)
 
 
 def test_float32_stays_float32_and_bfloat16_computed_in_float32():

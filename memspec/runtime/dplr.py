@@ -207,16 +207,19 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     if b_kind != "k":
         total = total + (b.sum((-2, -1), dtype=dt) if b_kind == "vec" else b.sum(-1, dtype=dt))
     if decay is not None:
-        lg_all = log_decay.to(dt).clamp_min(-40.0)
+        lg_all = log_decay.to(dt).clamp_min(-40.0)                   # (a decay of 0, log -inf, is valid)
         total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
     okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
-    badf = (~okf).to(dt)
-    bad_cum = torch.cumsum(badf, dim=-1) > 0                         # a bad token at or before t
+    # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
+    # outputs reading a state at or after a bad token, and the final state, are set to NaN at the end
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    bad_before = torch.cumsum(bad, dim=1)                            # bad tokens at or before t
+    state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1)
     zero = torch.zeros((), dtype=dt, device=dev)
     nan = torch.full((), float("nan"), dtype=dt, device=dev)
     if q is not None:
         q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
-        read_bad = bad_cum if inclusive else torch.cumsum(badf, dim=-1) - badf > 0
+        read_bad = per_chunk(bad_before if inclusive else bad_before - bad, 1) > 0
         read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
     a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
@@ -292,7 +295,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     k_p, v_p, q_p = split_t(k), split_t(v), split_t(q)
     a_p = split_t(a) if a_vec else split_c(a_s)
     b_p = split_t(b) if b_kind == "vec" else split_c(b_s)
-    ok_p, chunk_bad_p = split_c(okf), split_c(bad_cum[..., -1])
+    ok_p = split_c(okf)
     rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
     q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
     eye = torch.eye(K, dtype=dt, device=dev)
@@ -420,7 +423,6 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         else:       # z = U - W S (rhs carried -alpha): M = Diag - K~^T W, D = K~^T U
             M = torch.baddbmm(M0, kd_t, Wk, alpha=-1)
             D = torch.bmm(kd_t, U)
-        D = torch.where(chunk_bad_p[gi].reshape(nBH, 1, 1), nan, D)  # a bad token poisons the state
         starts = [S]
         for M_j, D_j in zip(M.view(nc, BH, K, K).unbind(0), D.view(nc, BH, K, V).unbind(0)):
             S = torch.baddbmm(D_j, M_j, S)                            # the only sequential part
@@ -450,7 +452,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             og = torch.baddbmm(Y_u, Y_w - qd, S_starts, alpha=-1)     # (Q~ - P W) S + P U
         og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan, og)
         outs.append(og.view(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
-    S_out = S.view(B, H, K, V).to(s_dtype)
+    S_out = torch.where(state_bad, nan, S).view(B, H, K, V).to(s_dtype)   # a bad token poisons the state
     if q is None:
         return None, S_out
     # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
