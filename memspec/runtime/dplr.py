@@ -262,43 +262,46 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         Lq = L if inclusive else Lp                                   # the log decay a probe sees
         dec = {"L": L, "Lr": Lr, "l_row": l_row, "Lq": Lq, "e_row": torch.exp(l_row),
                "end": torch.exp(L[..., -1:] - Lr), "g_end": torch.exp(L[..., -1]), "e_q": torch.exp(Lq)}
-    elif decay == "channel":
-        nb = C // ns
-        glog = lg_all if Np * C == T else torch.nn.functional.pad(lg_all, (0, 0, 0, 0, 0, Np * C - T))
-        glog = glog.reshape(B, Np, C, H, K).permute(1, 0, 3, 2, 4).reshape(Np, BH, C, K)
-        glog = torch.where(okf[..., None], glog, zero).view(Np, BH, nb, ns, K)
-        lam = torch.cumsum(glog, dim=3)                               # in-block cumulative log decay (inclusive)
-        lamp = lam - glog                                             # before the token's decay
-        tot = lam[:, :, :, -1]                                        # [Np, BH, nb, K] each block's log decay
-        ref = torch.cumsum(tot, dim=2) - tot                          # before block I (a prefix sum: exact)
-        suf = torch.flip(torch.cumsum(torch.flip(tot, (2,)), dim=2), (2,)) - tot   # after block J
-        bi = torch.arange(nb, device=dev)
-        between = ((bi[None, :, None] > bi[None, None, :]) & (bi[None, :, None] < bi[:, None, None])).to(dt)
-        seg = torch.einsum("imj,nbmk->nbijk", between, tot).contiguous()   # blocks strictly between J and I
-        e_nlam = torch.exp(lam.to(wide, copy=True).neg_())                    # e^{-lam_j} <= e^{16 * 40} (float64)
-        e_colend = (e_nlam * torch.exp(tot.to(wide))[:, :, :, None]).to(dt)   # e^{tot_J - lam_j} <= 1
-        dec = {"e_nlam": e_nlam, "e_colend": e_colend, "end": torch.exp(suf)[:, :, :, None] * e_colend,
-               "e_seg": torch.exp(seg), "e_ref": torch.exp(ref), "g_end": torch.exp(ref[:, :, -1] + tot[:, :, -1])}
+
+    def channel_factors(glog):
+        """The decay factors of per-channel log decays glog [M, nbk, ns, K] (sub-blocks of ns tokens)."""
+        nbk = glog.shape[1]
+        lam = torch.cumsum(glog, dim=2)                               # in-block cumulative log decay (inclusive)
+        tot = lam[:, :, -1]                                           # [M, nbk, K] each block's log decay
+        e_nlam = torch.exp(lam.to(wide, copy=True).neg_())           # e^{-lam_j} <= e^{16 * 40} (float64)
+        e_colend = (e_nlam * torch.exp(tot.to(wide))[:, :, None]).to(dt)   # e^{tot_J - lam_j} <= 1
+        f = {"e_nlam": e_nlam}
         # row factors e^{rho_i} <= 1 (float64) per token and row slot: the R reads, then the probe
         lam_q = None if q is None else ("lam" if inclusive else "lamp")
         slots = [("lamp" if before == "all" or (before == "first" and r == 0) else "lam") for r in range(R)]
         slots += [lam_q] if lam_q else []
-        e_lam = torch.reciprocal(e_nlam) if "lam" in slots else None
-        e_lamp = torch.exp(lamp.to(wide)) if "lamp" in slots else None
-        pick = {"lam": e_lam, "lamp": e_lamp}
+        pick = {"lam": torch.reciprocal(e_nlam) if "lam" in slots else None,
+                "lamp": torch.exp((lam - glog).to(wide)) if "lamp" in slots else None}
         if len(set(slots)) == 1:
-            dec["e_row"] = pick[slots[0]][:, :, :, :, None]            # [Np, BH, nb, ns, 1, K]
+            f["e_row"] = pick[slots[0]][:, :, :, None]                # [M, nbk, ns, 1, K]
         else:
-            dec["e_row"] = torch.stack([pick[x] for x in slots], dim=4)   # [Np, BH, nb, ns, slots, K]
+            f["e_row"] = torch.stack([pick[x] for x in slots], dim=3)  # [M, nbk, ns, slots, K]
+        if nbk == 1:
+            f["end"], f["g_end"] = e_colend, torch.exp(tot[:, 0])    # e^{L_C - L_j}, e^{L_C}
+            return f
+        ref = torch.cumsum(tot, dim=1) - tot                          # before block I (a prefix sum: exact)
+        suf = torch.flip(torch.cumsum(torch.flip(tot, (1,)), dim=1), (1,)) - tot   # after block J
+        bi = torch.arange(nbk, device=dev)
+        between = ((bi[None, :, None] > bi[None, None, :]) & (bi[None, :, None] < bi[:, None, None])).to(dt)
+        seg = torch.einsum("imj,bmk->bijk", between, tot).contiguous()   # blocks strictly between J and I
+        f.update({"e_colend": e_colend, "end": torch.exp(suf)[:, :, None] * e_colend, "e_seg": torch.exp(seg),
+                  "e_ref": torch.exp(ref), "g_end": torch.exp(ref[:, -1] + tot[:, -1])})
+        return f
+
     dec_p = {key: split_c(x) for key, x in dec.items()}
 
     k_p, v_p, q_p = split_t(k), split_t(v), split_t(q)
+    g_p = split_t(lg_all) if decay == "channel" else None
     a_p = split_t(a) if a_vec else split_c(a_s)
     b_p = split_t(b) if b_kind == "vec" else split_c(b_s)
     ok_p = split_c(okf)
     rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
     q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
-    eye = torch.eye(K, dtype=dt, device=dev)
     outs = []                                                        # [B, nc, c, H, V] per group
     for gi, (nc, c, cp) in enumerate(groups):
         nBH, n = nc * BH, cp * R
@@ -341,19 +344,20 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             # ---- per-channel decays, sub-blocks of ns tokens (nbk per chunk, m sub-steps each); the read
             # rows and the probe rows of a block enter the same products
             nbk, m = cp // ns, ns * R
-            blk = lambda x: x[:, :, :nbk].reshape(nBH, nbk, *x.shape[3:])  # noqa: E731  [nc, BH, nb, ...] -> [nBH, nbk, ...]
+            gch = torch.where(okg[..., 0, :], lay(g_p[gi].unsqueeze(3), 1)[..., 0, :].to(dt), zero)   # [nc, B, H, cp, K]
+            dg_ = channel_factors(gch.reshape(nBH, nbk, ns, K))
             sl = R + (q is not None)                                  # row slots per token: R reads (+ the probe)
             x = rows.view(nBH, nbk, ns, R, K)
             if q is not None:
                 x = torch.cat([x, qg.view(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
-            x64 = (x * blk(dg_["e_row"])).view(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
+            x64 = (x * dg_["e_row"]).view(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
             mask_d = m_solve[:m, :m].view(ns, R, m)
             if q is not None:
                 mask_d = torch.cat([mask_d, m_read[:ns, None, :m]], dim=1)   # [ns, sl, m]
             mask_d = mask_d.reshape(ns * sl, 1, 1, m)
             y = cols.view(nBH, w, nbk, ns, R, K)
             # inside a block: e^{rho_i - lam_j} = e^{rho_i} e^{-lam_j} in float64
-            y64 = (y * blk(dg_["e_nlam"])[:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m, K)
+            y64 = (y * dg_["e_nlam"][:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m, K)
             dgm = torch.matmul(x64, y64.transpose(-1, -2)).view(nBH, nbk, ns * sl, w, 1, m)
             dgm = torch.where(mask_d, dgm, 0.0).to(dt)
             x32 = x64.to(dt)
@@ -361,14 +365,14 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
                 full = dgm                                            # [nBH, 1, ns sl, w, 1, m]
             else:
                 # between blocks J < I: e^{rho_i} * e^{seg_IJ} * e^{tot_J - lam_j}, each <= 1
-                e_seg = dg_["e_seg"][:, :, :nbk, :nbk].reshape(nBH, nbk, nbk, K)
-                yI = e_seg[:, :, None, :, None, None] * (y * blk(dg_["e_colend"])[:, None, :, :, None])[:, None]
+                e_seg = dg_["e_seg"]
+                yI = e_seg[:, :, None, :, None, None] * (y * dg_["e_colend"][:, None, :, :, None])[:, None]
                 off = torch.matmul(x32, yI.reshape(nBH, nbk, w * n, K).transpose(-1, -2))
                 off = off.view(nBH, nbk, ns * sl, w, nbk, m)
                 bi = torch.arange(nbk, device=dev)
                 full = torch.where((bi[:, None] > bi[None, :])[:, None, None, :, None], off,
                                    torch.where((bi[:, None] == bi[None, :])[:, None, None, :, None], dgm, zero))
-                x32 = x32 * blk(dg_["e_ref"])[:, :, None]             # e^{l_i} rows (the block offset)
+                x32 = x32 * dg_["e_ref"][:, :, None]             # e^{l_i} rows (the block offset)
             full = full.view(nBH, nbk, ns, sl, w * n)
             x32 = x32.view(nBH, nbk, ns, sl, K)
             Nmat = full[:, :, :, :R].reshape(nBH, n, w * n)           # [nBH, n, w n]
@@ -376,8 +380,8 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             if q is not None:
                 P = full[:, :, :, R].reshape(nBH, cp, w * n)
                 qd = x32[:, :, :, R].reshape(nBH, cp, K)
-            end_fac = blk(dg_["end"])[:, :, :, None].expand(-1, -1, -1, R, -1).reshape(nBH, n, K)   # e^{L_C - L_j}
-            g_end = dg_["g_end"].reshape(nBH, K)
+            end_fac = dg_["end"][:, :, :, None].expand(-1, -1, -1, R, -1).reshape(nBH, n, K)   # e^{L_C - L_j}
+            g_end = dg_["g_end"]
         elif decay == "scalar":
             L, Lr, l_row = scal(dg_["L"]), scal(dg_["Lr"]), scal(dg_["l_row"])
             shared = R == 1 and not simultaneous and after and inclusive and q is not None
@@ -408,28 +412,31 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         X = torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
                                           unitriangular=True).transpose(1, 2)   # [nBH, n, K + V]
         Wk, U = X.split([K, V], dim=-1)
-        # ---- the chunk's transition S_end = M S_start + D
-        if decay is None:
-            kd, M0 = kg, eye.expand(nBH, K, K)
-        elif decay == "scalar":
-            kd, M0 = kg * end_fac, eye * g_end.view(nBH, 1, 1)
-        else:
-            kd, M0 = kg * end_fac, torch.diag_embed(g_end)
-        kd_t = kd.transpose(1, 2)
-        if a_vec:   # M = Diag + A~^T W, D = A~^T U + K~^T V (cols hold -a)
-            ad_t = (an * end_fac if decay is not None else an).transpose(1, 2)
-            M = torch.baddbmm(M0, ad_t, Wk, alpha=-1)
-            D = torch.baddbmm(torch.bmm(kd_t, vg), ad_t, U, alpha=-1)
-        else:       # z = U - W S (rhs carried -alpha): M = Diag - K~^T W, D = K~^T U
-            M = torch.baddbmm(M0, kd_t, Wk, alpha=-1)
-            D = torch.bmm(kd_t, U)
-        starts = [S]
-        for M_j, D_j in zip(M.view(nc, BH, K, K).unbind(0), D.view(nc, BH, K, V).unbind(0)):
-            S = torch.baddbmm(D_j, M_j, S)                            # the only sequential part
+        # ---- the sequential part, per chunk: the reads from the start state, then the state update
+        # (vector a: u = W S + U, S <- Diag(g) S + K~^T V - (-A~)^T u; scalar a: z = U - W S (the right
+        # side carried -alpha), S <- Diag(g) S + K~^T z)
+        kd = kg if decay is None else kg * end_fac                   # keys decayed to the chunk end
+        if a_vec:
+            ad = an if decay is None else an * end_fac               # -a decayed to the chunk end
+            Dv = torch.bmm(kd.transpose(1, 2), vg).view(nc, BH, K, V)   # K~^T V: no state in it
+            ad_j = ad.view(nc, BH, n, K).unbind(0)
+        kd_j = kd.view(nc, BH, n, K).unbind(0)
+        g_j = g_end.view(nc, BH, *g_end.shape[1:]).unbind(0) if decay is not None else [None] * nc
+        zs, starts = [], []
+        for j, (W_j, U_j) in enumerate(zip(Wk.view(nc, BH, n, K).unbind(0), U.view(nc, BH, n, V).unbind(0))):
             starts.append(S)
+            Sg = S if g_j[j] is None else S * (g_j[j][:, None, None] if decay == "scalar" else g_j[j][:, :, None])
+            if a_vec:
+                z = torch.baddbmm(U_j, W_j, S)                        # u = W S + U  [BH, n, V]
+                S = torch.baddbmm(Sg + Dv[j], ad_j[j].transpose(1, 2), z, alpha=-1)
+            else:
+                z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
+                S = torch.baddbmm(Sg, kd_j[j].transpose(1, 2), z)
+            zs.append(z)
         if q is None:
             continue
-        S_starts = torch.stack(starts[:-1]).view(nBH, K, V) if nc > 1 else starts[0]
+        S_starts = torch.stack(starts).view(nBH, K, V) if nc > 1 else starts[0]
+        z = torch.stack(zs).view(nBH, n, V) if nc > 1 else zs[0]
         # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
         if decay != "channel":
             P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]
@@ -443,13 +450,10 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
                 P = P.tril_(0 if inclusive else -1)
             else:
                 P = torch.where((m_read.repeat(1, 2) if a_vec else m_read), P, zero)
-        if a_vec:
-            Pa, Pk = P[:, :, :n], P[:, :, n:]                         # -P^a, P^k
-            Y_w, Y_u = torch.bmm(Pa, X).split([K, V], dim=-1)
-            og = torch.baddbmm(torch.bmm(Pk, vg) - Y_u, Y_w - qd, S_starts, alpha=-1)   # (Q~ + P^a W) S + P^a U + P^k V
-        else:
-            Y_w, Y_u = torch.bmm(P, X).split([K, V], dim=-1)          # P W, P U
-            og = torch.baddbmm(Y_u, Y_w - qd, S_starts, alpha=-1)     # (Q~ - P W) S + P U
+        if a_vec:   # o = Q~ S + P^a u + P^k V, P holding [-P^a | P^k]
+            og = torch.baddbmm(torch.bmm(P, torch.cat([-z, vg], dim=1)), qd, S_starts)
+        else:       # o = Q~ S + P z
+            og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
         og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan, og)
         outs.append(og.view(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
     S_out = torch.where(state_bad, nan, S).view(B, H, K, V).to(s_dtype)   # a bad token poisons the state
