@@ -149,7 +149,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         x = x.to(dt)
         if Np * C > T:
             x = torch.nn.functional.pad(x, (0, 0, 0, Np * C - T))
-        return x.reshape(B, Np, C, H).permute(1, 0, 3, 2).contiguous().view(Np, BH, C)
+        return x.reshape(B, Np, C, H).permute(1, 0, 3, 2).contiguous().reshape(Np, BH, C)
 
     # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity token
     # (torch.where, never a product), and every output reading a state at or after it, and the final
@@ -213,9 +213,9 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         b = flat(b)[:, :, None]                                      # [nBH, c, 1]
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1) BH)),
         # bad tokens zeroed
-        kv = torch.cat([kp.view(B, n, c, H, K).permute(1, 0, 3, 2, 4),
-                        vp.view(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1)
-        kv = torch.where(okg.reshape(n, B, H, c, 1), kv, zero).view(nBH, c, K + V)
+        kv = torch.cat([kp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4),
+                        vp.reshape(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1)
+        kv = torch.where(okg.reshape(n, B, H, c, 1), kv, zero).reshape(nBH, c, K + V)
         kg = kv[:, :, :K]                                            # [nBH, c, K] (a view)
         if decayed:
             Lg, Rg, b_rg, to_end_g, Lq_g, q_fac_g = (flat(x[gi]) for x in pieces[6:12])
@@ -229,7 +229,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
             A = torch.bmm(kg * b, kg.transpose(1, 2)) * solve_decay  # [nBH, c, c]
             if K == V:
                 fac = torch.stack([b_rg, b[:, :, 0]], dim=-1)        # [nBH, c, 2]
-                rhs = (kv.view(nBH, c, 2, K) * fac[..., None]).view(nBH, c, K + V)
+                rhs = (kv.reshape(nBH, c, 2, K) * fac[..., None]).reshape(nBH, c, K + V)
             else:
                 rhs = torch.cat([kg * b_rg[:, :, None], kv[:, :, K:] * b], dim=-1)
             kd = kg * to_end_g[:, :, None]                           # [nBH, c, K] keys decayed to the chunk end
@@ -244,15 +244,15 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
         us, starts = [], []
         gs = g_end_g.unbind(0) if decayed else [None] * n
-        for W_j, U_j, kd_j, g_j in zip(Wk.view(n, BH, c, K).unbind(0), U.view(n, BH, c, V).unbind(0),
-                                       kd.view(n, BH, c, K).unbind(0), gs):
+        for W_j, U_j, kd_j, g_j in zip(Wk.reshape(n, BH, c, K).unbind(0), U.reshape(n, BH, c, V).unbind(0),
+                                       kd.reshape(n, BH, c, K).unbind(0), gs):
             u_j = torch.baddbmm(U_j, W_j, S, alpha=-1)               # [BH, c, V]
             starts.append(S)
             S = torch.baddbmm(S if g_j is None else S * g_j[:, None, None], kd_j.transpose(1, 2), u_j)
             us.append(u_j)
         if qq is not None:
-            u = torch.stack(us).view(nBH, c, V) if n > 1 else us[0]
-            S_starts = torch.stack(starts).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+            u = torch.stack(us).reshape(nBH, c, V) if n > 1 else us[0]
+            S_starts = torch.stack(starts).reshape(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
             qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4)    # [n, B, H, c, K]
             qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
@@ -263,15 +263,15 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                 qg = qg * q_fac_g[:, :, None]
             og = torch.baddbmm(torch.bmm(scores.tril_(0 if inclusive else -1), u), qg, S_starts)   # Qd S + P u
             og = torch.where(rbad.reshape(nBH, c, 1), nan, og)
-            outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)
+            outs.append(og.reshape(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)
     if qq is not None:  # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
         full = [x for x, (_, c) in zip(outs, groups) if c == C]
-        o = torch.cat(full, dim=1).view(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
+        o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
         if len(full) < len(outs):
             o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
     if state_bad is not None:
         S = torch.where(state_bad, nan, S)                           # a bad token poisons the final state
-    S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
+    S_out = S.reshape(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
     if qq is None:
         return None, S_out
     return o.to(v.dtype), S_out

@@ -477,3 +477,33 @@ def test_peer_dplr_recurrence():
     o_p, S_p = mod.dplr_recurrence(hf(q), hf(k), hf(v), hf(alpha), hf(beta_f), hf(gk), initial_state=S0.clone())
     ours = both(q / math.sqrt(K), k, v, beta_f, alpha, gk, S0)
     assert_close_to_peer(ours, o_p.transpose(1, 2), S_p)
+
+
+def _compile_cases():
+    from memspec.runtime.delta import chunk_delta
+    q, k, v, a, b, lg, S0 = make(1, 40, 2, 2, 8, 8, a_kind="vec", decay="channel", seed=23)
+    beta = torch.rand(1, 40, 2, generator=torch.Generator().manual_seed(0))
+    return [
+        (lambda: chunk_dplr(q, k, v, a, b, lg, S0, 16)),
+        (lambda: chunk_dplr(q, k, v, -beta[..., None].expand(-1, -1, -1, 2), None, lg[..., 0], S0, 16,
+                            read_after_decay=True)),
+        (lambda: chunk_delta(q, k[:, :, :, 0], v[:, :, :, 0], beta, lg[..., 0], S0, 16)),
+    ]
+
+
+def test_compiles_in_one_graph():
+    """torch.compile(fullgraph=True) traces both kernels without a graph break: no .item() or
+    int(tensor) syncs, nothing data-dependent in Python (aot_eager: the inductor run is slow-marked)."""
+    for f in _compile_cases():
+        ref = f()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)()
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.slow
+def test_compiles_with_inductor():
+    """The inductor backend (the one CUDA uses) compiles both kernels and matches eager."""
+    for f in _compile_cases():
+        ref = f()
+        got = torch.compile(f, backend="inductor", fullgraph=True)()
+        assert rel(got[0], ref[0]) <= 1e-5 and rel(got[1], ref[1]) <= 1e-5

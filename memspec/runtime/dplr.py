@@ -167,7 +167,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
     if T == 0:
-        return (v.new_zeros(B, 0, H, V) if q is not None else None), S.view(B, H, K, V).to(s_dtype)
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), S.reshape(B, H, K, V).to(s_dtype)
     C = max(1, min(int(chunk), T))
     N, rem = divmod(T, C)
     Np = N + (rem > 0)
@@ -199,7 +199,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         x = x.reshape(B, T, H, r)
         if Np * C > T:
             x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, Np * C - T))
-        return x.reshape(B, Np, C, H, r).permute(1, 0, 3, 2, 4).contiguous().view(Np, BH, C * r)
+        return x.reshape(B, Np, C, H, r).permute(1, 0, 3, 2, 4).contiguous().reshape(Np, BH, C * r)
 
     # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
     total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
@@ -319,7 +319,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
 
         # k and v side by side in one buffer, bad tokens zeroed (torch.where, never a product)
-        kv = torch.where(okg, torch.cat([lay(k_p[gi]), lay(v_p[gi])], dim=-1).to(dt), zero).view(nBH, n, K + V)
+        kv = torch.where(okg, torch.cat([lay(k_p[gi]), lay(v_p[gi])], dim=-1).to(dt), zero).reshape(nBH, n, K + V)
         kg, vg = kv[:, :, :K], kv[:, :, K:]                          # [nBH, n, K], [nBH, n, V] (views)
         if b_kind == "vec":
             bg = torch.where(okg, lay(b_p[gi]).to(dt), zero).reshape(nBH, n, K)
@@ -347,18 +347,18 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             gch = torch.where(okg[..., 0, :], lay(g_p[gi].unsqueeze(3), 1)[..., 0, :].to(dt), zero)   # [nc, B, H, cp, K]
             dg_ = channel_factors(gch.reshape(nBH, nbk, ns, K))
             sl = R + (q is not None)                                  # row slots per token: R reads (+ the probe)
-            x = rows.view(nBH, nbk, ns, R, K)
+            x = rows.reshape(nBH, nbk, ns, R, K)
             if q is not None:
-                x = torch.cat([x, qg.view(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
-            x64 = (x * dg_["e_row"]).view(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
-            mask_d = m_solve[:m, :m].view(ns, R, m)
+                x = torch.cat([x, qg.reshape(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
+            x64 = (x * dg_["e_row"]).reshape(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
+            mask_d = m_solve[:m, :m].reshape(ns, R, m)
             if q is not None:
                 mask_d = torch.cat([mask_d, m_read[:ns, None, :m]], dim=1)   # [ns, sl, m]
             mask_d = mask_d.reshape(ns * sl, 1, 1, m)
-            y = cols.view(nBH, w, nbk, ns, R, K)
+            y = cols.reshape(nBH, w, nbk, ns, R, K)
             # inside a block: e^{rho_i - lam_j} = e^{rho_i} e^{-lam_j} in float64
             y64 = (y * dg_["e_nlam"][:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m, K)
-            dgm = torch.matmul(x64, y64.transpose(-1, -2)).view(nBH, nbk, ns * sl, w, 1, m)
+            dgm = torch.matmul(x64, y64.transpose(-1, -2)).reshape(nBH, nbk, ns * sl, w, 1, m)
             dgm = torch.where(mask_d, dgm, 0.0).to(dt)
             x32 = x64.to(dt)
             if nbk == 1:
@@ -368,13 +368,13 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
                 e_seg = dg_["e_seg"]
                 yI = e_seg[:, :, None, :, None, None] * (y * dg_["e_colend"][:, None, :, :, None])[:, None]
                 off = torch.matmul(x32, yI.reshape(nBH, nbk, w * n, K).transpose(-1, -2))
-                off = off.view(nBH, nbk, ns * sl, w, nbk, m)
+                off = off.reshape(nBH, nbk, ns * sl, w, nbk, m)
                 bi = torch.arange(nbk, device=dev)
                 full = torch.where((bi[:, None] > bi[None, :])[:, None, None, :, None], off,
                                    torch.where((bi[:, None] == bi[None, :])[:, None, None, :, None], dgm, zero))
                 x32 = x32 * dg_["e_ref"][:, :, None]             # e^{l_i} rows (the block offset)
-            full = full.view(nBH, nbk, ns, sl, w * n)
-            x32 = x32.view(nBH, nbk, ns, sl, K)
+            full = full.reshape(nBH, nbk, ns, sl, w * n)
+            x32 = x32.reshape(nBH, nbk, ns, sl, K)
             Nmat = full[:, :, :, :R].reshape(nBH, n, w * n)           # [nBH, n, w n]
             rk = x32[:, :, :, :R].reshape(nBH, n, K)                  # e^{l_i} rows
             if q is not None:
@@ -390,7 +390,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             else:
                 dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))   # [nBH, n, n]
             Nmat = torch.bmm(rows, cols.transpose(1, 2))              # [nBH, n, w n]
-            Nmat = (Nmat.view(nBH, n, w, n) * dec_s[:, :, None, :]).view(nBH, n, w * n) if a_vec else Nmat * dec_s
+            Nmat = (Nmat.reshape(nBH, n, w, n) * dec_s[:, :, None, :]).reshape(nBH, n, w * n) if a_vec else Nmat * dec_s
             rk = rows * scal(dg_["e_row"])[..., None]
             end_fac = scal(dg_["end"])[..., None]                     # [nBH, n, 1]
             g_end = dg_["g_end"].reshape(nBH)
@@ -418,12 +418,12 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         kd = kg if decay is None else kg * end_fac                   # keys decayed to the chunk end
         if a_vec:
             ad = an if decay is None else an * end_fac               # -a decayed to the chunk end
-            Dv = torch.bmm(kd.transpose(1, 2), vg).view(nc, BH, K, V)   # K~^T V: no state in it
-            ad_j = ad.view(nc, BH, n, K).unbind(0)
-        kd_j = kd.view(nc, BH, n, K).unbind(0)
-        g_j = g_end.view(nc, BH, *g_end.shape[1:]).unbind(0) if decay is not None else [None] * nc
+            Dv = torch.bmm(kd.transpose(1, 2), vg).reshape(nc, BH, K, V)   # K~^T V: no state in it
+            ad_j = ad.reshape(nc, BH, n, K).unbind(0)
+        kd_j = kd.reshape(nc, BH, n, K).unbind(0)
+        g_j = g_end.reshape(nc, BH, *g_end.shape[1:]).unbind(0) if decay is not None else [None] * nc
         zs, starts = [], []
-        for j, (W_j, U_j) in enumerate(zip(Wk.view(nc, BH, n, K).unbind(0), U.view(nc, BH, n, V).unbind(0))):
+        for j, (W_j, U_j) in enumerate(zip(Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, V).unbind(0))):
             starts.append(S)
             Sg = S if g_j[j] is None else S * (g_j[j][:, None, None] if decay == "scalar" else g_j[j][:, :, None])
             if a_vec:
@@ -435,8 +435,8 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             zs.append(z)
         if q is None:
             continue
-        S_starts = torch.stack(starts).view(nBH, K, V) if nc > 1 else starts[0]
-        z = torch.stack(zs).view(nBH, n, V) if nc > 1 else zs[0]
+        S_starts = torch.stack(starts).reshape(nBH, K, V) if nc > 1 else starts[0]
+        z = torch.stack(zs).reshape(nBH, n, V) if nc > 1 else zs[0]
         # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
         if decay != "channel":
             P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]
@@ -444,7 +444,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             if decay == "scalar":
                 Lq = scal(dg_["Lq"])
                 dec_q = dec_s if shared else torch.exp(torch.where(m_read, Lq[:, :, None] - Lr[:, None, :], zero))
-                P = (P.view(nBH, cp, w, n) * dec_q[:, :, None, :]).view(nBH, cp, w * n) if a_vec else P * dec_q
+                P = (P.reshape(nBH, cp, w, n) * dec_q[:, :, None, :]).reshape(nBH, cp, w * n) if a_vec else P * dec_q
                 qd = qg * scal(dg_["e_q"])[..., None]
             if R == 1 and not a_vec:
                 P = P.tril_(0 if inclusive else -1)
@@ -455,13 +455,13 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         else:       # o = Q~ S + P z
             og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
         og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan, og)
-        outs.append(og.view(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
-    S_out = torch.where(state_bad, nan, S).view(B, H, K, V).to(s_dtype)   # a bad token poisons the state
+        outs.append(og.reshape(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
+    S_out = torch.where(state_bad, nan, S).reshape(B, H, K, V).to(s_dtype)   # a bad token poisons the state
     if q is None:
         return None, S_out
     # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
     full = [x for x, (_, c, _) in zip(outs, groups) if c == C]
-    o = torch.cat(full, dim=1).view(B, N * C, H, V) if full else v.new_zeros(B, 0, H, V, dtype=dt)
+    o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else v.new_zeros(B, 0, H, V, dtype=dt)
     if len(full) < len(outs):
         o = torch.cat([o, outs[-1].reshape(B, rem, H, V)], dim=1)
     return o.to(v.dtype), S_out
