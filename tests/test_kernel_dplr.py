@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from memspec.runtime.dplr import chunk_dplr, recurrent_dplr
+from memspec.runtime.dplr import chunk_dplr, chunk_momentum_delta, recurrent_dplr, recurrent_momentum_delta
 
 from peers import fla_naive
 
@@ -335,7 +335,7 @@ def test_under_torch_func():
 
 def test_kernels_are_standalone():
     """The code generator copies these functions' source: only torch, no closures over memspec."""
-    for fn in (chunk_dplr, recurrent_dplr):
+    for fn in (chunk_dplr, recurrent_dplr, chunk_momentum_delta, recurrent_momentum_delta):
         src = inspect.getsource(fn)
         assert "memspec" not in src
         assert fn.__doc__ and "[B, T, H" in fn.__doc__
@@ -507,3 +507,75 @@ def test_compiles_with_inductor():
         ref = f()
         got = torch.compile(f, backend="inductor", fullgraph=True)()
         assert rel(got[0], ref[0]) <= 1e-5 and rel(got[1], ref[1]) <= 1e-5
+
+
+# ---------------------------------------------------------------- the momentum delta rule (two coupled states)
+
+def momentum_inputs(B, T, H, K, V, dtype=torch.float32, seed=30):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g, dtype=dtype)
+    k, p = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g, dtype=dtype), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g, dtype=dtype)
+    lgam, lmu = (torch.log(0.5 + 0.5 * torch.rand(B, T, H, generator=g, dtype=dtype)) for _ in range(2))
+    beta, eta = (torch.rand(B, T, H, generator=g, dtype=dtype) for _ in range(2))
+    S0, M0 = (torch.randn(B, H, K, V, generator=g, dtype=dtype) for _ in range(2))
+    return q, k, v, p, lgam, lmu, beta, eta, S0, M0
+
+
+@pytest.mark.parametrize("T", [1, 37, 64, 65])
+@pytest.mark.parametrize("inclusive", [True, False])
+def test_momentum_chunk_matches_recurrent(T, inclusive):
+    """The exact chunked momentum delta rule vs its token loop: outputs, both final states, every
+    input's gradient (chunk 16: tails, one chunk, several)."""
+    leaves = [x.requires_grad_() for x in momentum_inputs(2, T, 2, 5, 4)]
+    ref = recurrent_momentum_delta(*leaves, inclusive)
+    got = chunk_momentum_delta(*leaves, 16, inclusive)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and rel(a, b) <= 1e-4
+    g = torch.Generator().manual_seed(1)
+    w = [torch.randn(x.shape, generator=g) for x in ref]
+    gr = torch.autograd.grad(sum((x * y).sum() for x, y in zip(ref, w)), leaves)
+    gg = torch.autograd.grad(sum((x * y).sum() for x, y in zip(got, w)), leaves)
+    for a, b in zip(gg, gr):
+        assert torch.isfinite(a).all() and rel(a, b) <= 1e-4
+
+
+def test_momentum_gradcheck_float64():
+    args = [x.requires_grad_() for x in momentum_inputs(1, 5, 1, 3, 2, dtype=torch.float64)]
+    assert torch.autograd.gradcheck(lambda *x: chunk_momentum_delta(*x, 2), args, eps=1e-6, atol=1e-6)
+
+
+def test_momentum_by_hand():
+    """One token, K = V = 1: S0 = 2, M0 = 1, k = p = 1, v = 3, mu = 1/2, gamma = 1/4, eta = 1, beta = 2:
+    M = 1/2 + (2 - 3) = -1/2; S = 2/4 - 2 (-1/2) = 3/2; o = q S = 3/2 (q = 1), q S0 = 2 exclusive."""
+    one = torch.ones(1, 1, 1, 1)
+    args = (one, one, 3 * one, one, torch.log(torch.full((1, 1, 1), 0.25)), torch.log(torch.full((1, 1, 1), 0.5)),
+            torch.full((1, 1, 1), 2.0), torch.ones(1, 1, 1), 2 * one, one)
+    for fn in (recurrent_momentum_delta, lambda *x: chunk_momentum_delta(*x[:10], 4, *x[10:])):
+        o, S, M = fn(*args)
+        assert torch.allclose(o.view(()), torch.tensor(1.5)) and torch.allclose(S.view(()), torch.tensor(1.5))
+        assert torch.allclose(M.view(()), torch.tensor(-0.5))
+        assert torch.allclose(fn(*args, False)[0].view(()), torch.tensor(2.0))
+
+
+def test_peer_momentum_delta_rule():
+    """recurrent_momentum_delta_rule_ref: w = -(v - p^T S); M = mu M + (eta k) w; S = alpha S - beta M;
+    o = (q / sqrt(K)) S, alpha = exp(log_alpha), mu = exp(log_mu).  Here: log_gamma = log_alpha.
+    (fla's chunk_momentum_delta_rule_ref does not match its own recurrent reference: not used.)"""
+    mod = fla_naive("momentum_delta_rule")
+    q, k, v, p, lgam, lmu, beta, eta, S0, M0 = momentum_inputs(2, 45, 3, 16, 12)
+    o_p, (S_p, M_p) = mod.recurrent_momentum_delta_rule_ref(q, k, v, lgam, lmu, p, beta, eta, initial_S=S0,
+                                                            initial_M=M0, output_final_state=True)
+    K = q.shape[-1]
+    for ours in (recurrent_momentum_delta(q / math.sqrt(K), k, v, p, lgam, lmu, beta, eta, S0, M0),
+                 chunk_momentum_delta(q / math.sqrt(K), k, v, p, lgam, lmu, beta, eta, S0, M0, 16)):
+        assert rel(ours[0], o_p) <= 1e-4 and rel(ours[1], S_p) <= 1e-4 and rel(ours[2], M_p) <= 1e-4
+
+
+def test_momentum_state_only_and_empty():
+    q, k, v, p, lgam, lmu, beta, eta, S0, M0 = momentum_inputs(1, 21, 2, 4, 3)
+    _, S_r, M_r = recurrent_momentum_delta(q, k, v, p, lgam, lmu, beta, eta, None, None)
+    o, S, M = chunk_momentum_delta(None, k, v, p, lgam, lmu, beta, eta, None, None, 8)
+    assert o is None and rel(S, S_r) <= 1e-5 and rel(M, M_r) <= 1e-5
+    o, S, M = chunk_momentum_delta(*(x[:, :0] for x in (q, k, v, p, lgam, lmu, beta, eta)), S0, M0, 8)
+    assert o.shape == (1, 0, 2, 3) and torch.equal(S, S0) and torch.equal(M, M0)

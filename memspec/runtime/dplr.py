@@ -465,3 +465,146 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     if len(full) < len(outs):
         o = torch.cat([o, outs[-1].reshape(B, rem, H, V)], dim=1)
     return o.to(v.dtype), S_out
+
+
+def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, inclusive=True):
+    """Token-loop reference for the momentum delta rule (two states coupled linearly).
+
+    ``M_t = mu_t M_{t-1} + eta_t outer(k_t, p_t @ S_{t-1} - v_t)``,
+    ``S_t = gamma_t S_{t-1} - beta_t M_t``; ``o_t = q_t @ S_t`` (``inclusive``) or ``q_t @ S_{t-1}``.
+    (flash-linear-attention's ``recurrent_momentum_delta_rule_ref``: ``log_alpha = log_gamma``.)
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None.  k, p: ``[B, T, H, K]`` (write key, error read);
+            v: ``[B, T, H, V]``.
+        log_gamma, log_mu: ``[B, T, H]`` log decays (<= 0) of S and of the momentum M.
+        beta, eta: ``[B, T, H]`` the step of S along M, the step of M along the error.
+        S0, M0: ``[B, H, K, V]`` or None (zeros).
+        inclusive: True: o_t reads S_t; False: S_{t-1}.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
+    M = k.new_zeros(B, H, K, V, dtype=dt) if M0 is None else M0.to(dt)
+    outs = []
+    for t in range(T):
+        S_before = S
+        err = torch.einsum("bhk,bhkv->bhv", p[:, t].to(dt), S) - v[:, t].to(dt)         # [B, H, V]
+        mu, gam = torch.exp(log_mu[:, t].to(dt)), torch.exp(log_gamma[:, t].to(dt))
+        M = mu[..., None, None] * M + (eta[:, t].to(dt)[..., None] * k[:, t].to(dt))[..., :, None] * err[..., None, :]
+        S = gam[..., None, None] * S - beta[:, t].to(dt)[..., None, None] * M
+        if q is not None:
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dt), S if inclusive else S_before))
+    o = None
+    if q is not None:
+        o = torch.stack(outs, dim=1).to(v.dtype) if outs else v.new_zeros(B, 0, H, V)
+    out_dtype = S0.dtype if S0 is not None else v.dtype
+    return o, S.to(out_dtype), M.to(out_dtype)
+
+
+def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, inclusive=True):
+    """Exact chunked momentum delta rule (:func:`recurrent_momentum_delta`'s recurrence).
+
+    The joint state ``Z = [S; M]`` (``[2K, V]``) has the transition ``Z_t = (D_t (x) I_K) Z_{t-1}
+    + a_t z_t`` with the 2x2 upper-triangular ``D_t = [[gamma_t, -beta_t mu_t], [0, mu_t]]``, the
+    rank-1 factor ``a_t = [-beta_t eta_t, eta_t] (x) k_t`` and ``z_t = p_t @ S_{t-1} - v_t``: a
+    "2x2 (x) identity plus rank one" transition.  Every interaction of sub-steps s < t then
+    factors as (a scalar from the 2x2 products ``P(t, s) = D_t ... D_{s+1}``) times an inner product
+    of K-vectors, so the chunk's errors come from ONE unit-lower-triangular solve,
+    ``(I - A) z = [e^{La_{t-1}} p | P12(t-1, start) p] [S_0; M_0] - V`` with
+    ``A_ts = (P11(t-1,s) (-beta_s eta_s) + P12(t-1,s) eta_s) (p_t . k_s)``; the products' corner
+    ``P12(t, s) = sum_{s<r<=t} e^{La_t - La_r} (-beta_r mu_r) e^{Lm_{r-1} - Lm_s}`` is one product
+    of two masked decay matrices (entries <= 1: stable).  Then per chunk
+    ``z = W_S S + W_M M + U``, ``S <- e^{La_C} S + P12(C, start) M + K_S^T z``,
+    ``M <- e^{Lm_C} M + K_M^T z``, and the outputs are batched matmuls.
+
+    Args:
+        as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BH = B * H
+    dt = torch.promote_types(k.dtype, torch.float32)
+    dev = k.device
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
+    M = k.new_zeros(BH, K, V, dtype=dt) if M0 is None else M0.to(dt).reshape(BH, K, V)
+    out_dtype = S0.dtype if S0 is not None else v.dtype
+    if T == 0:
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), S.reshape(B, H, K, V).to(out_dtype), \
+            M.reshape(B, H, K, V).to(out_dtype)
+    C = max(1, min(int(chunk), T))
+    Np = -(-T // C)
+    pad = Np * C - T                                                 # identity tokens (zeros) at the end
+
+    def lay(x):  # [B, T, H(, D)] -> [Np BH, C(, D)], chunk-major, padded with zeros
+        x = x.to(dt)
+        if x.dim() == 3:
+            x = x[..., None]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        x = x.reshape(B, Np, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(Np * BH, C, x.shape[-1])
+        return x
+
+    kc, pc, vc = lay(k), lay(p), lay(v)
+    la, lm = lay(log_gamma.clamp_min(-80.0))[..., 0], lay(log_mu.clamp_min(-80.0))[..., 0]   # [Np BH, C]
+    bc, ec = lay(beta)[..., 0], lay(eta)[..., 0]
+    La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
+    Lap, Lmp = La - la, Lm - lm                                      # before token t's decay
+    idx = torch.arange(C, device=dev)
+    incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
+    ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
+
+    def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
+        return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
+
+    Ea, Eap, Emp = dmat(La, La, incl), dmat(Lap, La, strict), dmat(Lmp, Lm, strict)
+    bm = -bc * torch.exp(lm)                                          # -beta_r mu_r
+    bmE = bm[:, :, None] * Emp                                        # diag(-beta mu) E_m
+    Q12, Q12p = torch.bmm(Ea, bmE), torch.bmm(Eap, bmE)              # P12(t, s), P12(t-1, s)
+    start = (bm * torch.exp(Lmp))[:, :, None]                          # -beta_r mu_r e^{Lm_{r-1}}
+    h12, h12p = torch.bmm(Ea, start)[..., 0], torch.bmm(Eap, start)[..., 0]   # P12(t, start), P12(t-1, start)
+    be = (-bc * ec)[:, None, :]                                       # -beta_s eta_s
+    Gam = Eap * be + Q12p * ec[:, None, :]                            # [P(t-1, s) a~_s]_1, s < t
+    Om = Ea * be + Q12 * ec[:, None, :]                               # [P(t, s) a~_s]_1, s <= t
+    A = Gam * torch.bmm(pc, kc.transpose(1, 2))                       # strictly lower
+    rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [Np BH, C, 2K + V]
+    # (I - A) X = rhs, as X^T (I - A)^T = rhs^T (the fast layout on CPU)
+    X = torch.linalg.solve_triangular((-A).transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
+                                      unitriangular=True).transpose(1, 2)
+    WS, WM, U = X.split([K, K, V], dim=-1)
+    kS = kc * Om[:, -1, :, None]                                      # S's end factors
+    kM = kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]           # M's: P22(C, s) eta_s
+    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]
+
+    def per(x):
+        return x.reshape(Np, BH, *x.shape[1:]).unbind(0)
+
+    zs, S_st, M_st = [], [], []
+    for WS_j, WM_j, U_j, kS_j, kM_j, gS_j, gM_j, hM_j in zip(*(per(x) for x in (WS, WM, U, kS, kM, gS, gM, hM))):
+        S_st.append(S)
+        M_st.append(M)
+        z = torch.baddbmm(torch.baddbmm(U_j, WS_j, S), WM_j, M)         # [BH, C, V]
+        S, M = (torch.baddbmm(gS_j[:, None, None] * S + hM_j[:, None, None] * M, kS_j.transpose(1, 2), z),
+                torch.baddbmm(gM_j[:, None, None] * M, kM_j.transpose(1, 2), z))
+        zs.append(z)
+    S_out, M_out = (x.reshape(B, H, K, V).to(out_dtype) for x in (S, M))
+    if q is None:
+        return None, S_out, M_out
+    qc = lay(q)
+    z = torch.stack(zs).reshape(Np * BH, C, V)
+    S_st, M_st = torch.stack(S_st).reshape(Np * BH, K, V), torch.stack(M_st).reshape(Np * BH, K, V)
+    if inclusive:
+        fa, fm, Pm = torch.exp(La), h12, Om
+    else:
+        fa, fm, Pm = torch.exp(Lap), h12p, Gam
+    P = Pm * torch.bmm(qc, kc.transpose(1, 2))
+    o = torch.bmm(qc * fa[..., None], S_st) + torch.bmm(qc * fm[..., None], M_st) + torch.bmm(P, z)
+    o = o.reshape(Np, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, Np * C, H, V)[:, :T]
+    return o.to(v.dtype), S_out, M_out
