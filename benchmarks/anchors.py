@@ -22,10 +22,12 @@ Where flash-linear-attention is installed (the ``test`` extra; loaded by file pa
 ``naive_chunk_gated_delta_rule`` (chunk 64), against ``chunk_delta`` at chunk 64.
 
 ``--dplr`` times ``memspec.runtime.dplr.chunk_dplr`` on the memories it covers (KDA,
-Gated DeltaNet-2, Comba, gated DeltaProduct with 2 steps, RWKV-7 / DPLR) against its own token
-loop ``recurrent_dplr`` (timed ``--recurrent-repeat`` times: it is slow) and against fla's
+Gated DeltaNet-2, Comba, gated DeltaProduct with 2 steps, RWKV-7 / DPLR), and
+``chunk_momentum_delta``, against their own token loops (``recurrent_dplr``,
+``recurrent_momentum_delta``; timed ``--recurrent-repeat`` times: they are slow) and against fla's
 pure-PyTorch chunked reference where one exists (``naive_chunk_kda``, ``naive_chunk_gdn2``,
-``naive_chunk_comba``; timed ``--peer-repeat`` times, alternated with ours).  ``--dplr-chunk``
+``naive_chunk_comba``, ``chunk_momentum_delta_rule_ref``; timed ``--peer-repeat`` times,
+alternated with ours; the last two compute other numbers, said in the row).  ``--dplr-chunk``
 sets the chunk of the per-channel-decay rows (16 is fastest on CPU: one decay sub-block per
 chunk), ``--chunk`` the others.
 
@@ -46,7 +48,7 @@ import torch
 from memspec.tools.bench import bmm_peak
 from memspec.runtime.additive import chunk_additive
 from memspec.runtime.delta import chunk_delta
-from memspec.runtime.dplr import chunk_dplr, recurrent_dplr
+from memspec.runtime.dplr import chunk_dplr, chunk_momentum_delta, recurrent_dplr, recurrent_momentum_delta
 
 
 def fla_peer(op):
@@ -319,14 +321,15 @@ def dplr_inputs(B, T, H, D, seed=0):
 
 
 def dplr_rows(x, C, Cc):
-    """name -> (memspec chunk_dplr, memspec recurrent_dplr, fla chunked reference or None, inputs used,
-    whether fla's outputs are the same recurrence); each callable returns (o, S_T)."""
+    """name -> (memspec's chunked kernel, memspec's token loop, fla's chunked reference or None, inputs
+    used, None where fla's reference computes the same recurrence, else a note); each callable returns
+    (o, S_T)."""
     kda, gdn2, comba = fla_peer("kda"), fla_peer("gdn2"), fla_peer("comba")
     rows = {}
 
-    def both(name, args, kw, peer, used, same=True):
+    def both(name, args, kw, peer, used, note=None):
         rows[name] = (lambda: chunk_dplr(*args(), **kw), lambda: recurrent_dplr(*args()[:7], **kw_rec(kw)),
-                      peer, used, same)
+                      peer, used, note)
 
     def kw_rec(kw):
         return {key: val for key, val in kw.items() if key == "read_after_decay"}
@@ -346,7 +349,7 @@ def dplr_rows(x, C, Cc):
     p = x["p"]
     both("Comba", lambda: (q, k, v * beta[..., None], -beta, p, gs, None, C), {"read_after_decay": True},
          (lambda: comba.naive_chunk_comba(q, k, v, p, gs, beta, scale=1.0, output_final_state=True)) if comba else None,
-         ["q", "k", "v", "beta", "gs", "p"], same=False)
+         ["q", "k", "v", "beta", "gs", "p"], note="fla reads p^T S before the decay")
     # gated DeltaProduct, 2 Householder steps per token
     k2, v2, b2 = x["k2"], x["v2"], x["beta2"]
     both("DeltaProduct(2)", lambda: (q, k2, v2 * b2[..., None], -b2, None, gs, None, C), {"read_after_decay": True},
@@ -354,6 +357,16 @@ def dplr_rows(x, C, Cc):
     # RWKV-7 / DPLR: S <- Diag(w) S + (kk * iclr)(-kk)^T S + k v^T, per-channel w
     kk, iclr = x["kk"], x["iclr"]
     both("RWKV-7 (DPLR)", lambda: (q, k, v, kk * iclr, -kk, g, None, Cc), {}, None, ["q", "k", "v", "kk", "iclr", "g"])
+    # momentum delta rule: M = mu M + eta k (p^T S - v)^T, S = alpha S - beta M (fla's
+    # chunk_momentum_delta_rule_ref does not match its recurrent reference: timed, not compared)
+    mom = fla_peer("momentum_delta_rule")
+    margs = lambda: (q, k, v, p, gs, gs * 0.5, beta, x["iclr"][..., 0], None, None)  # noqa: E731  log mu, eta
+    two = lambda f: (lambda: (lambda o, S, M: (o, torch.stack([S, M])))(*f()))  # noqa: E731  (o, [S; M])
+    rows["momentum delta"] = (
+        two(lambda: chunk_momentum_delta(*margs(), C)), two(lambda: recurrent_momentum_delta(*margs())),
+        (lambda: mom.chunk_momentum_delta_rule_ref(*margs()[:8], scale=1.0, output_final_state=True,
+                                                   chunk_size=C)) if mom else None,
+        ["q", "k", "v", "p", "gs", "beta", "iclr"], "fla's chunked reference != its recurrent one")
     return rows
 
 
@@ -362,35 +375,35 @@ def dplr_main(a):
     x = dplr_inputs(B, T, H, D)
     rows = dplr_rows(x, a.chunk, a.dplr_chunk)
     with torch.no_grad():   # sanity: chunked = token loop = fla where it is the same recurrence
-        for name, (mine, rec, peer, _, same) in rows.items():
+        for name, (mine, rec, peer, _, note) in rows.items():
             o, S = mine()
             o_r, S_r = rec()
             assert (o - o_r).abs().max() < 1e-3 and (S - S_r).abs().max() < 1e-3, name
-            if peer is not None and same:
+            if peer is not None and note is None:
                 o_p, S_p = peer()
                 assert (o - o_p).abs().max() < 1e-3 and (S - S_p).abs().max() < 1e-3, (name, (o - o_p).abs().max())
     if a.backward:
         for t in x.values():
             t.requires_grad_()
         rows = {name: tuple([with_backward(f, [x[n] for n in used]) if f is not None else None
-                             for f in (mine, rec, peer)] + [used, same])
-                for name, (mine, rec, peer, used, same) in rows.items()}
+                             for f in (mine, rec, peer)] + [used, note])
+                for name, (mine, rec, peer, used, note) in rows.items()}
     print(f"chunk_dplr, B={B} T={T} H={H} D={D}, {torch.get_num_threads()} threads, chunk {a.chunk} "
           f"(per-channel decays {a.dplr_chunk})" + ("; forward + backward" if a.backward else "; forward"))
     out = {"T": T, "B": B, "H": H, "D": D, "threads": torch.get_num_threads(), "backward": a.backward,
            "chunk": a.chunk, "dplr_chunk": a.dplr_chunk, "rows": {}}
-    for name, (mine, rec, peer, _, same) in rows.items():
+    for name, (mine, rec, peer, _, note) in rows.items():
         fns = [mine] + ([peer] if peer is not None else [])
         times = timed_many(fns, a.peer_repeat if peer is not None else a.repeat, grad=a.backward)
         (r,) = timed_many([rec], a.recurrent_repeat, grad=a.backward)
         m = times[0]
         row = {"memspec_ms": m[0], "memspec_best_ms": m[2], "recurrent_ms": r[0], "recurrent_speedup": r[0] / m[0]}
-        line = f"{name:<16} chunk_dplr {m[0]:8.2f} ms (best {m[2]:7.2f})   recurrent_dplr {r[0]:9.1f} ms x{r[0] / m[0]:6.1f}"
+        line = f"{name:<16} memspec {m[0]:8.2f} ms (best {m[2]:7.2f})   token loop {r[0]:9.1f} ms x{r[0] / m[0]:6.1f}"
         if peer is not None:
             t = times[1]
             row.update({"fla_chunk_ms": t[0], "fla_chunk_best_ms": t[2], "fla_speedup": t[0] / m[0],
-                        "fla_same_recurrence": same})
-            line += f"   fla naive chunk {t[0]:9.1f} ms x{t[0] / m[0]:6.1f}" + ("" if same else " (other read order)")
+                        "fla_note": note})
+            line += f"   fla naive chunk {t[0]:9.1f} ms x{t[0] / m[0]:6.1f}" + (f" ({note})" if note else "")
         out["rows"][name] = row
         print(line)
     if a.json:
