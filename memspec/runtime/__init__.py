@@ -8,6 +8,10 @@ imports and no closures over module state.
                        compile wrapper, scan helpers of the mini-batch and cache schedules;
 * :mod:`.additive`  -- the additive family's exact chunked kernel;
 * :mod:`.delta`     -- the delta family's exact chunked kernel;
+* :mod:`.dplr`      -- diagonal-plus-low-rank transitions (``chunk_dplr``: R rank-1 sub-steps per
+                       token, scalar or per-key-channel decays; DeltaNet, gated DeltaNet, KDA, GDN-2,
+                       Comba, RWKV-7, gated DeltaProduct) and the momentum delta rule
+                       (``chunk_momentum_delta``: two states coupled linearly);
 * :mod:`.wiring`    -- MAC / MAG / MAL around a memory layer.
 
 Kernels
@@ -21,7 +25,12 @@ Decays enter as *log* decays ``log_gamma <= 0``; inside a chunk only
 positive) is ever exponentiated; entries outside the causal mask are masked before
 ``exp`` (to ``-inf``, or zeroed where only the strictly-lower part is read) so that
 neither the values nor their gradients can overflow into NaN.  All arithmetic runs in
-float32 or wider; the results are cast back to the input dtype.  T need not be a
+float32 or wider; the results are cast back to the input dtype.  (One exception to
+"never a positive exponent": ``chunk_dplr``'s per-channel decays inside a sub-block of at most
+16 tokens split ``e^{l_i - L_j} = e^{l_i - L_0} e^{L_0 - L_j}`` at the block start in float64,
+where ``|exponent| <= 16 * 40 = 640 < 709`` with log decays clamped at -40: no overflow, values
+or gradients.)  Non-finite inputs are replaced with ``torch.where`` (never by a
+product with zero), so they cannot reach outputs of earlier tokens, forward or backward.  T need not be a
 multiple of the chunk size: the last chunk is shorter (the delta kernel pads only its
 per-token scalars).  Chunks are processed in groups sized so that temporaries stay
 small (about 512 KB on CPU): larger ones are page-faulted back on every call.
