@@ -23,8 +23,23 @@ flash-linear-attention's references are (chunks of 64, secondary sub-chunks of 1
 between sub-chunks factor through the query sub-chunk's start, those inside a sub-chunk are
 built pairwise per channel, then a loop over chunks); and, when flash-linear-attention is
 installed, the per-head decay kernel next to its ``naive_chunk_simple_gla``.
+Where flash-linear-attention is installed (the ``test`` extra; loaded by file path through
+``tests/peers.py``, no Triton), two more rows time its own pure-PyTorch chunked references,
+``delta_rule_chunkwise`` (at its default chunk 32, and at 64) and
+``naive_chunk_gated_delta_rule`` (chunk 64), against ``chunk_delta`` at chunk 64.
+
+``--dplr`` times ``memspec.runtime.dplr.chunk_dplr`` on the memories it covers (KDA,
+Gated DeltaNet-2, Comba, gated DeltaProduct with 2 steps, RWKV-7 / DPLR), and
+``chunk_momentum_delta``, against their own token loops (``recurrent_dplr``,
+``recurrent_momentum_delta``; timed ``--recurrent-repeat`` times: they are slow) and against fla's
+pure-PyTorch chunked reference where one exists (``naive_chunk_kda``, ``naive_chunk_gdn2``,
+``naive_chunk_comba``, ``chunk_momentum_delta_rule_ref``; timed ``--peer-repeat`` times,
+alternated with ours; the last two compute other numbers, said in the row).  ``--dplr-chunk``
+sets the chunk of the per-channel-decay rows (16 is fastest on CPU: one decay sub-block per
+chunk), ``--chunk`` the others.
 
     python benchmarks/anchors.py [--T 2048] [--threads 2] [--backward] [--json out.json]
+    python benchmarks/anchors.py --dplr [--backward] [--peer-repeat 3] [--recurrent-repeat 2]
 """
 from __future__ import annotations
 
@@ -32,6 +47,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +56,21 @@ import torch
 from memspec.tools.bench import bmm_peak
 from memspec.runtime.additive import chunk_additive, recurrent_additive
 from memspec.runtime.delta import chunk_delta
+from memspec.runtime.dplr import chunk_dplr, chunk_momentum_delta, recurrent_dplr, recurrent_momentum_delta
+
+
+def fla_peer(op):
+    """fla's ``ops/<op>/naive.py`` by file path (tests/peers.py), or None when fla is not installed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    try:
+        import pytest
+        from peers import fla_naive
+    except ImportError:
+        return None
+    try:
+        return fla_naive(op)
+    except pytest.skip.Exception:
+        return None
 
 
 def naive_chunk_delta_rule(q, k, v, beta, S0, C=64):
@@ -218,16 +249,18 @@ def timed_many(fns, repeat, grad=False, every=None):
     return [(statistics.median(w) * 1e3, statistics.median(c) * 1e3, min(w) * 1e3) for w, c in zip(wall, cpu)]
 
 
-def with_backward(fn, inputs, seed=1):
+def with_backward(fn, inputs, seed=1, heads_first=False):
     """``fn`` (returning (o, S)) followed by the backward of a fixed random projection of o and S
-    with respect to ``inputs``."""
+    with respect to ``inputs`` (the same projection for [B, T, H, V] and head-first outputs)."""
     state = {}
 
     def run():
         o, S = fn()
         if "w" not in state:
             g = torch.Generator().manual_seed(seed)
-            state["w"] = (torch.randn(o.shape, generator=g), torch.randn(S.shape, generator=g))
+            shape = (o.shape[0], o.shape[2], o.shape[1], o.shape[3]) if heads_first else o.shape
+            w_o = torch.randn(shape, generator=g)
+            state["w"] = (w_o.transpose(1, 2) if heads_first else w_o, torch.randn(S.shape, generator=g))
         w_o, w_s = state["w"]
         loss = (o * w_o).sum() + (S * w_s).sum()
         return torch.autograd.grad(loss, inputs)
@@ -244,9 +277,16 @@ def main():
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
     ap.add_argument("--json")
+    ap.add_argument("--dplr", action="store_true", help="time chunk_dplr's memories (see the docstring)")
+    ap.add_argument("--chunk", type=int, default=64, help="chunk of the --dplr rows with scalar decays")
+    ap.add_argument("--dplr-chunk", type=int, default=16, help="chunk of the --dplr rows with per-channel decays")
+    ap.add_argument("--peer-repeat", type=int, default=3, help="--dplr: repetitions with fla's (slow) references")
+    ap.add_argument("--recurrent-repeat", type=int, default=2, help="--dplr: repetitions of the token loop")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.dplr:
+        return dplr_main(a)
     g = torch.Generator().manual_seed(0)
     B, T, H, D = a.B, a.T, a.H, a.D
     q = torch.randn(B, T, H, D, generator=g) / D ** 0.5
@@ -279,13 +319,27 @@ def main():
         "decayed lin. attn": (lambda: chunk_additive(q, k, v, lg, S0, 64),
                               lambda: naive_chunk_decayed_linear_attention(qh, kh, vh, gh, S0)),
     }
+    # flash-linear-attention's own references (q scaled by 1/sqrt(K) inside delta_rule_chunkwise; the
+    # same work), where installed; chunk_delta at chunk 64 throughout
+    fla_dr, fla_gdr = fla_peer("delta_rule"), fla_peer("gated_delta_rule")
+    if fla_dr is not None:
+        rows["delta rule (fla C32)"] = (rows["delta rule"][0],
+                                        lambda: fla_dr.delta_rule_chunkwise(qh, kh, vh, bh, chunk_size=32))
+        rows["delta rule (fla C64)"] = (rows["delta rule"][0],
+                                        lambda: fla_dr.delta_rule_chunkwise(qh, kh, vh, bh, chunk_size=64))
+    if fla_gdr is not None:
+        rows["gated delta (fla)"] = (rows["gated delta rule"][0],
+                                     lambda: fla_gdr.naive_chunk_gated_delta_rule(q, k, v, lg, beta, chunk_size=64, scale=1.0,
+                                                                                 initial_state=S0, output_final_state=True))
     if a.backward:
         ours_in, theirs_in = [q, k, v, beta, lg], [qh, kh, vh, bh, gh]
         for name, (mine, theirs) in list(rows.items()):
             used = [3] if "delta" in name else []
             used += [4] if ("gated" in name or "decayed" in name) else []
+            theirs_used = [x for i, x in enumerate(ours_in if name == "gated delta (fla)" else theirs_in)
+                           if i < 3 or i in used]
             rows[name] = (with_backward(mine, [x for i, x in enumerate(ours_in) if i < 3 or i in used]),
-                          with_backward(theirs, [x for i, x in enumerate(theirs_in) if i < 3 or i in used]))
+                          with_backward(theirs, theirs_used, heads_first=name.startswith("delta rule (fla")))
     peak = bmm_peak("cpu")
     out = {"T": T, "B": B, "H": H, "D": D, "threads": torch.get_num_threads(), "bmm_peak_gflops": peak,
            "backward": a.backward, "rows": {}}
@@ -304,7 +358,7 @@ def main():
 
         def frac(x):
             return f"{100 * x:3.0f}% pk" if x is not None else "  -    "
-        print(f"{name:<18} memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f}, best {m[2]:6.2f}, {frac(pk['memspec'])})   "
+        print(f"{name:<20} memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f}, best {m[2]:6.2f}, {frac(pk['memspec'])})   "
               f"pure-PyTorch chunked {t[0]:7.2f} ms (cpu {t[1]:6.2f}, best {t[2]:6.2f}, {frac(pk['naive_chunk'])})   "
               f"speed-up x{t[0] / m[0]:.2f} (cpu x{t[1] / m[1]:.2f}, best x{t[2] / m[2]:.2f})")
     out["channel"] = channel_rows(a, q.detach(), k.detach(), v.detach(), S0)
@@ -355,6 +409,110 @@ def channel_rows(a, q, k, v, S0):
         print(f"  per-head decay: memspec {m[0]:7.2f} ms (cpu {m[1]:6.2f})   fla naive_chunk_simple_gla"
               f" {t[0]:7.2f} ms (cpu {t[1]:6.2f}): x{t[0] / m[0]:.2f} (cpu x{t[1] / m[1]:.2f})")
     return rows
+
+
+def dplr_inputs(B, T, H, D, seed=0):
+    """Inputs of the --dplr rows: views [B, T, H, D], gates, per-channel log decays in log(0.9..1)."""
+    g = torch.Generator().manual_seed(seed)
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, D, generator=g), dim=-1)  # noqa: E731
+    x = {"q": torch.randn(B, T, H, D, generator=g) / D ** 0.5, "k": unit(B, T, H), "v": torch.randn(B, T, H, D, generator=g),
+         "beta": torch.rand(B, T, H, generator=g), "g": torch.log(0.9 + 0.1 * torch.rand(B, T, H, D, generator=g)),
+         "gs": torch.log(0.9 + 0.1 * torch.rand(B, T, H, generator=g)), "p": unit(B, T, H),
+         "b_gate": torch.rand(B, T, H, D, generator=g), "w": torch.rand(B, T, H, D, generator=g),
+         "k2": unit(B, T, H, 2), "v2": torch.randn(B, T, H, 2, D, generator=g), "beta2": torch.rand(B, T, H, 2, generator=g),
+         "kk": unit(B, T, H), "iclr": torch.rand(B, T, H, D, generator=g)}
+    return x
+
+
+def dplr_rows(x, C, Cc):
+    """name -> (memspec's chunked kernel, memspec's token loop, fla's chunked reference or None, inputs
+    used, None where fla's reference computes the same recurrence, else a note); each callable returns
+    (o, S_T)."""
+    kda, gdn2, comba = fla_peer("kda"), fla_peer("gdn2"), fla_peer("comba")
+    rows = {}
+
+    def both(name, args, kw, peer, used, note=None):
+        rows[name] = (lambda: chunk_dplr(*args(), **kw), lambda: recurrent_dplr(*args()[:7], **kw_rec(kw)),
+                      peer, used, note)
+
+    def kw_rec(kw):
+        return {key: val for key, val in kw.items() if key == "read_after_decay"}
+
+    q, k, v, beta, g, gs = (x[n] for n in ("q", "k", "v", "beta", "g", "gs"))
+    # KDA: S <- Diag(e^g) S; S += beta k (v - k^T S)^T, read after the decay
+    both("KDA", lambda: (q, k, v * beta[..., None], -beta, None, g, None, Cc), {"read_after_decay": True},
+         (lambda: kda.naive_chunk_kda(q, k, v, g, beta, scale=1.0, output_final_state=True)) if kda else None,
+         ["q", "k", "v", "beta", "g"])
+    # GDN-2: S <- Diag(e^g) S; S += k (w v - (b k)^T S)^T
+    bg, w = x["b_gate"], x["w"]
+    both("GDN-2", lambda: (q, k, w * v, -torch.ones_like(beta), bg * k, g, None, Cc), {"read_after_decay": True},
+         (lambda: gdn2.naive_chunk_gdn2(q, k, v, g, bg, w, scale=1.0, output_final_state=True)) if gdn2 else None,
+         ["q", "k", "v", "g", "b_gate", "w"])
+    # Comba: S <- e^g S; S += beta k (v - p^T S)^T (the recurrent reference's order; fla's naive_chunk_comba
+    # reads p^T S before the decay: the same work, other numbers)
+    p = x["p"]
+    both("Comba", lambda: (q, k, v * beta[..., None], -beta, p, gs, None, C), {"read_after_decay": True},
+         (lambda: comba.naive_chunk_comba(q, k, v, p, gs, beta, scale=1.0, output_final_state=True)) if comba else None,
+         ["q", "k", "v", "beta", "gs", "p"], note="fla reads p^T S before the decay")
+    # gated DeltaProduct, 2 Householder steps per token
+    k2, v2, b2 = x["k2"], x["v2"], x["beta2"]
+    both("DeltaProduct(2)", lambda: (q, k2, v2 * b2[..., None], -b2, None, gs, None, C), {"read_after_decay": True},
+         None, ["q", "k2", "v2", "beta2", "gs"])
+    # RWKV-7 / DPLR: S <- Diag(w) S + (kk * iclr)(-kk)^T S + k v^T, per-channel w
+    kk, iclr = x["kk"], x["iclr"]
+    both("RWKV-7 (DPLR)", lambda: (q, k, v, kk * iclr, -kk, g, None, Cc), {}, None, ["q", "k", "v", "kk", "iclr", "g"])
+    # momentum delta rule: M = mu M + eta k (p^T S - v)^T, S = alpha S - beta M (fla's
+    # chunk_momentum_delta_rule_ref does not match its recurrent reference: timed, not compared)
+    mom = fla_peer("momentum_delta_rule")
+    margs = lambda: (q, k, v, p, gs, gs * 0.5, beta, x["iclr"][..., 0], None, None)  # noqa: E731  log mu, eta
+    two = lambda f: (lambda: (lambda o, S, M: (o, torch.stack([S, M])))(*f()))  # noqa: E731  (o, [S; M])
+    rows["momentum delta"] = (
+        two(lambda: chunk_momentum_delta(*margs(), C)), two(lambda: recurrent_momentum_delta(*margs())),
+        (lambda: mom.chunk_momentum_delta_rule_ref(*margs()[:8], scale=1.0, output_final_state=True,
+                                                   chunk_size=C)) if mom else None,
+        ["q", "k", "v", "p", "gs", "beta", "iclr"], "fla's chunked reference != its recurrent one")
+    return rows
+
+
+def dplr_main(a):
+    B, T, H, D = a.B, a.T, a.H, a.D
+    x = dplr_inputs(B, T, H, D)
+    rows = dplr_rows(x, a.chunk, a.dplr_chunk)
+    with torch.no_grad():   # sanity: chunked = token loop = fla where it is the same recurrence
+        for name, (mine, rec, peer, _, note) in rows.items():
+            o, S = mine()
+            o_r, S_r = rec()
+            assert (o - o_r).abs().max() < 1e-3 and (S - S_r).abs().max() < 1e-3, name
+            if peer is not None and note is None:
+                o_p, S_p = peer()
+                assert (o - o_p).abs().max() < 1e-3 and (S - S_p).abs().max() < 1e-3, (name, (o - o_p).abs().max())
+    if a.backward:
+        for t in x.values():
+            t.requires_grad_()
+        rows = {name: tuple([with_backward(f, [x[n] for n in used]) if f is not None else None
+                             for f in (mine, rec, peer)] + [used, note])
+                for name, (mine, rec, peer, used, note) in rows.items()}
+    print(f"chunk_dplr, B={B} T={T} H={H} D={D}, {torch.get_num_threads()} threads, chunk {a.chunk} "
+          f"(per-channel decays {a.dplr_chunk})" + ("; forward + backward" if a.backward else "; forward"))
+    out = {"T": T, "B": B, "H": H, "D": D, "threads": torch.get_num_threads(), "backward": a.backward,
+           "chunk": a.chunk, "dplr_chunk": a.dplr_chunk, "rows": {}}
+    for name, (mine, rec, peer, _, note) in rows.items():
+        fns = [mine] + ([peer] if peer is not None else [])
+        times = timed_many(fns, a.peer_repeat if peer is not None else a.repeat, grad=a.backward)
+        (r,) = timed_many([rec], a.recurrent_repeat, grad=a.backward)
+        m = times[0]
+        row = {"memspec_ms": m[0], "memspec_best_ms": m[2], "recurrent_ms": r[0], "recurrent_speedup": r[0] / m[0]}
+        line = f"{name:<16} memspec {m[0]:8.2f} ms (best {m[2]:7.2f})   token loop {r[0]:9.1f} ms x{r[0] / m[0]:6.1f}"
+        if peer is not None:
+            t = times[1]
+            row.update({"fla_chunk_ms": t[0], "fla_chunk_best_ms": t[2], "fla_speedup": t[0] / m[0],
+                        "fla_note": note})
+            line += f"   fla naive chunk {t[0]:9.1f} ms x{t[0] / m[0]:6.1f}" + (f" ({note})" if note else "")
+        out["rows"][name] = row
+        print(line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

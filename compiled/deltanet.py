@@ -121,16 +121,20 @@ def chunk_delta(q, k, v, beta, S0, chunk):
     ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @
     S_start)``,
     i.e. ``u = U - W @ S_start`` with ``[W | U] = (I + A)^-1 [beta exp(R) k | beta v]``: one
-    triangular solve per chunk, batched over chunks.  Then the chunk's effect on the state
-    is one affine map, ``S_end = M S_start + D`` with ``M = exp(L_C) I - Kd^T W`` and
-    ``D = Kd^T U`` (``Kd`` the keys decayed to the chunk end), and its outputs are
-    ``o = (Qd - P W) @ S_start + P U`` (``P`` the masked, decayed scores, ``Qd`` the
-    decayed probes): all of these are batched matmuls over chunks; the only sequential part
-    is one ``[K, K] @ [K, V]`` product per chunk, ``S <- M_n S + D_n``.
+    triangular solve per chunk, batched over chunks.  The sequential part is, per chunk,
+    ``u = U - W S`` and ``S <- exp(L_C) S + Kd^T u`` (``Kd`` the keys decayed to the chunk end);
+    the outputs are then batched over chunks: ``o = Qd @ S_start + P @ u`` (``P`` the masked,
+    decayed scores, ``Qd`` the decayed probes).
 
     Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
     512 KB: large per-call allocations are returned to the OS and page-faulted back on every
     call; on other devices G = 64).
+
+    Non-finite inputs: a token whose k, v, beta or log decays are not all finite is replaced by
+    an identity token (by ``torch.where``, never by a product with zero), and every output that
+    reads a state at or after it, and the final state, are NaN; a non-finite probe makes only its
+    own output NaN.  Outputs before such a token, and their gradients, are those of the clean
+    sequence.  Log decays below -80 are clamped to -80.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
@@ -152,6 +156,7 @@ def chunk_delta(q, k, v, beta, S0, chunk):
     V = v.shape[-1]
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
+    dev = k.device
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
     if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
@@ -162,19 +167,36 @@ def chunk_delta(q, k, v, beta, S0, chunk):
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
-    eye = torch.eye(K, dtype=dt, device=k.device)
     Np = N + (r > 0)                                                 # chunks, the tail included
+    zero = torch.zeros((), dtype=dt, device=dev)
+    nan = torch.full((), float("nan"), dtype=dt, device=dev)
 
     # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
     def per_chunk(x):
         x = x.to(dt)
         if Np * C > T:
             x = torch.nn.functional.pad(x, (0, 0, 0, Np * C - T))
-        return x.reshape(B, Np, C, H).permute(1, 0, 3, 2).reshape(Np, BH, C)
+        return x.reshape(B, Np, C, H).permute(1, 0, 3, 2).contiguous().reshape(Np, BH, C)
+
+    # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity
+    # token
+    # (torch.where, never a product), and every output reading a state at or after it, and the final
+    # state, are NaN; a non-finite probe makes its own output NaN.  The flags come from one sum per
+    # token.
+    # (the state itself is never poisoned inside: later outputs are replaced by NaN at the end, so
+    # no NaN ever meets a product, forward or backward)
+    total = kk.sum(-1) + vv.sum(-1) + beta.to(dt)
+    ok = torch.isfinite(per_chunk(total))                            # [Np, BH, C] (padding: ok)
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    bad_before = torch.cumsum(bad, dim=1)                            # bad tokens at or before t
+    state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1) if T else None
+    if qq is not None:
+        read_bad = (bad_before) + (~torch.isfinite(qq.sum(-1))).to(dt)
+        read_bad = per_chunk(read_bad) > 0                           # [Np, BH, C]
 
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
     # log decay 0, so L at the chunk's last slot is L at its last real token
-    bc = per_chunk(beta)                                             # beta
+    bc = torch.where(ok, per_chunk(beta), zero)                      # beta
 
     # exp(rows_t - cols_s) on and below the diagonal, 1 above
     def decay_matrix(rows, cols, diagonal):
@@ -191,26 +213,29 @@ def chunk_delta(q, k, v, beta, S0, chunk):
     def t_split(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
         return x.split(t_pieces, dim=1) if x is not None else [None] * len(groups)
 
-    def c_split(x):  # [Np, BH, C] -> one [n B H, c] piece per group
-        return [p[..., :c].reshape(n * BH, c) for p,
-                (n, c) in zip(x.split(c_pieces, dim=0), groups)]
+    # [Np, BH, ...] -> one [n, BH, ...] piece per group ([n B H, c] for c < C: the tail)
+    def c_split(x):
+        return [p[..., :c] for p, (n, c) in zip(x.split(c_pieces, dim=0), groups)]
 
-    pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc)]
+    pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc), c_split(ok)]
+    pieces.append(c_split(read_bad) if qq is not None else [None] * len(groups))
     outs = []                                                        # [B, n, c, H, V] per group
     for gi, (n, c) in enumerate(groups):
-        kp, vp, qp, b = (x[gi] for x in pieces[:4])                  # [B, n c, H, K|V|K], [nBH, c]
+        kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
-        # k and v side by side, chunk-major: chunk j of the group is the batch slice [j BH, (j + 1)
-        # BH)
-        kv = torch.cat([kp.view(B, n, c, H, K).permute(1, 0, 3, 2, 4),
-                        vp.view(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1).view(nBH, c, K + V)
+        flat = lambda x: x.reshape(nBH, c)  # noqa: E731  [n, BH, c] -> [n B H, c]
+        b = flat(b)[:, :, None]                                      # [nBH, c, 1]
+        # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1)
+        # BH)),
+        # bad tokens zeroed
+        kv = torch.cat([kp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4),
+                        vp.reshape(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1)
+        kv = torch.where(okg.reshape(n, B, H, c, 1), kv, zero).reshape(nBH, c, K + V)
         kg = kv[:, :, :K]                                            # [nBH, c, K] (a view)
-        b = b[:, :, None]                                            # [nBH, c, 1]
         rhs = kv * b                                             # [beta k | beta v]
         # beta_t (k_t . k_s); strict lower part read
         A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))
         kd = kg
-        M0 = eye.expand(nBH, K, K)
         # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on
         # CPU
         # [nBH, c, K + V] = [W | U]
@@ -218,32 +243,38 @@ def chunk_delta(q, k, v, beta, S0, chunk):
                 left=False,
                                           unitriangular=True).transpose(1, 2)
         Wk, U = X.split([K, V], dim=-1)
-        kd_t = kd.transpose(1, 2)                                    # [nBH, K, c]
-        M = torch.baddbmm(M0, kd_t, Wk, alpha=-1)                    # [nBH, K, K] = g I - Kd^T W
-        D = torch.bmm(kd_t, U)                                       # [nBH, K, V] = Kd^T U
-        starts = [S]
-        for M_j, D_j in zip(M.view(n, BH, K, K).unbind(0), D.view(n, BH, K, V).unbind(0)):
-            # [BH, K, V]: the only sequential part
-            S = torch.baddbmm(D_j, M_j, S)
+        # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
+        us, starts = [], []
+        gs = [None] * n
+        for W_j, U_j, kd_j, g_j in zip(Wk.reshape(n, BH, c, K).unbind(0),
+                U.reshape(n, BH, c, V).unbind(0),
+                                       kd.reshape(n, BH, c, K).unbind(0), gs):
+            u_j = torch.baddbmm(U_j, W_j, S, alpha=-1)               # [BH, c, V]
             starts.append(S)
+            S = torch.baddbmm(S if g_j is None else S * g_j[:, None, None], kd_j.transpose(1, 2),
+                    u_j)
+            us.append(u_j)
         if qq is not None:
+            u = torch.stack(us).reshape(nBH, c, V) if n > 1 else us[0]
             # [nBH, K, V]
-            S_starts = torch.stack(starts[:-1]).view(nBH, K, V) if n > 1 else starts[0]
-            # [nBH, c, K]
-            qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4).reshape(nBH, c, K)
+            S_starts = torch.stack(starts).reshape(nBH, K, V) if n > 1 else starts[0]
+            qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4)    # [n, B, H, c, K]
+            qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
-            Y_w, Y_u = torch.bmm(scores.tril_(0), X).split([K, V], dim=-1)  # P W, P U
-            neg_q = Y_w - qg   # P W - Qd
-            # [nBH, c, V] = P U + (Qd - P W) S_start
-            og = torch.baddbmm(Y_u, neg_q, S_starts, alpha=-1)
-            outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)
+            og = torch.baddbmm(torch.bmm(scores.tril_(0), u), qg, S_starts)   # Qd S + P u
+            og = torch.where(rbad.reshape(nBH, c, 1), nan, og)
+            # [B, n, c, H, V] (a view)
+            outs.append(og.reshape(n, B, H, c, V).permute(1, 0, 3, 2, 4))
     # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
     if qq is not None:
         full = [x for x, (_, c) in zip(outs, groups) if c == C]
-        o = torch.cat(full, dim=1).view(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
+        o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
         if len(full) < len(outs):
             o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
-    S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
+    if state_bad is not None:
+        # a bad token poisons the final state
+        S = torch.where(state_bad, nan, S)
+    S_out = S.reshape(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
     if qq is None:
         return None, S_out
     return o.to(v.dtype), S_out

@@ -326,3 +326,47 @@ def test_kernels_are_standalone():
         namespace = {"torch": torch}
         exec(src, namespace)
         assert callable(namespace[fn.__name__])
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "beta", "log_gamma", "log_rho"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_chunk_delta_non_finite_token_masked(which, bad):
+    """A NaN / inf in token 10's inputs (head 1 only): outputs 0..9, head 0 throughout, and every
+    input's gradient of a loss on outputs 0..9 equal the clean run's bit for bit (no future NaN ever
+    meets a zero of the causal mask, forward or backward); a bad state input makes every later
+    output of head 1 and its final state non-finite, a bad probe only its own output (issue 10,
+    section 3)."""
+    names = ["q", "k", "v", "beta", "log_gamma", "S0", "log_rho"]
+    q, k, v, beta, lg, S0 = make(1, 40, 2, 8, 8, decay=(0.5, 1.0), seed=21)
+    clean = [q, k, v, beta, lg, S0, lg * 0.5]
+    dirty = [x.clone() for x in clean]
+    dirty[names.index(which)][0, 10, 1] = bad
+    if which in ("log_gamma", "log_rho") and bad == float("-inf"):
+        pytest.skip("a log decay of -inf is a decay of 0: valid (clamped), tested below")
+    lc = [x.clone().requires_grad_() for x in clean]
+    ld = [x.clone().requires_grad_() for x in dirty]
+    run = lambda x: chunk_delta(*x[:6], 16, log_rho=x[6])  # noqa: E731
+    (oc, Sc), (od, Sd) = run(lc), run(ld)
+    assert torch.equal(od[:, :10], oc[:, :10]) and torch.equal(od[:, :, 0], oc[:, :, 0])
+    assert torch.equal(Sd[:, 0], Sc[:, 0])
+    if which == "q":
+        assert not torch.isfinite(od[:, 10, 1]).any() and torch.equal(od[:, 11:], oc[:, 11:]) and torch.equal(Sd, Sc)
+    else:
+        assert not torch.isfinite(od[:, 10:, 1]).any() and not torch.isfinite(Sd[:, 1]).any()
+    gc = torch.autograd.grad(oc[:, :10].square().sum(), lc)
+    gd = torch.autograd.grad(od[:, :10].square().sum(), ld)
+    for g1, g2 in zip(gc, gd):   # every input's gradient, the bad token's included (0 there)
+        assert torch.equal(g1, g2)
+
+
+def test_chunk_delta_zero_decay():
+    """gamma = 0 (log -inf) empties the state: finite, and equal to the token loop with the decay
+    clamped to exp(-80)."""
+    q, k, v, beta, lg, S0 = make(1, 40, 2, 4, 4, decay=(0.5, 1.0), seed=22)
+    lg[:, 7] = float("-inf")
+    leaves = [x.requires_grad_() for x in (q, k, v, beta, lg, S0)]
+    o, S = chunk_delta(*leaves, 16)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(o.square().sum() + S.square().sum(), leaves))
+    ref = recurrent_delta(q, k, v, beta, lg.detach().clamp_min(-80.0), S0)
+    assert rel(o, ref[0]) <= 1e-5 and rel(S, ref[1]) <= 1e-5

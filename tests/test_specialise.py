@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 
-from memspec.codegen.specialise import specialise, specialise_calls
+from memspec.codegen.specialise import specialise, specialise_calls, specialise_source
 from memspec.runtime.additive import chunk_additive
 from memspec.runtime.delta import chunk_delta
 
@@ -90,3 +91,22 @@ def test_a_reassigned_parameter_is_refused():
 
     with pytest.raises(TypeError, match="reassigns flag"):
         specialise(f, flag=None)
+
+
+def test_a_use_the_folder_cannot_reach_is_refused():
+    """A bound parameter read where the folder does not look (a loop over a tuple of parameters)
+    fails at specialise time, not as a NameError in the generated module."""
+    src = "def f(x, a=None, b=None):\n    for y in (a, b):\n        if y is not None:\n            x = x + y\n" \
+          "    return x\n"
+    with pytest.raises(TypeError, match="still read after specialising"):
+        specialise_source(src, {"a": None})
+
+
+def test_no_runtime_kernel_uses_a_backslash_continuation():
+    """The specialiser and the layout work on bracketed lines; a backslash continuation in a
+    kernel copied into generated modules would break both."""
+    import memspec.runtime as rt
+    root = Path(rt.__file__).parent
+    for f in sorted(root.glob("*.py")):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            assert not line.rstrip().endswith("\\"), f"{f.name}:{i}"

@@ -47,8 +47,12 @@ def specialise_source(src: str, consts: dict) -> str:
         raise TypeError(f"{fdef.name} reassigns {', '.join(bound)}; it cannot be specialised on it")
     w = _Writer(src.split("\n"), assigned)
     env = dict(consts)
-    out = w.header(fdef, consts) + w.body(fdef.body, env, drop_docstring_note=consts)
-    return "\n".join(out) + "\n"
+    out = "\n".join(w.header(fdef, consts) + w.body(fdef.body, env, drop_docstring_note=consts)) + "\n"
+    left = sorted({n.id for n in ast.walk(ast.parse(out)) if isinstance(n, ast.Name)} & set(consts))
+    if left:   # a use the folder did not reach (e.g. inside a loop over a tuple of parameters)
+        raise TypeError(f"{fdef.name}: {', '.join(left)} still read after specialising; write each use "
+                        f"as a test the folder reads (`if {left[0]} is not None:`) or a direct expression")
+    return out
 
 
 def _assigned_counts(node) -> dict:

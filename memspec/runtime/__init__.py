@@ -8,6 +8,10 @@ imports and no closures over module state.
                        compile wrapper, scan helpers of the mini-batch and cache schedules;
 * :mod:`.additive`  -- the additive family's exact chunked kernel;
 * :mod:`.delta`     -- the delta family's exact chunked kernel;
+* :mod:`.dplr`      -- diagonal-plus-low-rank transitions (``chunk_dplr``: R rank-1 sub-steps per
+                       token, scalar or per-key-channel decays; DeltaNet, gated DeltaNet, KDA, GDN-2,
+                       Comba, RWKV-7, gated DeltaProduct) and the momentum delta rule
+                       (``chunk_momentum_delta``: two states coupled linearly);
 * :mod:`.wiring`    -- MAC / MAG / MAL around a memory layer.
 
 Kernels
@@ -34,4 +38,10 @@ inputs must not reach the outputs of earlier tokens, so a causal mask is applied
 product it masks (``tril_``), never by multiplying a future value by zero; where a dense
 triangular matmul meets future values, their non-finite entries are taken out of it and put
 back through a causal prefix sum (see :func:`.additive.chunk_additive`).
+
+One exception to "never a positive exponent": ``chunk_dplr``'s per-channel decays inside a
+sub-block of at most 16 tokens split ``e^{l_i - L_j} = e^{l_i - L_0} e^{L_0 - L_j}`` at the
+block start in float64, where ``|exponent| <= 16 * 40 = 640 < 709`` with log decays clamped
+at -40: no overflow, values or gradients.  The DPLR kernels replace non-finite inputs with
+``torch.where`` (never by a product with zero).
 """
