@@ -258,6 +258,8 @@ class ExprEmitter:
         return out, rank
 
     def _binop(self, e: BinOp) -> Code:
+        if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+            return self._diag_matmul(e)
         a, b = self._emit(e.left), self._emit(e.right)
         if e.op == "@":
             return self._matmul(a, b, e)
@@ -272,6 +274,17 @@ class ExprEmitter:
             left = la if la is not None else a.at(prec)
             right = lb if lb is not None else b.at(prec + 1)
         return Code(f"{left} {op} {right}", prec, rank, number)
+
+    def _diag_matmul(self, e: BinOp) -> Code:
+        """``diag(d) @ X`` scales the rows of X, ``X @ diag(d)`` its columns (no diagonal matrix)."""
+        left = _is_diag(e.left)
+        d = self._emit((e.left if left else e.right).args[0])
+        x = self._emit(e.right if left else e.left)
+        if x.rank == 2:
+            dt = f"{d.at(P_ATOM)}.unsqueeze({-1 if left else -2})"
+        else:
+            dt = d.at(P_MUL)
+        return Code(f"{dt} * {x.at(P_MUL + 1)}" if left else f"{x.at(P_MUL)} * {dt}", P_MUL, x.rank)
 
     def _matmul(self, a: Code, b: Code, e: Expr) -> Code:
         ra, rb = a.rank, b.rank
@@ -374,6 +387,10 @@ class ExprEmitter:
         fmt = self.model or (self.self_name + ".{fn}({u}, {states})")
         text = fmt.format(fn=self.attr.get(spec.model.name, spec.model.name), u=u.text, states=states)
         return Code(text, P_ATOM, len(self.shape(e)))
+
+
+def _is_diag(e: Expr) -> bool:
+    return isinstance(e, Call) and e.fn == "diag"
 
 
 # Names the generated code binds itself at module level or as locals; a spec
@@ -761,6 +778,11 @@ def _shape_text(prefix: str, shape) -> str:
     return "[" + ", ".join([prefix, *shape]) + "]"
 
 
+def _tuple_text(names) -> str:
+    """``('d_k',)`` written as the inside of a tuple literal: ``'d_k',``."""
+    return "".join(f"{n!r}, " for n in names).rstrip(" ")
+
+
 class ModuleWriter:
     """Writes the module text for one spec and decision (see :func:`generate`)."""
 
@@ -797,6 +819,8 @@ class ModuleWriter:
             self.attr[spec.model.name] = fresh(spec.model.name, taken)
         self.views = list(spec.views)
         self.gates = list(spec.gates)
+        self.gate_shapes = {g: tuple(gt.shape) for g, gt in spec.gates.items()}
+        self.vector_gates = any(self.gate_shapes.values())
         self.states = list(spec.state)
         self.first = self.views[0] if self.views else None
         self.loss_states = self._loss_states()
@@ -973,7 +997,8 @@ class ModuleWriter:
         if spec.cite:
             L(f"Cite: {spec.cite}")
             L()
-        L(f"{self.name}Memory: the memory (views [B, T, H, D], gates [B, T, H], state {{name: [B, H, ...]}}).")
+        gates = "gates [B, T, H] or [B, T, H, d]" if self.vector_gates else "gates [B, T, H]"
+        L(f"{self.name}Memory: the memory (views [B, T, H, D], {gates}, state {{name: [B, H, ...]}}).")
         if spec.wiring.kind == "none":
             L(f"{self.name}Layer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.")
         else:
@@ -1000,7 +1025,7 @@ class ModuleWriter:
         for v in self.views:
             L(f"    {v}: [B, T, H, {spec.views[v].dim}]")
         for g in self.gates:
-            L(f"    {g}: [B, T, H]")
+            L(f"    {g}: {_shape_text('B, T, H', self.gate_shapes[g])}")
         for s, st in spec.state.items():
             shp = ("n",) + tuple(st.shape) if st.cache else tuple(st.shape)
             extra = " (a cache" + (f" of at most {st.window} entries)" if st.window else ")") if st.cache else ""
@@ -1012,7 +1037,10 @@ class ModuleWriter:
         L('"""')
         L()
         L(f"VIEWS = {{{', '.join(f'{v!r}: {spec.views[v].dim!r}' for v in self.views)}}}")
-        L(f"GATES = ({''.join(f'{g!r}, ' for g in self.gates)})")
+        if self.vector_gates:
+            L(f"GATES = {{{', '.join(f'{g!r}: ({_tuple_text(self.gate_shapes[g])})' for g in self.gates)}}}")
+        else:
+            L(f"GATES = ({''.join(f'{g!r}, ' for g in self.gates)})")
         state_items = ", ".join(f"{s!r}: ({''.join(f'{x!r}, ' for x in st.shape)})" for s, st in spec.state.items())
         L(f"STATE = {{{state_items}}}")
         caches = {s: st.window for s, st in spec.state.items() if st.cache}
@@ -1197,7 +1225,7 @@ class ModuleWriter:
             for v in self.views:
                 L(f"    {v}: [B, T, H, {spec.views[v].dim}]")
             for g in self.gates:
-                L(f"    {g}: [B, T, H] (gate value, after its formula)")
+                L(f"    {g}: {_shape_text('B, T, H', self.gate_shapes[g])} (gate value, after its formula)")
             L("    state: {name: [B, H, ...]} to continue from (default: init_state).")
             L(f"    schedule: \"auto\" ({self.default}) or one of {', '.join(self.schedules)}.")
             L(f"Returns: (o [B, T, H{''.join(', ' + x for x in self.read_shape())}], the final state).")
@@ -1234,7 +1262,8 @@ class ModuleWriter:
         views, gates = self._sig()
         L(f"def step(self, {views}, *, {gates}state=None, **unknown):")
         with L.indent():
-            L('"""' + "One token (decoding): views [B, H, D] (or [B, 1, H, D]), gates [B, H] (or [B, 1, H]).")
+            gates = "gates [B, H] or [B, H, d] (or with the 1)" if self.vector_gates else "gates [B, H] (or [B, 1, H])"
+            L('"""' + f"One token (decoding): views [B, H, D] (or [B, 1, H, D]), {gates}.")
             L()
             L(f"Runs the {self.step_schedule} schedule (the same numbers as forward over the whole sequence).")
             L(f"Returns: (o [B, H{''.join(', ' + x for x in self.read_shape())}], the new state).")
@@ -1242,7 +1271,8 @@ class ModuleWriter:
             for v in self.views:
                 L(f"{v} = {v}.unsqueeze(1) if isinstance({v}, torch.Tensor) and {v}.dim() == 3 else {v}")
             for g in self.gates:
-                L(f"{g} = {g}.unsqueeze(1) if isinstance({g}, torch.Tensor) and {g}.dim() == 2 else {g}")
+                rank = 2 + len(self.gate_shapes[g])
+                L(f"{g} = {g}.unsqueeze(1) if isinstance({g}, torch.Tensor) and {g}.dim() == {rank} else {g}")
             gate_kw = "".join(f"{g}={g}, " for g in self.gates)
             o = fresh("out", set(self.spec_names))
             L(f"{o}, state = self.forward({', '.join(self.views)}, {gate_kw}state=state, schedule=self.STEP_SCHEDULE, **unknown)")
@@ -1253,7 +1283,8 @@ class ModuleWriter:
         H = f"self.{self.attr.get('heads', 'heads')}"
         L("def _check_inputs(self, views, gates):")
         with L.indent():
-            L('"""' + "Views [B, T, H, D] and gates [B, T, H]: shapes, dtypes and devices agree; returns (B, T)." + '"""')
+            gates = "gates [B, T, H, *shape]" if self.vector_gates else "gates [B, T, H]"
+            L('"""' + f"Views [B, T, H, D] and {gates}: shapes, dtypes and devices agree; returns (B, T)." + '"""')
             L("ref = None")
             L("B = T = None")
             L("for name, t in views.items():")
@@ -1262,9 +1293,17 @@ class ModuleWriter:
             L("    B, T = t.shape[0], t.shape[1]")
             L("    ref = ref or (name, t)")
             L("for name, t in gates.items():")
-            L("    if t is None:")
-            L(f"        raise ValueError(f\"missing gate {{name}}: expected [B, T, H] = [{{B}}, {{T}}, {{{H}}}]\")")
-            L(f"    _check(name, t, [\"B\", \"T\", \"H\"], [B, T, {H}], ref)")
+            if self.vector_gates:
+                L("    dims = self.GATES[name]")
+                L("    axes, sizes = [\"B\", \"T\", \"H\", *dims], "
+                  f"[B, T, {H}, *(getattr(self, d) for d in dims)]")
+                L("    if t is None:")
+                L("        raise ValueError(f\"missing gate {name}: expected [{', '.join(axes)}] = {sizes}\")")
+                L("    _check(name, t, axes, sizes, ref)")
+            else:
+                L("    if t is None:")
+                L(f"        raise ValueError(f\"missing gate {{name}}: expected [B, T, H] = [{{B}}, {{T}}, {{{H}}}]\")")
+                L(f"    _check(name, t, [\"B\", \"T\", \"H\"], [B, T, {H}], ref)")
             L("return B, T")
         L()
         L("def _check_state(self, state, B, like):")
@@ -1400,7 +1439,7 @@ class ModuleWriter:
         L(f"def _token_step(self, {', '.join(self.states + self.views + self.gates)}):")
         with L.indent():
             L('"""' + "One token: " + ", ".join(f"{v} [B, H, {spec.views[v].dim}]" for v in self.views)
-              + "".join(f", {g} [B, H]" for g in self.gates) + ";")
+              + "".join(f", {g} {_shape_text('B, H', self.gate_shapes[g])}" for g in self.gates) + ";")
             L("the state tensors [B, H, ...] -> (o " + _shape_text("B, H", self.read_shape())
               + ", the new state tensors).")
             L('"""')
@@ -1575,7 +1614,7 @@ class ModuleWriter:
         L(f"def _chunk_step(self, {', '.join(list(starts.values()) + self.states + self.views + self.gates)}):")
         with L.indent():
             L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in self.views)
-              + "".join(f", {g} [B, C, H]" for g in self.gates) + ";")
+              + "".join(f", {g} {_shape_text('B, C, H', self.gate_shapes[g])}" for g in self.gates) + ";")
             if starts:
                 L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
             L(", ".join(self.states) + ": the state before the chunk's first token [B, H, ...].")
@@ -1735,7 +1774,8 @@ class ModuleWriter:
             for v in self.views:
                 L(f"{v} = {v}_proj(x) viewed [B, T, H, {spec.views[v].dim}]")
             for g, gate in spec.gates.items():
-                L(f"{g} = {unparse(gate.formula)} with logit = {g}_proj(x) [B, T, H] (bias init {gate.bias!r})")
+                L(f"{g} = {unparse(gate.formula)} with logit = {g}_proj(x) "
+                  f"{_shape_text('B, T, H', self.gate_shapes[g])} (bias init {gate.bias!r})")
             if wired:
                 L(f"(The bare memory layer: {n}Layer wraps it in the spec's wiring, {spec.wiring.kind}.)")
             L('"""')
@@ -1751,7 +1791,8 @@ class ModuleWriter:
                 for v in self.views:
                     L(f"self.{v}_proj = nn.Linear(d_model, heads * {spec.views[v].dim}, bias=False)")
                 for g, gate in spec.gates.items():
-                    L(f"self.{g}_proj = nn.Linear(d_model, heads)")
+                    width = " * ".join(["heads", *self.gate_shapes[g]])
+                    L(f"self.{g}_proj = nn.Linear(d_model, {width})")
                     L(f"nn.init.constant_(self.{g}_proj.bias, {float(gate.bias)!r})")
                 dims = [d for d in spec.dims]
                 kw = ", ".join(([] if "heads" in spec.dims else ["heads=heads"]) + [f"{d}={d}" for d in dims])
@@ -1767,10 +1808,12 @@ class ModuleWriter:
                 mem = "self.memory"
                 self._layer_views(L, self.views, B, T)
                 for g, gate in spec.gates.items():
+                    gshape = self.gate_shapes[g]
                     em = ExprEmitter(spec, names={"logit": "logit"}, like=self.first, attr=self.attr,
-                                     helpers=self.helpers, self_name=mem, scope={"logit": ()})
-                    L(f"logit = self.{g}_proj(x)", "[B, T, H]")
-                    L(f"{g} = {em.emit(gate.formula)}", "[B, T, H]")
+                                     helpers=self.helpers, self_name=mem, scope={"logit": gshape})
+                    view = f".view({B}, {T}, self.heads, {self.dim_sizes(gshape, mem)})" if gshape else ""
+                    L(f"logit = self.{g}_proj(x){view}", _shape_text("B, T, H", gshape))
+                    L(f"{g} = {em.emit(gate.formula)}", _shape_text("B, T, H", gshape))
                 kw = "".join(f"{g}={g}, " for g in self.gates)
                 L(f"o, state = self.memory({', '.join(self.views)}, {kw}state=state)",
                   _shape_text("B, T, H", rshape))
