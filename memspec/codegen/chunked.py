@@ -82,14 +82,17 @@ class _Writer:
         """Code of a token-local value ``[B, T, H]`` (scalar) or ``[B, T, H, d]`` (vector);
         a plain name is used as is, anything else is bound to a fresh local."""
         e = self.fold(simplify(e))
-        code = self.em.emit(e)
+        c = self.em._emit(e)
+        code = c.text
         shape = self.em.shape(e)
-        if not self.per_token(e):  # a number, a dim or a param: broadcast over [B, T, H]
+        if not self.per_token(e):  # a number, a dim or a param [H, ...]: broadcast over [B, T, H]
             ref = self.first_view
             if vector:
                 code = f"torch.as_tensor({code}, dtype={ref}.dtype).expand(*{ref}.shape[:3], -1)"
-            else:
+            elif c.number:
                 code = f"torch.full_like({ref}[..., 0], {code})"
+            else:
+                code = f"{c.at(9)}.expand({ref}.shape[:3])"
         if isinstance(e, Name) and self.per_token(e):
             return code
         name = self.fresh(base)

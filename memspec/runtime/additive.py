@@ -117,7 +117,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
             l_chunk = L[..., -1].reshape(BH, n)                      # [BH, n] log decay of each chunk
             kd = kg * torch.exp(L[..., -1:] - L).reshape(BH * n, c, 1)   # decayed to the chunk end
             lam = torch.cumsum(l_chunk, dim=-1)                      # [BH, n]
-            lam_prev = lam - l_chunk                                 # [BH, n] log decay before chunk j
+            lam_prev = torch.cat([lam.new_zeros(BH, 1), lam[:, :-1]], dim=-1)   # [BH, n] log decay before chunk j
+            # (an exclusive sum, not lam - l_chunk: that would round with chunk j's own decay, so a
+            # later token of chunk j could move the state chunk j starts from in the last bit)
             W = torch.exp(torch.where(strict[:n, :n], lam_prev[:, :, None] - lam[:, None, :], float("-inf")))
             S_in = torch.exp(lam_prev)[:, :, None] * S[:, None, :]  # [BH, n, KV]
         else:
