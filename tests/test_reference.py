@@ -356,7 +356,8 @@ def test_every_shipped_spec_runs_causally_and_minibatch_one_is_online(path):
     B, T, H = 2, 5, small.get("heads", 2)
     g = torch.Generator().manual_seed(12)
     inputs = {n: torch.randn(B, T, H, spec.dims[v.dim], generator=g, dtype=D64) for n, v in spec.views.items()}
-    inputs.update({n: torch.rand(B, T, H, generator=g, dtype=D64) * 0.5 for n in spec.gates})
+    inputs.update({n: torch.rand(B, T, H, *(spec.dims[d] for d in gt.shape), generator=g, dtype=D64) * 0.5
+                   for n, gt in spec.gates.items()})
     params = {n: torch.randn(H, *(spec.dims[d] for d in p.shape), generator=g, dtype=D64) * 0.1
               for n, p in spec.params.items() if "normal" in str(p.init)}
     state = R.init_state(spec, B, H, dtype=D64, params=params, generator=g)

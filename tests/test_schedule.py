@@ -13,7 +13,7 @@ import torch
 import memspec
 from memspec import reference
 from memspec.lang.errors import SpecError
-from memspec.schedule.decide import AdditivePlan, MinibatchPlan, CachePlan, analyse, explain
+from memspec.schedule import AdditivePlan, MinibatchPlan, CachePlan, analyse, explain
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -307,16 +307,21 @@ def test_cli_explain_and_error(tmp_path):
 
 # ------------------------------------------------------- chunked emission vs reference
 def _build(spec):
-    from memspec.codegen.module import ExprEmitter, helper_source
-    from memspec.codegen.chunked import emit_chunked_forward, kernel_sources
+    import inspect
+
+    from memspec.codegen import EMITTERS, ExprEmitter
+    from memspec.codegen.chunked import forward_lines
+    from memspec.runtime import helpers
 
     d = analyse(spec)
     em = ExprEmitter(spec)
-    lines = emit_chunked_forward(spec, d, em, chunk="chunk", lets=True)
+    family = EMITTERS[d.family]
+    lines = forward_lines(spec, family.body, d.plan, em, chunk="chunk", lets=True)
     args = ", ".join([*spec.views, *spec.gates])
     body = textwrap.indent("\n".join(lines), "    ")
-    src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + kernel_sources(d) + "\n\n"
-           + helper_source(em.helpers) + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n")
+    helper_src = "\n\n".join(inspect.getsource(getattr(helpers, h)) for h in sorted(em.helpers))
+    src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + inspect.getsource(family.KERNEL)
+           + "\n\n" + helper_src + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n")
     ns: dict = {}
     exec(compile(src, f"<chunked {spec.name}>", "exec"), ns)
     return ns["forward"], src

@@ -8,8 +8,8 @@ import pytest
 import memspec
 from memspec import reference
 from memspec.check.verify import check
-from memspec.codegen.module import minibatch_recurrence
-from memspec.schedule.decide import analyse
+from memspec.schedule.recurrence import minibatch_recurrence
+from memspec.schedule import analyse
 
 from _compiled_harness import call, inputs, initial_state, make, reference_run, rel_err
 

@@ -20,7 +20,7 @@ import types
 from pathlib import Path
 from typing import Union
 
-from ..codegen.module import class_name, generate
+from ..codegen import class_name, generate
 from .write import write_atomic
 from ..lang.errors import SpecError
 from ..lang.spec import Spec
@@ -63,7 +63,7 @@ def _checked(spec: Spec) -> None:
 def decide(spec: Spec):
     """The schedule decision (``memspec.schedule.analyse``); raises SpecError for a forced
     schedule the spec does not admit."""
-    from ..schedule.decide import analyse
+    from ..schedule import analyse
 
     return analyse(spec)
 

@@ -86,7 +86,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
                compile: bool = False, peak: float | None = None, budget_s: float = 20.0) -> list[dict]:
     """Time every admitted schedule of one spec; returns one record per schedule."""
     from ..pipeline.build import build_memory
-    from ..schedule.decide import analyse
+    from ..schedule import analyse
 
     decision = analyse(spec)
     dims = {d: D for d in ("d_k", "d_v") if d in spec.dims}

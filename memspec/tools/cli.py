@@ -199,7 +199,7 @@ def cmd_lab(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from ..schedule.decide import explain
+    from ..schedule import explain
 
     status = 0
     for path in args.files:

@@ -142,7 +142,7 @@ def schedule_text(decision: Any) -> str:
 def derived_schedule(spec: Spec) -> Any | None:
     """``schedule.analyse(spec)`` when that analysis exists, else None."""
     try:
-        from ..schedule.decide import analyse  # type: ignore[attr-defined]
+        from ..schedule import analyse  # type: ignore[attr-defined]
     except ImportError:
         return None
     try:

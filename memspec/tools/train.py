@@ -95,7 +95,7 @@ def schedule_name(spec, chunk: int | None = None) -> str:
     """The memory's derived schedule, e.g. ``delta(64)`` (or the spec's own preference),
     and the wiring when there is one: ``minibatch(64), mac``."""
     try:
-        from ..schedule.decide import analyse
+        from ..schedule import analyse
 
         d = analyse(spec)
         size = chunk if chunk and d.chunk else d.chunk          # a --dim chunk=N override
