@@ -2,9 +2,9 @@
 # Regenerate with: memspec compile specs/momentum_deltanet.yaml
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): 2232848f0e27d2a33549a27a39d9863f86869dc421fa7330aa45c9a6c3c8afe1
 # file sha256: 2232848f0e27d2a33549a27a39d9863f86869dc421fa7330aa45c9a6c3c8afe1
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1 equals online when no statement writes a state before a gradient reads it)
+# schedule: online: one token at a time (exact)
 # mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
-# derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
+# derived by memspec.schedule.analyse: online, exact; admits minibatch, online
 # schedules of this module: minibatch, online
 """momentum_deltanet: The delta rule with momentum and forgetting (Titans' memory with a linear model): the gradient of 0.5 |k W - v|^2 feeds a momentum state, U = mu U - eta grad, and the memory forgets, W = (1 - alpha) W + U, with the gradient taken at the old memory.
 
@@ -99,7 +99,7 @@ class MomentumDeltanetMemory(nn.Module):
         state['U']: [B, H, d_k, d_v]
         output: [B, T, H, d_v]
 
-    Schedules: 'minibatch', 'online'; "auto" is 'minibatch'.
+    Schedules: 'minibatch', 'online'; "auto" is 'online'.
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
@@ -108,8 +108,8 @@ class MomentumDeltanetMemory(nn.Module):
     CACHES = {}
     LOSS_STATES = ('W', )
     SCHEDULES = ('minibatch', 'online', )
-    DEFAULT_SCHEDULE = 'minibatch'
-    STEP_SCHEDULE = 'minibatch'
+    DEFAULT_SCHEDULE = 'online'
+    STEP_SCHEDULE = 'online'
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
@@ -145,7 +145,7 @@ class MomentumDeltanetMemory(nn.Module):
             mu: [B, T, H] (gate value, after its formula)
             alpha: [B, T, H] (gate value, after its formula)
             state: {name: [B, H, ...]} to continue from (default: init_state).
-            schedule: "auto" (minibatch) or one of minibatch, online.
+            schedule: "auto" (online) or one of minibatch, online.
         Returns: (o [B, T, H, d_v], the final state).
         """
         if unknown:
@@ -165,7 +165,7 @@ class MomentumDeltanetMemory(nn.Module):
     def step(self, q, k, v, *, eta=None, mu=None, alpha=None, state=None, **unknown):
         """One token (decoding): views [B, H, D] (or [B, 1, H, D]), gates [B, H] (or [B, 1, H]).
 
-        Runs the minibatch schedule (the same numbers as forward over the whole sequence).
+        Runs the online schedule (the same numbers as forward over the whole sequence).
         Returns: (o [B, H, d_v], the new state).
         """
         q = q.unsqueeze(1) if isinstance(q, torch.Tensor) and q.dim() == 3 else q

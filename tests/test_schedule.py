@@ -32,6 +32,11 @@ PAPER_FAMILIES = {
     "mesa": "online",
     "softmax_attention": "cache",
     "sliding_window_attention": "cache",
+    # linear in the state (issue 12): decided on the normal form S_t = T_t(S_{t-1}) + W_t
+    "retention": "additive",
+    "mamba2": "additive",
+    "deltanet_textbook": "delta",
+    "momentum_deltanet": "online",      # two states coupled linearly: auto takes the exact online schedule
 }
 
 
@@ -189,9 +194,13 @@ def test_nonlinear_model_is_minibatch_and_forced_chunk_is_located_error():
     assert diag.span is not None and diag.span.file == "bad.mem"
     assert "needs an exact chunk form" in diag.message
     assert "not polynomial in W (gelu(u @ W))" in diag.hint and "minibatch(N)" in diag.hint
+    # auto picks only exact schedules: online, with the approximate mini-batch admitted on request
     auto = analyse(mem(text.replace("schedule chunk(32)", "")))
-    assert auto.family == "minibatch" and not auto.exact and auto.chunk == 64
-    assert isinstance(auto.plan, MinibatchPlan)
+    assert auto.family == "online" and auto.exact and "minibatch" in auto.admits
+    assert isinstance(auto.plans["minibatch"], MinibatchPlan)
+    asked = analyse(mem(text.replace("schedule chunk(32)", "schedule minibatch(64)")))
+    assert asked.family == "minibatch" and not asked.exact and asked.chunk == 64
+    assert isinstance(asked.plan, MinibatchPlan)
 
 
 def test_forced_schedules():
@@ -244,6 +253,7 @@ def test_titans_recurrences():
           W2 = (1 - alpha) * W2 + U2
         }
         read = f(q)
+        schedule minibatch(64)
     """))
     assert d.family == "minibatch" and d.admits == ("minibatch", "online")
     coef = d.plan.coef

@@ -86,11 +86,13 @@ class ChunkWriter:
         return name
 
     def log_decay(self, gamma: Expr | None, base: str) -> str:
+        """The log of a decay: ``[B, T, H]`` (a scalar per head) or ``[B, T, H, d]`` (per channel)."""
         if gamma is None:
             return "None"
-        g = self.value(gamma, base.replace("log_", ""), vector=False)
+        shape = self.em.shape(self.fold(simplify(gamma)))
+        g = self.value(gamma, base.replace("log_", ""), vector=bool(shape))
         name = self.fresh(base)
-        self.lines.append(f"{name} = torch.log({g}.clamp(min={LOG_FLOOR}))  # [B, T, H]")
+        self.lines.append(f"{name} = torch.log({g}.clamp(min={LOG_FLOOR}))  # {fmt_shape(shape)}")
         return name
 
 

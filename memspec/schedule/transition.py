@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, substitute, unparse
 from ..lang.normalize import canon
 from .algebra import (ONE, SHOW_LETS, ZERO, Algebra, NotAdmitted, fold_lets, is_diag, is_num, mul, simplify,
                       state_updates, txt)
@@ -366,6 +366,14 @@ class Decomposer:
         W, loss = alg.grad_target(g), alg.loss()
         if W is None or loss is None:
             raise NotAdmitted("a gradient the analysis cannot derive")
+        model = alg.model
+        if model is not None and W in alg.spec.model_states():   # the model's own algebra first
+            body = substitute(model.body, {k: v for k, v in alg.lets.items() if k != model.arg})
+            d = degree(alg, body, {W})
+            if not d <= {0, 1}:
+                site = nonlinear_site(alg, body, {W})
+                raise NotAdmitted(f"the model {model} is {describe_degree(d)} in {W}"
+                                  + (f" ({txt(site)})" if site is not None else ""))
         gf = symbolic_grad(alg, loss, W)
         if gf.p is None:
             return ZERO
@@ -507,7 +515,7 @@ def normal_form(alg: Algebra) -> NormalForm:
                      n in dec.vector_states) for n in alg.states}
     statements = []
     for target, e in state_updates(alg):
-        m = affine(dec, target, e)
+        m = collect(alg, affine(dec, target, e))
         statements.append(Statement(target, m))
         composed = apply(m.terms, env, m.vector)
         env[target] = Affine(composed.terms, composed.incs + m.incs, m.vector)
@@ -594,7 +602,9 @@ def split_scalar(alg: Algebra, e: Expr) -> tuple[Expr, Expr]:
     vectors: list[Expr] = []
 
     def walk(x: Expr) -> None:
-        if isinstance(x, Neg):
+        if alg.rank(x) == 0:   # a scalar factor stays whole (a let keeps its name in messages)
+            scalars.append(x)
+        elif isinstance(x, Neg):
             scalars.append(Num(-1))
             walk(x.operand)
         elif isinstance(x, BinOp) and x.op == "*":
@@ -603,8 +613,6 @@ def split_scalar(alg: Algebra, e: Expr) -> tuple[Expr, Expr]:
         elif isinstance(x, BinOp) and x.op == "/" and alg.rank(x.right) == 0:
             walk(x.left)
             scalars.append(BinOp("/", ONE, x.right))
-        elif alg.rank(x) == 0:
-            scalars.append(x)
         else:
             vectors.append(x)
 
@@ -636,6 +644,77 @@ def as_expr(m: Affine, states: dict | None = None) -> Expr:
         out = BinOp("+", out, BinOp("*", t.coef, x))
     for a, b in m.incs:
         out = BinOp("+", out, BinOp("*", b, a) if m.vector else Call("outer", (a, b)))
+    return simplify(out)
+
+
+def one_state(alg: Algebra, nf: NormalForm, family: str) -> tuple[str, Affine]:
+    """The single matrix state of a transition acting on the key side only, and its map
+    (NotAdmitted otherwise, with the algebra: coupled states, a value-side factor, ...)."""
+    states = list(alg.states)
+    if len(states) != 1:
+        links = [line for n in states for line in transition_text(nf.maps[n], n, states)
+                 if not line.startswith((f"T[{n} <- {n}]", "T ="))]
+        if links:
+            raise NotAdmitted(f"the states {', '.join(states)} are coupled linearly ({'; '.join(links)}): the "
+                              f"{family} form has one state")
+        raise NotAdmitted(f"the spec has {len(states)} states ({', '.join(states)}); the {family} form has one")
+    S = states[0]
+    m = nf.maps[S]
+    if m.vector:
+        raise NotAdmitted(f"state {S} is a vector; the {family} form needs a matrix")
+    for t in m.terms:
+        if t.right.kind != "I":
+            raise NotAdmitted(f"the transition of {S} acts on its columns ({S} {side_text(t.right)}): the chunk "
+                              f"kernels need a transition on the key side only")
+    return S, m
+
+
+def scalar_factors(e: Expr) -> tuple[float, list[Expr]]:
+    """``e`` as a number times a product of factors (``x / y`` is ``x * (1 / y)``)."""
+    num, out = 1.0, []
+
+    def walk(x: Expr, power: int) -> None:
+        nonlocal num
+        x = simplify(x)
+        if isinstance(x, Num):
+            num = num * float(x.value) if power > 0 else num / float(x.value)
+        elif isinstance(x, Neg):
+            num = -num
+            walk(x.operand, power)
+        elif isinstance(x, BinOp) and x.op == "*":
+            walk(x.left, power)
+            walk(x.right, power)
+        elif isinstance(x, BinOp) and x.op == "/" and not (isinstance(simplify(x.right), Num) and
+                                                          float(simplify(x.right).value) == 0):
+            walk(x.left, power)
+            walk(x.right, -power)
+        else:
+            out.append(x if power > 0 else BinOp("/", ONE, x))
+
+    walk(e, 1)
+    return num, out
+
+
+def ratio(a: Expr, b: Expr) -> Expr | None:
+    """``a / b`` when every factor of ``b`` is a factor of ``a`` (compared by meaning): the product
+    of the factors left; None when they do not cancel."""
+    na, fa = scalar_factors(a)
+    nb, fb = scalar_factors(b)
+    if nb == 0:
+        return None
+    if not fb and nb == 1:
+        return simplify(a)   # nothing to divide: a as written
+    left = list(fa)
+    keys = [canon(f) for f in left]
+    for f in fb:
+        k = canon(f)
+        if k not in keys:
+            return None
+        i = keys.index(k)
+        del keys[i], left[i]
+    out: Expr = Num(na / nb) if (na / nb) != int(na / nb) else Num(int(na / nb))
+    for f in left:
+        out = mul(out, f)
     return simplify(out)
 
 
