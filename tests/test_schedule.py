@@ -194,13 +194,14 @@ def test_nonlinear_model_is_minibatch_and_forced_chunk_is_located_error():
     assert diag.span is not None and diag.span.file == "bad.mem"
     assert "needs an exact chunk form" in diag.message
     assert "not polynomial in W (gelu(u @ W))" in diag.hint and "minibatch(N)" in diag.hint
-    # auto picks only exact schedules: online, with the approximate mini-batch admitted on request
     auto = analyse(mem(text.replace("schedule chunk(32)", "")))
-    assert auto.family == "online" and auto.exact and "minibatch" in auto.admits
-    assert isinstance(auto.plans["minibatch"], MinibatchPlan)
+    # auto picks only exact schedules: online, with the approximate mini-batch admitted (asked for by name)
+    assert auto.family == "online" and auto.exact and auto.chunk is None
+    assert auto.admits == ("minibatch", "online") and auto.schedules == ("minibatch", "online")
+    assert isinstance(auto.plans["minibatch"], MinibatchPlan) and auto.plans["minibatch"].chunk == 64
+    assert "ask for it with `schedule: minibatch(N)`" in explain(mem(text.replace("schedule chunk(32)", "")))
     asked = analyse(mem(text.replace("schedule chunk(32)", "schedule minibatch(64)")))
     assert asked.family == "minibatch" and not asked.exact and asked.chunk == 64
-    assert isinstance(asked.plan, MinibatchPlan)
 
 
 def test_forced_schedules():
@@ -326,7 +327,7 @@ def _build(spec):
     d = analyse(spec)
     em = ExprEmitter(spec)
     family = EMITTERS[d.family]
-    lines = forward_lines(spec, family.body, d.plan, em, chunk="chunk", lets=True)
+    lines = forward_lines(spec, family.body, d.plan, em, d.let_forms, chunk="chunk", lets=True)
     args = ", ".join([*spec.views, *spec.gates])
     body = textwrap.indent("\n".join(lines), "    ")
     helper_src = "\n\n".join(inspect.getsource(getattr(helpers, h)) for h in sorted(em.helpers))

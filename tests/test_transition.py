@@ -164,3 +164,68 @@ def test_what_is_not_linear_in_the_state_says_why(update, why):
         f"update:\n  - {update[0]}\nread: q @ S\n")
     with pytest.raises(NotAdmitted, match=why):
         _nf(spec)
+
+
+# ------------------------------------------------------------------ diagonal plus low rank (the dplr plans)
+from memspec.lang.expr import unparse  # noqa: E402
+from memspec.schedule.dplr import analyse_dplr  # noqa: E402
+
+
+def _dplr(spec):
+    alg = Algebra(spec)
+    return analyse_dplr(alg)[0]
+
+
+def _steps_text(plan):
+    return [tuple(None if x is None else unparse(x) for x in (st.a, st.b, st.k, st.v)) for st in plan.steps]
+
+
+def test_dplr_plans_of_the_shipped_specs():
+    """Each step's a, b, k, v in the kernel's form (a scalar times the step's key where it is one,
+    b omitted where it is the key), the decay on the first step."""
+    want = {
+        "kda": ("1 - alpha", "scalar", "vector", [("-eta", "l2norm(k) * (1 - alpha)", "l2norm(k)", "eta * v")]),
+        "gdn2": ("1 - alpha", "scalar", "vector",
+                 [("-1", "eta_k * l2norm(k) * (1 - alpha)", "l2norm(k)", "eta_v * v")]),
+        "comba": ("1 - alpha", "scalar", "vector",
+                  [("-(eta * (1 - alpha))", "l2norm(p)", "l2norm(k)", "eta * v")]),
+        "rwkv7": ("1 - alpha", "vector", "vector",
+                  [("-(eta * l2norm(k * xi))", "l2norm(k * xi)", "k", "v")]),
+        "gated_deltaproduct": ("1 - alpha", "scalar", "key",
+                               [("-(eta1 * (1 - alpha))", None, "l2norm(k1)", "eta1 * v1"),
+                                ("-eta2", None, "l2norm(k2)", "eta2 * v2")]),
+    }
+    for name, (decay, a_form, b_form, steps) in want.items():
+        plan = _dplr(memspec.load(SPECS / f"{name}.yaml"))
+        assert (unparse(plan.decay), plan.a_form, plan.b_form) == (decay, a_form, b_form), name
+        assert _steps_text(plan) == steps, name
+        assert not plan.simultaneous
+
+
+@pytest.mark.parametrize("update, extra", [
+    (["S = diag(1 - alpha) @ S", "S = S - eta * grad(loss, S)"], GRAD),
+    (["S = diag(1 - alpha) @ S", "S = S + eta * outer(k, v - k @ S)"], ""),
+    (["S = diag(1 - alpha) @ S + eta * outer(k, v - k @ (diag(1 - alpha) @ S))"], ""),
+    (["S = (eye(d_k) - eta * outer(k, k)) @ (diag(1 - alpha) @ S) + eta * outer(k, v)"], ""),
+])
+def test_kda_written_four_ways_has_one_plan(update, extra):
+    base = _dplr(_spec(["S = diag(1 - alpha) @ S", "S = S + eta * outer(k, v - k @ S)"]))
+    plan = _dplr(_spec(update, extra))
+    assert canon(plan.decay) == canon(base.decay)
+    for a, b in zip(plan.steps, base.steps):
+        for x, y in ((a.a, b.a), (a.b, b.b), (a.k, b.k), (a.v, b.v)):
+            assert canon(x) == canon(y)
+
+
+def test_deltaproduct_steps_stay_in_order_and_a_rank_two_statement_is_simultaneous():
+    two = _dplr(_spec(["S = S + eta * outer(k, v - k @ S)", "S = S + eta * outer(a, v - a @ S)"]))
+    assert len(two.steps) == 2 and not two.simultaneous
+    assert [unparse(st.k) for st in two.steps] == ["k", "a"]
+    one = _dplr(_spec(["S = S + eta * outer(k, v - k @ S) + eta * outer(a, v - a @ S)"]))
+    assert len(one.steps) == 2 and one.simultaneous
+
+
+def test_a_second_decay_after_a_rank_one_step_is_not_dplr():
+    spec = _spec(["S = S + eta * outer(k, v - k @ S)", "S = diag(1 - alpha) @ S + eta * outer(a, v - a @ S)"])
+    with pytest.raises(NotAdmitted, match="decays it again"):
+        _dplr(spec)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..lang.expr import Expr, Name, rewrite
 from ..lang.names import GENERATED_NAMES, fresh
-from ..schedule.algebra import Algebra, simplify
+from ..schedule.algebra import simplify
 
 LOG_FLOOR = 1e-30   # decays are clamped to >= 1e-30 before the log: log_gamma >= -69
 
@@ -34,16 +34,15 @@ def fmt_shape(shape) -> str:
 class ChunkWriter:
     """Lines of a chunked forward, the fresh names they bind, and token-local values."""
 
-    def __init__(self, spec, emitter, taken):
+    def __init__(self, spec, emitter, taken, let_forms):
         self.spec = spec
         self.em = emitter
         self.lines: list[str] = []
         self.taken = set(taken)
         self.taken |= set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.state) | set(spec.params)
         self.taken |= GENERATED_NAMES
-        # the lets, inlined, for folding plan expressions back into readable let names
-        self.alg = Algebra(spec)
-        self.let_of = [(inl, n) for n, inl in self.alg.lets.items()]
+        # the lets, inlined (as the analysis saw them), for folding plan expressions back into let names
+        self.let_of = list(let_forms)
         self.first_view = next(iter(spec.views), None)
 
     def fresh(self, base: str) -> str:
@@ -96,12 +95,12 @@ class ChunkWriter:
         return name
 
 
-def forward_lines(spec, body, plan, emitter, *, state_in: dict | None = None, state_out: dict | None = None,
-                  out: str = "o", chunk: str = "self.chunk", lets: bool = False, ret: bool = True,
-                  taken=()) -> list[str]:
+def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None = None,
+                  state_out: dict | None = None, out: str = "o", chunk: str = "self.chunk", lets: bool = False,
+                  ret: bool = True, taken=()) -> list[str]:
     """Lines of the chunked forward over all tokens, the kernel calls written by ``body``."""
     state_in = {n: state_in[n] if state_in and n in state_in else f'state["{n}"]' for n in spec.state}
-    w = ChunkWriter(spec, emitter, taken)
+    w = ChunkWriter(spec, emitter, taken, let_forms)
     state_out = {n: (state_out or {}).get(n) or w.fresh(f"{n}_new") for n in spec.state}
     if lets and spec.let:
         w.lines.append("# token-local values of all tokens at once")
@@ -127,7 +126,7 @@ def emit_forward(ctx, L, body, kernel) -> None:
         L('"""' + f"The exact {ctx.default} chunked form over chunks of self.chunk tokens." + '"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, T, H")
-        for line in forward_lines(ctx.spec, body, ctx.plans[ctx.default], em, lets=False,
+        for line in forward_lines(ctx.spec, body, ctx.plans[ctx.default], em, ctx.decision.let_forms, lets=False,
                                   taken=tuple(sorted(ctx.spec_names))):
             L.block(line)
     L()

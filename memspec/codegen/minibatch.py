@@ -55,11 +55,11 @@ def emit(ctx, L) -> None:
         L("Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk")
         L("begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk")
         L("returns the chunk-start state and position as state['minibatch.<name>'] and")
-        L("state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.")
+        L("state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.")
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
         L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
-        L(f"{pos} = int(state[\"minibatch.pos\"]) if \"minibatch.pos\" in state else 0")
+        L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
         if starts:
             L(f"{', '.join(starts.values())} = "
               f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
@@ -81,7 +81,7 @@ def emit(ctx, L) -> None:
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
         L(f"if {pos}:")
         with L.indent():
-            L(f"state[\"minibatch.pos\"] = torch.tensor({pos})")
+            L(f"state[\"minibatch.pos\"] = {pos}")
             for s, v in starts.items():
                 L(f"state[\"minibatch.{s}\"] = {v}")
         L(f"return torch.cat({outs}, dim=1), state")

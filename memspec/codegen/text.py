@@ -1,6 +1,8 @@
 """Writing generated source: indented lines, shape comments, class names."""
 from __future__ import annotations
 
+import textwrap
+
 
 class Lines:
     """The lines of generated source, with an indentation level (4 spaces a level)."""
@@ -55,3 +57,14 @@ def tuple_text(names) -> str:
 def class_name(name: str) -> str:
     """``gated_deltanet`` -> ``GatedDeltanet``."""
     return "".join(p[:1].upper() + p[1:] for p in name.split("_") if p) or "Spec"
+
+
+def string_pieces(text: str, column: int, width: int = 100) -> list[str]:
+    """``text`` as Python string literals (``repr``: inert, whatever the text holds), split at
+    spaces so that each, starting at ``column``, ends within ``width``; written one per line
+    inside brackets they concatenate back to ``text``."""
+    room = max(20, width - column - 2)
+    words = textwrap.wrap(text, room, break_long_words=False, break_on_hyphens=False,
+                          drop_whitespace=False, replace_whitespace=False) or [text]
+    assert "".join(words) == text
+    return [repr(w) for w in words]

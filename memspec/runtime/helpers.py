@@ -92,9 +92,9 @@ class _Compiled:
                     self.seconds = time.perf_counter() - start
                 return out
             except Exception as err:  # a construct torch.compile cannot handle on this machine
+                first = str(err).splitlines()[0] if str(err) else ""
                 warnings.warn(f"torch.compile failed for {self.fn.__name__} "
-                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                              f"running it eagerly")
+                              f"({type(err).__name__}: {first}); running it eagerly")
                 self.compiled = None
         return self.fn(*args)
 

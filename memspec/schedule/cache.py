@@ -75,7 +75,7 @@ def analyse_cache(alg: Algebra) -> tuple[CachePlan, list[str]]:
     read = walk(alg.inline(spec.read))
     if not attends:
         raise NotAdmitted("the read does not attend over the caches")
-    windows = {c: alg.states[c].window for c in alg.caches}
+    windows = {c: alg.states[c].window for c in alg.states if c in alg.caches}
     reasons = [
         f"every state ({', '.join(alg.states)}) is a cache written only by append of a token-local vector",
         "the read is " + ", ".join(f"attend({txt(q)}, {K}, {V}, {txt(s)})" for _, q, K, V, s in attends)

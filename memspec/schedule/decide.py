@@ -78,6 +78,7 @@ class ScheduleDecision:
     rejected: tuple[tuple[str, str], ...] = ()  # (family, why not) for the families not admitted
     schedules: tuple[str, ...] = ()  # the schedules the generated module carries, in table order
     chunks: dict = field(default_factory=dict, compare=False)  # chunked family -> its chunk size
+    let_forms: tuple = ()       # (inlined value, let name) of every let, as the analysis read them
     normal_form: tuple[str, ...] = ()  # S <- T(S) + W of every state, printed (empty: not linear in the state)
     coupled: bool = False       # the normal form couples several states linearly
 
@@ -129,8 +130,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
         fam = "minibatch"
     elif kind == "online":
         fam = "online"
-    else:   # auto: the first admitted *exact* family (approximate ones only when asked for)
-        fam = next(f.name for f in FAMILIES if f.name in plans and f.exact)
+    else:   # auto: the first admitted exact family
+        fam = next(f.name for f in FAMILIES if f.exact and f.name in plans)
     reasons = list(whys[fam])
     if fam == "online" and "additive" in rej and additive.additive_states_ok(alg):
         reasons.append(f"the updates of {', '.join(alg.states)} are additive running sums (S <- g*S + A, A "
@@ -148,7 +149,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
         normal, coupled = (), False
     return ScheduleDecision(fam, BY_NAME[fam].exact, chunks.get(fam), tuple(reasons), plans[fam], admits,
                             plans, tuple(rejected), schedules,
-                            {f: c for f, c in chunks.items() if f in schedules}, normal, coupled)
+                            {f: c for f, c in chunks.items() if f in schedules},
+                            tuple((inl, n) for n, inl in alg.lets.items()), normal, coupled)
 
 
 def explain(spec, decision: ScheduleDecision | None = None) -> str:

@@ -1,13 +1,13 @@
 """The normal form of an update linear in its state: ``S_t = T_t(S_{t-1}) + W_t``.
 
 Every state statement (lets, the model, temporaries and the symbolic gradient of a
-quadratic loss inlined) is decomposed into a sum of *terms* ``c L R_cur Rt`` -- a
-token-local scalar ``c`` times a structured factor ``L`` acting on the rows (the key side)
-of a state, times that state, times a factor ``Rt`` on its columns (the value side) -- plus
-a sum of token-local outer products ``outer(a, b)`` (the increment).  A factor is the
+quadratic loss inlined) is decomposed (:mod:`.linear`) into a sum of *terms* ``c L S R`` --
+a token-local scalar ``c`` times a structured factor ``L`` acting on the rows (the key side)
+of a state, times that state, times a factor ``R`` on its columns (the value side) -- plus a
+sum of token-local outer products ``outer(a, b)`` (the increment).  A factor is the
 identity, a diagonal ``Diag(d)`` (a per-channel gate, a view, any vector) or a rank one
-``u wᵀ``; products of factors stay factors (``Diag(a) u wᵀ = (a * u) wᵀ``,
-``u wᵀ y zᵀ = (w @ y) u zᵀ``), so the normal form is closed under composing statements.
+``u wᵀ``; products of factors stay factors, so the normal form is closed under composing
+statements.
 
 Because the decomposition reads the algebra, not the syntax, the same transition written
 any equivalent way has the same normal form: ``diag(d) @ S``, ``(S.T * d).T`` and
@@ -16,376 +16,19 @@ any equivalent way has the same normal form: ``diag(d) @ S``, ``(S.T * d).T`` an
 are both ``T = I - eta k kᵀ``, ``W = eta k vᵀ``.
 
 :func:`normal_form` composes the statements into one transition per state (in the states
-before the token; ``explain`` prints it); :func:`substeps` keeps the program's own order as
-rank-one sub-steps ``S <- Diag(d) S + a (bᵀ S) + outer(k, v)`` (what the chunked kernels
-run).  A value the decomposition cannot write this way raises :class:`NotAdmitted` with
-the algebra that fails.
+before the token; ``explain`` prints it) and keeps each statement's own map (the families
+that run the program's sub-steps in order read those).  A value the decomposition cannot
+write this way raises :class:`NotAdmitted` with the algebra that fails.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, substitute, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, unparse
 from ..lang.normalize import canon
 from .algebra import (ONE, SHOW_LETS, ZERO, Algebra, NotAdmitted, fold_lets, is_diag, is_num, mul, simplify,
                       state_updates, txt)
-from .polynomial import describe_degree, degree, nonlinear_site, symbolic_grad
-
-
-# ------------------------------------------------------------------ factors
-@dataclass(frozen=True)
-class Side:
-    """A factor on one axis of a state: ``I``, ``Diag(u)``, ``u wᵀ`` (``outer``), or -- once a
-    value is a vector -- the vector ``u`` that consumed that axis (``vec``: ``uᵀ S`` on the
-    key side, ``S u`` on the value side)."""
-
-    kind: str                 # "I" | "diag" | "outer" | "vec"
-    u: Expr | None = None
-    w: Expr | None = None
-
-    def transposed(self) -> "Side":
-        return Side("outer", self.w, self.u) if self.kind == "outer" else self
-
-
-I = Side("I")
-
-
-def _dot(a: Expr, b: Expr) -> Expr:
-    return simplify(BinOp("@", a, b))
-
-
-def _times(a: Expr, b: Expr) -> Expr:
-    """The elementwise product of two vectors (or a vector and a scalar)."""
-    if is_num(a, 1):
-        return b
-    if is_num(b, 1):
-        return a
-    return mul(a, b)
-
-
-def after(new: Side, old: Side) -> tuple[Expr, Side]:
-    """``new · old`` (the factor ``old`` first, then ``new``) as (a scalar, a factor)."""
-    if new.kind == "I":
-        return ONE, old
-    if old.kind == "I":
-        return ONE, new
-    if old.kind == "vec":   # old is a vector (a consumed axis): new acts on it
-        if new.kind == "diag":
-            return ONE, Side("vec", _times(new.u, old.u))
-        if new.kind == "outer":
-            return _dot(new.w, old.u), Side("vec", new.u)
-    if new.kind == "vec":   # a vector applied to a factor: uᵀ Diag(d) = (u * d)ᵀ, uᵀ y zᵀ = (u @ y) zᵀ
-        if old.kind == "diag":
-            return ONE, Side("vec", _times(new.u, old.u))
-        if old.kind == "outer":
-            return _dot(new.u, old.u), Side("vec", old.w)
-    if new.kind == "diag" and old.kind == "diag":
-        return ONE, Side("diag", _times(new.u, old.u))
-    if new.kind == "diag" and old.kind == "outer":
-        return ONE, Side("outer", _times(new.u, old.u), old.w)
-    if new.kind == "outer" and old.kind == "diag":
-        return ONE, Side("outer", new.u, _times(new.w, old.u))
-    if new.kind == "outer" and old.kind == "outer":
-        return _dot(new.w, old.u), Side("outer", new.u, old.w)
-    raise AssertionError(f"no product of factors {new.kind} · {old.kind}")  # pragma: no cover
-
-
-def right_mul(r: Side, f: Side) -> tuple[Expr, Side]:
-    """``r · f`` on the value side (``r`` first): ``(fᵀ · rᵀ)ᵀ``; ``f`` a vector consumes the axis."""
-    c, side = after(f.transposed(), r.transposed())
-    return c, side.transposed()
-
-
-@dataclass(frozen=True)
-class Term:
-    """``coef · left · state · right`` (``(...)ᵀ`` when ``t``): one linear piece of a value.
-
-    ``left`` acts on the state's rows (the key side), ``right`` on its columns (the value
-    side); a ``vec`` side has consumed that axis, so a term with one ``vec`` side is a vector
-    (of the other axis) and one with two is a scalar.  Only matrix terms are ever transposed."""
-
-    coef: Expr
-    state: str
-    left: Side = I
-    right: Side = I
-    t: bool = False
-
-    @property
-    def rank(self) -> int:
-        return (self.left.kind != "vec") + (self.right.kind != "vec")
-
-    @property
-    def axis(self) -> str:
-        """For a vector term: ``key`` (its entries run over the state's rows) or ``value``."""
-        return "value" if self.left.kind == "vec" else "key"
-
-    def scaled(self, c: Expr) -> "Term":
-        return replace(self, coef=mul(c, self.coef))
-
-    def _with(self, c: Expr, **kw) -> "Term":
-        return replace(self, coef=mul(c, self.coef), **kw)
-
-    def on_left(self, f: Side) -> "Term":
-        """``f · value`` (for a vector, ``f`` applied to its entries)."""
-        if self.t:   # f (L S R)ᵀ = (L S R fᵀ)ᵀ
-            c, r = right_mul(self.right, f.transposed())
-            return self._with(c, right=r)
-        if self.rank == 1 and self.axis == "value":   # f (pᵀ S R)ᵀ = (pᵀ S R fᵀ)ᵀ
-            c, r = right_mul(self.right, f.transposed())
-            return self._with(c, right=r)
-        c, side = after(f, self.left)
-        return self._with(c, left=side)
-
-    def on_right(self, f: Side) -> "Term":
-        """``value · f`` (for a vector, its entries times ``f``: ``fᵀ`` applied to them)."""
-        if self.t:   # (L S R)ᵀ f = (fᵀ L S R)ᵀ
-            c, side = after(f.transposed(), self.left)
-            return self._with(c, left=side)
-        if self.rank == 1 and self.axis == "key":      # (L S q)ᵀ f = (fᵀ L S q)ᵀ
-            c, side = after(f.transposed(), self.left)
-            return self._with(c, left=side)
-        c, r = right_mul(self.right, f)
-        return self._with(c, right=r)
-
-    def untransposed(self) -> "Term":
-        return replace(self, t=False)
-
-
-@dataclass(frozen=True)
-class Lin:
-    """A value affine in the states: ``sum(terms) + rest`` (``rest`` independent of every state)."""
-
-    terms: tuple[Term, ...]
-    rest: Expr
-    rank: int        # rank of the value's named shape: 0, 1 or 2
-
-    def map(self, f) -> "Lin":
-        return replace(self, terms=tuple(f(t) for t in self.terms))
-
-
-def _neg(x: Lin) -> Lin:
-    return replace(x.map(lambda t: t.scaled(Num(-1))), rest=simplify(Neg(x.rest)))
-
-
-# ------------------------------------------------------------------ decomposition
-class Decomposer:
-    """Decomposes expressions of one spec into :class:`Lin` values (see the module docstring)."""
-
-    def __init__(self, alg: Algebra):
-        self.alg = alg
-        self.states = set(alg.states)
-        self.vector_states = {n for n, s in alg.states.items() if len(s.shape) == 1}
-
-    def depends(self, e: Expr) -> bool:
-        return self.alg.depends(e, self.states)
-
-    def shape(self, e: Expr):
-        s = self.alg.shape(e)
-        if s is None:
-            raise NotAdmitted(f"the shape of {txt(e)} is not known")
-        return s
-
-    def lin(self, e: Expr) -> Lin:
-        if not self.depends(e):
-            return Lin((), e, len(self.shape(e)))
-        if isinstance(e, Name):
-            if e.id in self.vector_states:   # a vector state z: a vector over its rows
-                return Lin((Term(ONE, e.id, I, Side("vec", ONE)),), ZERO, 1)
-            if len(self.alg.states[e.id].shape) != 2:
-                raise NotAdmitted(f"state {e.id} is not a vector or a matrix")
-            return Lin((Term(ONE, e.id),), ZERO, 2)
-        if isinstance(e, Neg):
-            return _neg(self.lin(e.operand))
-        if isinstance(e, BinOp):
-            if e.op in "+-":
-                a, b = self.lin(e.left), self.lin(e.right)
-                if e.op == "-":
-                    b = _neg(b)
-                if a.terms and b.terms and a.rank != b.rank:
-                    raise NotAdmitted(f"{txt(e)} broadcasts a value that depends on the state")
-                rank = max(a.rank, b.rank)
-                if (a.terms and a.rank < rank) or (b.terms and b.rank < rank):
-                    raise NotAdmitted(f"{txt(e)} broadcasts a value that depends on the state")
-                return Lin(a.terms + b.terms, simplify(BinOp("+", a.rest, b.rest)), rank)   # b negated above
-            if e.op == "@":
-                return self.matmul(e)
-            if e.op in "*/":
-                return self.product(e)
-            raise NotAdmitted(self._nonlinear(e))
-        if isinstance(e, Transpose):
-            x = self.lin(e.operand)
-            if x.rank != 2:
-                raise NotAdmitted(f"{txt(e)} transposes a vector")
-            return replace(x.map(lambda t: replace(t, t=not t.t)), rest=simplify(Transpose(x.rest)))
-        if isinstance(e, Call):
-            return self.call(e)
-        raise NotAdmitted(f"{txt(e)} is not affine in the state")  # pragma: no cover - all nodes above
-
-    def product(self, e: BinOp) -> Lin:
-        dl, dr = self.depends(e.left), self.depends(e.right)
-        if e.op == "/" and dr:
-            raise NotAdmitted(f"{txt(e)} divides by a value that depends on the state")
-        if dl and dr:
-            raise NotAdmitted(f"{txt(e)} multiplies the state by the state (not affine)")
-        x_e, f = (e.left, e.right) if dl else (e.right, e.left)
-        x = self.lin(x_e)
-        sf = self.shape(f)
-        if e.op == "/":
-            f = simplify(BinOp("/", ONE, f))
-        rest = simplify(BinOp("*", x.rest, f))
-        if len(sf) == 0:
-            return replace(x.map(lambda t: t.scaled(f)), rest=rest)
-        if len(sf) == 1:
-            if x.rank == 0:   # a scalar linear in the state times a vector: a (pᵀ S q) = (a pᵀ) S q
-                return Lin(tuple(replace(t, left=Side("outer", f, t.left.u)) for t in x.terms), rest, 1)
-            d = Side("diag", f)
-            if x.rank == 2:   # a vector broadcasts on the trailing axis: it scales the columns
-                return replace(x.map(lambda t: t.on_right(d)), rest=rest)
-            return replace(x.map(lambda t: t.on_left(d)), rest=rest)   # the entries of a vector
-        raise NotAdmitted(f"{txt(e)} multiplies the state elementwise by the matrix {txt(f)}")
-
-    def matmul(self, e: BinOp) -> Lin:
-        L, R = e.left, e.right
-        if is_diag(L) or is_diag(R):
-            d_e = (L if is_diag(L) else R).args[0]
-            if self.depends(d_e):
-                raise NotAdmitted(f"{txt(e)} scales by a value that depends on the state (not affine)")
-            x = self.lin(R if is_diag(L) else L)
-            d = Side("diag", d_e)
-            rest = simplify(BinOp("@", L, x.rest) if is_diag(L) else BinOp("@", x.rest, R))
-            if x.rank == 2 and not is_diag(L):
-                return replace(x.map(lambda t: t.on_right(d)), rest=rest)
-            return replace(x.map(lambda t: t.on_left(d)), rest=rest)   # rows, or a vector's entries
-        dl, dr = self.depends(L), self.depends(R)
-        if dl and dr:
-            raise NotAdmitted(f"{txt(e)} multiplies the state by the state (not affine)")
-        if dr:   # M @ x
-            x, M = self.lin(R), L
-            rest = simplify(BinOp("@", M, x.rest))
-            if len(self.shape(M)) == 1:   # pᵀ x
-                return Lin(tuple(self.probe(t, M, side="left") for t in x.terms), rest, x.rank - 1)
-            ops = self.matrix(M)
-            return Lin(tuple(t.on_left(s).scaled(c) for t in x.terms for c, s in ops), rest, x.rank)
-        x, N = self.lin(L), R   # x @ N
-        rest = simplify(BinOp("@", x.rest, N))
-        if len(self.shape(N)) == 1:   # x q
-            return Lin(tuple(self.probe(t, N, side="right") for t in x.terms), rest, x.rank - 1)
-        ops = self.matrix(N)
-        if x.rank == 1:   # a vector times a matrix: Nᵀ applied to its entries
-            return Lin(tuple(t.on_left(s.transposed()).scaled(c) for t in x.terms for c, s in ops), rest, 1)
-        return Lin(tuple(t.on_right(s).scaled(c) for t in x.terms for c, s in ops), rest, 2)
-
-    def probe(self, t: Term, p: Expr, side: str) -> Term:
-        """``p @ value`` (``side="left"``) or ``value @ p`` (``"right"``): one axis consumed by ``p``."""
-        vec = Side("vec", p)
-        if t.rank == 1:   # a dot product with a vector: consume its remaining axis
-            if t.axis == "key":
-                c, s = after(vec, t.left)
-                return t._with(c, left=s)
-            c, s = right_mul(t.right, vec)
-            return t._with(c, right=s)
-        if (side == "left") != t.t:   # pᵀ (L S R), or (L S R)ᵀ p = (pᵀ L S R)ᵀ
-            c, s = after(vec, t.left)
-            return t.untransposed()._with(c, left=s)
-        c, s = right_mul(t.right, vec)   # (L S R) q, or pᵀ (L S R)ᵀ = (L S R p)ᵀ
-        return t.untransposed()._with(c, right=s)
-
-    def matrix(self, M: Expr) -> list[tuple[Expr, Side]]:
-        """A token-local matrix as a sum of factors ``c F`` (identity, diagonal, rank one)."""
-        if isinstance(M, Call) and M.fn == "eye":
-            return [(ONE, I)]
-        if isinstance(M, Call) and M.fn == "outer":
-            return [(ONE, Side("outer", M.args[0], M.args[1]))]
-        if isinstance(M, Neg):
-            return [(mul(Num(-1), c), s) for c, s in self.matrix(M.operand)]
-        if isinstance(M, BinOp) and M.op in "+-":
-            right = self.matrix(M.right)
-            if M.op == "-":
-                right = [(mul(Num(-1), c), s) for c, s in right]
-            return self.matrix(M.left) + right
-        if isinstance(M, BinOp) and M.op in "*/":
-            pairs = ((M.left, M.right), (M.right, M.left)) if M.op == "*" else ((M.left, M.right),)
-            for m, f in pairs:
-                if len(self.shape(f)) == 0:
-                    c = f if M.op == "*" else simplify(BinOp("/", ONE, f))
-                    return [(mul(c, c0), s) for c0, s in self.matrix(m)]
-        if isinstance(M, BinOp) and M.op == "@":
-            if is_diag(M.left) or is_diag(M.right):
-                d = Side("diag", (M.left if is_diag(M.left) else M.right).args[0])
-                out = []
-                for c0, s in self.matrix(M.right if is_diag(M.left) else M.left):
-                    c, side = after(d, s) if is_diag(M.left) else after(s, d)
-                    out.append((mul(c, c0), side))
-                return out
-            out = []
-            for ca, sa in self.matrix(M.left):
-                for cb, sb in self.matrix(M.right):
-                    c, side = after(sa, sb)
-                    out.append((mul(mul(ca, cb), c), side))
-            return out
-        if isinstance(M, Transpose):
-            return [(c, s.transposed()) for c, s in self.matrix(M.operand)]
-        raise NotAdmitted(f"the state is multiplied by the matrix {txt(M)}, which is not a sum of a scaled "
-                          f"identity, diagonals and rank-one outer products")
-
-    def call(self, e: Call) -> Lin:
-        if e.fn == "grad":
-            return self.lin(self.gradient(e))
-        if e.fn == "outer":
-            a_e, b_e = e.args
-            da, db = self.depends(a_e), self.depends(b_e)
-            if da and db:
-                raise NotAdmitted(f"{txt(e)} is the outer product of two values that depend on the state")
-            if db:   # outer(a, x) = a xᵀ
-                a, x = a_e, self.lin(b_e)
-                out = []
-                for t in x.terms:
-                    if t.axis == "value":    # x = pᵀ S R: (a pᵀ) S R
-                        out.append(replace(t, left=Side("outer", a, t.left.u)))
-                    else:                    # x = L S q: a qᵀ Sᵀ Lᵀ = (L S q aᵀ)ᵀ
-                        if t.state in self.vector_states:
-                            raise NotAdmitted(f"{txt(e)} writes a vector state into a matrix")
-                        out.append(replace(t, right=Side("outer", t.right.u, a), t=True))
-                return Lin(tuple(out), simplify(Call("outer", (a, x.rest))), 2)
-            x, b = self.lin(a_e), b_e    # outer(x, b) = x bᵀ
-            out = []
-            for t in x.terms:
-                if t.axis == "key":          # x = L S q: L S (q bᵀ)
-                    if t.state in self.vector_states:
-                        raise NotAdmitted(f"{txt(e)} writes a vector state into a matrix")
-                    out.append(replace(t, right=Side("outer", t.right.u, b)))
-                else:                        # x = pᵀ S R: Rᵀ Sᵀ p bᵀ = (b pᵀ S R)ᵀ
-                    out.append(replace(t, left=Side("outer", b, t.left.u), t=True))
-            return Lin(tuple(out), simplify(Call("outer", (x.rest, b))), 2)
-        raise NotAdmitted(self._nonlinear(e))
-
-    def gradient(self, g: Call) -> Expr:
-        """``grad(loss, W)`` of a loss quadratic (or linear) in a linear model: ``scale * outer(p,
-        p @ W + r)`` (+ ``outer(p, lin)``), derived symbolically."""
-        alg = self.alg
-        W, loss = alg.grad_target(g), alg.loss()
-        if W is None or loss is None:
-            raise NotAdmitted("a gradient the analysis cannot derive")
-        model = alg.model
-        if model is not None and W in alg.spec.model_states():   # the model's own algebra first
-            body = substitute(model.body, {k: v for k, v in alg.lets.items() if k != model.arg})
-            d = degree(alg, body, {W})
-            if not d <= {0, 1}:
-                site = nonlinear_site(alg, body, {W})
-                raise NotAdmitted(f"the model {model} is {describe_degree(d)} in {W}"
-                                  + (f" ({txt(site)})" if site is not None else ""))
-        gf = symbolic_grad(alg, loss, W)
-        if gf.p is None:
-            return ZERO
-        if gf.scale is None:
-            return Call("outer", (gf.p, gf.lin))
-        return BinOp("*", gf.scale, Call("outer", (gf.p, BinOp("+", BinOp("@", gf.p, Name(W)), gf.r))))
-
-    def _nonlinear(self, e: Expr) -> str:
-        d = degree(self.alg, e, self.states)
-        site = nonlinear_site(self.alg, e, self.states)
-        where = f" ({txt(site)})" if site is not None and site != e else ""
-        return f"{txt(e)} is {describe_degree(d)} in the state{where}"
+from .linear import I, Decomposer, Side, Term, after, dot, right_mul, times
 
 
 # ------------------------------------------------------------------ the affine map of a statement
@@ -438,13 +81,13 @@ def increments(alg: Algebra, A: Expr, S: str, vector: bool) -> list[tuple[Expr, 
         if isinstance(A, BinOp) and A.op == "@" and (is_diag(A.left) or is_diag(A.right)):
             d = (A.left if is_diag(A.left) else A.right).args[0]
             inner = increments(alg, A.right if is_diag(A.left) else A.left, S, vector)
-            return [(_times(d, a), b) if is_diag(A.left) else (a, _times(b, d)) for a, b in inner]
+            return [(times(d, a), b) if is_diag(A.left) else (a, times(b, d)) for a, b in inner]
         if isinstance(A, BinOp) and A.op in "*/":
             for m, f in ((A.left, A.right), (A.right, A.left)) if A.op == "*" else ((A.left, A.right),):
                 sf = alg.shape(f)
                 if sf is not None and len(sf) <= 1 and alg.rank(m) == 2:
                     f = f if A.op == "*" else simplify(BinOp("/", ONE, f))
-                    return [(a, _times(f, b) if len(sf) == 0 else _times(b, f))
+                    return [(a, times(f, b) if len(sf) == 0 else times(b, f))
                             for a, b in increments(alg, m, S, vector)]
         raise NotAdmitted(f"the increment {txt(A)} of {S} is not a sum of outer products")
     if isinstance(A, BinOp) and A.op in "*/":
@@ -471,7 +114,7 @@ def apply(terms: tuple[Term, ...], env: dict[str, Affine], vector: bool) -> Affi
             a2, s1 = _side_vec(t.left, a)
             b2, s2 = (b, ONE) if vector else _side_vec(t.right.transposed(), b)
             scale = mul(t.coef, mul(s1, s2))
-            out_incs.append((a2, mul(scale, b2) if vector else _times(scale, b2)))
+            out_incs.append((a2, mul(scale, b2) if vector else times(scale, b2)))
     return Affine(tuple(out_terms), tuple(out_incs), vector)
 
 
@@ -480,9 +123,9 @@ def _side_vec(f: Side, x: Expr) -> tuple[Expr, Expr]:
     if f.kind == "I":
         return x, ONE
     if f.kind == "diag":
-        return _times(f.u, x), ONE
+        return times(f.u, x), ONE
     if f.kind == "outer":
-        return f.u, _dot(f.w, x)
+        return f.u, dot(f.w, x)
     raise AssertionError(f"a {f.kind} factor on an increment")  # pragma: no cover
 
 
@@ -549,7 +192,7 @@ def collect(alg: Algebra, m: Affine) -> Affine:
     incs = []
     for a, b in m.incs:
         s, x = split_scalar(alg, a)
-        incs.append((x, simplify(mul(s, b)) if m.vector else _times(s, b)))
+        incs.append((x, simplify(mul(s, b)) if m.vector else times(s, b)))
     return Affine(terms, tuple(incs), m.vector)
 
 
@@ -590,7 +233,7 @@ def diagonal(terms) -> Expr | None:
     for t in terms:
         if t.left.kind not in ("I", "diag"):
             continue
-        part = t.coef if t.left.kind == "I" else _times(t.coef, t.left.u)
+        part = t.coef if t.left.kind == "I" else times(t.coef, t.left.u)
         total = part if total is None else simplify(BinOp("+", total, part))
     return total
 
@@ -725,11 +368,11 @@ def side_text(s: Side) -> str:
     if s.kind == "diag":
         return f"Diag({txt(s.u)})"
     if s.kind == "outer":
-        return f"{_vec_text(s.u)} {_vec_text(s.w)}ᵀ"
-    return _vec_text(s.u)   # pragma: no cover - a consumed axis is never printed as an operator
+        return f"{vec_text(s.u)} {vec_text(s.w)}ᵀ"
+    return vec_text(s.u)   # pragma: no cover - a consumed axis is never printed as an operator
 
 
-def _vec_text(e: Expr) -> str:
+def vec_text(e: Expr) -> str:
     folded = fold_lets(simplify(e), SHOW_LETS.get())
     t = unparse(folded)
     return t if isinstance(folded, (Name, Call)) else f"({t})"
@@ -744,7 +387,7 @@ def _coef_sign(c: Expr) -> tuple[int, Expr]:
     return 1, c
 
 
-def _join(parts: list[tuple[int, str]]) -> str:
+def join_terms(parts: list[tuple[int, str]]) -> str:
     out = ""
     for i, (sign, text) in enumerate(parts):
         if i == 0:
@@ -754,7 +397,7 @@ def _join(parts: list[tuple[int, str]]) -> str:
     return out or "0"
 
 
-def _scaled(c: Expr, op: str) -> tuple[int, str]:
+def scaled_text(c: Expr, op: str) -> tuple[int, str]:
     sign, mag = _coef_sign(c)
     if is_num(mag, 1):
         return sign, op
@@ -778,14 +421,14 @@ def transition_text(m: Affine, state: str, states: list[str]) -> list[str]:
             continue
         name = "T" if src == state and len(by_state) == 1 else f"T[{state} <- {src}]"
         if all(t.right.kind in ("I", "vec") for t in ts):
-            lines.append(f"{name} = {_join([_scaled(t.coef, side_text(t.left)) for t in ts])}")
+            lines.append(f"{name} = {join_terms([scaled_text(t.coef, side_text(t.left)) for t in ts])}")
         else:
             parts = []
             for t in ts:
                 left = "" if t.left.kind == "I" else side_text(t.left) + " "
                 right = "" if t.right.kind == "I" else " " + side_text(t.right)
-                parts.append(_scaled(t.coef, f"{left}{src}{right}"))
-            lines.append(f"{name}({src}) = {_join(parts)}")
+                parts.append(scaled_text(t.coef, f"{left}{src}{right}"))
+            lines.append(f"{name}({src}) = {join_terms(parts)}")
     return lines
 
 
@@ -793,11 +436,11 @@ def increment_text(alg: Algebra, m: Affine) -> str:
     parts = []
     for a, b in m.incs:
         if m.vector:
-            parts.append(_scaled(b, _vec_text(a)))
+            parts.append(scaled_text(b, vec_text(a)))
         else:
             s, x = split_scalar(alg, b)
-            parts.append(_scaled(s, f"{_vec_text(a)} {_vec_text(x)}ᵀ"))
-    return _join(parts)
+            parts.append(scaled_text(s, f"{vec_text(a)} {vec_text(x)}ᵀ"))
+    return join_terms(parts)
 
 
 def increment_name(alg: Algebra) -> str:

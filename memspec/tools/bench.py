@@ -229,7 +229,7 @@ def run_cli(args, load_checked, usage_error) -> int:
         raise usage_error("--device cuda: no CUDA device is available")
     record = bench(args.files, T=args.T, B=args.B, H=args.H, D=args.D, device=args.device, dtype=args.dtype,
                    repeat=args.repeat, grad=args.grad, schedules=schedules, compile=getattr(args, "compile", False),
-                   loader=lambda p: load_checked(p)[0])
+                   loader=lambda p: load_checked(p).spec)
     sys.stdout.write(render(record))
     if args.json:
         from ..pipeline.write import write_atomic

@@ -80,15 +80,9 @@ class RunResult:
 # ------------------------------------------------------------------ helpers
 def load_spec(path: str):
     """Load and check a spec file (raises SpecError with located diagnostics)."""
-    try:
-        from ..check import verify as checks  # noqa: F401
-    except ImportError:
-        from ..lang.frontend import load
+    from ..pipeline.build import load_checked
 
-        return load(path)
-    from .cli import load_checked
-
-    return load_checked(path, warnings=False)[0]
+    return load_checked(path).spec
 
 
 def schedule_name(spec, chunk: int | None = None) -> str:
