@@ -4,8 +4,7 @@
 # spec sha256: 2232848f0e27d2a33549a27a39d9863f86869dc421fa7330aa45c9a6c3c8afe1
 # file sha256: 2232848f0e27d2a33549a27a39d9863f86869dc421fa7330aa45c9a6c3c8afe1
 # schedule: online: one token at a time (exact)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: online, exact; admits minibatch, online
 # schedules of this module: minibatch, online
 """momentum_deltanet: The delta rule with momentum and forgetting (Titans' memory with a linear

@@ -68,7 +68,7 @@ class _Compiled:
         return self.fn(*args)
 
 
-def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
+def chunk_additive(q, k, v, log_gamma, S0, chunk):
     """Exact chunked form of ``S_t = exp(log_gamma_t) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @
     S_t``.
 
@@ -99,6 +99,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+
+    Specialised for this module: inclusive=True, group=None.
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
@@ -107,9 +109,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
-    if group is not None:
-        G = int(group)
-    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
+    if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
         G = round((1 << 17) / (BH * C * max(K, V, C)))
     # caching allocators: fewer, larger launches; the [G, G] prefix stays small
     else:
@@ -120,8 +120,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     lg = log_gamma.to(dt) if log_gamma is not None else None
     S = k.new_zeros(BH, K * V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K * V)
     idx = torch.arange(C, device=k.device)
-    # [C, C]
-    read_mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
+    read_mask = idx[:, None] >= idx[None, :]   # [C, C]
     gidx = torch.arange(G, device=k.device)
     # [G, G]
     strict = gidx[:, None] > gidx[None, :]
@@ -180,13 +179,13 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
         qg = block(qq, a, n, c)                                      # [BHn, c, K]
         scores = torch.bmm(qg, kg.transpose(1, 2))                   # [BHn, c, c]
         if lg is not None:
-            Lq = L if inclusive else L - lgg                         # [B, H, n, c]
+            Lq = L                         # [B, H, n, c]
             decay = torch.exp(torch.where(read_mask[:c, :c], Lq[..., :, None] - L[..., None, :],
                     float("-inf")))
             scores = scores * decay.reshape(BH * n, c, c)
             qg = qg * torch.exp(Lq).reshape(BH * n, c, 1)
         else:
-            scores = scores.tril_(0 if inclusive else -1)
+            scores = scores.tril_(0)
         og = torch.baddbmm(torch.bmm(qg, S_starts.view(BH * n, K, V)), scores, vg)   # [BHn, c, V]
         outs.append(og.view(BH, n * c, V))
     S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else vs[0].dtype)
@@ -344,7 +343,7 @@ class RetentionMemory(nn.Module):
         # only through probes p @ S
         S_gamma = torch.sigmoid(self.lam).expand(q.shape[:3])  # [B, T, H]
         S_log_gamma = torch.log(S_gamma.clamp(min=1e-30))  # [B, T, H]
-        S_read0, S_T0 = chunk_additive(q, k, v, S_log_gamma, state["S"], self.chunk, inclusive=True)
+        S_read0, S_T0 = chunk_additive(q, k, v, S_log_gamma, state["S"], self.chunk)
         S_new = S_T0  # [B, H, d_k, d_v]
         S_probe_out = S_read0
         o = S_probe_out  # [B, T, H, d_v]

@@ -3,10 +3,8 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: aed47fbe626ea58cebc7432be68f522fdb750faa4482e5d1461262044df75870
 # file sha256: d863809027ef4e3dbb899d10a44eba7e1098b90f8fc19d5783fceaae3e9c3dd8
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(64): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 # wiring: mag(segment=64, persistent=16, window=128) -- built here: TitansMagLayer is MAG around

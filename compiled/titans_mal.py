@@ -3,10 +3,8 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: dbc237c040fef00fc029ad0ac716b3de5985a04ea050225003d6aba56c9510d3
 # file sha256: 569da70e942949d1f08df881087709cfba1fe74369c8150a365dad620004347c
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(64): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 # wiring: mal(segment=64, persistent=16, window=128) -- built here: TitansMalLayer is MAL around
