@@ -183,21 +183,19 @@ def _steps_text(plan):
 def test_dplr_plans_of_the_shipped_specs():
     """Each step's a, b, k, v in the kernel's form (a scalar times the step's key where it is one,
     b omitted where it is the key), the decay on the first step."""
-    want = {
-        "kda": ("1 - alpha", "scalar", "vector", [("-eta", "l2norm(k) * (1 - alpha)", "l2norm(k)", "eta * v")]),
-        "gdn2": ("1 - alpha", "scalar", "vector",
-                 [("-1", "eta_k * l2norm(k) * (1 - alpha)", "l2norm(k)", "eta_v * v")]),
-        "comba": ("1 - alpha", "scalar", "vector",
-                  [("-(eta * (1 - alpha))", "l2norm(p)", "l2norm(k)", "eta * v")]),
-        "rwkv7": ("1 - alpha", "vector", "vector",
+    want = {   # (decay, read after the decay, a form, b form, steps (a, b, k, v))
+        "kda": ("1 - alpha", True, "scalar", "key", [("-eta", None, "l2norm(k)", "eta * v")]),
+        "gdn2": ("1 - alpha", True, "scalar", "vector", [("-1", "eta_k * l2norm(k)", "l2norm(k)", "eta_v * v")]),
+        "comba": ("1 - alpha", True, "scalar", "vector", [("-eta", "l2norm(p)", "l2norm(k)", "eta * v")]),
+        "rwkv7": ("1 - alpha", False, "vector", "vector",
                   [("-(eta * l2norm(k * xi))", "l2norm(k * xi)", "k", "v")]),
-        "gated_deltaproduct": ("1 - alpha", "scalar", "key",
-                               [("-(eta1 * (1 - alpha))", None, "l2norm(k1)", "eta1 * v1"),
-                                ("-eta2", None, "l2norm(k2)", "eta2 * v2")]),
+        "gated_deltaproduct": ("1 - alpha", True, "scalar", "key",
+                               [("-eta1", None, "l2norm(k1)", "eta1 * v1"), ("-eta2", None, "l2norm(k2)", "eta2 * v2")]),
     }
-    for name, (decay, a_form, b_form, steps) in want.items():
+    for name, (decay, after, a_form, b_form, steps) in want.items():
         plan = _dplr(memspec.load(SPECS / f"{name}.yaml"))
-        assert (unparse(plan.decay), plan.a_form, plan.b_form) == (decay, a_form, b_form), name
+        assert (unparse(plan.decay), plan.read_after_decay, plan.a_form, plan.b_form) == (decay, after, a_form,
+                                                                                           b_form), name
         assert _steps_text(plan) == steps, name
         assert not plan.simultaneous
 

@@ -23,8 +23,8 @@ from .algebra import ONE, Algebra, NotAdmitted, is_num, mul, simplify, txt
 from .delta import grad_reasons
 from .polynomial import Probe, find_probes
 from .ranges import check_decay
-from .transition import (Affine, apply, collect, describe, diagonal, join_terms, normal_form, one_state, scaled_text,
-                         side_text, split_scalar, vec_text)
+from .transition import (Affine, apply, collect, describe, diagonal, join_terms, normal_form, one_state, ratio,
+                         scaled_text, side_text, split_scalar, vec_text, without_factor)
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,17 @@ class DplrPlan:
     """``decay``: the first sub-step's ``d`` (a scalar, or a ``[d_k]`` vector per key channel;
     None: 1); ``steps`` in order; ``simultaneous``: the rank-one terms of one statement, all
     reading the state before the token (``S <- Diag(d) S + sum_r a_r (b_rᵀ S) + sum_r outer(k_r,
-    v_r)``) instead of steps in order; ``a_form`` / ``b_form``: how the steps give ``a`` and ``b``
-    (``vector``, ``scalar`` times the step's key, or ``key`` itself)."""
+    v_r)``) instead of steps in order; ``read_after_decay``: the first sub-step reads the state
+    after the decay (``S <- Diag(d) S + a (bᵀ Diag(d) S) + ...``: the error at the decayed memory,
+    as the statements wrote it, with ``d`` divided out of ``a`` or ``b``); ``a_form`` / ``b_form``:
+    how the steps give ``a`` and ``b`` (``vector``, ``scalar`` times the step's key, or ``key``
+    itself)."""
 
     state: str
     decay: Expr | None
     steps: tuple[DplrStep, ...]
     simultaneous: bool
+    read_after_decay: bool
     a_form: str
     b_form: str
     probes: tuple[Probe, ...]
@@ -102,7 +106,13 @@ def analyse_dplr(alg: Algebra) -> tuple[DplrPlan, list[str]]:
             raise NotAdmitted(f"sub-step {r + 1} of {S} decays it again (Diag({txt(d)})): the kernel decays the "
                               f"state once per token, on its first sub-step")
         steps += _steps(alg, S, part, r)
-    reasons.append(_substep_text(alg, S, decay, steps, simultaneous))
+    after = False
+    if decay is not None and steps and steps[0].a is not None:
+        decayed = _read_after_decay(alg, steps[0], decay)
+        if decayed is not None:
+            after = True
+            steps[0] = decayed
+    reasons.append(_substep_text(alg, S, decay, steps, simultaneous, after))
     reasons += [x for x in (check_decay(alg, decay, f"of {S}"),) if x]
     read, probes = find_probes(alg, alg.inline(spec.read), {S})
     reasons.append("the read is a function of the linear probes "
@@ -114,8 +124,20 @@ def analyse_dplr(alg: Algebra) -> tuple[DplrPlan, list[str]]:
     a_form, b_form = step_forms(alg, steps)
     steps = [DplrStep(_in_form(alg, st.a, st.k, a_form), _in_form(alg, st.b, st.k, b_form), st.k, st.v)
              for st in steps]
-    return DplrPlan(S, decay, tuple(steps), simultaneous, a_form, b_form, tuple(probes), read,
+    return DplrPlan(S, decay, tuple(steps), simultaneous, after, a_form, b_form, tuple(probes), read,
                     spec.order == "write_read"), reasons
+
+
+def _read_after_decay(alg: Algebra, st: DplrStep, decay: Expr) -> DplrStep | None:
+    """The first step with its read at the decayed state, ``a (bᵀ Diag(d) S)``: ``d`` divided out of
+    ``b`` (a decay per channel) or of ``a``'s scalar (a scalar decay); None when it is no factor
+    (the error is read at the state before the decay)."""
+    if alg.rank(decay) == 1:
+        b = without_factor(st.b, decay)
+        return None if b is None else DplrStep(st.a, b, st.k, st.v)
+    c, u = split_scalar(alg, st.a)
+    c2 = ratio(c, decay)
+    return None if c2 is None else DplrStep(simplify(mul(c2, u)), st.b, st.k, st.v)
 
 
 def _in_form(alg: Algebra, x: Expr | None, k: Expr, form: str) -> Expr | None:
@@ -146,17 +168,18 @@ def _steps(alg: Algebra, S: str, part: Affine, r: int) -> list[DplrStep]:
     return out
 
 
-def _substep_text(alg: Algebra, S: str, decay, steps: list[DplrStep], simultaneous: bool) -> str:
+def _substep_text(alg: Algebra, S: str, decay, steps: list[DplrStep], simultaneous: bool, after: bool) -> str:
     lines = []
     for r, st in enumerate(steps):
         parts = []
+        decayed = S
         if r == 0 and decay is not None:
-            parts.append((1, f"Diag({txt(decay)}) {S}" if alg.rank(decay) == 1 else f"{vec_text(decay)} {S}"))
-        else:
-            parts.append((1, S))
+            decayed = f"Diag({txt(decay)}) {S}" if alg.rank(decay) == 1 else f"{vec_text(decay)} {S}"
+        parts.append((1, decayed))
         if st.a is not None:
             c, a = split_scalar(alg, st.a)
-            parts.append(scaled_text(c, f"{vec_text(a)} ({vec_text(st.b)}ᵀ {S})"))
+            seen = (decayed if alg.rank(decay) == 1 else f"({decayed})") if after and r == 0 else S
+            parts.append(scaled_text(c, f"{vec_text(a)} ({vec_text(st.b)}ᵀ {seen})"))
         c, v = split_scalar(alg, st.v)
         parts.append(scaled_text(c, f"{vec_text(st.k)} {vec_text(v)}ᵀ"))
         lines.append(f"{S} <- " + join_terms(parts))

@@ -361,6 +361,33 @@ def ratio(a: Expr, b: Expr) -> Expr | None:
     return simplify(out)
 
 
+def without_factor(x: Expr, d: Expr) -> Expr | None:
+    """``x / d`` when ``d`` is one of the factors of the product ``x`` (vectors elementwise, compared
+    by meaning): the product of the others; None when it is not."""
+    factors: list[Expr] = []
+
+    def walk(e: Expr) -> None:
+        e = simplify(e)
+        if isinstance(e, BinOp) and e.op == "*":
+            walk(e.left)
+            walk(e.right)
+        elif isinstance(e, Neg):
+            factors.append(Num(-1))
+            walk(e.operand)
+        else:
+            factors.append(e)
+
+    walk(x)
+    keys = [canon(f) for f in factors]
+    if canon(simplify(d)) not in keys:
+        return None
+    del factors[keys.index(canon(simplify(d)))]
+    out: Expr = ONE
+    for f in factors:
+        out = mul(out, f)
+    return simplify(out)
+
+
 # ------------------------------------------------------------------ printing
 def side_text(s: Side) -> str:
     if s.kind == "I":
