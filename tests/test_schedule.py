@@ -546,4 +546,5 @@ def test_explain_prints_the_normal_form_in_the_specs_names():
             "    W <- T(W) + A with T = (1 - alpha) I - eta * (1 - alpha) kn knᵀ; A = eta kn vᵀ\n") in text
     text = explain(memspec.load(SPECS / "momentum_deltanet.yaml"))
     assert text.startswith("momentum_deltanet: online")
-    assert "T[W <- U] = mu I" in text and "coupled linearly" in text and "schedule: minibatch(N)" in text
+    assert "T[W <- U] = mu I" in text and "schedule: minibatch(N)" in text
+    assert "one joint transition [[1 - alpha, mu], [0, mu]] ⊗ I plus rank-one terms" in text

@@ -80,7 +80,7 @@ class ScheduleDecision:
     chunks: dict = field(default_factory=dict, compare=False)  # chunked family -> its chunk size
     let_forms: tuple = ()       # (inlined value, let name) of every let, as the analysis read them
     normal_form: tuple[str, ...] = ()  # S <- T(S) + W of every state, printed (empty: not linear in the state)
-    coupled: bool = False       # the normal form couples several states linearly
+    coupled: str | None = None  # how the normal form couples several states (None: independent)
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -143,10 +143,9 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
     schedules = tuple(f.name for f in FAMILIES if f.name in plans and (f.name == fam or f.carried))
     try:
         nf = transition.normal_form(alg)
-        normal, coupled = tuple(transition.describe(nf, alg)), any(
-            t.state != n for n, m in nf.maps.items() for t in m.terms)
+        normal, coupled = tuple(transition.describe(nf, alg)), transition.coupling(nf, alg)
     except NotAdmitted:
-        normal, coupled = (), False
+        normal, coupled = (), None
     return ScheduleDecision(fam, BY_NAME[fam].exact, chunks.get(fam), tuple(reasons), plans[fam], admits,
                             plans, tuple(rejected), schedules,
                             {f: c for f, c in chunks.items() if f in schedules},
@@ -178,8 +177,8 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
         lines.append("  note: mini-batch evaluates every grad(...) of a chunk at the chunk-start state;"
                      " it approximates online learning and equals it at chunk 1 (schedule minibatch(1))")
     if d.coupled and d.family == "online":
-        lines.append("  note: the states are coupled linearly (one transition over all of them, not one per "
-                     "state); no exact chunked form of a coupled pair is derived, so the exact schedule is online")
+        lines.append(f"  note: {d.coupled}; no exact chunked form of coupled states is derived, so the exact "
+                     f"schedule is online")
     if d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
         lines.append("  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
                      "schedules, so ask for it with `schedule: minibatch(N)`")

@@ -475,6 +475,29 @@ def increment_name(alg: Algebra) -> str:
     return next(n for n in ("W", "A", "B", "C", "W_inc") if n not in alg.states)
 
 
+def coupling(nf: NormalForm, alg: Algebra) -> str | None:
+    """For states whose maps read each other: the block structure of their joint transition,
+    ``[[1 - alpha, mu], [0, mu]] ⊗ I + rank one`` when every cross term is a scalar identity,
+    in words; None when the states are independent."""
+    states = list(alg.states)
+    if not any(t.state != n for n in states for t in nf.maps[n].terms):
+        return None
+    rows, rank1 = [], 0
+    for n in states:
+        row = []
+        for src in states:
+            diag = [t for t in nf.maps[n].terms if t.state == src and t.left.kind in ("I", "diag")]
+            if any(t.left.kind == "diag" or t.right.kind not in ("I", "vec") for t in diag):
+                return f"the states {', '.join(states)} are coupled linearly through per-channel factors"
+            row.append(txt(sum_of([t.coef for t in diag])) if diag else "0")
+        rows.append("[" + ", ".join(row) + "]")
+        rank1 += sum(t.left.kind == "outer" for t in nf.maps[n].terms)
+    block = "[" + ", ".join(rows) + "]"
+    return (f"the states ({', '.join(states)}) have one joint transition {block} ⊗ I"
+            + (" plus rank-one terms" if rank1 else "") + ": a block decay that is not diagonal, which "
+            "no chunk kernel here takes (each decays a state by a diagonal of its own)")
+
+
 def describe(nf: NormalForm, alg: Algebra) -> list[str]:
     """The normal form in the spec's own names, one line per state:
     ``S <- T(S) + W with T = Diag(1 - alpha); W = k vᵀ``."""
