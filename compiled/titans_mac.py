@@ -7,8 +7,8 @@
 # mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mac(segment=128, persistent=16, window=64) -- built here: TitansMacLayer is MAC around
-# TitansMacMemoryLayer
+# wiring: mac(segment=128, persistent=16, window=64)
+# built here: TitansMacLayer is MAC around TitansMacMemoryLayer
 """titans_mac: Titans MAC (memory as a context): the Titans neural memory wired per segment of 128
 tokens; the segment's queries first retrieve from the memory left by earlier segments, attention
 runs over [16 persistent tokens | retrieved | segment], and the attention output is what the memory
@@ -124,7 +124,7 @@ class Attention(nn.Module):
         return self.split(self.wk(x)), self.split(self.wv(x))
 
     def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
         if self.n_persistent:
@@ -204,8 +204,7 @@ class MAC(nn.Module):
         """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier
         ones)."""
         L = x.shape[1]
-        # 1. retrieve (pre-segment state)
-        h = self.retrieve(x, st["start"])
+        h = self.retrieve(x, st["start"])                  # 1. retrieve (pre-segment state)
         hk, hv = self.attn.project_kv(h)                               # [B, h, L, dh]
         xk, xv = self.attn.project_kv(x)
         if st["hk"] is not None:

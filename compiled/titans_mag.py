@@ -7,8 +7,8 @@
 # mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mag(segment=64, persistent=16, window=128) -- built here: TitansMagLayer is MAG around
-# TitansMagMemoryLayer
+# wiring: mag(segment=64, persistent=16, window=128)
+# built here: TitansMagLayer is MAG around TitansMagMemoryLayer
 """titans_mag: Titans MAG (memory as a gate): sliding-window attention (window 128, with 16
 persistent tokens) and the Titans neural memory read the same input, and a learned gate mixes their
 outputs.
@@ -122,7 +122,7 @@ class Attention(nn.Module):
         return self.split(self.wk(x)), self.split(self.wv(x))
 
     def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
         if self.n_persistent:
@@ -167,8 +167,8 @@ class SlidingWindowAttention(Attention):
 
 
 class MAG(nn.Module):
-    """Memory as gate (Titans §4.2): ``o = g * SWA(x) + (1 - g) * M(x)``, ``g = sigmoid(x W_g +
-    b)``.
+    """Memory as gate (Titans §4.2): ``o = g * SWA(x) + (1 - g) * M(x)``,
+    ``g = sigmoid(x W_g + b)``.
 
     ``forward(x, state=None, return_state=False)``; state ``{"mem", "attn"}``.
     """

@@ -7,8 +7,8 @@
 # mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mal(segment=64, persistent=16, window=128) -- built here: TitansMalLayer is MAL around
-# TitansMalMemoryLayer
+# wiring: mal(segment=64, persistent=16, window=128)
+# built here: TitansMalLayer is MAL around TitansMalMemoryLayer
 """titans_mal: Titans MAL (memory as a layer): the Titans neural memory as a layer followed by
 sliding-window attention (window 128, with 16 persistent tokens).
 
@@ -121,7 +121,7 @@ class Attention(nn.Module):
         return self.split(self.wk(x)), self.split(self.wv(x))
 
     def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
         if self.n_persistent:

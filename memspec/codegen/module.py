@@ -105,8 +105,8 @@ def header(ctx, L):
     L(f"# schedules of this module: {', '.join(ctx.schedules)}")
     if spec.wiring.kind != "none":
         w = spec.wiring
-        L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window}) -- "
-          f"built here: {ctx.name}Layer is {w.kind.upper()} around {ctx.name}MemoryLayer")
+        L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window})")
+        L(f"# built here: {ctx.name}Layer is {w.kind.upper()} around {ctx.name}MemoryLayer")
     L('"""' + f"{spec.name}: " + (spec.description.split(". ")[0].strip().rstrip(".") + "." if spec.description else "a memspec memory."))
     L()
     if spec.cite:

@@ -64,7 +64,8 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor):
         return self.split(self.wk(x)), self.split(self.wv(x))
 
-    def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
         if self.n_persistent:
@@ -172,9 +173,10 @@ class MAC(nn.Module):
         return self.layer(y, state=mem, return_state=True)
 
     def _segment_piece(self, x: torch.Tensor, st: dict):
-        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier ones)."""
+        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier
+        ones)."""
         L = x.shape[1]
-        h = self.retrieve(x, st["start"])                              # 1. retrieve (pre-segment state)
+        h = self.retrieve(x, st["start"])                  # 1. retrieve (pre-segment state)
         hk, hv = self.attn.project_kv(h)                               # [B, h, L, dh]
         xk, xv = self.attn.project_kv(x)
         if st["hk"] is not None:
@@ -209,7 +211,8 @@ class MAC(nn.Module):
 
 
 class MAG(nn.Module):
-    """Memory as gate (Titans §4.2): ``o = g * SWA(x) + (1 - g) * M(x)``, ``g = sigmoid(x W_g + b)``.
+    """Memory as gate (Titans §4.2): ``o = g * SWA(x) + (1 - g) * M(x)``,
+    ``g = sigmoid(x W_g + b)``.
 
     ``forward(x, state=None, return_state=False)``; state ``{"mem", "attn"}``.
     """
