@@ -355,8 +355,7 @@ class Mamba2Memory(nn.Module):
         """The exact additive chunked form over chunks of self.chunk tokens."""
         # additive chunked schedule (exact): S <- gamma * S + outer(a, b); the read sees the state
         # only through probes p @ S
-        S_gamma = torch.exp(-(eta * torch.exp(self.A_log)))  # [B, T, H]
-        S_log_gamma = torch.log(S_gamma.clamp(min=1e-30))  # [B, T, H]
+        S_log_gamma = -(eta * torch.exp(self.A_log))  # [B, T, H]
         S_b = eta[..., None] * v  # [B, T, H, d_v]
         S_read0, S_T0 = chunk_additive(q, k, S_b, S_log_gamma, state["S"], self.chunk)
         S_new = S_T0  # [B, H, d_k, d_v]

@@ -20,7 +20,7 @@ and ``KERNEL`` (the :mod:`memspec.runtime` function its module carries).
 """
 from __future__ import annotations
 
-from ..lang.expr import Expr, Name, rewrite
+from ..lang.expr import Call, Expr, Name, rewrite
 from ..lang.names import GENERATED_NAMES, fresh
 from ..schedule.algebra import simplify
 
@@ -88,7 +88,10 @@ class ChunkWriter:
         """The log of a decay: ``[B, T, H]`` (a scalar per head) or ``[B, T, H, d]`` (per channel)."""
         if gamma is None:
             return "None"
-        shape = self.em.shape(self.fold(simplify(gamma)))
+        gamma = simplify(gamma)
+        shape = self.em.shape(self.fold(gamma))
+        if isinstance(gamma, Call) and gamma.fn == "exp":   # exp(x): its log is x (no clamp, no rounding)
+            return self.value(gamma.args[0], base, vector=bool(shape))
         g = self.value(gamma, base.replace("log_", ""), vector=bool(shape))
         name = self.fresh(base)
         self.lines.append(f"{name} = torch.log({g}.clamp(min={LOG_FLOOR}))  # {fmt_shape(shape)}")
