@@ -164,7 +164,7 @@ def chunk_delta(q, k, v, beta, S0, chunk):
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     Np = N + (r > 0)                                                 # chunks, the tail included
     zero = torch.zeros((), dtype=dt, device=dev)
-    nan = torch.full((), float("nan"), dtype=dt, device=dev)
+    nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
 
     # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
     def per_chunk(x):
@@ -257,7 +257,7 @@ def chunk_delta(q, k, v, beta, S0, chunk):
             qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
             og = torch.baddbmm(torch.bmm(scores.tril_(0), u), qg, S_starts)   # Qd S + P u
-            og = torch.where(rbad.reshape(nBH, c, 1), nan, og)
+            og = torch.where(rbad.reshape(nBH, c, 1), nan_value, og)
             # [B, n, c, H, V] (a view)
             outs.append(og.reshape(n, B, H, c, V).permute(1, 0, 3, 2, 4))
     # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
@@ -268,7 +268,7 @@ def chunk_delta(q, k, v, beta, S0, chunk):
             o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
     if state_bad is not None:
         # a bad token poisons the final state
-        S = torch.where(state_bad, nan, S)
+        S = torch.where(state_bad, nan_value, S)
     S_out = S.reshape(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
     if qq is None:
         return None, S_out

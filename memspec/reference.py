@@ -9,7 +9,7 @@ tensors as they flow.
 Layout (shared by every phase)::
 
     views   [B, T, H, D]       one tensor per view, D = the view's dim
-    gates   [B, T, H]          already computed gate values (not logits)
+    gates   [B, T, H]          already computed gate values (not logits); [B, T, H, d] per channel
     state   [B, H, *shape]     a cache state is [B, H, n, *shape] (n grows)
     params  [H, *shape]        learned outer-loop tensors (and learned initial states)
     output  [B, T, H, *read_shape]
@@ -200,9 +200,9 @@ def _full_state(spec: Spec, given: dict | None, B: int, H: int, dtype, device,
 
 # ===================================================================== inputs
 def _check_inputs(spec: Spec, inputs: dict) -> tuple[int, int, int, torch.dtype, Any]:
-    """Check views ``[B, T, H, D]`` and gates ``[B, T, H]``; return B, T, H, dtype, device."""
+    """Check views ``[B, T, H, D]`` and gates ``[B, T, H, *shape]``; return B, T, H, dtype, device."""
     expected = {n: ["B", "T", "H", v.dim] for n, v in spec.views.items()}
-    expected.update({n: ["B", "T", "H"] for n in spec.gates})
+    expected.update({n: ["B", "T", "H", *g.shape] for n, g in spec.gates.items()})
     missing = [n for n in expected if n not in inputs]
     extra = [n for n in inputs if n not in expected]
     problems = []
@@ -212,8 +212,9 @@ def _check_inputs(spec: Spec, inputs: dict) -> tuple[int, int, int, torch.dtype,
         hints = [did_you_mean(n, expected) for n in extra]
         problems.append("unexpected " + ", ".join(extra) + "".join(f" ({h})" for h in hints if h))
     if problems:
+        gates = ", ".join(f"{n} {_notation(expected[n])}" for n in spec.gates)
         raise ValueError("; ".join(problems) + f". This spec takes views {list(spec.views)} "
-                         f"[B, T, H, D] and gates {list(spec.gates)} [B, T, H]")
+                         f"[B, T, H, D]" + (f" and gates {gates}" if gates else ""))
     if not expected:
         raise ValueError("this spec has no views or gates, so B, T and H cannot be inferred")
     first = next(iter(expected))
@@ -351,6 +352,8 @@ class _Interpreter:
         return x.transpose(-1, -2)
 
     def eval_BinOp(self, e: BinOp, scope: _Scope) -> torch.Tensor:
+        if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+            return self.diag_matmul(e, scope)
         a, b = self.eval(e.left, scope), self.eval(e.right, scope)
         if e.op == "@":
             return self.matmul(a, b, e)
@@ -380,6 +383,21 @@ class _Interpreter:
             return (a * b).sum(-1)
         raise _EvalError(f"{_where(e)}@ needs vectors or matrices, got shapes "
                          f"{list(_named(a))} and {list(_named(b))}")
+
+    def diag_matmul(self, e: BinOp, scope: _Scope) -> torch.Tensor:
+        """``diag(a) @ X`` scales the rows of X (its first named axis) by a, ``X @ diag(b)`` its
+        columns (its last named axis); the diagonal matrix is never formed."""
+        left = _is_diag(e.left)
+        d = self.eval((e.left if left else e.right).args[0], scope)
+        x = self.eval(e.right if left else e.left, scope)
+        if len(_named(d)) != 1 or len(_named(x)) not in (1, 2):
+            raise _EvalError(f"{_where(e)}diag needs a vector and a vector or matrix operand, got shapes "
+                             f"{list(_named(d))} and {list(_named(x))}")
+        if left and len(_named(x)) == 2:
+            return d.unsqueeze(-1) * x
+        if not left and len(_named(x)) == 2:
+            return x * d.unsqueeze(-2)
+        return d * x
 
     def eval_Call(self, e: Call, scope: _Scope) -> torch.Tensor:
         model = self.spec.model
@@ -475,6 +493,9 @@ class _Interpreter:
         if len(_named(b)) == 1:
             return torch.linalg.solve(A, b.unsqueeze(-1)).squeeze(-1)
         return torch.linalg.solve(A, b)
+
+    def fn_diag(self, e, scope):
+        raise _EvalError(f"{_where(e)}diag(a) is only allowed as an operand of @")
 
     def fn_eye(self, e, scope):
         d = self.int_arg(e.args[0])
@@ -601,7 +622,8 @@ def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
             ``("minibatch", C)`` / ``"minibatch(C)"``, or ``"spec"`` (the spec's own).
         dims: overrides of the spec's dims.
         params: learned params ``{name: [H, *shape]}`` and learned initial states.
-        views_and_gates: each view ``[B, T, H, D]``, each gate ``[B, T, H]``.
+        views_and_gates: each view ``[B, T, H, D]``, each gate ``[B, T, H]`` (``[B, T, H, d]``
+            for a gate declared with a shape).
 
     Returns:
         ``(outputs [B, T, H, *read_shape], final_state {name: [B, H, *shape]})``.
@@ -627,7 +649,7 @@ def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
 
 
 def _token_inputs(spec: Spec, inputs: dict, t: int) -> dict[str, torch.Tensor]:
-    """Views ``[B, H, D]`` and gates ``[B, H]`` of token ``t``."""
+    """Views ``[B, H, D]`` and gates ``[B, H, *shape]`` of token ``t``."""
     return {n: inputs[n][:, t] for n in (*spec.views, *spec.gates)}
 
 
@@ -664,6 +686,10 @@ def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
     if spec.order == "write_read":
         out = interp.eval(spec.read, scope)
     return out.expand(B, H, *out.shape[2:])
+
+
+def _is_diag(e: Expr) -> bool:
+    return isinstance(e, Call) and e.fn == "diag"
 
 
 def _has_grad(e: Expr) -> bool:

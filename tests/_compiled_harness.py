@@ -40,8 +40,9 @@ def inputs(spec, m, B=2, T=10, dtype=torch.float64, seed=1, requires_grad=False)
     out = {}
     for v, view in spec.views.items():
         out[v] = 0.5 * torch.randn(B, T, H, getattr(m, view.dim), generator=g, dtype=dtype)
-    for n in spec.gates:
-        out[n] = 0.05 + 0.3 * torch.rand(B, T, H, generator=g, dtype=dtype)
+    for n, gate in spec.gates.items():
+        channels = [getattr(m, d) for d in gate.shape]   # a per-channel gate is [B, T, H, d]
+        out[n] = 0.05 + 0.3 * torch.rand(B, T, H, *channels, generator=g, dtype=dtype)
     if requires_grad:
         for t in out.values():
             t.requires_grad_(True)

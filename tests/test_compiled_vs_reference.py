@@ -76,7 +76,9 @@ def test_gradients_match_reference(path, schedule):
 
 
 GRADCHECK = ["deltanet", "gated_deltanet", "linear_attention", "softmax_attention", "sliding_window_attention",
-             "mesa", "titans", "ttt_linear", "ttt_mlp", "moneta", "yaad", "longhorn"]
+             "mesa", "titans", "ttt_linear", "ttt_mlp", "moneta", "yaad", "longhorn",
+             "gla", "rwkv6", "hgrn2", "retention", "mamba2", "kda", "gdn2", "comba", "rwkv7", "gated_deltaproduct",
+             "momentum_deltanet", "deltanet_textbook"]
 
 
 @pytest.mark.parametrize("name", GRADCHECK)

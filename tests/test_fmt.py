@@ -324,3 +324,37 @@ def test_random_expressions_round_trip_through_both_formats():
         y, m = to_yaml(spec), to_mem(spec)
         assert memspec.loads(y, "yaml") == spec == memspec.loads(m, "mem")
         assert to_yaml(memspec.loads(y, "yaml")) == y and to_mem(memspec.loads(m, "mem")) == m
+
+
+VECTOR_GATES_YAML = (
+    "name: vg\ndims:\n  d_k: 4\n  d_v: 3\nviews:\n  q: d_k\n"
+    "  k: d_k\n  v: d_v\ngates:\n  alpha:\n    formula: sigmoid(logit)\n    shape: [d_k]\n  eta:\n"
+    "    formula: sigmoid(logit)\n    shape: [d_v]\n    bias: -2.0\n  mu: sigmoid(logit)\n"
+    "params:\n  u:\n    shape: [d_k]\n    init: ones\nstate:\n  S:\n"
+    "    shape: [d_k, d_v]\nupdate:\n  - S = diag(1 - alpha) @ S @ diag(mu * eta) + outer(k, v)\n"
+    "read: q @ S + q @ (u * k) * v\norder: read_write\n")
+VECTOR_GATES_MEM = (
+    "memory vg\n\ndims { d_k = 4, d_v = 3 }\n\nview q : d_k\nview k : d_k\nview v : d_v\n\n"
+    "gate alpha : [d_k] = sigmoid(logit)\ngate eta : [d_v] = sigmoid(logit) bias -2.0\ngate mu = sigmoid(logit)\n\n"
+    "param u : [d_k] = ones\n\nstate S : [d_k, d_v] = zeros\n\nupdate {\n"
+    "  S = diag(1 - alpha) @ S @ diag(mu * eta) + outer(k, v)\n}\nread = q @ S + q @ (u * k) * v\n"
+    "order read_write\n")
+
+
+def test_per_channel_gates_and_diag_print_and_round_trip():
+    """A gate with a shape prints its long form (formula, shape, bias when not 0) in YAML and
+    `gate g : [d] = ...` in .mem; diag(...) @ S prints as written."""
+    spec = memspec.loads(VECTOR_GATES_YAML, "yaml")
+    assert spec.gates["alpha"].shape == ["d_k"] and spec.gates["mu"].shape == []
+    assert to_yaml(spec) == VECTOR_GATES_YAML
+    assert to_mem(spec) == VECTOR_GATES_MEM
+    again = memspec.loads(VECTOR_GATES_MEM, "mem")
+    assert again == spec
+    assert to_yaml(again) == VECTOR_GATES_YAML and to_mem(again) == VECTOR_GATES_MEM
+
+
+def test_gate_shape_is_part_of_the_spec():
+    a = memspec.loads(VECTOR_GATES_YAML, "yaml")
+    b = memspec.loads(VECTOR_GATES_YAML.replace("    shape: [d_v]\n", ""), "yaml")
+    assert a != b
+    assert b.gates["eta"].shape == []

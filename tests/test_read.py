@@ -28,7 +28,8 @@ def test_read_equals_the_read_inside_forward(name):
         pytest.skip("the read needs a gate or a cache")
     B, T, H = 2, 5, dims["heads"]
     views = {v: torch.randn(B, T, H, getattr(mem, spec.views[v].dim), dtype=torch.float64) for v in spec.views}
-    gates = {g: 0.5 * torch.rand(B, T, H, dtype=torch.float64) for g in spec.gates}
+    gates = {g: 0.5 * torch.rand(B, T, H, *(getattr(mem, d) for d in gt.shape), dtype=torch.float64)
+             for g, gt in spec.gates.items()}
     state = mem.init_state(B, dtype=torch.float64)
     used = [v for v in mem.read.__code__.co_varnames[1:mem.read.__code__.co_argcount]]
     for t in range(T):

@@ -356,7 +356,8 @@ def test_every_shipped_spec_runs_causally_and_minibatch_one_is_online(path):
     B, T, H = 2, 5, small.get("heads", 2)
     g = torch.Generator().manual_seed(12)
     inputs = {n: torch.randn(B, T, H, spec.dims[v.dim], generator=g, dtype=D64) for n, v in spec.views.items()}
-    inputs.update({n: torch.rand(B, T, H, generator=g, dtype=D64) * 0.5 for n in spec.gates})
+    inputs.update({n: torch.rand(B, T, H, *(spec.dims[d] for d in gt.shape), generator=g, dtype=D64) * 0.5
+                   for n, gt in spec.gates.items()})
     params = {n: torch.randn(H, *(spec.dims[d] for d in p.shape), generator=g, dtype=D64) * 0.1
               for n, p in spec.params.items() if "normal" in str(p.init)}
     state = R.init_state(spec, B, H, dtype=D64, params=params, generator=g)
@@ -658,3 +659,65 @@ def test_a_shape_error_inside_an_expression_is_located():
     q = torch.zeros(1, 2, 1, 2)
     with pytest.raises(ValueError, match=r"unknown name 'qq'; did you mean 'q'\?"):
         R.run(spec, q=q, k=q, v=q, eta=torch.zeros(1, 2, 1))
+
+
+# ============================================== per-channel gates and diagonal scaling
+PER_CHANNEL = """\
+name: pc
+dims: {d_k: 3, d_v: 2}
+views: {q: d_k, k: d_k, v: d_v}
+gates:
+  alpha: {formula: sigmoid(logit), shape: [d_k]}
+  eta: {formula: sigmoid(logit), shape: [d_v]}
+state:
+  S: {shape: [d_k, d_v]}
+update:
+  - S = diag(1 - alpha) @ S @ diag(eta) + outer(k, v)
+read: q @ S
+"""
+
+
+def test_per_channel_gates_scale_rows_and_columns():
+    """diag(a) @ S scales row i of S by a_i, S @ diag(b) column j by b_j: token by token,
+    S_t[i, j] = (1 - alpha_t[i]) S_{t-1}[i, j] eta_t[j] + k_t[i] v_t[j]."""
+    spec = spec_of(PER_CHANNEL)
+    g = torch.Generator().manual_seed(0)
+    B, T, H = 2, 4, 3
+    x = {n: torch.randn(B, T, H, d, generator=g, dtype=D64) for n, d in (("q", 3), ("k", 3), ("v", 2))}
+    alpha = torch.rand(B, T, H, 3, generator=g, dtype=D64)
+    eta = torch.rand(B, T, H, 2, generator=g, dtype=D64)
+    S0 = torch.randn(B, H, 3, 2, generator=g, dtype=D64)
+    out, st = R.run(spec, state={"S": S0}, alpha=alpha, eta=eta, **x)
+    S = S0.clone()
+    for t in range(T):
+        for i in range(3):
+            for j in range(2):
+                S[..., i, j] = (1 - alpha[:, t, :, i]) * S[..., i, j] * eta[:, t, :, j] \
+                    + x["k"][:, t, :, i] * x["v"][:, t, :, j]
+        o = torch.einsum("bhk,bhkv->bhv", x["q"][:, t], S)
+        assert torch.allclose(out[:, t], o, atol=1e-12, rtol=0)
+    assert torch.allclose(st["S"], S, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("written", ["diag(1 - alpha) @ S", "(S.T * (1 - alpha)).T", "S.T.T - diag(alpha) @ S",
+                                     "(diag(1 - alpha) @ S.T.T)"])
+def test_row_scaling_written_any_way_gives_the_same_numbers(written):
+    spec = spec_of(PER_CHANNEL.replace("diag(1 - alpha) @ S @ diag(eta)", written))
+    base = spec_of(PER_CHANNEL.replace("diag(1 - alpha) @ S @ diag(eta)", "diag(1 - alpha) @ S"))
+    g = torch.Generator().manual_seed(1)
+    x = {n: torch.randn(1, 3, 2, d, generator=g, dtype=D64) for n, d in (("q", 3), ("k", 3), ("v", 2))}
+    gates = {"alpha": torch.rand(1, 3, 2, 3, generator=g, dtype=D64), "eta": torch.rand(1, 3, 2, 2, generator=g,
+                                                                                        dtype=D64)}
+    a, sa = R.run(spec, **x, **gates)
+    b, sb = R.run(base, **x, **gates)
+    assert torch.allclose(a, b, atol=1e-12, rtol=0) and torch.allclose(sa["S"], sb["S"], atol=1e-12, rtol=0)
+
+
+def test_per_channel_gate_input_shape_is_checked():
+    spec = spec_of(PER_CHANNEL)
+    q = torch.zeros(1, 2, 1, 3)
+    ok = dict(q=q, k=q, v=torch.zeros(1, 2, 1, 2), alpha=torch.zeros(1, 2, 1, 3), eta=torch.zeros(1, 2, 1, 2))
+    with pytest.raises(ValueError, match=r"gate 'alpha' must be \[B, T, H, d_k\] = \[1, 2, 1, 3\], got \[1, 2, 1\]"):
+        R.run(spec, **{**ok, "alpha": torch.zeros(1, 2, 1)})
+    with pytest.raises(ValueError, match=r"missing eta \[B, T, H, d_v\]"):
+        R.run(spec, **{k: v for k, v in ok.items() if k != "eta"})

@@ -32,6 +32,11 @@ PAPER_FAMILIES = {
     "mesa": "online",
     "softmax_attention": "cache",
     "sliding_window_attention": "cache",
+    # linear in the state (issue 12): decided on the normal form S_t = T_t(S_{t-1}) + W_t
+    "retention": "additive",
+    "mamba2": "additive",
+    "deltanet_textbook": "delta",
+    "momentum_deltanet": "online",      # two states coupled linearly: auto takes the exact online schedule
 }
 
 
@@ -515,3 +520,31 @@ def test_coupled_recurrences_are_not_minibatch():
     """))
     assert d.family == "online"
     assert "feed each other's previous values" in dict(d.rejected)["minibatch"]
+
+
+def test_the_textbook_delta_rule_gets_deltanets_schedule_and_numbers():
+    """§3.3's explicit W + eta outer(kn, v - kn @ W) and DeltaNet's W - eta grad(loss, W): one plan,
+    and the compiled modules give bit-identical outputs and states on every schedule they share."""
+    from memspec.pipeline.build import build_memory
+
+    a, b = (analyse(memspec.load(SPECS / f"{n}.yaml")) for n in ("deltanet_textbook", "deltanet"))
+    assert a.family == b.family == "delta" and a.plan == b.plan
+    assert a.normal_form == b.normal_form == ("W <- T(W) + A with T = I - eta kn knᵀ; A = eta kn vᵀ",)
+    g = torch.Generator().manual_seed(0)
+    x = {n: torch.randn(2, 9, 2, 4, generator=g) for n in "qkv"}
+    eta = torch.rand(2, 9, 2, generator=g)
+    mods = [build_memory(memspec.load(SPECS / f"{n}.yaml"), compile=False, chunk=4, d_k=4, d_v=4, heads=2)
+            for n in ("deltanet_textbook", "deltanet")]
+    for schedule in ("delta", "online"):
+        (oa, sa), (ob, sb) = (m(x["q"], x["k"], x["v"], eta=eta, schedule=schedule) for m in mods)
+        assert torch.equal(oa, ob) and torch.equal(sa["W"], sb["W"]), schedule
+
+
+def test_explain_prints_the_normal_form_in_the_specs_names():
+    text = explain(memspec.load(SPECS / "gated_deltanet.yaml"))
+    assert ("  normal form (S_t = T_t(S_{t-1}) + W_t, in the states before the token):\n"
+            "    W <- T(W) + A with T = (1 - alpha) I - eta * (1 - alpha) kn knᵀ; A = eta kn vᵀ\n") in text
+    text = explain(memspec.load(SPECS / "momentum_deltanet.yaml"))
+    assert text.startswith("momentum_deltanet: online")
+    assert "T[W <- U] = mu I" in text and "schedule: minibatch(N)" in text
+    assert "one joint transition [[1 - alpha, mu], [0, mu]] ⊗ I plus rank-one terms" in text

@@ -28,7 +28,7 @@ def _inputs(T=37, B=2, H=2, K=5, V=3, seed=0):
                 log_rho=-torch.rand(B, T, H, generator=g, dtype=torch.float64), S0=r(B, H, K, V))
 
 
-@pytest.mark.parametrize("decay,inclusive", itertools.product([False, True], [False, True]))
+@pytest.mark.parametrize("decay,inclusive", list(itertools.product([False, True], [False, True])))
 def test_chunk_additive_specialised_equals_general(decay, inclusive):
     x = _inputs()
     consts = {"inclusive": inclusive, "group": None}
@@ -45,7 +45,7 @@ def test_chunk_additive_specialised_equals_general(decay, inclusive):
     assert "inclusive" not in sig.parameters and ("log_gamma" in sig.parameters) == decay
 
 
-@pytest.mark.parametrize("decay,rho,inclusive", itertools.product([False, True], [False, True], [False, True]))
+@pytest.mark.parametrize("decay,rho,inclusive", list(itertools.product([False, True], [False, True], [False, True])))
 def test_chunk_delta_specialised_equals_general(decay, rho, inclusive):
     x = _inputs()
     consts = {"inclusive": inclusive}

@@ -6,6 +6,7 @@ interpreter, at tiny sizes).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ PAPER_SPECS = [
     "linear_attention", "deltanet", "gated_deltanet", "longhorn", "mesa", "ttt_linear", "ttt_mlp",
     "titans", "titans_mac", "titans_mag", "titans_mal", "moneta", "yaad", "softmax_attention",
     "sliding_window_attention",
+    # memories linear in their state (issue 12): each also matched against its peer's recurrence in
+    # tests/test_peer_references.py
+    "gla", "rwkv6", "hgrn2", "retention", "mamba2", "kda", "gdn2", "comba", "rwkv7", "gated_deltaproduct",
+    "momentum_deltanet", "deltanet_textbook",
 ]
 ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))
 
@@ -77,7 +82,9 @@ def test_round_trip_both_ways(name):
 def test_metadata_and_gate_names(name):
     spec = memspec.load(SPECS / f"{name}.yaml")
     assert len(spec.description) > 80 and spec.cite
-    assert set(spec.gates) <= {"eta", "mu", "alpha"}
+    # eta (step), mu (momentum), alpha (forget: keeps 1 - alpha); a spec with several step sizes
+    # numbers or subscripts them (DeltaProduct's eta1, eta2; GDN-2's erase / write gates eta_k, eta_v)
+    assert all(re.fullmatch(r"(eta|mu|alpha)(\d|_[kv])?", g) for g in spec.gates), sorted(spec.gates)
     assert spec.dims["d_model"] == 256 and spec.dims["heads"] == 4 and spec.dims["d_k"] == 64
 
 
@@ -399,3 +406,13 @@ def test_sliding_window_attention_keeps_the_last_window():
     assert st["K"].shape == (B, H, 2, D)
     full, _ = run(spec, dims=DIMS, **x)  # T < 512: the same as full causal attention
     torch.testing.assert_close(full, F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2))
+
+
+def test_textbook_delta_rule_is_deltanet():
+    """The explicit §3.3 form W + eta outer(kn, v - kn @ W) and DeltaNet's W - eta grad(loss, W)
+    are the same memory: the same outputs and state token by token."""
+    x = _views(7)
+    eta = _gate(8)
+    a, sa = _run("deltanet_textbook", eta=eta, **x)
+    b, sb = _run("deltanet", eta=eta, **x)
+    assert torch.allclose(a, b, atol=1e-12, rtol=0) and torch.allclose(sa["W"], sb["W"], atol=1e-12, rtol=0)

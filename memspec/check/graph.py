@@ -194,13 +194,14 @@ class _Lowering:
                      f"param {n} = {p.init}")
         for n, gt in spec.gates.items():
             owner = f"gate:{n}"
-            self.typed(gt.formula, "gate")
+            gscope = env.gate_scope(n)
+            self.typed(gt.formula, "gate", scope=gscope)
             scope = {}
             if any(isinstance(x, Name) and x.id == "logit" for x in gt.formula.walk()):
-                scope["logit"] = self.add(f"logit:{n}", "logit", "gate", (), spec.key_span("gates", n),
+                scope["logit"] = self.add(f"logit:{n}", "logit", "gate", gscope["logit"], spec.key_span("gates", n),
                                           _logit_label(n, gt.bias), ("input:x",), bias=gt.bias)
             root = self.expr(gt.formula, owner, "", "gate", scope)
-            self.add(owner, "gate", "gate", (), spec.key_span("gates", n),
+            self.add(owner, "gate", "gate", env.names.get(n), spec.key_span("gates", n),
                      _short(f"{n} = {unparse(gt.formula)}"), (root,))
         for n, s in spec.state.items():
             self.current[n] = self.add(f"state_in:{n}", "state_in", "state", env.names.get(n),

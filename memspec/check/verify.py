@@ -60,7 +60,7 @@ from .complexity import inlined_problems
 from .graph import lower
 from .sizes import size_problems
 from ..lang.names import RESERVED_NAMES, class_names, runtime_names, shadows_module
-from ..lang.shapes import let_order
+from ..lang.shapes import ShapeEnv, let_order
 
 IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
@@ -183,7 +183,7 @@ class _Checker:
 
         for n, v in spec.views.items():
             need(v.dim, spec.span("views", n, "dim") or spec.span("views", n), f"the width of view {n}")
-        for section, word in (("params", "param"), ("state", "state")):
+        for section, word in (("gates", "gate"), ("params", "param"), ("state", "state")):
             for n, x in getattr(spec, section).items():
                 for i, d in enumerate(x.shape):
                     sp = spec.span(section, n, "shape", i) or spec.span(section, n, "shape") or self.span(section, n)
@@ -193,7 +193,23 @@ class _Checker:
     def gates(self) -> None:
         spec = self.spec
         allowed = {"dim", "constant", "param"}
+        env = None
         for n, gt in spec.gates.items():
+            if len(gt.shape) > 1:
+                self.d.error(f"gate {_q(n)} has shape [{', '.join(gt.shape)}]; a gate is a scalar or a vector per "
+                             "head", spec.span("gates", n, "shape") or self.span("gates", n),
+                             hint="a per-channel gate has one dim, e.g. shape: [d_k]", code="E-shape")
+            elif all(d in spec.dims for d in gt.shape):
+                env = env or ShapeEnv.from_spec(spec)
+                got = env.infer(gt.formula, context="gate", scope=env.gate_scope(n), diags=Collector())
+                want = tuple(gt.shape)
+                if got is not None and got not in ((), want):
+                    decl = f"declared with shape [{', '.join(want)}]" if want else "a scalar per head"
+                    self.d.error(f"the formula of gate {_q(n)} has shape [{', '.join(got)}], but the gate is {decl}",
+                                 gt.formula.span or self.span("gates", n),
+                                 hint=(f"declare it with shape: [{', '.join(got)}]" if len(got) == 1 else
+                                       "a gate formula computes one value per head (and channel)"),
+                                 code="E-shape")
             for x in gt.formula.walk():
                 if isinstance(x, Name) and x.id != "logit":
                     kind = self.first_kind.get(x.id)

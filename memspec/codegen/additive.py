@@ -1,4 +1,4 @@
-"""Emitter of the ``additive`` family: ``S <- gamma * S + outer(a, b)`` through
+"""Emitter of the ``additive`` family: ``S <- Diag(gamma) S + outer(a, b)`` (``gamma`` a scalar per head, or one decay per key channel) through
 :func:`memspec.runtime.additive.chunk_additive`, one kernel call per linear probe of each
 state (single-term states with the same decay, key and probes share one call, their
 values side by side)."""
@@ -16,7 +16,9 @@ def emit(ctx, L) -> None:
 
 
 def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -> None:
-    w.lines.append("# additive chunked schedule (exact): S <- gamma * S + outer(a, b); "
+    per_channel = any(st.gamma is not None and w.em.shape(st.gamma) for st in plan.states)
+    decay = "Diag(gamma) S" if per_channel else "gamma * S"
+    w.lines.append(f"# additive chunked schedule (exact): S <- {decay} + outer(a, b); "
                    "the read sees the state only through probes p @ S")
     done = set()
     for group in _shared_calls(plan):

@@ -20,7 +20,7 @@ and ``KERNEL`` (the :mod:`memspec.runtime` function its module carries).
 """
 from __future__ import annotations
 
-from ..lang.expr import Expr, Name, rewrite
+from ..lang.expr import Call, Expr, Name, rewrite
 from ..lang.names import GENERATED_NAMES, fresh
 from ..schedule.algebra import simplify
 
@@ -67,14 +67,17 @@ class ChunkWriter:
         """Code of a token-local value ``[B, T, H]`` (scalar) or ``[B, T, H, d]`` (vector);
         a plain name is used as is, anything else is bound to a fresh local."""
         e = self.fold(simplify(e))
-        code = self.em.emit(e)
+        c = self.em._emit(e)
+        code = c.text
         shape = self.em.shape(e)
-        if not self.per_token(e):  # a number, a dim or a param: broadcast over [B, T, H]
+        if not self.per_token(e):  # a number, a dim or a param [H, ...]: broadcast over [B, T, H]
             ref = self.first_view
             if vector:
                 code = f"torch.as_tensor({code}, dtype={ref}.dtype).expand(*{ref}.shape[:3], -1)"
-            else:
+            elif c.number:
                 code = f"torch.full_like({ref}[..., 0], {code})"
+            else:
+                code = f"{c.at(9)}.expand({ref}.shape[:3])"
         if isinstance(e, Name) and self.per_token(e):
             return code
         name = self.fresh(base)
@@ -82,11 +85,16 @@ class ChunkWriter:
         return name
 
     def log_decay(self, gamma: Expr | None, base: str) -> str:
+        """The log of a decay: ``[B, T, H]`` (a scalar per head) or ``[B, T, H, d]`` (per channel)."""
         if gamma is None:
             return "None"
-        g = self.value(gamma, base.replace("log_", ""), vector=False)
+        gamma = simplify(gamma)
+        shape = self.em.shape(self.fold(gamma))
+        if isinstance(gamma, Call) and gamma.fn == "exp":   # exp(x): its log is x (no clamp, no rounding)
+            return self.value(gamma.args[0], base, vector=bool(shape))
+        g = self.value(gamma, base.replace("log_", ""), vector=bool(shape))
         name = self.fresh(base)
-        self.lines.append(f"{name} = torch.log({g}.clamp(min={LOG_FLOOR}))  # [B, T, H]")
+        self.lines.append(f"{name} = torch.log({g}.clamp(min={LOG_FLOOR}))  # {fmt_shape(shape)}")
         return name
 
 

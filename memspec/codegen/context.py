@@ -67,6 +67,8 @@ class Context:
             self.attr[spec.model.name] = fresh(spec.model.name, taken)
         self.views = list(spec.views)
         self.gates = list(spec.gates)
+        self.gate_shapes = {g: tuple(gt.shape) for g, gt in spec.gates.items()}   # () for a scalar gate
+        self.vector_gates = any(self.gate_shapes.values())
         self.states = list(spec.state)
         self.first = self.views[0] if self.views else None
         # what the analysis decided
@@ -155,6 +157,10 @@ class Context:
     def locals_bt(self) -> str:
         taken = self.taken()
         return f"{fresh('B', taken)}, {fresh('T', taken)}"
+
+    def gate_text(self, g: str, prefix: str) -> str:
+        """``[B, T, H]`` (a scalar gate) or ``[B, T, H, d_k]`` (per channel), for ``prefix``."""
+        return shape_text(prefix, self.gate_shapes[g])
 
     def signature(self) -> tuple:
         """(views, gates) parts of the forward/step signatures."""

@@ -144,7 +144,7 @@ class DualWriter:
         with L.indent():
             L('"""' + "One mini-batch chunk of C tokens in the dual form: " + ", ".join(
                 f"{v} [B, C, H, {spec.views[v].dim}]" for v in w.views)
-              + "".join(f", {g} [B, C, H]" for g in w.gates) + ";")
+              + "".join(f", {g} {w.gate_text(g, 'B, C, H')}" for g in w.gates) + ";")
             if starts:
                 L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
             L(", ".join(w.states) + ": the state before the chunk's first token [B, H, ...].")

@@ -45,6 +45,10 @@ _TORCH_ELEMENTWISE = {
 _MATH_ELEMENTWISE = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log", "abs": "abs", "tanh": "math.tanh"}
 
 
+def _is_diag(e: Expr) -> bool:
+    return isinstance(e, Call) and e.fn == "diag"
+
+
 class CodegenError(ValueError):
     """An expression the generator cannot emit (the checks should have caught it)."""
 
@@ -171,6 +175,8 @@ class ExprEmitter:
         return out, rank
 
     def _binop(self, e: BinOp) -> Code:
+        if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+            return self._diag_matmul(e)
         a, b = self._emit(e.left), self._emit(e.right)
         if e.op == "@":
             return self._matmul(a, b, e)
@@ -185,6 +191,14 @@ class ExprEmitter:
             left = la if la is not None else a.at(prec)
             right = lb if lb is not None else b.at(prec + 1)
         return Code(f"{left} {op} {right}", prec, rank, number)
+
+    def _diag_matmul(self, e: BinOp) -> Code:
+        """``diag(d) @ X`` scales the rows of X, ``X @ diag(d)`` its columns (no diagonal matrix)."""
+        left = _is_diag(e.left)
+        d = self._emit((e.left if left else e.right).args[0])
+        x = self._emit(e.right if left else e.left)
+        dt = f"{d.at(P_ATOM)}.unsqueeze({-1 if left else -2})" if x.rank == 2 else d.at(P_MUL)
+        return Code(f"{dt} * {x.at(P_MUL + 1)}" if left else f"{x.at(P_MUL)} * {dt}", P_MUL, x.rank)
 
     def _matmul(self, a: Code, b: Code, e: Expr) -> Code:
         ra, rb = a.rank, b.rank

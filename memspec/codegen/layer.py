@@ -30,8 +30,8 @@ def layer_class(ctx, L):
         for v in ctx.views:
             L(f"{v} = {v}_proj(x) viewed [B, T, H, {spec.views[v].dim}]")
         for g, gate in spec.gates.items():
-            L(f"{g} = {inert(unparse(gate.formula), 'doc')} with logit = {g}_proj(x) [B, T, H] "
-              f"(bias init {inert(float(gate.bias), 'doc')})")
+            L(f"{g} = {inert(unparse(gate.formula), 'doc')} with logit = {g}_proj(x) "
+              f"{ctx.gate_text(g, 'B, T, H')} (bias init {inert(float(gate.bias), 'doc')})")
         if wired:
             L(f"(The bare memory layer: {n}Layer wraps it in the spec's wiring, {spec.wiring.kind}.)")
         L('"""')
@@ -47,7 +47,8 @@ def layer_class(ctx, L):
             for v in ctx.views:
                 L(f"self.{v}_proj = nn.Linear(d_model, heads * {spec.views[v].dim}, bias=False)")
             for g, gate in spec.gates.items():
-                L(f"self.{g}_proj = nn.Linear(d_model, heads)")
+                width = " * ".join(["heads", *ctx.gate_shapes[g]])   # per head (and channel)
+                L(f"self.{g}_proj = nn.Linear(d_model, {width})")
                 L(f"nn.init.constant_(self.{g}_proj.bias, {inert(float(gate.bias))})")
             dims = [d for d in spec.dims]
             kw = ", ".join(([] if "heads" in spec.dims else ["heads=heads"]) + [f"{d}={d}" for d in dims])
@@ -63,10 +64,12 @@ def layer_class(ctx, L):
             mem = "self.memory"
             layer_views(ctx, L, ctx.views, B, T)
             for g, gate in spec.gates.items():
+                gshape = ctx.gate_shapes[g]
                 em = ExprEmitter(spec, names={"logit": "logit"}, like=ctx.first, attr=ctx.attr,
-                                 helpers=ctx.helpers, self_name=mem, scope={"logit": ()})
-                L(f"logit = self.{g}_proj(x)", "[B, T, H]")
-                L(f"{g} = {em.emit(gate.formula)}", "[B, T, H]")
+                                 helpers=ctx.helpers, self_name=mem, scope={"logit": gshape})
+                view = f".view({B}, {T}, self.heads, {ctx.dim_sizes(gshape, mem)})" if gshape else ""
+                L(f"logit = self.{g}_proj(x){view}", ctx.gate_text(g, "B, T, H"))
+                L(f"{g} = {em.emit(gate.formula)}", ctx.gate_text(g, "B, T, H"))
             kw = "".join(f"{g}={g}, " for g in ctx.gates)
             L(f"o, state = self.memory({', '.join(ctx.views)}, {kw}state=state)",
               shape_text("B, T, H", rshape))

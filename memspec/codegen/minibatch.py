@@ -138,7 +138,7 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
     L(f"def _chunk_step(self, {', '.join(list(starts.values()) + ctx.states + ctx.views + ctx.gates)}):")
     with L.indent():
         L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
-          + "".join(f", {g} [B, C, H]" for g in ctx.gates) + ";")
+          + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates) + ";")
         if starts:
             L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
         L(", ".join(ctx.states) + ": the state before the chunk's first token [B, H, ...].")

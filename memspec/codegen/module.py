@@ -113,7 +113,8 @@ def header(ctx, L):
     if spec.cite:
         L(inert(f"Cite: {spec.cite}", "doc"))
         L()
-    L(f"{ctx.name}Memory: the memory (views [B, T, H, D], gates [B, T, H], state {{name: [B, H, ...]}}).")
+    gates = "gates [B, T, H] or [B, T, H, d]" if ctx.vector_gates else "gates [B, T, H]"
+    L(f"{ctx.name}Memory: the memory (views [B, T, H, D], {gates}, state {{name: [B, H, ...]}}).")
     if spec.wiring.kind == "none":
         L(f"{ctx.name}Layer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.")
     else:
@@ -141,7 +142,7 @@ def memory_class(ctx, L):
     for v in ctx.views:
         L(f"    {v}: [B, T, H, {spec.views[v].dim}]")
     for g in ctx.gates:
-        L(f"    {g}: [B, T, H]")
+        L(f"    {g}: {ctx.gate_text(g, 'B, T, H')}")
     for s, st in spec.state.items():
         shp = ("n",) + tuple(st.shape) if st.cache else tuple(st.shape)
         extra = " (a cache" + (f" of at most {st.window} entries)" if st.window else ")") if st.cache else ""
@@ -153,7 +154,10 @@ def memory_class(ctx, L):
     L('"""')
     L()
     L(f"VIEWS = {{{', '.join(f'{v!r}: {spec.views[v].dim!r}' for v in ctx.views)}}}")
-    L(f"GATES = ({''.join(f'{g!r}, ' for g in ctx.gates)})")
+    if ctx.vector_gates:   # name -> the dims of a per-channel gate (() for a scalar one)
+        L(f"GATES = {{{', '.join(f'{g!r}: {ctx.gate_shapes[g]!r}' for g in ctx.gates)}}}")
+    else:
+        L(f"GATES = ({''.join(f'{g!r}, ' for g in ctx.gates)})")
     state_items = ", ".join(f"{s!r}: ({''.join(f'{x!r}, ' for x in st.shape)})" for s, st in spec.state.items())
     L(f"STATE = {{{state_items}}}")
     caches = {s: st.window for s, st in spec.state.items() if st.cache}
@@ -295,7 +299,7 @@ def forward(ctx, L):
         for v in ctx.views:
             L(f"    {v}: [B, T, H, {spec.views[v].dim}]")
         for g in ctx.gates:
-            L(f"    {g}: [B, T, H] (gate value, after its formula)")
+            L(f"    {g}: {ctx.gate_text(g, 'B, T, H')} (gate value, after its formula)")
         L("    state: {name: [B, H, ...]} to continue from (default: init_state).")
         L(f"    schedule: \"auto\" ({ctx.default}) or one of {', '.join(ctx.schedules)}.")
         L(f"Returns: (o [B, T, H{''.join(', ' + x for x in ctx.read_shape())}], the final state).")
@@ -304,7 +308,7 @@ def forward(ctx, L):
         takes = (f"{ctx.name}Memory.forward takes views {', '.join(ctx.views)}"
                  + (f", gates {', '.join(ctx.gates)}" if ctx.gates else "") + ", state, schedule")
         L("    raise ValueError(f\"unknown argument(s) {', '.join(sorted(unknown))}: \"")
-        for piece in string_pieces(takes, 4 * L.level + len("    raise ValueError(")):
+        for piece in string_pieces(takes, 4 * L.level + len("    raise ValueError(") + 1):   # + the ")"
             L("                     " + piece)
         L.lines[-1] += ")"
         L(f"{ctx.locals_bt()} = self._check_inputs({{{', '.join(f'{v!r}: {v}' for v in ctx.views)}}}, "
@@ -316,7 +320,7 @@ def forward(ctx, L):
         L("if schedule not in self.SCHEDULES:")
         L("    raise ValueError(f\"schedule {schedule!r} is not admitted by \"")
         for piece in string_pieces(f"{spec.name}: use \"auto\" or one of {', '.join(ctx.schedules)}",
-                                   4 * L.level + len("    raise ValueError(")):
+                                   4 * L.level + len("    raise ValueError(") + 1):   # + the ")"
             L("                     " + piece)
         L.lines[-1] += ")"
         T = ctx.locals_bt().split(",")[1].strip()
@@ -336,7 +340,8 @@ def step(ctx, L):
     views, gates = ctx.signature()
     L(f"def step(self, {views}, *, {gates}state=None, **unknown):")
     with L.indent():
-        L('"""' + "One token (decoding): views [B, H, D] (or [B, 1, H, D]), gates [B, H] (or [B, 1, H]).")
+        gates = "gates [B, H] or [B, H, d] (or with the 1)" if ctx.vector_gates else "gates [B, H] (or [B, 1, H])"
+        L('"""' + f"One token (decoding): views [B, H, D] (or [B, 1, H, D]), {gates}.")
         L()
         L(f"Runs the {ctx.step_schedule} schedule (the same numbers as forward over the whole sequence).")
         L(f"Returns: (o [B, H{''.join(', ' + x for x in ctx.read_shape())}], the new state).")
@@ -344,7 +349,8 @@ def step(ctx, L):
         for v in ctx.views:
             L(f"{v} = {v}.unsqueeze(1) if isinstance({v}, torch.Tensor) and {v}.dim() == 3 else {v}")
         for g in ctx.gates:
-            L(f"{g} = {g}.unsqueeze(1) if isinstance({g}, torch.Tensor) and {g}.dim() == 2 else {g}")
+            rank = 2 + len(ctx.gate_shapes[g])
+            L(f"{g} = {g}.unsqueeze(1) if isinstance({g}, torch.Tensor) and {g}.dim() == {rank} else {g}")
         gate_kw = "".join(f"{g}={g}, " for g in ctx.gates)
         o = fresh("out", set(ctx.spec_names))
         L(f"{o}, state = self.forward({', '.join(ctx.views)}, {gate_kw}state=state, schedule=self.STEP_SCHEDULE, **unknown)")
@@ -356,7 +362,8 @@ def validation(ctx, L):
     H = f"self.{ctx.attr.get('heads', 'heads')}"
     L("def _check_inputs(self, views, gates):")
     with L.indent():
-        L('"""' + "Views [B, T, H, D] and gates [B, T, H]: shapes, dtypes and devices agree; returns (B, T)." + '"""')
+        gates = "gates [B, T, H, *shape]" if ctx.vector_gates else "gates [B, T, H]"
+        L('"""' + f"Views [B, T, H, D] and {gates}: shapes, dtypes and devices agree; returns (B, T)." + '"""')
         L("ref = None")
         L("B = T = None")
         L("for name, t in views.items():")
@@ -364,7 +371,14 @@ def validation(ctx, L):
         L(f"    _check(name, t, [\"B\", \"T\", \"H\", dim], [B, T, {H}, getattr(self, dim)], ref)")
         L("    B, T = t.shape[0], t.shape[1]")
         L("    ref = ref or (name, t)")
-        if ctx.gates:
+        if ctx.vector_gates:
+            L("for name, t in gates.items():")
+            L("    dims = self.GATES[name]")
+            L(f"    axes, sizes = [\"B\", \"T\", \"H\", *dims], [B, T, {H}, *(getattr(self, d) for d in dims)]")
+            L("    if t is None:")
+            L("        raise ValueError(f\"missing gate {name}: expected [{', '.join(axes)}] = {sizes}\")")
+            L("    _check(name, t, axes, sizes, ref)")
+        elif ctx.gates:
             L("for name, t in gates.items():")
             L("    if t is None:")
             L("        raise ValueError(f\"missing gate {name}: expected [B, T, H] \"")

@@ -35,7 +35,7 @@ def token_step(ctx, L) -> None:
     L(f"def _token_step(self, {', '.join(ctx.states + ctx.views + ctx.gates)}):")
     with L.indent():
         L('"""' + "One token: " + ", ".join(f"{v} [B, H, {spec.views[v].dim}]" for v in ctx.views)
-          + "".join(f", {g} [B, H]" for g in ctx.gates) + ";")
+          + "".join(f", {g} {ctx.gate_text(g, 'B, H')}" for g in ctx.gates) + ";")
         L("the state tensors [B, H, ...] -> (o " + shape_text("B, H", ctx.read_shape())
           + ", the new state tensors).")
         L('"""')

@@ -51,6 +51,8 @@ FUNCTIONS: dict[str, tuple[int, int, str]] = {
     "huber": (2, 2, "huber(x, delta): elementwise Huber penalty"),
     "solve": (2, 2, "solve(A, B) = A^-1 B for square A"),
     "eye": (1, 1, "eye(d): identity matrix [d, d]"),
+    "diag": (1, 1, "diag(a) @ X scales the rows of X by the vector a, X @ diag(a) its columns (only an operand "
+                   "of @: the diagonal matrix is never formed)"),
     "grad": (1, 2, "grad(loss, W): gradient of the scalar loss w.r.t. state W"),
     "attend": (4, 4, "attend(q, K, V, scale): softmax(scale * K q) V over a cache"),
     "append": (2, 2, "append(K, k): push k onto cache K"),

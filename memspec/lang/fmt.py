@@ -10,7 +10,7 @@
 Rules of the canonical form:
 
 * sections in :class:`Spec` field order; a field equal to its default is omitted
-  (a gate always shows its formula; its bias only when it is not 0);
+  (a gate always shows its formula; its shape when it has one, its bias only when it is not 0);
 * expressions printed with :func:`memspec.expr.unparse` (minimal parentheses);
 * shorthand where the language has one: a view as ``q: d_k``, a gate with the
   default bias as ``eta: sigmoid(logit)``, a wiring with default sizes as ``wiring: mac``;
@@ -165,7 +165,7 @@ def _yaml_init(v) -> str:
 
 # ---------------------------------------------------------------------- to_yaml
 def _gate_is_short(g: Gate) -> bool:
-    return g.bias == _DEFAULT_GATE.bias
+    return g.bias == _DEFAULT_GATE.bias and not g.shape
 
 
 def _wiring_sizes(w: Wiring) -> list[tuple[str, int]]:
@@ -201,7 +201,10 @@ def to_yaml(spec: Spec) -> str:
             else:
                 out.append(f"  {k(n)}:")
                 out.append(f"    formula: {v(unparse(g.formula))}")
-                out.append(f"    bias: {yaml_float(g.bias)}")
+                if g.shape:
+                    out.append(f"    shape: {flow(g.shape)}")
+                if g.bias != _DEFAULT_GATE.bias:
+                    out.append(f"    bias: {yaml_float(g.bias)}")
     if spec.params:
         out.append("params:")
         for n, p in spec.params.items():
@@ -296,6 +299,8 @@ def _check_mem_names(spec: Spec) -> None:
     for n, g in spec.gates.items():
         need(n, "gate", "gates", n)
         number(g.bias, f"bias of gate {n}", "gates", n)
+        for d in g.shape:
+            need(d, "dim", "gates", n, "shape")
     for n, p in spec.params.items():
         need(n, "param", "params", n)
         for d in p.shape:
@@ -332,8 +337,9 @@ def to_mem(spec: Spec) -> str:
     blocks.append([f"view {n} : {view.dim}" for n, view in spec.views.items()])
     b = []
     for n, g in spec.gates.items():
-        line = f"gate {n} = {unparse(g.formula)}"
-        if not _gate_is_short(g):
+        shape = f" : [{', '.join(g.shape)}]" if g.shape else ""
+        line = f"gate {n}{shape} = {unparse(g.formula)}"
+        if g.bias != _DEFAULT_GATE.bias:
             line += f" bias {_mem_number(g.bias)}"
         b.append(line)
     blocks.append(b)

@@ -102,7 +102,7 @@ class ShapeEnv:
     # ------------------------------------------------------------ building
     @classmethod
     def from_spec(cls, spec) -> "ShapeEnv":
-        """Shapes of dims (``()``), constants (``()``), views (``(dim,)``), gates (``()``),
+        """Shapes of dims (``()``), constants (``()``), views (``(dim,)``), gates (``()`` or their shape),
         params and states (their declared shapes; caches get a leading
         :data:`CACHE_AXIS`), and lets (inferred in dependency order; a let in a cycle
         or with a bad expression gets ``None`` and a diagnostic in ``diagnostics``)."""
@@ -115,8 +115,8 @@ class ShapeEnv:
             env._declare(n, (), "constant")
         for n, v in spec.views.items():
             env._declare(n, (v.dim,), "view")
-        for n in spec.gates:
-            env._declare(n, (), "gate")
+        for n, g in spec.gates.items():
+            env._declare(n, tuple(g.shape), "gate")
         for n, p in spec.params.items():
             env._declare(n, tuple(p.shape), "param")
         for n, s in spec.state.items():
@@ -184,6 +184,11 @@ class ShapeEnv:
     @property
     def model(self):
         return self.spec.model
+
+    def gate_scope(self, name: str) -> dict:
+        """The names a gate formula sees besides the spec's: ``logit``, with the gate's shape."""
+        shape = self.names.get(name)
+        return {"logit": shape if shape is not None else ()}
 
     def loss_shape(self, diags: Collector | None = None) -> Optional[Shape]:
         """The shape of the loss expression (should be ``()``)."""
@@ -316,6 +321,8 @@ class ShapeEnv:
         return (s[1], s[0])
 
     def _binop(self, e: BinOp, ctx: _Ctx) -> Optional[Shape]:
+        if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+            return self._diag_matmul(e, ctx)
         a = self._infer(e.left, ctx)
         b = self._infer(e.right, ctx)
         if a is None or b is None:
@@ -342,10 +349,60 @@ class ShapeEnv:
         out = broadcast(a, b)
         if out is None:
             ctx.diags.error(f"shape mismatch in '{e.op}': {fmt_shape(a)} and {fmt_shape(b)}", e.span,
-                            hint="elementwise operators need equal shapes, or trailing dims that match"
-                                 " (a scalar broadcasts to anything)",
+                            hint=_row_scaling_hint(e, a, b) or
+                            "elementwise operators need equal shapes, or trailing dims that match"
+                            " (a scalar broadcasts to anything)",
                             code="E-shape")
         return out
+
+    def _diag_matmul(self, e: BinOp, ctx: _Ctx) -> Optional[Shape]:
+        """``diag(a) @ X`` (scales the rows of X by a) and ``X @ diag(b)`` (its columns): the
+        diagonal matrix is never formed, so ``diag`` is only an operand of ``@``."""
+        if _is_diag(e.left) and _is_diag(e.right):
+            for side in (e.left, e.right):
+                self._diag_arg(side, ctx)
+            ctx.diags.error("diag(a) @ diag(b) multiplies two diagonal matrices", e.span,
+                            hint=f"write diag({unparse(e.left.args[0])} * {unparse(e.right.args[0])}) @ X "
+                                 "to scale by both", code="E-shape")
+            return None
+        left = _is_diag(e.left)
+        d = self._diag_arg(e.left if left else e.right, ctx)
+        x = self._infer(e.right if left else e.left, ctx)
+        if d is None or x is None:
+            return None
+        if len(x) not in (1, 2):
+            ctx.diags.error(f"shape mismatch in '@': diag({fmt_shape(d)}) @ {fmt_shape(x)}" if left else
+                            f"shape mismatch in '@': {fmt_shape(x)} @ diag({fmt_shape(d)})", e.span,
+                            hint="diag(a) scales a vector or a matrix", code="E-shape")
+            return None
+        axis = x[0] if left else x[-1]
+        if axis != d[0]:
+            which = "rows" if left else "columns"
+            hint = f"a diag([{d[0]}]) scales the {which} of a {fmt_shape(x)} value, which has {axis} {which}"
+            if len(x) == 2 and (x[-1] if left else x[0]) == d[0]:
+                hint += (f"; to scale its columns write {unparse(e.right)} @ diag({unparse(e.left.args[0])})" if left
+                         else f"; to scale its rows write diag({unparse(e.right.args[0])}) @ {unparse(e.left)}")
+            ctx.diags.error(f"shape mismatch in '@': diag({fmt_shape(d)}) @ {fmt_shape(x)}" if left else
+                            f"shape mismatch in '@': {fmt_shape(x)} @ diag({fmt_shape(d)})", e.span, hint=hint,
+                            code="E-shape")
+            return None
+        if ctx.record is not None:
+            self._note(e.left if left else e.right, (d[0], d[0]), ctx)
+        return x
+
+    def _diag_arg(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
+        if len(e.args) != 1:
+            ctx.diags.error(f"diag takes 1 argument, got {len(e.args)}", e.span,
+                            hint="diag(a): " + FUNCTIONS["diag"][2], code="E-arity")
+            for a in e.args:
+                self._infer(a, ctx)
+            return None
+        d = self._infer(e.args[0], ctx)
+        if d is not None and len(d) != 1:
+            ctx.diags.error(f"diag(a) needs a vector, got {fmt_shape(d)}", e.args[0].span or e.span,
+                            hint="diag(a) of a vector [n] is the diagonal [n, n] matrix", code="E-shape")
+            return None
+        return d
 
     # ------------------------------------------------------------ calls
     def _call(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
@@ -464,6 +521,16 @@ class ShapeEnv:
                             e.args[1].span or e.span, hint=f"B must be [{a[0]}] or [{a[0]}, m]", code="E-shape")
             return None
         return b
+
+    def _fn_diag(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
+        d = self._diag_arg(e, ctx)
+        if d is None:
+            return None
+        a = unparse(e.args[0])
+        ctx.diags.error(f"diag({a}) is only allowed as an operand of '@'", e.span,
+                        hint=f"diag({a}) @ S scales the rows of S (the papers' Diag({a}) S), S @ diag({a}) its "
+                             f"columns; the diagonal matrix itself is never formed", code="E-shape")
+        return None
 
     def _fn_eye(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
         a = e.args[0]
@@ -631,6 +698,30 @@ _FUNCTION_HINTS = {
     "inverse": "write solve(A, B) for A^-1 B",
     "normalize": "l2norm(x) normalises over the last axis",
 }
+
+
+def _is_diag(e: Expr) -> bool:
+    return isinstance(e, Call) and e.fn == "diag"
+
+
+def _row_scaling_hint(e: BinOp, a: Shape, b: Shape) -> Optional[str]:
+    """For ``g * S`` with ``g [n]`` and ``S [n, m]``: how to scale the rows instead."""
+    if e.op not in "*/":
+        return None
+    for vec, mat, v_e, m_e in ((a, b, e.left, e.right), (b, a, e.right, e.left)):
+        if len(vec) == 1 and len(mat) == 2 and vec[0] == mat[0] and vec[0] != mat[1]:
+            g, S = unparse(v_e), unparse(m_e)
+            if _prec_needs_parens(m_e):
+                S = f"({S})"
+            if e.op == "/":
+                g = f"1 / {g}" if isinstance(v_e, (Name, Num, Call)) else f"1 / ({g})"
+            return (f"'{e.op}' broadcasts on the trailing axis ({mat[1]}); to scale the rows ({vec[0]}) of {S} by "
+                    f"{unparse(v_e)}, write diag({g}) @ {S} (the papers' Diag({unparse(v_e)}) {S})")
+    return None
+
+
+def _prec_needs_parens(e: Expr) -> bool:
+    return isinstance(e, (BinOp, Neg)) and not (isinstance(e, BinOp) and e.op == "@")
 
 
 def _plain(name: str) -> bool:

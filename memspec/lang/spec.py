@@ -5,7 +5,7 @@ AST values from :mod:`memspec.expr`; a plain string is accepted and parsed, so
 ``Spec(read="f(q)", ...)`` works from Python too.
 
 Layout conventions (shared by every phase): views ``[B, T, H, D]``, gates
-``[B, T, H]``, state ``[B, H, *shape]``.  Shapes in a spec are written in named
+``[B, T, H]`` (a per-channel gate ``[B, T, H, *shape]``), state ``[B, H, *shape]``.  Shapes in a spec are written in named
 dims and exclude the batch and head axes.
 """
 from __future__ import annotations
@@ -157,9 +157,13 @@ class View(Node):
 
 
 class Gate(Node):
-    """A per-token scalar per head, ``[B, T, H]``: ``formula`` of ``logit = x @ w + bias``."""
+    """A per-token gate per head: ``formula`` of ``logit = x @ w + bias``.
+
+    A scalar per head, ``[B, T, H]``, or with ``shape: [d]`` a vector per head and channel,
+    ``[B, T, H, d]`` (``logit`` then has the gate's shape: ``heads * d`` projections of x)."""
 
     formula: ExprField = Field(default_factory=lambda: parse_expr("sigmoid(logit)"))
+    shape: Shape = Field(default_factory=list)
     bias: Number = 0.0
 
 

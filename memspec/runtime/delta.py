@@ -107,7 +107,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     Np = N + (r > 0)                                                 # chunks, the tail included
     zero = torch.zeros((), dtype=dt, device=dev)
-    nan = torch.full((), float("nan"), dtype=dt, device=dev)
+    nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
 
     def per_chunk(x):  # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
         x = x.to(dt)
@@ -227,7 +227,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                 scores = scores * read_decay
                 qg = qg * q_fac_g[:, :, None]
             og = torch.baddbmm(torch.bmm(scores.tril_(0 if inclusive else -1), u), qg, S_starts)   # Qd S + P u
-            og = torch.where(rbad.reshape(nBH, c, 1), nan, og)
+            og = torch.where(rbad.reshape(nBH, c, 1), nan_value, og)
             outs.append(og.reshape(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)
     if qq is not None:  # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
         full = [x for x, (_, c) in zip(outs, groups) if c == C]
@@ -235,7 +235,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         if len(full) < len(outs):
             o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
     if state_bad is not None:
-        S = torch.where(state_bad, nan, S)                           # a bad token poisons the final state
+        S = torch.where(state_bad, nan_value, S)                           # a bad token poisons the final state
     S_out = S.reshape(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
     if qq is None:
         return None, S_out

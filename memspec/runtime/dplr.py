@@ -216,7 +216,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     bad_before = torch.cumsum(bad, dim=1)                            # bad tokens at or before t
     state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1)
     zero = torch.zeros((), dtype=dt, device=dev)
-    nan = torch.full((), float("nan"), dtype=dt, device=dev)
+    nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
     if q is not None:
         q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
         read_bad = per_chunk(bad_before if inclusive else bad_before - bad, 1) > 0
@@ -454,9 +454,9 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             og = torch.baddbmm(torch.bmm(P, torch.cat([-z, vg], dim=1)), qd, S_starts)
         else:       # o = Q~ S + P z
             og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
-        og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan, og)
+        og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan_value, og)
         outs.append(og.reshape(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
-    S_out = torch.where(state_bad, nan, S).reshape(B, H, K, V).to(s_dtype)   # a bad token poisons the state
+    S_out = torch.where(state_bad, nan_value, S).reshape(B, H, K, V).to(s_dtype)   # a bad token poisons the state
     if q is None:
         return None, S_out
     # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes

@@ -1,27 +1,35 @@
-"""Family ``additive``: ``S_t = gamma_t S_{t-1} + A_t`` with a token-local scalar decay and an
-increment independent of every state, read through linear probes ``p_t @ S`` -- exact in
-chunked form (intra-chunk masked decay-weighted products, inter-chunk state).
+"""Family ``additive``: ``S_t = Diag(gamma_t) S_{t-1} + A_t`` -- a token-local decay of the
+state's rows (a scalar, or one per key channel: GLA, RWKV-6, HGRN-2) and an increment
+independent of every state, read through linear probes ``p_t @ S`` -- exact in chunked form
+(intra-chunk decay-weighted products, inter-chunk state).
 
-Gradients that do not depend on the state (losses linear in a linear model) are
-increments too.
+Decided on the normal form (:mod:`.transition`), so a decay written ``diag(d) @ S``,
+``(S.T * d).T`` or in a let is the same decay; gradients that do not depend on the state
+(losses linear in a linear model) are increments too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, unparse
-from .algebra import (ONE, ZERO, Algebra, NotAdmitted, all_updates, compose_all, grad_calls, is_num, mul,
-                      replace_call, simplify, txt)
-from .polynomial import Probe, find_probes, linear_form, symbolic_grad
+from ..lang.expr import BinOp, Call, Expr, Name
+from .algebra import ZERO, Algebra, NotAdmitted, is_num, simplify, txt
+from .polynomial import Probe, find_probes
 from .ranges import check_decay
+from .transition import diagonal, normal_form, side_text
+
+
+# the runtime's chunk_additive takes one log decay per key channel ([B, T, H, K]) once the
+# per-channel kernel is merged (branch k1-additive); until then a per-channel decay is online
+PER_CHANNEL_KERNEL = False
 
 
 @dataclass(frozen=True)
 class AdditiveState:
-    """``S_t = gamma_t * S_{t-1} + sum_i outer(a_i, b_i)`` (matrix state) or
+    """``S_t = Diag(gamma_t) S_{t-1} + sum_i outer(a_i, b_i)`` (matrix state) or
     ``z_t = gamma_t * z_{t-1} + sum_i b_i * a_i`` (vector state, ``b_i`` a scalar).
 
-    ``gamma`` is None when the state does not decay (gamma = 1)."""
+    ``gamma`` is a token-local scalar, or a vector ``[d_k]`` (a decay per key channel: the rows
+    of S); None when the state does not decay (gamma = 1)."""
 
     name: str
     gamma: Expr | None
@@ -37,97 +45,50 @@ class AdditivePlan:
     inclusive: bool             # write_read: token t reads the state after its own write
 
 
-def outer_terms(alg: Algebra, A: Expr, S: str) -> list[tuple[Expr, Expr]]:
-    """Decompose a token-local increment into ``sum_i outer(a_i, b_i)`` (matrix) or ``b_i * a_i``."""
-    rank = alg.rank(Name(S))
-    if isinstance(A, BinOp) and A.op in "+-" and alg.rank(A.left) == rank and alg.rank(A.right) == rank:
-        left = outer_terms(alg, A.left, S)
-        right = outer_terms(alg, A.right, S)
-        if A.op == "-":
-            right = [(a, simplify(Neg(b))) for a, b in right]
-        return left + right
-    if isinstance(A, Neg) and rank == 2:
-        return [(a, simplify(Neg(b))) for a, b in outer_terms(alg, A.operand, S)]
-    if is_num(A, 0):
-        return []
-    if rank == 2:
-        if isinstance(A, Call) and A.fn == "outer":
-            return [(A.args[0], A.args[1])]
-        if isinstance(A, BinOp) and A.op in "*/":
-            inner, factor = A.left, A.right
-            if A.op == "*" and alg.is_scalar(A.left):
-                inner, factor = A.right, A.left
-            if alg.is_scalar(factor):
-                return [(a, simplify(BinOp("*", factor, b) if A.op == "*" else BinOp("/", b, factor)))
-                        for a, b in outer_terms(alg, inner, S)]
-        raise NotAdmitted(f"the increment {txt(A)} of {S} is not a sum of outer products")
-    if rank == 1:
-        if isinstance(A, BinOp) and A.op in "*/" and alg.rank(A) == 1:
-            if A.op == "*" and alg.is_scalar(A.left) and alg.rank(A.right) == 1:
-                return [(a, mul(b, A.left)) for a, b in outer_terms(alg, A.right, S)]
-            if alg.is_scalar(A.right) and alg.rank(A.left) == 1:
-                return [(a, simplify(BinOp(A.op, b, A.right))) for a, b in outer_terms(alg, A.left, S)]
-        if alg.rank(A) == 1:
-            return [(A, ONE)]
-    raise NotAdmitted(f"the increment {txt(A)} of {S} has an unsupported shape")
-
-
 def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
+    """The additive family from the normal form: every state's transition is a diagonal on its
+    own rows, ``T = Diag(gamma)`` (``gamma`` a token-local scalar, or a vector: a decay per key
+    channel), and its increment is independent of every state."""
     spec = alg.spec
-    if not alg.states:
-        raise NotAdmitted("the spec has no state")
-    if alg.caches:
-        raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
-    for n, s in alg.states.items():
-        if len(s.shape) not in (1, 2):
-            raise NotAdmitted(f"state {n} has rank {len(s.shape)}; the chunk form needs a vector or a matrix")
-    # gradients that do not depend on the state (losses linear in a linear model) are increments
-    updates = []
-    for tgt, e in all_updates(alg):
-        for g in grad_calls(e):
-            W = alg.grad_target(g)
-            loss = alg.loss()
-            if W is None or loss is None:
-                raise NotAdmitted(f"the update of {tgt} takes a gradient the analysis cannot derive")
-            try:
-                gf = symbolic_grad(alg, loss, W)
-            except NotAdmitted as err:
-                what = (f"the update of {tgt} is not affine in {tgt} with a state-independent increment"
-                        if tgt in alg.states else f"the temporary {tgt} is not a state-independent increment")
-                raise NotAdmitted(f"{what}: {unparse(g)} of a nonlinear model ({err})") from None
-            if gf.scale is not None:
-                what = f"the increment of {tgt}" if tgt in alg.states else f"the temporary {tgt}"
-                raise NotAdmitted(f"{what} depends on the state: {unparse(g)} = {gf.text}")
-            repl = Call("outer", (gf.p, gf.lin)) if gf.p is not None else ZERO
-            e = replace_call(e, g, repl)
-        updates.append((tgt, e))
-    final = compose_all(alg, updates)
+    nf = normal_form(alg)
     reasons = []
     states = []
     for n, st in alg.states.items():
-        if n not in final:
-            raise NotAdmitted(f"state {n} is never written")
-        coef, rest = linear_form(alg, final[n], set(alg.states), "the states")
-        others = sorted(k for k, v in coef.items() if k != n and not is_num(v, 0))
-        if others:
-            raise NotAdmitted(f"the update of {n} reads state {', '.join(others)} (not independent of the state)")
-        gamma = simplify(coef.get(n, ZERO))
-        if alg.depends(rest):
-            raise NotAdmitted(f"the increment {txt(rest)} of {n} depends on a state")
-        if is_num(gamma, 0):
+        m = nf.maps[n]
+        for t in m.terms:
+            if t.state != n:
+                raise NotAdmitted(f"the update of {n} reads state {t.state} (not independent of the state)")
+            if t.left.kind == "outer":
+                raise NotAdmitted(f"the transition of {n} has a rank-one term {side_text(t.left)} (the state corrects "
+                                  f"itself): not an additive running sum")
+            if t.right.kind not in ("I", "vec"):
+                raise NotAdmitted(f"the decay of {n} acts on its columns ({n} {side_text(t.right)}): the chunk "
+                                  f"kernel decays the key axis")
+        gamma = diagonal(m.terms)
+        if gamma is None or is_num(simplify(gamma), 0):
             raise NotAdmitted(f"the update of {n} overwrites it (decay 0): not a recurrence")
-        terms = outer_terms(alg, rest, n)
+        gamma = simplify(gamma)
+        per_channel = alg.rank(gamma) == 1
+        if per_channel and not PER_CHANNEL_KERNEL:
+            raise NotAdmitted(f"the decay of {n} is per key channel (Diag({txt(gamma)})) and this build's chunk "
+                              f"kernel has one decay per head")
         dr = check_decay(alg, None if is_num(gamma, 1) else gamma, f"of {n}")
         inc: Expr = ZERO
-        for a, b in terms:
-            inc = BinOp("+", inc, Call("outer", (a, b)) if len(st.shape) == 2 else BinOp("*", b, a))
-        rec = txt(BinOp("+", BinOp("*", gamma, Name(n)), inc))
-        decay = "no decay" if is_num(gamma, 1) else f"a token-local scalar decay {txt(gamma)}"
+        for a, b in m.incs:
+            inc = BinOp("+", inc, Call("outer", (a, b)) if not m.vector else BinOp("*", b, a))
+        if is_num(gamma, 1):
+            decay = "no decay"
+        elif per_channel:
+            decay = f"a token-local decay per key channel Diag({txt(gamma)})"
+        else:
+            decay = f"a token-local scalar decay {txt(gamma)}"
+        rec = txt(BinOp("+", BinOp("@", Call("diag", (gamma,)), Name(n)) if per_channel
+                        else BinOp("*", gamma, Name(n)), inc))
         reasons.append(f"update of {n} is affine in {n}: {n} <- {rec}, with {decay} "
                        f"and an increment {txt(inc)} independent of the state")
         if dr:
             reasons.append(dr)
-        states.append(AdditiveState(n, None if is_num(gamma, 1) else gamma, tuple(terms), len(st.shape) == 1))
+        states.append(AdditiveState(n, None if is_num(gamma, 1) else gamma, tuple(m.incs), m.vector))
     read, probes = find_probes(alg, alg.inline(spec.read), set(alg.states))
     reasons.append("the read is a function of the linear probes "
                    + ", ".join(txt(BinOp("@", p.vector, Name(p.state))) for p in probes)
@@ -138,15 +99,11 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
 
 
 def additive_states_ok(alg: Algebra) -> bool:
-    """Are all state updates additive (even if the read is not a probe)?"""
+    """Are all state updates additive running sums (a diagonal transition on each state's own
+    rows, an increment independent of the state), even if the read is not a probe?"""
     try:
-        final = compose_all(alg, all_updates(alg))
-        for n in alg.states:
-            if alg.states[n].cache or n not in final or grad_calls(final[n]):
-                return False
-            coef, rest = linear_form(alg, final[n], set(alg.states))
-            if set(k for k, v in coef.items() if not is_num(v, 0)) - {n} or alg.depends(rest):
-                return False
-        return True
+        nf = normal_form(alg)
     except NotAdmitted:
         return False
+    return all(t.state == n and t.left.kind in ("I", "diag") and t.right.kind in ("I", "vec")
+               for n, m in nf.maps.items() for t in m.terms)

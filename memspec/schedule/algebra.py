@@ -88,13 +88,23 @@ def simplify(e: Expr) -> Expr:
             return num(-float(a.value))
         return Neg(a)
     if isinstance(e, Transpose):
-        return Transpose(simplify(e.operand))
+        a = simplify(e.operand)
+        if is_num(a):
+            return a
+        if isinstance(a, Transpose):
+            return a.operand
+        return Transpose(a)
     if isinstance(e, Call):
         args = tuple(simplify(a) for a in e.args)
         if e.fn == "outer" and any(is_num(a, 0) for a in args):
             return ZERO
         return Call(e.fn, args)
     return e
+
+
+def is_diag(e: Expr) -> bool:
+    """``diag(a)``: the diagonal matrix of a vector, only ever an operand of ``@``."""
+    return isinstance(e, Call) and e.fn == "diag"
 
 
 def mul(a: Expr, b: Expr) -> Expr:
@@ -148,8 +158,8 @@ class Algebra:
             self.shapes[n] = ()
         for n, v in spec.views.items():
             self.shapes[n] = (v.dim,)
-        for n in spec.gates:
-            self.shapes[n] = ()
+        for n, g in spec.gates.items():
+            self.shapes[n] = tuple(g.shape)   # () for a scalar gate, (d,) per channel
         for n, p in spec.params.items():
             self.shapes[n] = tuple(p.shape)
         for n, s in spec.state.items():
@@ -211,6 +221,10 @@ class Algebra:
             a, b = self.shape(e.left), self.shape(e.right)
             if a is None or b is None:
                 return None
+            if e.op == "@" and is_diag(e.left):    # diag(a) @ X: X with its rows scaled
+                return b
+            if e.op == "@" and is_diag(e.right):   # X @ diag(b): its columns
+                return a
             if e.op == "@":
                 if len(a) == 1 and len(b) == 2:
                     return (b[1],)
@@ -231,6 +245,8 @@ class Algebra:
                 return ()
             if f == "outer":
                 return None if None in args else args[0] + args[1]
+            if f == "diag":   # the diagonal matrix (only ever an operand of @, never formed)
+                return None if args[0] is None else args[0] + args[0]
             if f == "eye":
                 a = e.args[0]
                 return (a.id, a.id) if isinstance(a, Name) else ("?", "?")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, cache, delta, minibatch, online
+from . import additive, cache, delta, minibatch, online, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -47,13 +47,13 @@ FAMILIES: tuple[Family, ...] = (
            text="cache (softmax attention over the cache, exact, scaled_dot_product_attention)"),
     Family("additive", lambda alg, chunk: additive.analyse_additive(alg), exact=True, chunked=True, carried=False,
            text="additive (exact chunked form: S <- g*S + A)",
-           hint="write the update as S = g*S + A with A independent of every state "
-                "(e.g. outer(k, v)) and read the state only through probes q @ S"),
+           hint="write the update as S = Diag(g) S + A (g a scalar, or one decay per key channel) with A "
+                "independent of every state (e.g. outer(k, v)) and read the state only through probes q @ S"),
     Family("delta", lambda alg, chunk: delta.analyse_delta(alg), exact=True, chunked=True, carried=False,
            text="delta (exact chunked form: WY / UT representation, triangular solve per chunk)",
-           hint="use a model linear in one matrix state (f(u) = u @ W), a loss quadratic in f(...) "
-                "and one gradient step with a scalar step size and scalar decays",
-           hint_applies=lambda spec: spec.model is not None),
+           hint="give one matrix state a transition T = gamma I - beta k kᵀ (a scalar decay and the delta "
+                "rule: a gradient step on a loss quadratic in a linear model, or the error written out)",
+           hint_applies=lambda spec: len(spec.state) == 1),
     Family("minibatch", minibatch.analyse_minibatch, exact=False, chunked=True, carried=True,
            text="mini-batch (approximate: gradients at the chunk-start state)",
            hint="write the update as linear recurrences with token-local scalar coefficients "
@@ -79,6 +79,8 @@ class ScheduleDecision:
     schedules: tuple[str, ...] = ()  # the schedules the generated module carries, in table order
     chunks: dict = field(default_factory=dict, compare=False)  # chunked family -> its chunk size
     let_forms: tuple = ()       # (inlined value, let name) of every let, as the analysis read them
+    normal_form: tuple[str, ...] = ()  # S <- T(S) + W of every state, printed (empty: not linear in the state)
+    coupled: str | None = None  # how the normal form couples several states (None: independent)
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -139,10 +141,15 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
     if kind != "auto":
         reasons.insert(0, f"forced by schedule {spec.schedule}")
     schedules = tuple(f.name for f in FAMILIES if f.name in plans and (f.name == fam or f.carried))
+    try:
+        nf = transition.normal_form(alg)
+        normal, coupled = tuple(transition.describe(nf, alg)), transition.coupling(nf, alg)
+    except NotAdmitted:
+        normal, coupled = (), None
     return ScheduleDecision(fam, BY_NAME[fam].exact, chunks.get(fam), tuple(reasons), plans[fam], admits,
                             plans, tuple(rejected), schedules,
                             {f: c for f, c in chunks.items() if f in schedules},
-                            tuple((inl, n) for n, inl in alg.lets.items()))
+                            tuple((inl, n) for n, inl in alg.lets.items()), normal, coupled)
 
 
 def explain(spec, decision: ScheduleDecision | None = None) -> str:
@@ -154,6 +161,9 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     if d.chunk is not None:
         lines.append(f"  chunk: {d.chunk}" + ("  (chunk 1 equals online)" if d.family == "minibatch" else ""))
     lines.append(f"  admits: {', '.join(d.admits)}")
+    if d.normal_form:
+        lines.append("  normal form (S_t = T_t(S_{t-1}) + W_t, in the states before the token):")
+        lines += [f"    {ln}" for ln in d.normal_form]
     lines.append("  because:")
     lines += [f"    - {r}" for r in d.reasons]
     rej = dict(d.rejected)
@@ -166,7 +176,10 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     if d.family == "minibatch":
         lines.append("  note: mini-batch evaluates every grad(...) of a chunk at the chunk-start state;"
                      " it approximates online learning and equals it at chunk 1 (schedule minibatch(1))")
-    elif d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
+    if d.coupled and d.family == "online":
+        lines.append(f"  note: {d.coupled}; no exact chunked form of coupled states is derived, so the exact "
+                     f"schedule is online")
+    if d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
         lines.append("  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
                      "schedules, so ask for it with `schedule: minibatch(N)`")
     hints = [f for f in ahead if f in rej and BY_NAME[f].hint and BY_NAME[f].hint_applies(spec)]

@@ -1,16 +1,18 @@
-"""Family ``delta``: a linear model ``f(u) = u @ W``, a loss quadratic in the model output and
-one gradient step with a token-local scalar step size and optional scalar decays before /
-after it -- the (gated) delta rule, exact in the WY / UT chunked form.
+"""Family ``delta``: a transition ``T = gamma I - beta rho k kᵀ`` (a token-local scalar decay
+plus one symmetric rank one) with the write ``beta k vᵀ`` -- the (gated) delta rule, however it
+is written (the gradient step of a quadratic loss of a linear model, or the error written out,
+as the seed text's §3.3 writes it), exact in the WY / UT chunked form.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, substitute, unparse
-from .algebra import ONE, ZERO, Algebra, NotAdmitted, add, is_num, mul, replace_grads, simplify, state_updates, txt
-from .polynomial import (NONLIN, Probe, degree, describe_degree, find_probes, linear_form, nonlinear_site,
-                         probe_form, symbolic_grad)
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, unparse
+from ..lang.normalize import canon
+from .algebra import ONE, ZERO, Algebra, NotAdmitted, grad_calls, is_num, mul, simplify, txt
+from .polynomial import Probe, find_probes, symbolic_grad
 from .ranges import check_decay
+from .transition import describe, normal_form, one_state, ratio, side_text, split_scalar
 
 
 @dataclass(frozen=True)
@@ -33,98 +35,59 @@ class DeltaPlan:
 
 
 def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
+    """The delta family from the normal form ``W <- T(W) + A``: ``T = gamma I - beta rho k kᵀ``
+    (a token-local scalar decay plus a symmetric rank one) and ``A = beta k vᵀ`` -- however the
+    update is written (``grad`` of a quadratic loss or the error written out)."""
     spec = alg.spec
-    if alg.model is None or spec.loss is None:
-        raise NotAdmitted("the spec has no inner model and loss")
-    ms = spec.model_states()
-    if len(ms) != 1:
-        raise NotAdmitted(f"the model reads {len(ms)} states ({', '.join(ms)}); the delta form needs one matrix")
-    W = ms[0]
-    if set(alg.states) != {W}:
-        raise NotAdmitted(f"the spec has states besides the model's {W}: "
-                          + ", ".join(sorted(set(alg.states) - {W})))
-    if len(alg.states[W].shape) != 2 or alg.states[W].cache:
-        raise NotAdmitted(f"the model's state {W} is not a matrix")
-    reasons = []
-    alg.shapes.setdefault(alg.model.arg, (alg.states[W].shape[0],))
-    body = substitute(alg.model.body, {k: v for k, v in alg.lets.items() if k != alg.model.arg})
-    d = degree(alg, body, {W})
-    mtxt = str(alg.model)
-    if d != {1} and d != {0, 1}:
-        site = nonlinear_site(alg, body, {W})
-        raise NotAdmitted(f"the model {mtxt} is {describe_degree(d)} in {W}"
-                          + (f" ({txt(site)})" if site is not None and NONLIN in d else ""))
-    if probe_form(alg, body, W) in (None,) or probe_form(alg, body, W)[0] is None:
-        raise NotAdmitted(f"the model {mtxt} is linear in {W} but not of the form p(u) @ {W} + r(u)")
-    reasons.append(f"model {mtxt} is linear in {W}")
-    loss = alg.loss()
-    gf = symbolic_grad(alg, loss, W)
-    if gf.scale is None:
-        raise NotAdmitted(f"the loss {txt(loss)} is not quadratic in {W}")
-    reasons.append(f"loss is quadratic in the model output: {unparse(spec.loss)}, "
-                   f"so grad(loss, {W}) = {gf.text}")
-    # the update program: decays (c * W) and exactly one gradient step c * W + d * grad
-    pre, post, step = [], [], None
-    for tgt, e in state_updates(alg):
-        if tgt != W:
-            raise NotAdmitted(f"the update writes {tgt}, not only {W}")
-        table: dict = {}
-        e2 = replace_grads(e, alg, table)
-        gnames = {v[0] for v in table.values()}
-        if any(alg.grad_target(call) != W for _, call in table.values()):
-            raise NotAdmitted("a gradient is taken with respect to another state")
-        coef, rest = linear_form(alg, e2, {W} | gnames, f"{W} and grad(loss, {W})")
-        if not is_num(simplify(rest), 0):
-            raise NotAdmitted(f"the update of {W} adds {txt(rest)} besides the gradient step")
-        c = simplify(coef.get(W, ZERO))
-        dg = ZERO
-        for g in gnames:
-            dg = add(dg, coef.get(g, ZERO))
-        if alg.depends(c) or alg.depends(dg) or not alg.is_scalar(c) or not alg.is_scalar(dg):
-            raise NotAdmitted(f"the coefficients of the update of {W} are not token-local scalars")
-        if is_num(dg, 0):
-            (post if step is not None else pre).append(c)
-        elif step is not None:
-            raise NotAdmitted(f"the update of {W} takes two gradient steps per token")
-        else:
-            step = (c, dg)
-    if step is None:
-        raise NotAdmitted(f"the update of {W} takes no gradient step")
-    c, dg = step
-    g_pre = ONE
-    for x in pre:
-        g_pre = mul(g_pre, x)
-    g_post = ONE
-    for x in post:
-        g_post = mul(g_post, x)
-    # W' = g_post * (c * g_pre * W + dg * scale * outer(p, g_pre * p@W + r))
-    #    = gamma W + outer(p, beta (v - rho p@W)),  gamma = g_post c g_pre, rho = g_pre g_post,
-    #      beta = -dg * scale, v = g_post * (-r)
-    gamma = simplify(mul(mul(g_post, c), g_pre))
-    rho = simplify(mul(g_pre, g_post))
-    beta = simplify(Neg(mul(dg, gf.scale)))
-    v = simplify(mul(g_post, Neg(gf.r)))
+    nf = normal_form(alg)
+    W, m = one_state(alg, nf, "delta")
+    reasons = grad_reasons(alg)
+    reasons.append("normal form: " + describe(nf, alg)[0])
+    diag = [t for t in m.terms if t.left.kind in ("I", "diag")]
+    rank1 = [t for t in m.terms if t.left.kind == "outer"]
+    if any(t.left.kind == "diag" for t in diag):
+        raise NotAdmitted(f"the decay of {W} is per channel ({side_text(diag[0].left)}): the delta form has a "
+                          f"scalar decay")
+    if not rank1:
+        raise NotAdmitted(f"the transition of {W} has no rank-one correction: it is additive")
+    if len(rank1) > 1:
+        raise NotAdmitted(f"the transition of {W} has {len(rank1)} rank-one terms per token: the delta form has one")
+    (t1,) = rank1
+    k, k2 = t1.left.u, t1.left.w
+    if canon(k) != canon(k2):
+        raise NotAdmitted(f"the rank-one term {side_text(t1.left)} is not symmetric: the error is read at "
+                          f"{txt(k2)}, the write goes to {txt(k)}")
+    gamma = simplify(diag[0].coef) if diag else ZERO
     if is_num(gamma, 0):
         raise NotAdmitted(f"the update of {W} has decay 0")
+    if len(m.incs) != 1 or canon(m.incs[0][0]) != canon(k):
+        raise NotAdmitted(f"the write of {W} is not one outer product at the key {txt(k)}")
+    s_b, v_b = split_scalar(alg, m.incs[0][1])
+    br = simplify(Neg(t1.coef))                  # beta * rho
+    beta = ratio(br, gamma)                      # rho = gamma when it cancels: the error at the decayed memory
+    if beta is not None:
+        rho = gamma
+        scale = ratio(s_b, beta)
+    if beta is None or scale is None:
+        beta, rho, scale = s_b, ratio(br, s_b), ONE
+    if rho is None:
+        raise NotAdmitted(f"the step size of the correction ({txt(br)}) and of the write ({txt(s_b)}) do not share "
+                          f"a factor the analysis can divide out")
+    v = simplify(mul(scale, v_b))
     decay_lines = [r for r in (check_decay(alg, None if is_num(gamma, 1) else gamma, f"of {W}"),
-                               check_decay(alg, None if rho in (gamma, ONE) else rho,
-                                            "seen by the error term")) if r]
-    btxt = txt(beta)
-    G = Call("grad", (Name("loss"), Name(W)))
-    stmt = BinOp("+", BinOp("*", c, Name(W)), BinOp("*", dg, G))
-    reasons.append(f"one gradient step {W} <- {txt(stmt)} with a token-local scalar step size")
-    if pre:
-        reasons.append(f"decay {txt(g_pre)} before the gradient step: the gradient is taken at the decayed memory")
-    if post:
-        reasons.append(f"decay {txt(g_post)} after the gradient step: same recurrence with the target rescaled, "
-                       f"v = {txt(v)}")
-    if not is_num(c, 1):
-        reasons.append(f"decay {txt(c)} in the gradient statement: the gradient is taken at the undecayed memory")
+                               check_decay(alg, None if canon(rho) in (canon(gamma), canon(ONE)) else rho,
+                                           "seen by the error term")) if r]
     Wp = Name(f"{W}_prev")
     rec_e = BinOp("+", BinOp("*", gamma, Wp), Call("outer", (Name("k"), BinOp("*", Name("beta"), BinOp(
         "-", Name("v"), BinOp("*", rho, BinOp("@", Name("k"), Wp)))))))
-    rec = f"{W} <- {txt(rec_e)} with k = {txt(gf.p)}, v = {txt(v)}, beta = {btxt}"
+    rec = f"{W} <- {txt(rec_e)} with k = {txt(k)}, v = {txt(v)}, beta = {txt(beta)}"
     reasons.append(("gated delta rule: " if not is_num(gamma, 1) else "delta rule: ") + rec)
+    if canon(rho) == canon(gamma) and not is_num(gamma, 1):
+        reasons.append(f"the error is read at the decayed memory (rho = the decay {txt(gamma)})")
+    elif not is_num(gamma, 1):
+        reasons.append(f"the error is read at the undecayed memory (rho = {txt(rho)})")
+    if not is_num(scale, 1):
+        reasons.append(f"a decay after the write: the same recurrence with the target rescaled, v = {txt(v)}")
     reasons += decay_lines
     read, probes = find_probes(alg, alg.inline(spec.read), {W})
     reasons.append("the read is a function of the linear probes "
@@ -132,6 +95,22 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
                    else "the read does not use the state")
     reasons.append("exact chunk form: WY / UT representation of the product of (I - beta_t k_t^T k_t), "
                    "one unit-lower-triangular solve per chunk")
-    plan = DeltaPlan(W, gf.p, v, beta, None if is_num(gamma, 1) else gamma,
-                     None if rho == gamma else rho, tuple(probes), read, spec.order == "write_read")
+    plan = DeltaPlan(W, k, v, beta, None if is_num(gamma, 1) else gamma,
+                     None if canon(rho) == canon(gamma) else rho, tuple(probes), read, spec.order == "write_read")
     return plan, reasons
+
+
+def grad_reasons(alg: Algebra) -> list[str]:
+    """What the gradients of the program are (a linear model, a quadratic loss), when it takes any."""
+    spec = alg.spec
+    calls = [c for s in spec.update for c in grad_calls(s.value)]
+    if not calls:
+        return []
+    out = []
+    for W in dict.fromkeys(alg.grad_target(c) for c in calls):
+        if alg.model is not None and W in spec.model_states():
+            out.append(f"model {alg.model} is linear in {W}")
+        gf = symbolic_grad(alg, alg.loss(), W)
+        kind = "quadratic" if gf.scale is not None else "linear"
+        out.append(f"loss is {kind} in the model output: {unparse(spec.loss)}, so grad(loss, {W}) = {gf.text}")
+    return out

@@ -56,6 +56,9 @@ def value_range(alg: Algebra, e: Expr, logit=(-INF, INF)) -> tuple[float, float]
         if e.op == "/" and (b[0] > 0 or b[1] < 0):
             inv = (1.0 / b[1] if b[1] != INF else 0.0, 1.0 / b[0] if b[0] != -INF else 0.0)
             return mul(a, tuple(sorted(inv)))
+        if e.op == "^" and b[0] == b[1] and a[0] >= 0 and b[0] > 0:   # x^c, x >= 0, a constant c > 0: monotone
+            c = b[0]
+            return a[0] ** c, (a[1] ** c if a[1] != INF else INF)
         if e.op == "^" and isinstance(e.right, Num) and float(e.right.value) % 2 == 0:
             return 0.0, INF
         return -INF, INF

@@ -58,14 +58,16 @@ def _peak_rss_mb() -> float | None:
 
 
 def make_inputs(spec, B: int, T: int, H: int, dims: dict, device: str, dtype, seed: int = 0):
-    """Views ``[B, T, H, D]`` (unit-scale rows), gates ``[B, T, H]`` in (0, 1)."""
+    """Views ``[B, T, H, D]`` (unit-scale rows), gates ``[B, T, H]`` (``[B, T, H, d]`` per channel) in (0, 1)."""
     g = torch.Generator().manual_seed(seed)
     views = {}
     for n, v in spec.views.items():
         d = dims.get(v.dim, spec.dims[v.dim])
         views[n] = (torch.randn(B, T, H, d, generator=g) / math.sqrt(d)).to(device=device, dtype=dtype)
-    gates = {n: torch.sigmoid(torch.randn(B, T, H, generator=g) - 1.0).to(device=device, dtype=dtype)
-             for n in spec.gates}
+    gates = {}
+    for n, gate in spec.gates.items():
+        channels = [dims.get(d, spec.dims[d]) for d in gate.shape]
+        gates[n] = torch.sigmoid(torch.randn(B, T, H, *channels, generator=g) - 1.0).to(device=device, dtype=dtype)
     return views, gates
 
 

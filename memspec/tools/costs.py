@@ -42,7 +42,9 @@ class Coster:
             out += self._cost(c, rec, scope)
         sh = self._shape(e, rec)
         if isinstance(e, BinOp):
-            if e.op == "@":
+            if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+                out += _size(sh)   # a row / column scaling: elementwise
+            elif e.op == "@":
                 a, b = self._shape(e.left, rec), self._shape(e.right, rec)
                 if a is not None and b is not None:
                     out += _size(tuple(a) + tuple(b)[1:]) if a and b else _size(a or b)
@@ -70,7 +72,7 @@ class Coster:
             return _size(arg[1]) + _size(arg[2])
         if e.fn in ("sum", "mean", "norm", "layernorm", "rmsnorm", "l2norm"):
             return _size(arg[0])
-        if e.fn in ("eye",):
+        if e.fn in ("eye", "diag"):   # never formed (diag is the operand of a scaling)
             return Counter()
         if e.fn == "append":  # pushing one vector
             return _size(arg[1])
@@ -113,3 +115,7 @@ def cost_text(c: Counter, spec: Spec, cache_axis: str = "n") -> str:
     if common:
         return f"O({_mono_text(tuple(common.elements()), order)}·({inner}))"
     return f"O({inner})"
+
+
+def _is_diag(e: Expr) -> bool:
+    return isinstance(e, Call) and e.fn == "diag"

@@ -112,6 +112,8 @@ def describe(entry: Any) -> Any:
         return entry.dim
     if isinstance(entry, Gate):
         s = unparse(entry.formula)
+        if entry.shape:
+            s = f"{shape_text(entry.shape)} = {s}"
         return s if not entry.bias else f"{s} bias {format_number(_pretty(entry.bias))}"
     if isinstance(entry, Param):
         init = entry.init if isinstance(entry.init, str) else format_number(entry.init)
@@ -255,6 +257,7 @@ class _Differ:
 
     def _gate(self, p, x: Gate, y: Gate):
         self.expr("gates", p + ("formula",), x.formula, y.formula)
+        self.value("gates", p + ("shape",), shape_text(x.shape), shape_text(y.shape))
         self.value("gates", p + ("bias",), _pretty(x.bias), _pretty(y.bias))
 
     def _param(self, p, x: Param, y: Param):

@@ -70,6 +70,8 @@ def render(e: Expr) -> str:
             return f"{_wrap(a[0], 6)}⁻¹ {_wrap(a[1], 3)}"
         if e.fn == "eye":
             return "I"
+        if e.fn == "diag":
+            return f"Diag({render(a[0])})"
         if e.fn == "attend":
             sc = a[3]
             if isinstance(sc, BinOp) and sc.op == "^" and (sc.right == Num(-0.5) or sc.right == Neg(Num(0.5))):
@@ -92,6 +94,8 @@ def render(e: Expr) -> str:
         left = _wrap(e.left, p)
         right = _wrap(e.right, p + 1)
         sym = {"+": " + ", "-": " − ", "*": " ", "/": "/", "@": " · "}[e.op]
+        if e.op == "@" and any(isinstance(x, Call) and x.fn == "diag" for x in (e.left, e.right)):
+            sym = " "   # the papers' Diag(α) S
         return f"{left}{sym}{right}"
     raise TypeError(f"not an expression: {e!r}")
 

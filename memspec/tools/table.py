@@ -65,11 +65,19 @@ def terms(e: Expr) -> list[Term]:
             if isinstance(e.right, Num) and float(e.right.value) != 0:
                 return [(c / float(e.right.value), f) for c, f in terms(e.left)]
             return [(c, f + (BinOp("/", Num(1), e.right),)) for c, f in terms(e.left)]
+        if e.op == "@" and _is_diag(e.left):   # a row scaling is a (per-channel) factor
+            return [(c, (e.left,) + f) for c, f in terms(e.right)]
+        if e.op == "@" and _is_diag(e.right):  # a column scaling too
+            return [(c, f + (e.right,)) for c, f in terms(e.left)]
     if isinstance(e, Neg):
         return [(-c, f) for c, f in terms(e.operand)]
     if isinstance(e, Num):
         return [(float(e.value), ())]
     return [(1.0, (e,))]
+
+
+def _is_diag(e: Expr) -> bool:
+    return isinstance(e, Call) and e.fn == "diag"
 
 
 def names(e: Expr | Iterable[Expr]) -> set[str]:
@@ -127,6 +135,7 @@ class Feature:
     names: tuple[str, ...]      # gates (or other names) in its coefficient
     per_token: bool
     text: str                   # the coefficient, as math
+    per_channel: bool = False   # a vector coefficient (a per-channel gate, diag(...) @ S)
 
 
 @dataclass
@@ -146,6 +155,23 @@ class Features:
     loss_kind: str = ""
     ratio_read: bool = False      # the read divides by a vector state
     solve_read: bool = False
+
+
+def _per_channel(spec: Spec, factors: Iterable[Expr]) -> bool:
+    """Does a coefficient scale channels one by one (a diag(...) factor or a vector gate or view)?"""
+    vectors = {g for g, gt in spec.gates.items() if gt.shape}
+    return any(_is_diag(f) or names(inline_lets(spec, f)) & vectors for f in factors)
+
+
+def _feature(spec: Spec, factors, text_expr: Expr) -> Feature:
+    factors = list(factors)
+    return Feature(tuple(sorted(names(factors) & set(spec.gates))), _per_token(spec, factors),
+                   render(_undiag(text_expr)), _per_channel(spec, factors))
+
+
+def _undiag(e: Expr) -> Expr:
+    """A coefficient with each diag(a) factor written as a (its per-channel values)."""
+    return rewrite(e, lambda n: n.args[0] if _is_diag(n) else None)
 
 
 def _per_token(spec: Spec, factors: Iterable[Expr]) -> bool:
@@ -220,7 +246,7 @@ def features(spec: Spec) -> Features:
     ft.grad_write = bool(step_terms)
     if step_terms:
         c, f = step_terms[0]
-        ft.step = Feature(tuple(sorted(names(f) & set(spec.gates))), _per_token(spec, f), render(_coef_expr(abs(c), f)))
+        ft.step = _feature(spec, f, _coef_expr(abs(c), f))
         ft.step_kind = "gradient"
         ft.implicit_step = bool(names([inline_lets(spec, y) for y in f]) & set(spec.views))
     else:
@@ -229,8 +255,7 @@ def features(spec: Spec) -> Features:
         if gated:
             c, f = gated[0]
             mult = tuple(y for y in f if names(y) & set(spec.gates))
-            ft.step = Feature(tuple(sorted(names(mult) & set(spec.gates))), _per_token(spec, mult),
-                              render(_coef_expr(1.0, mult)))
+            ft.step = _feature(spec, mult, _coef_expr(1.0, mult))
             ft.step_kind = "additive"
     # decay: a retention coefficient other than exactly 1
     decayed: dict[str, list[Term]] = {}
@@ -248,13 +273,11 @@ def features(spec: Spec) -> Features:
     fgt = [x for x in decayed if not readers.get(x)]
     if mom:
         ts = decayed[mom[0]]
-        ft.momentum = Feature(tuple(sorted(names([y for _, f in ts for y in f]) & set(spec.gates))),
-                              _per_token(spec, [y for _, f in ts for y in f]), render(_sum_expr(ts)))
+        ft.momentum = _feature(spec, [y for _, f in ts for y in f], _sum_expr(ts))
         ft.momentum_states = tuple(mom)
     if fgt:
         ts = decayed[fgt[0]]
-        ft.forget = Feature(tuple(sorted(names([y for _, f in ts for y in f]) & set(spec.gates))),
-                            _per_token(spec, [y for _, f in ts for y in f]), render(_sum_expr(ts)))
+        ft.forget = _feature(spec, [y for _, f in ts for y in f], _sum_expr(ts))
         ft.forget_states = tuple(fgt)
     ft.additive = not ft.grad_write and not ft.cache and all(
         not (names(f) & states) for ts in increments.values() for _, f in ts)
@@ -401,7 +424,7 @@ class Row:
 def _feature_text(f: Optional[Feature], states: tuple[str, ...] = ()) -> str:
     if f is None:
         return "—"
-    s = f.text + (", per token" if f.per_token else ", constant")
+    s = f.text + (", per token" if f.per_token else ", constant") + (", per channel" if f.per_channel else "")
     if states:
         s += " (" + ", ".join(mname(x) for x in states) + ")"
     return s

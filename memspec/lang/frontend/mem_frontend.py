@@ -179,12 +179,18 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
             put(("views", str(ch[0])), {"dim": str(ch[1])}, span, pos.of_token(ch[0]))
             raw.spans[("views", str(ch[0]), "dim")] = pos.of_token(ch[1])
         elif kind == "gate_decl":
-            name, formula, bias = str(ch[0]), ch[1], ch[2]
+            name, shape, formula, bias = str(ch[0]), ch[1], ch[2], ch[3]
             g = {"formula": formula}
+            if shape is not None:
+                g["shape"] = [str(t) for t in shape.children if t is not None]
             if bias is not None:
                 g["bias"] = float(_number(bias.children[0].children[0]))
             put(("gates", name), g, span, pos.of_token(ch[0]))
             raw.spans[("gates", name, "formula")] = formula.span
+            if shape is not None:
+                raw.spans[("gates", name, "shape")] = pos.of_meta(shape.meta) or span
+                for i, t in enumerate(x for x in shape.children if x is not None):
+                    raw.spans[("gates", name, "shape", i)] = pos.of_token(t)
         elif kind == "param_decl":
             name = str(ch[0])
             shape = [str(t) for t in ch[1].children if t is not None]
