@@ -415,7 +415,9 @@ class GatedDeltanetMemory(nn.Module):
         qn = l2norm(q)  # [B, H, d_k]
         kn = l2norm(k)  # [B, H, d_k]
         W = (1 - alpha)[..., None, None] * W  # [B, H, d_k, d_v]
-        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, v, kn)  # at the current state
+        y_W = (kn.unsqueeze(-2) @ W).squeeze(-2)  # [B, H, d_v]: at the current state
+        err = y_W - v  # [B, H, d_v]
+        grad_W = kn.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, d_k, d_v]: grad(loss, W)
         W = W - eta[..., None, None] * grad_W  # [B, H, d_k, d_v]
         o = self.f(qn, W)  # [B, H, d_v]
         return o, (W,)
@@ -453,7 +455,9 @@ class GatedDeltanetMemory(nn.Module):
         the chunk-start state (W [B, H, ...]); each grad(...) taken there.
         """
         W = (1 - alpha)[..., None, None] * W  # [B, H, d_k, d_v]
-        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, v, kn)  # at the chunk-start state (carried through this token)
+        y_W = (kn.unsqueeze(-2) @ W).squeeze(-2)  # [B, H, d_v]: at the chunk-start state (carried through this token)
+        err = y_W - v  # [B, H, d_v]
+        grad_W = kn.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, d_k, d_v]: grad(loss, W)
         return (grad_W,)
 
     def _chunk_step(self, W_start, W, q, k, v, eta, alpha):

@@ -13,7 +13,7 @@ import inspect
 
 import torch.nn as nn
 
-from ..lang.expr import Call, Name
+from ..lang.expr import Call, Name, unparse
 from ..lang.names import GENERATED_NAMES, LANGUAGE_NAMES, fresh
 from ..lang.shapes import ShapeEnv, let_order
 from ..runtime import helpers as runtime_helpers
@@ -77,6 +77,9 @@ class Context:
         online = d.plans["online"]
         self.loss_states = list(online.loss_states)
         self.grad_groups = online.grad_groups
+        # unparse of a group's calls -> its closed-form gradient (memspec.schedule.backprop)
+        self.closed_grads = {tuple(unparse(c) for c in g): cg for g, cg in zip(online.grad_groups, online.closed)
+                             if cg is not None}
         self.loss_args = self.loss_states + self.loss_inputs() if spec.loss is not None else []
 
     # ------------------------------------------------------------ runtime pieces

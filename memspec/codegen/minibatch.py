@@ -48,6 +48,8 @@ def emit(ctx, L) -> None:
     outs = fresh("outputs", taken)
     o_c = fresh("o_c", taken)
     T = fresh("T", taken)
+    plan = ctx.plans["minibatch"]
+    head_major = plan.dual is not None   # the dual form runs head-major [B, H, C, ...]
     L(f"def _forward_minibatch(self, {', '.join(sv + ['state'])}):")
     with L.indent():
         L('"""' + "Mini-batch: chunks of `self.chunk` tokens; every gradient of a chunk at its start state.")
@@ -58,6 +60,9 @@ def emit(ctx, L) -> None:
         L("state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.")
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
+        if head_major:
+            L(f"{', '.join(sv)}{',' if len(sv) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in ({', '.join(sv)}{',' if len(sv) == 1 else ''}))",
+              "head-major [B, H, T, ...], once")
         L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
         L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
         if starts:
@@ -74,7 +79,8 @@ def emit(ctx, L) -> None:
                 L("    pass")
             L(f"{n} = min({c} - {pos}, {T} - {t})")
             L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-            args = list(starts.values()) + cur + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
+            cut = ":, :, " if head_major else ":, "
+            args = list(starts.values()) + cur + [f"{x}[{cut}{t}:{t} + {n}]" for x in sv]
             L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
@@ -84,9 +90,9 @@ def emit(ctx, L) -> None:
             L(f"state[\"minibatch.pos\"] = {pos}")
             for s, v in starts.items():
                 L(f"state[\"minibatch.{s}\"] = {v}")
-        L(f"return torch.cat({outs}, dim=1), state")
+        L(f"return torch.cat({outs}, dim=2).transpose(1, 2), state" if head_major
+          else f"return torch.cat({outs}, dim=1), state")
     L()
-    plan = ctx.plans["minibatch"]
     if plan.dual is not None:
         dual.emit(ctx, plan.dual, L)
         return

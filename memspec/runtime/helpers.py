@@ -42,6 +42,40 @@ def huber(x, delta):
     return torch.where(ax <= delta, 0.5 * x * x, delta * (ax - 0.5 * delta))
 
 
+def _layernorm_grad(x, g, weight=None):
+    """The gradient with respect to x of layernorm(x, weight, bias) (eps 1e-5), given the
+    gradient g with respect to its output."""
+    mu = x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((x - mu).square().mean(-1, keepdim=True) + 1e-5)
+    xhat = (x - mu) * rstd
+    gw = g if weight is None else g * weight
+    return rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+
+
+def _rmsnorm_grad(x, g, weight=None):
+    """The gradient with respect to x of rmsnorm(x, weight) (eps 1e-6), given g."""
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    gw = g if weight is None else g * weight
+    return rstd * (gw - x * rstd.square() * (gw * x).mean(-1, keepdim=True))
+
+
+def _l2norm_grad(x, g):
+    """The gradient with respect to x of l2norm(x) (eps 1e-6), given g."""
+    rnorm = torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    return rnorm * (g - x * rnorm.square() * (g * x).sum(-1, keepdim=True))
+
+
+def _gelu_grad(x):
+    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
+    return 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+
+
+def _silu_grad(x):
+    """d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
 def attend(q, K, V, scale):
     """softmax(scale * K q) V over a cache: q [..., d], K [..., n, d], V [..., n, e] -> [..., e]."""
     scores = (K @ q.unsqueeze(-1)).squeeze(-1) * scale
