@@ -242,12 +242,18 @@ class DualWriter:
                 xk, dd = self.tapped_grads(L, starts, taken)
             # token-local scalar coefficients, head-major [B, H, C]
             coef_cache: dict = {}
+            numbers: set = set()     # the codes of coefficients that are Python numbers
+
+            def _is_number(text: str) -> bool:
+                return text in numbers or _is_literal(text)
 
             def coef(e: Expr, base: str = "coef") -> str:
                 """Code of a token-local scalar [B, H, C] (a number: its literal)."""
                 key = unparse(e)
                 if key not in coef_cache:
                     code = em._emit(e)
+                    if code.number:
+                        numbers.add(code.at(P_MUL))
                     if code.number or isinstance(e, Name):
                         coef_cache[key] = code.at(P_MUL)
                     else:
@@ -265,7 +271,7 @@ class DualWriter:
                 key = unparse(e)
                 if key not in decays:
                     c = coef(e, f"{s}_decay")
-                    if _is_number(c) and float(c) == 1.0:
+                    if _is_literal(c) and float(c) == 1.0:
                         Ln = fresh("causal", taken)
                         L(f"{Ln} = torch.ones({C}, {C}, dtype={first}.dtype, device={first}.device).tril()",
                           "[C, C]: the weights of a decay of 1 (a running sum)")
@@ -288,6 +294,13 @@ class DualWriter:
             shifted: dict = {}
             emitted: dict = {}   # right-hand side -> the local that holds it
 
+            def times(c: str, v: str) -> str:
+                if c == "1":
+                    return v
+                if v == "1":
+                    return c
+                return f"{c} * {v}"
+
             def assign(name: str, rhs: str, comment: str) -> str:
                 """Bind ``name`` to ``rhs``, or reuse the local computed the same way earlier."""
                 if _is_number(rhs):
@@ -301,13 +314,6 @@ class DualWriter:
 
             def group(terms: list) -> str:
                 return terms[0] if len(terms) == 1 and terms[0].isidentifier() else f"({_sum(terms)})"
-
-            def times(c: str, v: str) -> str:
-                if c == "1":
-                    return v
-                if v == "1":
-                    return c
-                return f"{c} * {v}"
 
             def shift(r: str) -> _Rep:
                 """The representation of r before each token (after the previous one)."""
@@ -431,7 +437,7 @@ class DualWriter:
         L()
 
 
-def _is_number(text: str) -> bool:
+def _is_literal(text: str) -> bool:
     try:
         float(text)
     except ValueError:
