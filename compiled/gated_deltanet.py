@@ -434,16 +434,20 @@ class GatedDeltanetMemory(nn.Module):
         W = state['W']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
-        outputs = []
+        sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks = (x.split(sizes, dim=1) for x in (q, k, v, eta, alpha))  # views, not copies (one concatenation of their gradients when training)
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c, alpha_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks):
             if pos == 0:
                 W_start = W  # a new chunk starts here
-            n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W,) = fn(W_start, W, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n], alpha[:, t:t + n])
+            o_c, (W,) = fn(W_start, W, q_c, k_c, v_c, eta_c, alpha_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         state = {'W': W}
         if pos:
             state["minibatch.pos"] = pos

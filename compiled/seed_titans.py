@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _gelu_grad(x):
-    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
-    return 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
 
 
 def _check(name, t, axes, sizes, ref=None):
@@ -256,7 +256,7 @@ class SeedTitansMemory(nn.Module):
         err = y_b2 - v  # [B, H, d_v]
         d_err = 2 * err  # [B, H, d_v]: the loss's gradient w.r.t. err
         d_xk_W2 = (d_err.unsqueeze(-2) @ W2.transpose(-2, -1)).squeeze(-2)  # [B, H, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_b1 = d_xk_W2 * _gelu_grad(y_b1)  # [B, H, hidden]: the loss's gradient w.r.t. y_b1
+        delta_b1 = _gelu_backward(d_xk_W2, y_b1)  # [B, H, hidden]: the loss's gradient w.r.t. y_b1
         grad_W1 = k.unsqueeze(-1) * delta_b1.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W1)
         grad_W2 = xk_W2.unsqueeze(-1) * d_err.unsqueeze(-2)  # [B, H, hidden, d_v]: grad(loss, W2)
         U_W1 = 0.5 * U_W1 - 0.005 * grad_W1  # [B, H, d_k, hidden]
@@ -283,16 +283,20 @@ class SeedTitansMemory(nn.Module):
         W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = state['W1'], state['b1'], state['W2'], state['b2'], state['U_W1'], state['U_b1'], state['U_W2'], state['U_b2']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, b1_start, W2_start, b2_start = state.get("minibatch.W1", W1), state.get("minibatch.b1", b1), state.get("minibatch.W2", W2), state.get("minibatch.b2", b2)
-        outputs = []
+        sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        q_chunks, k_chunks, v_chunks = (x.split(sizes, dim=2) for x in (q, k, v))  # views, not copies (one concatenation of their gradients when training)
+        outputs = []
+        for n, q_c, k_c, v_c in zip(sizes, q_chunks, k_chunks, v_chunks):
             if pos == 0:
                 W1_start, b1_start, W2_start, b2_start = W1, b1, W2, b2  # a new chunk starts here
-            n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2) = fn(W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n])
+            o_c, (W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2) = fn(W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q_c, k_c, v_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         state = {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2, 'U_W1': U_W1, 'U_b1': U_b1, 'U_W2': U_W2, 'U_b2': U_b2}
         if pos:
             state["minibatch.pos"] = pos
@@ -319,7 +323,7 @@ class SeedTitansMemory(nn.Module):
         err = y_b2 - v  # [B, H, C, d_v]
         d_err = 2 * err  # [B, H, C, d_v]: the loss's gradient w.r.t. err
         d_xk_W2 = d_err @ W2_start.transpose(-2, -1)  # [B, H, C, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_b1 = d_xk_W2 * _gelu_grad(y_b1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_b1
+        delta_b1 = _gelu_backward(d_xk_W2, y_b1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_b1
         C = q.shape[2]
         L_U_W1, P_U_W1 = _decay_matrix(q.new_full((C,), 0.5))  # [C, C], [C]: decay weights of mu
         M_U_W1_W1 = -0.005 * L_U_W1  # [B, H, C, C]: weights of the gradients of W1 in U_W1 after each token

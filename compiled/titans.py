@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _gelu_grad(x):
-    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
-    return 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
 
 
 def l2norm(x):
@@ -263,7 +263,7 @@ class TitansMemory(nn.Module):
         y_W2 = (xk_W2.unsqueeze(-2) @ W2).squeeze(-2)  # [B, H, d_v]
         err = y_W2 - vs  # [B, H, d_v]
         d_xk_W2 = (err.unsqueeze(-2) @ W2.transpose(-2, -1)).squeeze(-2)  # [B, H, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_W1 = d_xk_W2 * _gelu_grad(y_W1)  # [B, H, hidden]: the loss's gradient w.r.t. y_W1
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)  # [B, H, hidden]: the loss's gradient w.r.t. y_W1
         grad_W1 = kn.unsqueeze(-1) * delta_W1.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W1)
         grad_W2 = xk_W2.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, hidden, d_v]: grad(loss, W2)
         U1 = mu[..., None, None] * U1 - eta[..., None, None] * grad_W1  # [B, H, d_k, hidden]
@@ -286,16 +286,20 @@ class TitansMemory(nn.Module):
         W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
-        outputs = []
+        sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        q_chunks, k_chunks, v_chunks, eta_chunks, mu_chunks, alpha_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta, mu, alpha))  # views, not copies (one concatenation of their gradients when training)
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c, mu_c, alpha_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks, mu_chunks, alpha_chunks):
             if pos == 0:
                 W1_start, W2_start = W1, W2  # a new chunk starts here
-            n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n], eta[:, :, t:t + n], mu[:, :, t:t + n], alpha[:, :, t:t + n])
+            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, q_c, k_c, v_c, eta_c, mu_c, alpha_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         state = {'W1': W1, 'W2': W2, 'U1': U1, 'U2': U2}
         if pos:
             state["minibatch.pos"] = pos
@@ -320,7 +324,7 @@ class TitansMemory(nn.Module):
         y_W2 = xk_W2 @ W2_start  # [B, H, C, d_v]: the layer @ W2
         err = y_W2 - vs  # [B, H, C, d_v]
         d_xk_W2 = err @ W2_start.transpose(-2, -1)  # [B, H, C, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_W1 = d_xk_W2 * _gelu_grad(y_W1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
         coef = -eta  # [B, H, C]: -eta
         L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu
         M_U1_W1 = L_mu * coef.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W1 in U1 after each token

@@ -22,19 +22,17 @@ from torch import nn
 
 def _layernorm_grad(x, g, weight=None):
     """The gradient with respect to x of layernorm(x, weight, bias) (eps 1e-5), given the
-    gradient g with respect to its output."""
-    mu = x.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((x - mu).square().mean(-1, keepdim=True) + 1e-5)
-    xhat = (x - mu) * rstd
+    gradient g with respect to its output (one fused backward; differentiable)."""
     gw = g if weight is None else g * weight
-    return rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    with torch.no_grad():
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+    return torch.ops.aten.native_layer_norm_backward(gw, x, x.shape[-1:], mean, rstd, None, None,
+                                                     [True, False, False])[0]
 
 
 def layernorm(x, weight=None, bias=None):
     """LayerNorm over the last axis (eps 1e-5), then optional weight and bias."""
-    mu = x.mean(-1, keepdim=True)
-    var = (x - mu).square().mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + 1e-5)
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -267,16 +265,20 @@ class TttLinearMemory(nn.Module):
         W, b = state['W'], state['b']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start, b_start = state.get("minibatch.W", W), state.get("minibatch.b", b)
-        outputs = []
+        sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        q_chunks, k_chunks, v_chunks, eta_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta))  # views, not copies (one concatenation of their gradients when training)
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
             if pos == 0:
                 W_start, b_start = W, b  # a new chunk starts here
-            n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W, b) = fn(W_start, b_start, W, b, q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n], eta[:, :, t:t + n])
+            o_c, (W, b) = fn(W_start, b_start, W, b, q_c, k_c, v_c, eta_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         state = {'W': W, 'b': b}
         if pos:
             state["minibatch.pos"] = pos

@@ -21,26 +21,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _gelu_grad(x):
-    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
-    return 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
 
 
 def _layernorm_grad(x, g, weight=None):
     """The gradient with respect to x of layernorm(x, weight, bias) (eps 1e-5), given the
-    gradient g with respect to its output."""
-    mu = x.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((x - mu).square().mean(-1, keepdim=True) + 1e-5)
-    xhat = (x - mu) * rstd
+    gradient g with respect to its output (one fused backward; differentiable)."""
     gw = g if weight is None else g * weight
-    return rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    with torch.no_grad():
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+    return torch.ops.aten.native_layer_norm_backward(gw, x, x.shape[-1:], mean, rstd, None, None,
+                                                     [True, False, False])[0]
 
 
 def layernorm(x, weight=None, bias=None):
     """LayerNorm over the last axis (eps 1e-5), then optional weight and bias."""
-    mu = x.mean(-1, keepdim=True)
-    var = (x - mu).square().mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + 1e-5)
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -265,7 +263,7 @@ class TttMlpMemory(nn.Module):
         err = k + layernorm(y_b2, self.ln_w, self.ln_b) - v  # [B, H, d_k]
         delta_b2 = _layernorm_grad(y_b2, err, self.ln_w)  # [B, H, d_k]: the loss's gradient w.r.t. y_b2
         d_xk_W2 = (delta_b2.unsqueeze(-2) @ W2.transpose(-2, -1)).squeeze(-2)  # [B, H, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_b1 = d_xk_W2 * _gelu_grad(y_b1)  # [B, H, hidden]: the loss's gradient w.r.t. y_b1
+        delta_b1 = _gelu_backward(d_xk_W2, y_b1)  # [B, H, hidden]: the loss's gradient w.r.t. y_b1
         grad_W1 = k.unsqueeze(-1) * delta_b1.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W1)
         grad_W2 = xk_W2.unsqueeze(-1) * delta_b2.unsqueeze(-2)  # [B, H, hidden, d_k]: grad(loss, W2)
         gW1 = grad_W1  # [B, H, d_k, hidden]: a temporary of this token
@@ -292,16 +290,20 @@ class TttMlpMemory(nn.Module):
         W1, b1, W2, b2 = state['W1'], state['b1'], state['W2'], state['b2']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, b1_start, W2_start, b2_start = state.get("minibatch.W1", W1), state.get("minibatch.b1", b1), state.get("minibatch.W2", W2), state.get("minibatch.b2", b2)
-        outputs = []
+        sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        q_chunks, k_chunks, v_chunks, eta_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta))  # views, not copies (one concatenation of their gradients when training)
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
             if pos == 0:
                 W1_start, b1_start, W2_start, b2_start = W1, b1, W2, b2  # a new chunk starts here
-            n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W1, b1, W2, b2) = fn(W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n], eta[:, :, t:t + n])
+            o_c, (W1, b1, W2, b2) = fn(W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q_c, k_c, v_c, eta_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         state = {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2}
         if pos:
             state["minibatch.pos"] = pos
@@ -330,7 +332,7 @@ class TttMlpMemory(nn.Module):
         err = k + layernorm(y_b2, ln_w, ln_b) - v  # [B, H, C, d_k]
         delta_b2 = _layernorm_grad(y_b2, err, ln_w)  # [B, H, C, d_k]: the loss's gradient w.r.t. y_b2
         d_xk_W2 = delta_b2 @ W2_start.transpose(-2, -1)  # [B, H, C, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_b1 = d_xk_W2 * _gelu_grad(y_b1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_b1
+        delta_b1 = _gelu_backward(d_xk_W2, y_b1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_b1
         C = q.shape[2]
         coef = -eta  # [B, H, C]: -eta
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _gelu_grad(x):
-    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
-    return 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
 
 
 def huber(x, delta):
@@ -262,7 +262,7 @@ class YaadMemory(nn.Module):
         err = y_W2 - v  # [B, H, d_v]
         d_err = err.clamp(min=-1.0).clamp(max=1.0)  # [B, H, d_v]: the loss's gradient w.r.t. err
         d_xk_W2 = (d_err.unsqueeze(-2) @ W2.transpose(-2, -1)).squeeze(-2)  # [B, H, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_W1 = d_xk_W2 * _gelu_grad(y_W1)  # [B, H, hidden]: the loss's gradient w.r.t. y_W1
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)  # [B, H, hidden]: the loss's gradient w.r.t. y_W1
         grad_W1 = kn.unsqueeze(-1) * delta_W1.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W1)
         grad_W2 = xk_W2.unsqueeze(-1) * d_err.unsqueeze(-2)  # [B, H, hidden, d_v]: grad(loss, W2)
         g1 = grad_W1  # [B, H, d_k, hidden]: a temporary of this token
@@ -285,16 +285,20 @@ class YaadMemory(nn.Module):
         W1, W2 = state['W1'], state['W2']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
-        outputs = []
+        sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta, alpha))  # views, not copies (one concatenation of their gradients when training)
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c, alpha_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks):
             if pos == 0:
                 W1_start, W2_start = W1, W2  # a new chunk starts here
-            n = min(C - pos, T - t)
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n], eta[:, :, t:t + n], alpha[:, :, t:t + n])
+            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, q_c, k_c, v_c, eta_c, alpha_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         state = {'W1': W1, 'W2': W2}
         if pos:
             state["minibatch.pos"] = pos
@@ -319,7 +323,7 @@ class YaadMemory(nn.Module):
         err = y_W2 - v  # [B, H, C, d_v]
         d_err = err.clamp(min=-1.0).clamp(max=1.0)  # [B, H, C, d_v]: the loss's gradient w.r.t. err
         d_xk_W2 = d_err @ W2_start.transpose(-2, -1)  # [B, H, C, hidden]: the loss's gradient w.r.t. xk_W2
-        delta_W1 = d_xk_W2 * _gelu_grad(y_W1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
         coef = -eta  # [B, H, C]: -eta
         W1_decay = 1 - alpha  # [B, H, C]: 1 - alpha
         L_W1_decay, P_W1_decay = _decay_matrix(W1_decay)  # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha

@@ -94,8 +94,13 @@ def closed_and_autograd(spec, seed=0):
     return got, want
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("loss", sorted(LOSSES))
+# every model and every loss at least once (each case builds a module: not the full product)
+CASES = [("tanh", "half-square"), ("gelu", "mean"), ("silu", "dot"), ("sigmoid-residual", "norm"),
+         ("layernorm", "abs-power"), ("rmsnorm", "huber"), ("l2norm", "weighted"), ("gelu", "weighted"),
+         ("layernorm", "half-square"), ("tanh", "dot")]
+
+
+@pytest.mark.parametrize("model, loss", CASES)
 def test_closed_form_equals_autograd(model, loss):
     spec = memspec.loads(BASE.replace("MODEL", MODELS[model]).replace("LOSS", LOSSES[loss]), "yaml")
     got, want = closed_and_autograd(spec)

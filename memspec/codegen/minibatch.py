@@ -68,22 +68,30 @@ def emit(ctx, L) -> None:
         if starts:
             L(f"{', '.join(starts.values())} = "
               f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
-        L(f"{outs} = []")
+        sizes = fresh("sizes", taken)
+        axis = 2 if head_major else 1
+        L(f"{sizes} = []", "chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one")
         L(f"{t} = 0")
         L(f"while {t} < {T}:")
         with L.indent():
-            L(f"if {pos} == 0:")
+            L(f"{sizes}.append(min({c} - ({pos} + {t}) % {c}, {T} - {t}))")
+            L(f"{t} += {sizes}[-1]")
+        pieces = {x: fresh(f"{x}_chunks", taken) for x in sv}
+        L(f"{', '.join(pieces.values())}{',' if len(sv) == 1 else ''} = "
+          f"(x.split({sizes}, dim={axis}) for x in ({', '.join(sv)}{',' if len(sv) == 1 else ''}))",
+          "views, not copies (one concatenation of their gradients when training)")
+        L(f"{outs} = []")
+        chunk_args = {x: fresh(f"{x}_c", taken) for x in sv}
+        L(f"for {n}, {', '.join(chunk_args.values())} in zip({sizes}, {', '.join(pieces.values())}):")
+        with L.indent():
             if starts:
+                L(f"if {pos} == 0:")
                 L(f"    {', '.join(starts.values())} = {', '.join(starts)}", "a new chunk starts here")
-            else:
-                L("    pass")
-            L(f"{n} = min({c} - {pos}, {T} - {t})")
             L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-            cut = ":, :, " if head_major else ":, "
-            args = list(starts.values()) + cur + [f"{x}[{cut}{t}:{t} + {n}]" for x in sv]
+            args = list(starts.values()) + cur + list(chunk_args.values())
             L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
-            L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
+            L(f"{pos} = ({pos} + {n}) % {c}")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
         L(f"if {pos}:")
         with L.indent():

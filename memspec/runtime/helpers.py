@@ -15,9 +15,7 @@ import torch
 
 def layernorm(x, weight=None, bias=None):
     """LayerNorm over the last axis (eps 1e-5), then optional weight and bias."""
-    mu = x.mean(-1, keepdim=True)
-    var = (x - mu).square().mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + 1e-5)
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -44,12 +42,12 @@ def huber(x, delta):
 
 def _layernorm_grad(x, g, weight=None):
     """The gradient with respect to x of layernorm(x, weight, bias) (eps 1e-5), given the
-    gradient g with respect to its output."""
-    mu = x.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((x - mu).square().mean(-1, keepdim=True) + 1e-5)
-    xhat = (x - mu) * rstd
+    gradient g with respect to its output (one fused backward; differentiable)."""
     gw = g if weight is None else g * weight
-    return rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    with torch.no_grad():
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+    return torch.ops.aten.native_layer_norm_backward(gw, x, x.shape[-1:], mean, rstd, None, None,
+                                                     [True, False, False])[0]
 
 
 def _rmsnorm_grad(x, g, weight=None):
@@ -65,9 +63,9 @@ def _l2norm_grad(x, g):
     return rnorm * (g - x * rnorm.square() * (g * x).sum(-1, keepdim=True))
 
 
-def _gelu_grad(x):
-    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
-    return 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
 
 
 def _silu_grad(x):

@@ -18,8 +18,8 @@ other than through a site, ...) raises :class:`NoClosedForm`, and the generated 
 ``torch.func.grad``.
 
 Derivatives with no expression in the language (``gelu``, ``silu``, the norms) are calls
-of runtime helpers named ``_<fn>_grad`` (:mod:`memspec.runtime.helpers`), which a spec
-cannot name.
+of runtime helpers named ``_<fn>_grad`` / ``_gelu_backward`` (:mod:`memspec.runtime.helpers`),
+which a spec cannot name.
 """
 from __future__ import annotations
 
@@ -112,7 +112,6 @@ def _elementwise_derivative(fn: str, x: Expr) -> Expr | None:
         "tanh": lambda: BinOp("-", ONE, BinOp("^", f, Num(2))),
         "softplus": lambda: Call("sigmoid", (x,)),
         "relu": lambda: Call("sign", (Call("relu", (x,)),)),
-        "gelu": lambda: Call("_gelu_grad", (x,)),
         "silu": lambda: Call("_silu_grad", (x,)),
     }
     return table[fn]() if fn in table else None
@@ -431,6 +430,9 @@ class _Builder:
                 self.back(x, mul(g, Call("clamp", (x, simplify(Neg(args[1])), args[1]))))
                 return
             if fn == "sign":
+                return
+            if fn == "gelu":   # g * gelu'(x) in one fused, differentiable op
+                self.back(x, Call("_gelu_backward", (g, x)))
                 return
             d = _elementwise_derivative(fn, x)
             if d is not None:
