@@ -400,6 +400,8 @@ class DeltanetMemory(nn.Module):
         """
         C, T = self.chunk, q.shape[1]
         q, k, v, eta = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta))  # head-major [B, H, T, ...], once
+        qn = l2norm(q)  # [B, H, T, d_k]
+        kn = l2norm(k)  # [B, H, T, d_k]
         W = state['W']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
@@ -408,13 +410,13 @@ class DeltanetMemory(nn.Module):
         while t < T:
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
-        q_chunks, k_chunks, v_chunks, eta_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta))  # views, not copies (one concatenation of their gradients when training)
+        v_chunks, eta_chunks, qn_chunks, kn_chunks = (x.split(sizes, dim=2) for x in (v, eta, qn, kn))  # views, not copies (one concatenation of their gradients when training)
         outputs = []
-        for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
+        for n, v_c, eta_c, qn_c, kn_c in zip(sizes, v_chunks, eta_chunks, qn_chunks, kn_chunks):
             if pos == 0:
                 W_start = W  # a new chunk starts here
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W,) = fn(W_start, W, q_c, k_c, v_c, eta_c)
+            o_c, (W,) = fn(W_start, W, v_c, eta_c, qn_c, kn_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         state = {'W': W}
@@ -423,22 +425,20 @@ class DeltanetMemory(nn.Module):
             state["minibatch.W"] = W_start
         return torch.cat(outputs, dim=2).transpose(1, 2), state
 
-    def _chunk_step(self, W_start, W, q, k, v, eta):
-        """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H, C, d_k], v [B, H, C, d_v], eta [B, H, C];
+    def _chunk_step(self, W_start, W, v, eta, qn, kn):
+        """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], eta [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k];
         W_start: the chunk-start state the gradients are taken at;
         W: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, H, C, d_v], the state after the chunk).
         """
-        qn = l2norm(q)  # [B, H, C, d_k]
-        kn = l2norm(k)  # [B, H, C, d_k]
         # every token's gradient at the chunk-start state, in closed form (memspec.schedule.backprop)
         y_W = kn @ W_start  # [B, H, C, d_v]: the layer @ W
         err = y_W - v  # [B, H, C, d_v]
-        C = q.shape[2]
+        C = v.shape[2]
         coef = -eta  # [B, H, C]: -eta
-        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)
+        causal = torch.ones(C, C, dtype=v.dtype, device=v.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)
         M_W_W = causal * coef.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W in W after each token
         yq_W = qn @ W + ((qn @ kn.transpose(-2, -1)) * M_W_W) @ err  # [B, H, C, d_v]: each token's own W applied, in dual form
         o = yq_W  # [B, H, C, d_v]

@@ -393,6 +393,7 @@ class LonghornMemory(nn.Module):
         """
         C, T = self.chunk, q.shape[1]
         q, k, v, eta = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta))  # head-major [B, H, T, ...], once
+        eps = eta / (1 + eta * (k * k).sum(-1))  # [B, H, T]
         W = state['W']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
@@ -401,13 +402,13 @@ class LonghornMemory(nn.Module):
         while t < T:
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
-        q_chunks, k_chunks, v_chunks, eta_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta))  # views, not copies (one concatenation of their gradients when training)
+        q_chunks, k_chunks, v_chunks, eps_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eps))  # views, not copies (one concatenation of their gradients when training)
         outputs = []
-        for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
+        for n, q_c, k_c, v_c, eps_c in zip(sizes, q_chunks, k_chunks, v_chunks, eps_chunks):
             if pos == 0:
                 W_start = W  # a new chunk starts here
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W,) = fn(W_start, W, q_c, k_c, v_c, eta_c)
+            o_c, (W,) = fn(W_start, W, q_c, k_c, v_c, eps_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         state = {'W': W}
@@ -416,15 +417,14 @@ class LonghornMemory(nn.Module):
             state["minibatch.W"] = W_start
         return torch.cat(outputs, dim=2).transpose(1, 2), state
 
-    def _chunk_step(self, W_start, W, q, k, v, eta):
-        """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H, C, d_k], v [B, H, C, d_v], eta [B, H, C];
+    def _chunk_step(self, W_start, W, q, k, v, eps):
+        """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H, C, d_k], v [B, H, C, d_v], eps [B, H, C];
         W_start: the chunk-start state the gradients are taken at;
         W: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, H, C, d_v], the state after the chunk).
         """
-        eps = eta / (1 + eta * (k * k).sum(-1))  # [B, H, C]
         # every token's gradient at the chunk-start state, in closed form (memspec.schedule.backprop)
         y_W = k @ W_start  # [B, H, C, d_v]: the layer @ W
         err = y_W - v  # [B, H, C, d_v]

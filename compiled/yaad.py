@@ -282,6 +282,8 @@ class YaadMemory(nn.Module):
         """
         C, T = self.chunk, q.shape[1]
         q, k, v, eta, alpha = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta, alpha))  # head-major [B, H, T, ...], once
+        qn = l2norm(q)  # [B, H, T, d_k]
+        kn = l2norm(k)  # [B, H, T, d_k]
         W1, W2 = state['W1'], state['W2']
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
@@ -290,13 +292,13 @@ class YaadMemory(nn.Module):
         while t < T:
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
-        q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta, alpha))  # views, not copies (one concatenation of their gradients when training)
+        v_chunks, eta_chunks, alpha_chunks, qn_chunks, kn_chunks = (x.split(sizes, dim=2) for x in (v, eta, alpha, qn, kn))  # views, not copies (one concatenation of their gradients when training)
         outputs = []
-        for n, q_c, k_c, v_c, eta_c, alpha_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks):
+        for n, v_c, eta_c, alpha_c, qn_c, kn_c in zip(sizes, v_chunks, eta_chunks, alpha_chunks, qn_chunks, kn_chunks):
             if pos == 0:
                 W1_start, W2_start = W1, W2  # a new chunk starts here
             fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
-            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, q_c, k_c, v_c, eta_c, alpha_c)
+            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, v_c, eta_c, alpha_c, qn_c, kn_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         state = {'W1': W1, 'W2': W2}
@@ -306,16 +308,14 @@ class YaadMemory(nn.Module):
             state["minibatch.W2"] = W2_start
         return torch.cat(outputs, dim=2).transpose(1, 2), state
 
-    def _chunk_step(self, W1_start, W2_start, W1, W2, q, k, v, eta, alpha):
-        """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H, C, d_k], v [B, H, C, d_v], eta [B, H, C], alpha [B, H, C];
+    def _chunk_step(self, W1_start, W2_start, W1, W2, v, eta, alpha, qn, kn):
+        """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], eta [B, H, C], alpha [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k];
         W1_start, W2_start: the chunk-start state the gradients are taken at;
         W1, W2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
         Returns (o [B, H, C, d_v], the state after the chunk).
         """
-        qn = l2norm(q)  # [B, H, C, d_k]
-        kn = l2norm(k)  # [B, H, C, d_k]
         # every token's gradient at the chunk-start state, in closed form (memspec.schedule.backprop)
         y_W1 = kn @ W1_start  # [B, H, C, hidden]: the layer @ W1
         xk_W2 = F.gelu(y_W1)  # [B, H, C, hidden]

@@ -95,7 +95,8 @@ class Context:
 
     # ------------------------------------------------------------ names and shapes
     def emitter(self, **kw) -> ExprEmitter:
-        return ExprEmitter(self.spec, like=self.first, attr=self.attr, helpers=self.helpers, **kw)
+        kw.setdefault("like", self.first)
+        return ExprEmitter(self.spec, attr=self.attr, helpers=self.helpers, **kw)
 
     def taken(self) -> set:
         """A fresh set of the names a method's new locals must avoid."""

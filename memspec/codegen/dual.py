@@ -88,33 +88,6 @@ class DualWriter:
     def _site_shape(self, s: str) -> tuple:
         return (self.spec.state[s].shape[-1],)
 
-    # ------------------------------------------------------------ head-major params
-    def params_head_major(self, L, used) -> dict:
-        """Bind each per-head param ``[H, *shape]`` the code uses as a local ``[H, 1, *shape]``
-        (it then broadcasts against head-major ``[B, H, C, *shape]``); returns the emitter names."""
-        names = {}
-        for p, prm in self.spec.params.items():
-            if p in used:
-                r = len(prm.shape)
-                L(f"{p} = self.{self.w.attr.get(p, p)}.unsqueeze({-r - 1})",
-                  f"[H, 1{''.join(', ' + str(d) for d in prm.shape)}]: per head, head-major")
-                names[p] = p
-        return names
-
-    def used_names(self, *exprs) -> set:
-        spec = self.spec
-        seen, todo = set(), list(exprs)
-        while todo:
-            e = todo.pop()
-            for n in e.walk():
-                if isinstance(n, Name) and n.id not in seen:
-                    seen.add(n.id)
-                    if n.id in spec.let:
-                        todo.append(spec.let[n.id])
-                if isinstance(n, Call) and spec.model is not None and n.fn == spec.model.name:
-                    todo.append(spec.model.body)
-        return seen
-
     # ------------------------------------------------------------ the tapped loss (no closed form)
     def loss_method(self, L):
         w, spec, form = self.w, self.spec, self.form
@@ -134,7 +107,7 @@ class DualWriter:
             L("Returns (the loss summed over tokens, batch and heads, the inputs of the layers " +
               ", ".join(f"@ {s}" for s in states if form.sites[s] == "matmul") + ").")
             L('"""')
-            names = self.params_head_major(L, self.used_names(spec.loss))
+            names = params_head_major(w, L, used_names(spec, spec.loss))
             em = w.emitter(names=names)
             scope: dict = {}
             xs: dict = {}
@@ -175,7 +148,7 @@ class DualWriter:
                 text = f"{x} @ {S}" if st.kind == "layer" else f"{x} @ {S}.transpose(-2, -1)"
                 what = f"the layer @ {st.state}" if st.kind == "layer" else f"the loss's gradient w.r.t. {st.like}"
             else:
-                sub = ExprEmitter(self.spec, names=names, like=self.w.first, attr=self.w.attr,
+                sub = ExprEmitter(self.spec, names=names, like=em.like, attr=self.w.attr,
                                   helpers=self.w.helpers, scope=scope)
                 if st.kind == "bias":
                     text = f"{sub._emit(st.value).text} + {names[st.state]}.unsqueeze(-2)"
@@ -191,10 +164,9 @@ class DualWriter:
         dd = {site.state: site.delta for site in cg.sites}
         return xk, dd
 
-    def tapped_grads(self, L, starts, taken) -> tuple[dict, dict]:
+    def tapped_grads(self, L, starts, taken, first) -> tuple[dict, dict]:
         """Every token's deltas by one torch.func.grad of ``_chunk_loss`` (no closed form)."""
         w, spec = self.w, self.spec
-        first = w.first
         states = list(self.form.sites)
         dz = {s: fresh(f"delta_{s}", taken) for s in states}
         xnames = {s: fresh(self.x_names[s], taken) for s in states
@@ -218,12 +190,12 @@ class DualWriter:
         rec = form.recurrence
         taken = set(w.spec_names) | set(getattr(self, "taps", {}).values())
         starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(w)[1]}
-        first = w.first
-        L(f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + w.views + w.gates)}):")
+        inputs = chunk_inputs(w)
+        first = inputs[0]   # a [B, H, C, ...] input: the batch, chunk length, dtype and device
+        L(f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + inputs)}):")
         with L.indent():
             L('"""' + "One mini-batch chunk of C tokens in the dual form, head-major: " + ", ".join(
-                f"{v} [B, H, C, {spec.views[v].dim}]" for v in w.views)
-              + "".join(f", {g} [B, H, C]" for g in w.gates) + ";")
+                shape_text("B, H, C", w.shape(Name(x))) .replace("[", f"{x} [", 1) for x in inputs) + ";")
             if starts:
                 L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
             L(", ".join(w.states) + ": the state before the chunk's first token [B, H, ...].")
@@ -231,15 +203,14 @@ class DualWriter:
             L("tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.")
             L("Returns (o " + shape_text("B, H, C", w.read_shape()) + ", the state after the chunk).")
             L('"""')
-            used = self.used_names(spec.loss, spec.read, *[st.value for st in spec.update])
-            names = self.params_head_major(L, used)
-            em = w.emitter(names=names)
-            w.lets(L, em, "B, H, C")
+            used = direct_names(spec)
+            names = params_head_major(w, L, used)
+            em = w.emitter(names=names, like=first)
             states = list(form.sites)
             if form.grad is not None:
                 xk, dd = self.closed_grads(L, em, starts, taken)
             else:
-                xk, dd = self.tapped_grads(L, starts, taken)
+                xk, dd = self.tapped_grads(L, starts, taken, first)
             # token-local scalar coefficients, head-major [B, H, C]
             coef_cache: dict = {}
             numbers: set = set()     # the codes of coefficients that are Python numbers
@@ -435,6 +406,56 @@ class DualWriter:
                 finals.append(name)
             L(f"return o, {tuple_text(finals)}")
         L()
+
+
+def params_head_major(ctx, L, used) -> dict:
+    """Bind each per-head param ``[H, *shape]`` the code uses as a local ``[H, 1, *shape]``
+    (it then broadcasts against head-major ``[B, H, C, *shape]``); returns the emitter names."""
+    names = {}
+    for p, prm in ctx.spec.params.items():
+        if p in used:
+            r = len(prm.shape)
+            L(f"{p} = self.{ctx.attr.get(p, p)}.unsqueeze({-r - 1})",
+              f"[H, 1{''.join(', ' + str(d) for d in prm.shape)}]: per head, head-major")
+            names[p] = p
+    return names
+
+
+def used_names(spec, *exprs, follow_lets=True) -> set:
+    """The names the expressions read (through the model's body, and the lets' values)."""
+    seen, todo = set(), list(exprs)
+    while todo:
+        e = todo.pop()
+        for n in e.walk():
+            if isinstance(n, Name) and n.id not in seen:
+                seen.add(n.id)
+                if follow_lets and n.id in spec.let:
+                    todo.append(spec.let[n.id])
+            if isinstance(n, Call) and spec.model is not None and n.fn == spec.model.name:
+                todo.append(spec.model.body)
+    return seen
+
+
+def direct_names(spec) -> set:
+    """The names the chunk step's own expressions read (the loss, the read, the update), lets not followed."""
+    return used_names(spec, spec.loss, spec.read, *[st.value for st in spec.update], follow_lets=False)
+
+
+def chunk_inputs(ctx) -> list:
+    """The chunk step's per-token inputs: the views and gates it reads itself, then the lets
+    (computed once over the whole sequence by :func:`sequence_inputs`)."""
+    used = direct_names(ctx.spec)
+    return [x for x in ctx.views + ctx.gates if x in used] + [n for n in ctx.let_order() if n in used]
+
+
+def sequence_inputs(ctx, L) -> list:
+    """Emit the lets over the whole head-major sequence (token-local: the same numbers as per
+    chunk, once); returns the chunk step's inputs (:func:`chunk_inputs`)."""
+    spec = ctx.spec
+    if ctx.let_order():
+        names = params_head_major(ctx, L, used_names(spec, *[spec.let[n] for n in spec.let]))
+        ctx.lets(L, ctx.emitter(names=names), "B, H, T")
+    return chunk_inputs(ctx)
 
 
 def _is_literal(text: str) -> bool:

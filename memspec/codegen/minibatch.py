@@ -60,9 +60,11 @@ def emit(ctx, L) -> None:
         L("state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.")
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
+        seq = sv
         if head_major:
             L(f"{', '.join(sv)}{',' if len(sv) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in ({', '.join(sv)}{',' if len(sv) == 1 else ''}))",
               "head-major [B, H, T, ...], once")
+            seq = dual.sequence_inputs(ctx, L)   # the lets once over the whole sequence
         L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
         L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
         if starts:
@@ -76,12 +78,12 @@ def emit(ctx, L) -> None:
         with L.indent():
             L(f"{sizes}.append(min({c} - ({pos} + {t}) % {c}, {T} - {t}))")
             L(f"{t} += {sizes}[-1]")
-        pieces = {x: fresh(f"{x}_chunks", taken) for x in sv}
-        L(f"{', '.join(pieces.values())}{',' if len(sv) == 1 else ''} = "
-          f"(x.split({sizes}, dim={axis}) for x in ({', '.join(sv)}{',' if len(sv) == 1 else ''}))",
+        pieces = {x: fresh(f"{x}_chunks", taken) for x in seq}
+        L(f"{', '.join(pieces.values())}{',' if len(seq) == 1 else ''} = "
+          f"(x.split({sizes}, dim={axis}) for x in ({', '.join(seq)}{',' if len(seq) == 1 else ''}))",
           "views, not copies (one concatenation of their gradients when training)")
         L(f"{outs} = []")
-        chunk_args = {x: fresh(f"{x}_c", taken) for x in sv}
+        chunk_args = {x: fresh(f"{x}_c", taken) for x in seq}
         L(f"for {n}, {', '.join(chunk_args.values())} in zip({sizes}, {', '.join(pieces.values())}):")
         with L.indent():
             if starts:
