@@ -372,10 +372,11 @@ class DeltanetMemory(nn.Module):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         W = state['W']
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W,) = self._token_fn(W, q[:, t], k[:, t], v[:, t], eta[:, t])
+        for q_t, k_t, v_t, eta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1)):  # views (one stack of their gradients when training)
+            o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W': W}
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)  # (decoding: no copy)
+        return o, {'W': W}
 
     def _token_step(self, W, q, k, v, eta):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H];
@@ -423,7 +424,8 @@ class DeltanetMemory(nn.Module):
         if pos:
             state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
-        return torch.cat(outputs, dim=2).transpose(1, 2), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return o.transpose(1, 2), state
 
     def _chunk_step(self, W_start, W, v, eta, qn, kn):
         """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], eta [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k];

@@ -403,10 +403,11 @@ class GatedDeltanetMemory(nn.Module):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         W = state['W']
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W,) = self._token_fn(W, q[:, t], k[:, t], v[:, t], eta[:, t], alpha[:, t])
+        for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1), alpha.unbind(1)):  # views (one stack of their gradients when training)
+            o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W': W}
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)  # (decoding: no copy)
+        return o, {'W': W}
 
     def _token_step(self, W, q, k, v, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], alpha [B, H];
@@ -452,7 +453,8 @@ class GatedDeltanetMemory(nn.Module):
         if pos:
             state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
-        return torch.cat(outputs, dim=1), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # (decoding: no copy)
+        return o, state
 
     def _token_grads(self, W, v, eta, alpha, kn):
         """One token's gradients for the mini-batch schedule: its update statements replayed on

@@ -239,10 +239,11 @@ class SeedTitansMemory(nn.Module):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = state['W1'], state['b1'], state['W2'], state['b2'], state['U_W1'], state['U_b1'], state['U_W2'], state['U_b2']
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2) = self._token_fn(W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q[:, t], k[:, t], v[:, t])
+        for q_t, k_t, v_t in zip(q.unbind(1), k.unbind(1), v.unbind(1)):  # views (one stack of their gradients when training)
+            o_t, (W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2) = self._token_fn(W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q_t, k_t, v_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2, 'U_W1': U_W1, 'U_b1': U_b1, 'U_W2': U_W2, 'U_b2': U_b2}
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)  # (decoding: no copy)
+        return o, {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2, 'U_W1': U_W1, 'U_b1': U_b1, 'U_W2': U_W2, 'U_b2': U_b2}
 
     def _token_step(self, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q, k, v):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v];
@@ -304,7 +305,8 @@ class SeedTitansMemory(nn.Module):
             state["minibatch.b1"] = b1_start
             state["minibatch.W2"] = W2_start
             state["minibatch.b2"] = b2_start
-        return torch.cat(outputs, dim=2).transpose(1, 2), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return o.transpose(1, 2), state
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q, k, v):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H, C, d_k], v [B, H, C, d_v];

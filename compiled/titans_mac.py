@@ -390,10 +390,11 @@ class TitansMacMemory(nn.Module):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W1, W2, U1, U2) = self._token_fn(W1, W2, U1, U2, q[:, t], k[:, t], v[:, t], eta[:, t], mu[:, t], alpha[:, t])
+        for q_t, k_t, v_t, eta_t, mu_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1), mu.unbind(1), alpha.unbind(1)):  # views (one stack of their gradients when training)
+            o_t, (W1, W2, U1, U2) = self._token_fn(W1, W2, U1, U2, q_t, k_t, v_t, eta_t, mu_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W1': W1, 'W2': W2, 'U1': U1, 'U2': U2}
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)  # (decoding: no copy)
+        return o, {'W1': W1, 'W2': W2, 'U1': U1, 'U2': U2}
 
     def _token_step(self, W1, W2, U1, U2, q, k, v, eta, mu, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], mu [B, H], alpha [B, H];
@@ -452,7 +453,8 @@ class TitansMacMemory(nn.Module):
             state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.W2"] = W2_start
-        return torch.cat(outputs, dim=2).transpose(1, 2), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return o.transpose(1, 2), state
 
     def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, eta, mu, alpha, qn, kn, vs):
         """One mini-batch chunk of C tokens in the dual form, head-major: eta [B, H, C], mu [B, H, C], alpha [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k], vs [B, H, C, d_v];

@@ -245,10 +245,11 @@ class YaadMemory(nn.Module):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         W1, W2 = state['W1'], state['W2']
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W1, W2) = self._token_fn(W1, W2, q[:, t], k[:, t], v[:, t], eta[:, t], alpha[:, t])
+        for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1), alpha.unbind(1)):  # views (one stack of their gradients when training)
+            o_t, (W1, W2) = self._token_fn(W1, W2, q_t, k_t, v_t, eta_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W1': W1, 'W2': W2}
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)  # (decoding: no copy)
+        return o, {'W1': W1, 'W2': W2}
 
     def _token_step(self, W1, W2, q, k, v, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], alpha [B, H];
@@ -306,7 +307,8 @@ class YaadMemory(nn.Module):
             state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.W2"] = W2_start
-        return torch.cat(outputs, dim=2).transpose(1, 2), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return o.transpose(1, 2), state
 
     def _chunk_step(self, W1_start, W2_start, W1, W2, v, eta, alpha, qn, kn):
         """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], eta [B, H, C], alpha [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k];

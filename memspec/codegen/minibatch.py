@@ -100,8 +100,9 @@ def emit(ctx, L) -> None:
             L(f"state[\"minibatch.pos\"] = {pos}")
             for s, v in starts.items():
                 L(f"state[\"minibatch.{s}\"] = {v}")
-        L(f"return torch.cat({outs}, dim=2).transpose(1, 2), state" if head_major
-          else f"return torch.cat({outs}, dim=1), state")
+        o = "o"   # a reserved local name (lang.names)
+        L(f"{o} = {outs}[0] if len({outs}) == 1 else torch.cat({outs}, dim={axis})", "(decoding: no copy)")
+        L(f"return {o}.transpose(1, 2), state" if head_major else f"return {o}, state")
     L()
     if plan.dual is not None:
         dual.emit(ctx, plan.dual, L)
