@@ -442,8 +442,7 @@ class DeltanetMemory(nn.Module):
         coef = -eta  # [B, H, C]: -eta
         causal = torch.ones(C, C, dtype=v.dtype, device=v.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)
         M_W_W = causal * coef.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W in W after each token
-        yq_W = qn @ W + ((qn @ kn.transpose(-2, -1)) * M_W_W) @ err  # [B, H, C, d_v]: each token's own W applied, in dual form
-        o = yq_W  # [B, H, C, d_v]
+        o = qn @ W + ((qn @ kn.transpose(-2, -1)) * M_W_W) @ err  # [B, H, C, d_v]: each token's own W applied, in dual form
         W_end = W + kn.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * err)  # [B, H, d_k, d_v]
         return o, (W_end,)
 

@@ -434,8 +434,7 @@ class LonghornMemory(nn.Module):
         coef = -eps  # [B, H, C]: -eps
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)
         M_W_W = causal * coef.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W in W after each token
-        yq_W = q @ W + ((q @ k.transpose(-2, -1)) * M_W_W) @ err  # [B, H, C, d_v]: each token's own W applied, in dual form
-        o = yq_W  # [B, H, C, d_v]
+        o = q @ W + ((q @ k.transpose(-2, -1)) * M_W_W) @ err  # [B, H, C, d_v]: each token's own W applied, in dual form
         W_end = W + k.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * err)  # [B, H, d_k, d_v]
         return o, (W_end,)
 

@@ -332,20 +332,22 @@ class SeedTitansMemory(nn.Module):
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)
         a_W1_U_W1 = (causal @ P_U_W1.unsqueeze(-1)).squeeze(-1)  # [B, H, C]: coefficient of U_W1 (chunk start) in W1 after each token
         M_W1_W1 = causal @ M_U_W1_W1  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
-        yq_W1 = q @ W1 + a_W1_U_W1.unsqueeze(-1) * (q @ U_W1) + ((q @ k.transpose(-2, -1)) * M_W1_W1) @ delta_b1  # [B, H, C, hidden]: each token's own W1 applied, in dual form
-        yq_b1 = yq_W1 + b1.unsqueeze(-2) + a_W1_U_W1.unsqueeze(-1) * U_b1.unsqueeze(-2) + M_W1_W1 @ delta_b1  # [B, H, C, hidden]: + each token's own b1
+        yq_b1 = q @ W1 + a_W1_U_W1.unsqueeze(-1) * (q @ U_W1) + b1.unsqueeze(-2) + a_W1_U_W1.unsqueeze(-1) * U_b1.unsqueeze(-2) + ((q @ k.transpose(-2, -1) + 1) * M_W1_W1) @ delta_b1  # [B, H, C, hidden]: each token's own layer and b1, in dual form
         xq_W2 = F.gelu(yq_b1)  # [B, H, C, hidden]: the input of the layer @ W2
-        yq_W2 = xq_W2 @ W2 + a_W1_U_W1.unsqueeze(-1) * (xq_W2 @ U_W2) + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1) @ d_err  # [B, H, C, d_v]: each token's own W2 applied, in dual form
-        yq_b2 = yq_W2 + b2.unsqueeze(-2) + a_W1_U_W1.unsqueeze(-1) * U_b2.unsqueeze(-2) + M_W1_W1 @ d_err  # [B, H, C, d_v]: + each token's own b2
+        yq_b2 = xq_W2 @ W2 + a_W1_U_W1.unsqueeze(-1) * (xq_W2 @ U_W2) + b2.unsqueeze(-2) + a_W1_U_W1.unsqueeze(-1) * U_b2.unsqueeze(-2) + ((xq_W2 @ xk_W2.transpose(-2, -1) + 1) * M_W1_W1) @ d_err  # [B, H, C, d_v]: each token's own layer and b2, in dual form
         o = yq_b2  # [B, H, C, d_v]
-        W1_end = W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * delta_b1)  # [B, H, d_k, hidden]
-        b1_end = b1 + a_W1_U_W1[..., -1, None] * U_b1 + (M_W1_W1[..., -1, :, None] * delta_b1).sum(-2)  # [B, H, hidden]
-        W2_end = W2 + a_W1_U_W1[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_err)  # [B, H, hidden, d_v]
-        b2_end = b2 + a_W1_U_W1[..., -1, None] * U_b2 + (M_W1_W1[..., -1, :, None] * d_err).sum(-2)  # [B, H, d_v]
-        U_W1_end = P_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ (M_U_W1_W1[..., -1, :, None] * delta_b1)  # [B, H, d_k, hidden]
-        U_b1_end = P_U_W1[..., -1, None] * U_b1 + (M_U_W1_W1[..., -1, :, None] * delta_b1).sum(-2)  # [B, H, hidden]
-        U_W2_end = P_U_W1[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ (M_U_W1_W1[..., -1, :, None] * d_err)  # [B, H, hidden, d_v]
-        U_b2_end = P_U_W1[..., -1, None] * U_b2 + (M_U_W1_W1[..., -1, :, None] * d_err).sum(-2)  # [B, H, d_v]
+        last_W1 = M_W1_W1[..., -1, :, None] * delta_b1  # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
+        W1_end = W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ last_W1  # [B, H, d_k, hidden]
+        b1_end = b1 + a_W1_U_W1[..., -1, None] * U_b1 + last_W1.sum(-2)  # [B, H, hidden]
+        last_W2 = M_W1_W1[..., -1, :, None] * d_err  # [B, H, C, d_v]: the gradients of W2 weighted for the state after the chunk
+        W2_end = W2 + a_W1_U_W1[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ last_W2  # [B, H, hidden, d_v]
+        b2_end = b2 + a_W1_U_W1[..., -1, None] * U_b2 + last_W2.sum(-2)  # [B, H, d_v]
+        last_W1_2 = M_U_W1_W1[..., -1, :, None] * delta_b1  # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
+        U_W1_end = P_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ last_W1_2  # [B, H, d_k, hidden]
+        U_b1_end = P_U_W1[..., -1, None] * U_b1 + last_W1_2.sum(-2)  # [B, H, hidden]
+        last_W2_2 = M_U_W1_W1[..., -1, :, None] * d_err  # [B, H, C, d_v]: the gradients of W2 weighted for the state after the chunk
+        U_W2_end = P_U_W1[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ last_W2_2  # [B, H, hidden, d_v]
+        U_b2_end = P_U_W1[..., -1, None] * U_b2 + last_W2_2.sum(-2)  # [B, H, d_v]
         return o, (W1_end, b1_end, W2_end, b2_end, U_W1_end, U_b1_end, U_W2_end, U_b2_end)
 
 

@@ -434,8 +434,7 @@ class TitansMagMemory(nn.Module):
         M_W1_W1 = L_W1_decay @ M_U1_W1  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
         yq_W1 = P_W1_decay.unsqueeze(-1) * (qn @ W1) + a_W1_U1.unsqueeze(-1) * (qn @ U1) + ((qn @ kn.transpose(-2, -1)) * M_W1_W1) @ delta_W1  # [B, H, C, hidden]: each token's own W1 applied, in dual form
         xq_W2 = F.gelu(yq_W1)  # [B, H, C, hidden]: the input of the layer @ W2
-        yq_W2 = P_W1_decay.unsqueeze(-1) * (xq_W2 @ W2) + a_W1_U1.unsqueeze(-1) * (xq_W2 @ U2) + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1) @ err  # [B, H, C, d_v]: each token's own W2 applied, in dual form
-        o = yq_W2  # [B, H, C, d_v]
+        o = P_W1_decay.unsqueeze(-1) * (xq_W2 @ W2) + a_W1_U1.unsqueeze(-1) * (xq_W2 @ U2) + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1) @ err  # [B, H, C, d_v]: each token's own W2 applied, in dual form
         W1_end = P_W1_decay[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1 + kn.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * delta_W1)  # [B, H, d_k, hidden]
         W2_end = P_W1_decay[..., -1, None, None] * W2 + a_W1_U1[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * err)  # [B, H, hidden, d_v]
         U1_end = P_mu[..., -1, None, None] * U1 + kn.transpose(-2, -1) @ (M_U1_W1[..., -1, :, None] * delta_W1)  # [B, H, d_k, hidden]

@@ -307,11 +307,11 @@ class TttLinearMemory(nn.Module):
         coef = -eta  # [B, H, C]: -eta
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)
         M_W_W = causal * coef.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W in W after each token
-        yq_W = q @ W + ((q @ k.transpose(-2, -1)) * M_W_W) @ delta_b  # [B, H, C, d_k]: each token's own W applied, in dual form
-        yq_b = yq_W + b.unsqueeze(-2) + M_W_W @ delta_b  # [B, H, C, d_k]: + each token's own b
+        yq_b = q @ W + b.unsqueeze(-2) + ((q @ k.transpose(-2, -1) + 1) * M_W_W) @ delta_b  # [B, H, C, d_k]: each token's own layer and b, in dual form
         o = q + layernorm(yq_b, ln_w, ln_b)  # [B, H, C, d_k]
-        W_end = W + k.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * delta_b)  # [B, H, d_k, d_k]
-        b_end = b + (M_W_W[..., -1, :, None] * delta_b).sum(-2)  # [B, H, d_k]
+        last_W = M_W_W[..., -1, :, None] * delta_b  # [B, H, C, d_k]: the gradients of W weighted for the state after the chunk
+        W_end = W + k.transpose(-2, -1) @ last_W  # [B, H, d_k, d_k]
+        b_end = b + last_W.sum(-2)  # [B, H, d_k]
         return o, (W_end, b_end)
 
 

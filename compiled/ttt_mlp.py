@@ -339,16 +339,16 @@ class TttMlpMemory(nn.Module):
         coef = -eta  # [B, H, C]: -eta
         causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()  # [C, C]: the weights of a decay of 1 (a running sum)
         M_W1_W1 = causal * coef.unsqueeze(-2)  # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
-        yq_W1 = q @ W1 + ((q @ k.transpose(-2, -1)) * M_W1_W1) @ delta_b1  # [B, H, C, hidden]: each token's own W1 applied, in dual form
-        yq_b1 = yq_W1 + b1.unsqueeze(-2) + M_W1_W1 @ delta_b1  # [B, H, C, hidden]: + each token's own b1
+        yq_b1 = q @ W1 + b1.unsqueeze(-2) + ((q @ k.transpose(-2, -1) + 1) * M_W1_W1) @ delta_b1  # [B, H, C, hidden]: each token's own layer and b1, in dual form
         xq_W2 = F.gelu(yq_b1)  # [B, H, C, hidden]: the input of the layer @ W2
-        yq_W2 = xq_W2 @ W2 + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1) @ delta_b2  # [B, H, C, d_k]: each token's own W2 applied, in dual form
-        yq_b2 = yq_W2 + b2.unsqueeze(-2) + M_W1_W1 @ delta_b2  # [B, H, C, d_k]: + each token's own b2
+        yq_b2 = xq_W2 @ W2 + b2.unsqueeze(-2) + ((xq_W2 @ xk_W2.transpose(-2, -1) + 1) * M_W1_W1) @ delta_b2  # [B, H, C, d_k]: each token's own layer and b2, in dual form
         o = q + layernorm(yq_b2, ln_w, ln_b)  # [B, H, C, d_k]
-        W1_end = W1 + k.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * delta_b1)  # [B, H, d_k, hidden]
-        b1_end = b1 + (M_W1_W1[..., -1, :, None] * delta_b1).sum(-2)  # [B, H, hidden]
-        W2_end = W2 + xk_W2.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * delta_b2)  # [B, H, hidden, d_k]
-        b2_end = b2 + (M_W1_W1[..., -1, :, None] * delta_b2).sum(-2)  # [B, H, d_k]
+        last_W1 = M_W1_W1[..., -1, :, None] * delta_b1  # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
+        W1_end = W1 + k.transpose(-2, -1) @ last_W1  # [B, H, d_k, hidden]
+        b1_end = b1 + last_W1.sum(-2)  # [B, H, hidden]
+        last_W2 = M_W1_W1[..., -1, :, None] * delta_b2  # [B, H, C, d_k]: the gradients of W2 weighted for the state after the chunk
+        W2_end = W2 + xk_W2.transpose(-2, -1) @ last_W2  # [B, H, hidden, d_k]
+        b2_end = b2 + last_W2.sum(-2)  # [B, H, d_k]
         return o, (W1_end, b1_end, W2_end, b2_end)
 
 

@@ -374,32 +374,70 @@ class DualWriter:
                 y = fresh(f"yq_{s}", taken)
                 shape = self._site_shape(s)
                 if kind == "matmul":
-                    terms = [f"{x.id} @ {r0}" if v == "1" else f"{v}.unsqueeze(-1) * ({x.id} @ {r0})"
-                             for r0, v in rep.vec.items()]
-                    terms += [f"(({x.id} @ {xk[g]}.transpose(-2, -1)) * {m}) @ {dd[g]}" for g, m in rep.mat.items()]
-                    L(f"{y} = {_sum(terms) if terms else f'torch.zeros_like({x.id})'}",
-                      shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form")
+                    vec = [f"{x.id} @ {r0}" if v == "1" else f"{v}.unsqueeze(-1) * ({x.id} @ {r0})"
+                           for r0, v in rep.vec.items()]
+                    mat = {(m, dd[g]): f"{x.id} @ {xk[g]}.transpose(-2, -1)" for g, m in rep.mat.items()}
+                    # held back one step: a bias added next folds its gradient terms into these
+                    pending[y] = (vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form")
                 else:
-                    code = em.with_scope(**scope)._emit(a)
-                    terms = [f"{r0}.unsqueeze(-2)" if v == "1" else f"{v}.unsqueeze(-1) * {r0}.unsqueeze(-2)"
-                             for r0, v in rep.vec.items()]
-                    terms += [f"{m} @ {dd[g]}" for g, m in rep.mat.items()]
-                    L(f"{y} = {code.text} + {_sum(terms)}", shape_text("B, H, C", shape) + f": + each token's own {s}")
+                    vec = [f"{r0}.unsqueeze(-2)" if v == "1" else f"{v}.unsqueeze(-1) * {r0}.unsqueeze(-2)"
+                           for r0, v in rep.vec.items()]
+                    if isinstance(a, Name) and a.id in pending:   # (x @ W + b): one product per gradient
+                        avec, amat, _ = pending.pop(a.id)
+                        scores = dict(amat)
+                        for g, m in rep.mat.items():
+                            key = (m, dd[g])
+                            scores[key] = f"{scores[key]} + 1" if key in scores else None
+                        terms = avec + vec + [f"(({sc}) * {m}) @ {d}" if sc else f"{m} @ {d}"
+                                              for (m, d), sc in scores.items()]
+                        L(f"{y} = {_sum(terms)}", shape_text("B, H, C", shape) + f": each token's own layer and {s}, in dual form")
+                    else:
+                        flush()
+                        code = em.with_scope(**scope)._emit(a)
+                        terms = vec + [f"{m} @ {dd[g]}" for g, m in rep.mat.items()]
+                        L(f"{y} = {code.text} + {_sum(terms)}", shape_text("B, H, C", shape) + f": + each token's own {s}")
                 scope[y] = shape
                 return y
 
-            e = self._lower(L, em, spec.read, scope, taken, on_site, xbase="xq", layout="B, H, C")
-            L(f"o = {em.with_scope(**scope).emit(e)}", shape_text("B, H, C", w.read_shape()))
+            pending: dict = {}
+
+            def flush(rename=None):
+                for y, (vec, mat, comment) in list(pending.items()):
+                    terms = vec + [f"(({sc}) * {m}) @ {d}" for (m, d), sc in mat.items()]
+                    L(f"{(rename or {}).get(y, y)} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
+                pending.clear()
+
+            def Lf(*args, **kw):   # every other line of the read comes after the held-back products
+                flush()
+                L(*args, **kw)
+
+            e = self._lower(Lf, em, spec.read, scope, taken, on_site, xbase="xq", layout="B, H, C")
+            if isinstance(e, Name) and e.id in pending:   # the read is a layer's output: o is that line
+                flush(rename={e.id: "o"})
+            else:
+                flush()
+                L(f"o = {em.with_scope(**scope).emit(e)}", shape_text("B, H, C", w.read_shape()))
             # the state after the chunk: row C of every representation
             finals = []
+            last_rows: dict = {}
             for s in w.states:
                 rep = reps[s]
                 rank = len(spec.state[s].shape)
                 lift = "[..., -1" + ", None" * rank + "]"
                 terms = [r0 if v == "1" else f"{v}{lift} * {r0}" for r0, v in rep.vec.items()]
                 for g, m in rep.mat.items():
-                    weights = f"{m}[..., -1, :, None] * {dd[g]}"
-                    terms.append(f"{xk[g]}.transpose(-2, -1) @ ({weights})" if g in xk else f"({weights}).sum(-2)")
+                    key = (m, dd[g])
+                    if key not in last_rows:
+                        uses = sum(1 for r in w.states for g2, m2 in reps[r].mat.items() if (m2, dd[g2]) == key)
+                        text = f"{m}[..., -1, :, None] * {dd[g]}"
+                        if uses > 1:
+                            last_rows[key] = fresh(f"last_{g}", taken)
+                            L(f"{last_rows[key]} = {text}",
+                              f"[B, H, C, {spec.state[g].shape[-1]}]: the gradients of {g} weighted for the state after the chunk")
+                        else:
+                            last_rows[key] = f"({text})"
+                    weights = last_rows[key]
+                    terms.append(f"{xk[g]}.transpose(-2, -1) @ {weights}" if g in xk else f"{weights}.sum(-2)")
                 name = fresh(f"{s}_end", taken)
                 L(f"{name} = {_sum(terms) if terms else f'torch.zeros_like({s})'}",
                   f"[B, H, {', '.join(spec.state[s].shape)}]")
