@@ -370,7 +370,7 @@ class DeltanetMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t, eta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t)
@@ -403,7 +403,7 @@ class DeltanetMemory(nn.Module):
         q, k, v, eta = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta))  # head-major [B, H, T, ...], once
         qn = l2norm(q)  # [B, H, T, d_k]
         kn = l2norm(k)  # [B, H, T, d_k]
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
         sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one

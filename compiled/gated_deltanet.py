@@ -401,7 +401,7 @@ class GatedDeltanetMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1), alpha.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t, alpha_t)
@@ -432,7 +432,7 @@ class GatedDeltanetMemory(nn.Module):
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start = state.get("minibatch.W", W)
         sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one

@@ -306,7 +306,7 @@ class LinearAttentionMemory(nn.Module):
 
     def _forward_online(self, q, k, v, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        S, z = state['S'], state['z']
+        S, z = state['S'].contiguous(), state['z'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t in zip(q.unbind(1), k.unbind(1), v.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (S, z) = self._token_fn(S, z, q_t, k_t, v_t)

@@ -198,7 +198,7 @@ class MesaMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        H, G = state['H'], state['G']
+        H, G = state['H'].contiguous(), state['G'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1), alpha.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (H, G) = self._token_fn(H, G, q_t, k_t, v_t, eta_t, alpha_t)

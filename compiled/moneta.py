@@ -237,7 +237,7 @@ class MonetaMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W1, W2 = state['W1'], state['W2']
+        W1, W2 = state['W1'].contiguous(), state['W2'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1), alpha.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (W1, W2) = self._token_fn(W1, W2, q_t, k_t, v_t, eta_t, alpha_t)
@@ -281,7 +281,7 @@ class MonetaMemory(nn.Module):
         q, k, v, eta, alpha = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta, alpha))  # head-major [B, H, T, ...], once
         qn = l2norm(q)  # [B, H, T, d_k]
         kn = l2norm(k)  # [B, H, T, d_k]
-        W1, W2 = state['W1'], state['W2']
+        W1, W2 = state['W1'].contiguous(), state['W2'].contiguous()  # (an expanded initial state would compile a second graph)
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
         sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one

@@ -237,7 +237,7 @@ class SeedTitansMemory(nn.Module):
 
     def _forward_online(self, q, k, v, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = state['W1'], state['b1'], state['W2'], state['b2'], state['U_W1'], state['U_b1'], state['U_W2'], state['U_b2']
+        W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = state['W1'].contiguous(), state['b1'].contiguous(), state['W2'].contiguous(), state['b2'].contiguous(), state['U_W1'].contiguous(), state['U_b1'].contiguous(), state['U_W2'].contiguous(), state['U_b2'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t in zip(q.unbind(1), k.unbind(1), v.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2) = self._token_fn(W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q_t, k_t, v_t)
@@ -281,7 +281,7 @@ class SeedTitansMemory(nn.Module):
         """
         C, T = self.chunk, q.shape[1]
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # head-major [B, H, T, ...], once
-        W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = state['W1'], state['b1'], state['W2'], state['b2'], state['U_W1'], state['U_b1'], state['U_W2'], state['U_b2']
+        W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2 = state['W1'].contiguous(), state['b1'].contiguous(), state['W2'].contiguous(), state['b2'].contiguous(), state['U_W1'].contiguous(), state['U_b1'].contiguous(), state['U_W2'].contiguous(), state['U_b2'].contiguous()  # (an expanded initial state would compile a second graph)
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, b1_start, W2_start, b2_start = state.get("minibatch.W1", W1), state.get("minibatch.b1", b1), state.get("minibatch.W2", W2), state.get("minibatch.b2", b2)
         sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one

@@ -204,7 +204,7 @@ class SlidingWindowAttentionMemory(nn.Module):
 
     def _forward_online(self, q, k, v, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        K, V = state['K'], state['V']
+        K, V = state['K'].contiguous(), state['V'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t in zip(q.unbind(1), k.unbind(1), v.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (K, V) = self._token_fn(K, V, q_t, k_t, v_t)

@@ -342,7 +342,7 @@ class TitansMagMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, mu, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
+        W1, W2, U1, U2 = state['W1'].contiguous(), state['W2'].contiguous(), state['U1'].contiguous(), state['U2'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t, eta_t, mu_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1), mu.unbind(1), alpha.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (W1, W2, U1, U2) = self._token_fn(W1, W2, U1, U2, q_t, k_t, v_t, eta_t, mu_t, alpha_t)
@@ -385,7 +385,7 @@ class TitansMagMemory(nn.Module):
         qn = l2norm(F.silu(q))  # [B, H, T, d_k]
         kn = l2norm(F.silu(k))  # [B, H, T, d_k]
         vs = F.silu(v)  # [B, H, T, d_v]
-        W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
+        W1, W2, U1, U2 = state['W1'].contiguous(), state['W2'].contiguous(), state['U1'].contiguous(), state['U2'].contiguous()  # (an expanded initial state would compile a second graph)
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
         sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one

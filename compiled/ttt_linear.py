@@ -229,7 +229,7 @@ class TttLinearMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W, b = state['W'], state['b']
+        W, b = state['W'].contiguous(), state['b'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
         for q_t, k_t, v_t, eta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1)):  # views (one stack of their gradients when training)
             o_t, (W, b) = self._token_fn(W, b, q_t, k_t, v_t, eta_t)
@@ -263,7 +263,7 @@ class TttLinearMemory(nn.Module):
         """
         C, T = self.chunk, q.shape[1]
         q, k, v, eta = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta))  # head-major [B, H, T, ...], once
-        W, b = state['W'], state['b']
+        W, b = state['W'].contiguous(), state['b'].contiguous()  # (an expanded initial state would compile a second graph)
         pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
         W_start, b_start = state.get("minibatch.W", W), state.get("minibatch.b", b)
         sizes = []  # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one

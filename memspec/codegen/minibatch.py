@@ -65,7 +65,8 @@ def emit(ctx, L) -> None:
             L(f"{', '.join(sv)}{',' if len(sv) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in ({', '.join(sv)}{',' if len(sv) == 1 else ''}))",
               "head-major [B, H, T, ...], once")
             seq = dual.sequence_inputs(ctx, L)   # the lets once over the whole sequence
-        L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
+        L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}].contiguous()' for s in cur)}",
+          "(an expanded initial state would compile a second graph)")
         L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
         if starts:
             L(f"{', '.join(starts.values())} = "

@@ -14,7 +14,8 @@ def emit(ctx, L) -> None:
     L(f"def _forward_online(self, {', '.join(sv + ['state'])}):")
     with L.indent():
         L('"""' + "Token by token: the per-token step (compiled once when compile=True) in a Python loop." + '"""')
-        L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}]' for s in ctx.states)}")
+        L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}].contiguous()' for s in ctx.states)}",
+          "(an expanded initial state would compile a second graph)")
         outs = fresh("outputs", taken)
         o_t = fresh("o_t", taken)
         L(f"{outs} = []")
