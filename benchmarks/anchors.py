@@ -233,7 +233,8 @@ def ttt_rows(a):
             xs = [x.detach().requires_grad_(grad) for x in leaves]
             W0 = mem.W_init.detach().expand(B, H, D, D).clone()
             b0 = mem.b_init.detach().reshape(1, H, 1, D).expand(B, H, 1, D).clone()
-            o, h, hb = naive.chunk_ttt_linear_ref(xs[0].clone(), xs[1], xs[2],   # (the peer scales q in place) mem.ln_w.detach(), mem.ln_b.detach(), xs[3][..., None],
+            # (a clone: the peer scales q in place)
+            o, h, hb = naive.chunk_ttt_linear_ref(xs[0].clone(), xs[1], xs[2], mem.ln_w.detach(), mem.ln_b.detach(), xs[3][..., None],
                                                   scale=1.0, eps=1e-5, mini_batch_size=C, initial_state=W0,
                                                   initial_state_bias=b0, output_final_state=True)
             if grad:
