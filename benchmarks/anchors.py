@@ -40,6 +40,23 @@ chunk), ``--chunk`` the others.
 
     python benchmarks/anchors.py [--T 2048] [--threads 2] [--backward] [--json out.json]
     python benchmarks/anchors.py --dplr [--backward] [--peer-repeat 3] [--recurrent-repeat 2]
+
+``--ttt`` times the compiled ``specs/ttt_linear.yaml`` module (mini-batch 16, dual form;
+eager and ``compile=True``) against flash-linear-attention's pure-PyTorch
+``chunk_ttt_linear_ref`` (``fla/ops/ttt/naive.py``, loaded by file path: the ``bench``
+extra).  The two compute the same mini-batch TTT-Linear when eta is constant within each
+mini-batch (the peer indexes eta by the reading row) and T is a multiple of 16 (the peer
+corrupts its bias state on a padded tail), with eps 1e-5 and scale 1 given to the peer;
+the final states are checked equal before timing.  The outputs differ by construction
+(the peer's read is z + LN(z), memspec's spec reads q + LN(z)), so only the states are
+compared.
+
+``--online`` times the online fallback: a gated delta rule written with ``grad(loss, S)``
+against the same update written as an explicit outer product, both ``schedule="online"``
+(the per-token step; the closed-form gradient makes the two the same code).
+
+    python benchmarks/anchors.py --ttt [--backward] [--threads 2]
+    python benchmarks/anchors.py --online [--T 512]
 """
 from __future__ import annotations
 
@@ -267,6 +284,117 @@ def with_backward(fn, inputs, seed=1, heads_first=False):
     return run
 
 
+def ratio_line(name, m, t, who="peer"):
+    print(f"{name:<34} memspec {m[0]:8.1f} ms (cpu {m[1]:8.1f})   {who} {t[0]:8.1f} ms (cpu {t[1]:8.1f})   "
+          f"memspec / {who} = {m[0] / t[0]:.2f} (cpu {m[1] / t[1]:.2f})")
+
+
+def ttt_rows(a):
+    """TTT-Linear mini-batch 16: memspec (eager, compiled) vs fla's chunk_ttt_linear_ref."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "tests"))
+    from peers import fla_root
+    import importlib.util
+    import memspec.pipeline.build as build
+    path = fla_root() / "ops" / "ttt" / "naive.py"
+    spec = importlib.util.spec_from_file_location("_fla_ttt_naive", path)
+    naive = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(naive)
+    B, T, H, D, C = a.B, a.T, a.H, a.D, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, D, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g), dim=-1)
+    v = torch.randn(B, T, H, D, generator=g)
+    eta = (0.1 * torch.rand(B, T // C, 1, H, generator=g)).expand(B, T // C, C, H).reshape(B, T, H)
+    mems = {c: build.build_memory(root / "specs/ttt_linear.yaml", compile=c, heads=H, d_k=D) for c in (False, True)}
+    mem = mems[False]
+    mems[True].load_state_dict(mem.state_dict())
+    leaves = [q, k, v, eta]
+
+    def ours(m, grad):
+        def run():
+            xs = [x.detach().requires_grad_(grad) for x in leaves]
+            o, st = m(xs[0], xs[1], xs[2], eta=xs[3])
+            if grad:
+                (o.sum() + st["W"].sum() + st["b"].sum()).backward()
+            return st
+        return run
+
+    def theirs(grad):
+        def run():
+            xs = [x.detach().requires_grad_(grad) for x in leaves]
+            W0 = mem.W_init.detach().expand(B, H, D, D).clone()
+            b0 = mem.b_init.detach().reshape(1, H, 1, D).expand(B, H, 1, D).clone()
+            # (a clone: the peer scales q in place)
+            o, h, hb = naive.chunk_ttt_linear_ref(xs[0].clone(), xs[1], xs[2], mem.ln_w.detach(), mem.ln_b.detach(), xs[3][..., None],
+                                                  scale=1.0, eps=1e-5, mini_batch_size=C, initial_state=W0,
+                                                  initial_state_bias=b0, output_final_state=True)
+            if grad:
+                (o.sum() + h.sum() + hb.sum()).backward()
+            return {"W": h, "b": hb.squeeze(-2)}
+        return run
+
+    with torch.no_grad():
+        mine, peer = ours(mem, False)(), theirs(False)()
+        for s in ("W", "b"):
+            err = ((mine[s] - peer[s]).norm() / peer[s].norm()).item()
+            assert err < 1e-4, (s, err)
+    print(f"TTT-Linear mini-batch {C}, B={B} T={T} H={H} D={D}, float32, threads={torch.get_num_threads()}; "
+          "final states agree with fla's chunk_ttt_linear_ref")
+    for grad in (False, True):
+        what = "forward + backward" if grad else "forward"
+        fns = [ours(mems[False], grad), ours(mems[True], grad), theirs(grad)]
+        with torch.set_grad_enabled(grad):
+            fns[1]()   # compile outside the timing
+        eager, comp, peer = timed_many(fns, a.repeat, grad)
+        ratio_line(f"ttt_linear eager, {what}", eager, peer, "fla")
+        ratio_line(f"ttt_linear compile=True, {what}", comp, peer, "fla")
+
+
+GATED_DELTA_GRAD = """
+name: gated_delta_grad
+dims: {d_model: 256, heads: 4, d_k: 64, d_v: 64}
+views: {q: d_k, k: d_k, v: d_v}
+gates: {beta: sigmoid(logit), alpha: sigmoid(logit)}
+state: {S: {shape: [d_k, d_v]}}
+loss: 0.5 * sum((k @ S - v)^2)
+update:
+  - S = alpha * S - beta * grad(loss, S)
+read: q @ S
+"""
+GATED_DELTA_OUTER = GATED_DELTA_GRAD.replace("gated_delta_grad", "gated_delta_outer").replace(
+    "beta * grad(loss, S)", "beta * outer(k, k @ S - v)")
+
+
+def online_rows(a):
+    """The online fallback: a gated delta rule with grad(...) vs the explicit outer product."""
+    import tempfile
+    from pathlib import Path
+    import memspec.pipeline.build as build
+    mems = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in (("grad", GATED_DELTA_GRAD), ("outer", GATED_DELTA_OUTER)):
+            p = Path(d) / f"{name}.yaml"
+            p.write_text(text)
+            mems[name] = build.build_memory(p, compile=False)
+    B, T, H, D = a.B, a.T, a.H, a.D
+    g = torch.Generator().manual_seed(0)
+    q, v = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H, D, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, generator=g), dim=-1)
+    beta, alpha = torch.rand(B, T, H, generator=g), 0.9 + 0.1 * torch.rand(B, T, H, generator=g)
+
+    def run(m):
+        return lambda: m(q, k, v, beta=beta, alpha=alpha, schedule="online")
+    with torch.no_grad():
+        o1, o2 = run(mems["grad"])()[0], run(mems["outer"])()[0]
+        assert (o1 - o2).abs().max() < 1e-4
+        m, t = timed_many([run(mems["grad"]), run(mems["outer"])], a.repeat)
+    print(f"online gated delta rule, B={B} T={T} H={H} D={D}, threads={torch.get_num_threads()}")
+    ratio_line("grad(loss, S) vs outer(k, k @ S - v)", m, t, "outer")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=2048)
@@ -282,11 +410,19 @@ def main():
     ap.add_argument("--dplr-chunk", type=int, default=16, help="chunk of the --dplr rows with per-channel decays")
     ap.add_argument("--peer-repeat", type=int, default=3, help="--dplr: repetitions with fla's (slow) references")
     ap.add_argument("--recurrent-repeat", type=int, default=2, help="--dplr: repetitions of the token loop")
+    ap.add_argument("--ttt", action="store_true", help="TTT-Linear vs fla's chunk_ttt_linear_ref")
+    ap.add_argument("--online", action="store_true", help="the online fallback: grad(...) vs outer product")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.dplr:
         return dplr_main(a)
+    if a.ttt or a.online:
+        if a.ttt:
+            ttt_rows(a)
+        if a.online:
+            online_rows(a)
+        return
     g = torch.Generator().manual_seed(0)
     B, T, H, D = a.B, a.T, a.H, a.D
     q = torch.randn(B, T, H, D, generator=g) / D ** 0.5

@@ -13,6 +13,16 @@ T = 2048, B = 1, float32), the ratio to the anchor, and the ratio to the module'
 online schedule (forward only; the online schedule is slow, so it is timed once).
 
     OMP_NUM_THREADS=2 python benchmarks/titans_anchor.py [--T 2048] [--repeat 5] [--compile]
+
+``--peer`` times the layers instead: memspec's ``TitansLayer`` (specs/titans.yaml, eager,
+hidden 256 to match the peer's expansion factor 4) against titans-pytorch's
+``NeuralMemory(dim=256, heads=4, dim_head=64, chunk_size=64)`` (the ``bench`` extra), eager
+both, x [1, T, 256], forward and forward + backward, alternated in one process.  The peer's
+memory model is its default (a 2-layer MLP inside a LayerNorm residual, with its own
+projections, RMSNorms and learned gates): the same mini-batch learning, somewhat more work
+around it.
+
+    OMP_NUM_THREADS=2 python benchmarks/titans_anchor.py --peer [--T 2048] [--repeat 7]
 """
 from __future__ import annotations
 
@@ -92,13 +102,67 @@ def timed(fn, repeat):
     return statistics.median(times) * 1e3
 
 
+def peer_rows(a):
+    """memspec's TitansLayer vs titans-pytorch's NeuralMemory, eager both, alternated."""
+    import memspec.pipeline.build as build
+    from titans_pytorch import NeuralMemory
+
+    torch.manual_seed(0)
+    ours_layer = build.build(ROOT / "specs/titans.yaml", compile=False, d_model=256, heads=4, d_k=64, d_v=64, hidden=256)
+    # the spec's initial gate biases let this random (untrained) memory grow without bound over
+    # 2048 tokens (NaN by the end, and NaN arithmetic is slow): a smaller step keeps it finite
+    ours_layer.eta_proj.bias.data.fill_(-5.0)
+    peer = NeuralMemory(dim=256, heads=4, dim_head=64, chunk_size=64)
+    x = torch.randn(1, a.T, 256)
+
+    def ours(grad):
+        def run():
+            xs = x.detach().requires_grad_(grad)
+            y = ours_layer(xs)
+            if grad:
+                y.sum().backward()
+        return run
+
+    def theirs(grad):
+        def run():
+            xs = x.detach().requires_grad_(grad)
+            y, _ = peer(xs)
+            if grad:
+                y.sum().backward()
+        return run
+
+    with torch.no_grad():
+        y, st = ours_layer(x, return_state=True)
+        assert torch.isfinite(y).all() and all(torch.isfinite(v).all() for v in st.values())
+    print(f"Titans layer, x [1, {a.T}, 256], heads 4 x 64, chunk 64, eager both, float32, "
+          f"threads={torch.get_num_threads()}")
+    print(f"{'':24} {'memspec ms':>11} {'peer ms':>10} {'memspec/peer':>13}")
+    for grad in (False, True):
+        fns = [ours(grad), theirs(grad)]
+        times = [[], []]
+        with torch.set_grad_enabled(grad):
+            for f in fns:
+                f()
+            for _ in range(a.repeat):
+                for i, f in enumerate(fns):
+                    t0 = time.perf_counter()
+                    f()
+                    times[i].append(time.perf_counter() - t0)
+        m, t = (statistics.median(ts) * 1e3 for ts in times)
+        print(f"{'forward + backward' if grad else 'forward (no grad)':24} {m:11.1f} {t:10.1f} {m / t:13.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--peer", action="store_true", help="memspec's layer vs titans-pytorch's NeuralMemory")
     ap.add_argument("--compile", action="store_true", help="torch.compile memspec's chunk step")
     ap.add_argument("--no-online", action="store_true")
     a = ap.parse_args()
+    if a.peer:
+        peer_rows(a)
+        return
     import memspec
 
     torch.manual_seed(0)

@@ -377,12 +377,15 @@ class DeltanetTextbookMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W,) = self._token_fn(W, q[:, t], k[:, t], v[:, t], eta[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1)):
+            o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W': W}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W': W}
 
     def _token_step(self, W, q, k, v, eta):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H];

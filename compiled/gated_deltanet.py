@@ -493,12 +493,16 @@ class GatedDeltanetMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W,) = self._token_fn(W, q[:, t], k[:, t], v[:, t], eta[:, t], alpha[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1),
+                eta.unbind(1), alpha.unbind(1)):
+            o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W': W}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W': W}
 
     def _token_step(self, W, q, k, v, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], alpha [B, H];
@@ -507,7 +511,9 @@ class GatedDeltanetMemory(nn.Module):
         qn = l2norm(q)  # [B, H, d_k]
         kn = l2norm(k)  # [B, H, d_k]
         W = (1 - alpha)[..., None, None] * W  # [B, H, d_k, d_v]
-        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, v, kn)  # at the current state
+        y_W = (kn.unsqueeze(-2) @ W).squeeze(-2)  # [B, H, d_v]: at the current state
+        err = y_W - v  # [B, H, d_v]
+        grad_W = kn.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, d_k, d_v]: grad(loss, W)
         W = W - eta[..., None, None] * grad_W  # [B, H, d_k, d_v]
         o = self.f(qn, W)  # [B, H, d_v]
         return o, (W,)
@@ -522,41 +528,51 @@ class GatedDeltanetMemory(nn.Module):
         call.
         """
         C, T = self.chunk, q.shape[1]
-        W = state['W']
-        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
-        W_start = state.get("minibatch.W", W)
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, alpha)
         # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
         q, k, v, eta, alpha = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0),
                 _where_ok(ok, eta, 0.0), _where_ok(ok, alpha, 0.0))
-        outputs = []
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
+        W_start = state.get("minibatch.W", W)
+        # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
+        sizes = []
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        # views, not copies (one concatenation of their gradients when training)
+        q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks = (x.split(sizes, dim=1) for x in (q,
+                k, v, eta, alpha))
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c, alpha_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks,
+                alpha_chunks):
             if pos == 0:
                 W_start = W  # a new chunk starts here
-            n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W,) = fn(W_start, W, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n],
-                    alpha[:, t:t + n])
+            o_c, (W,) = fn(W_start, W, q_c, k_c, v_c, eta_c, alpha_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
         W = _where_ok(ok[:, -1], W, float("nan"))
         state = {'W': W}
         if pos:
             state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
-        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # (decoding: no copy)
+        return _where_ok(ok, o, float("nan")), state
 
     def _token_grads(self, W, v, eta, alpha, kn):
         """One token's gradients for the mini-batch schedule: its update statements replayed on
         the chunk-start state (W [B, H, ...]); each grad(...) taken there.
         """
         W = (1 - alpha)[..., None, None] * W  # [B, H, d_k, d_v]
-        # at the chunk-start state (carried through this token)
-        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, v, kn)
+        # [B, H, d_v]: at the chunk-start state (carried through this token)
+        y_W = (kn.unsqueeze(-2) @ W).squeeze(-2)
+        err = y_W - v  # [B, H, d_v]
+        grad_W = kn.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, d_k, d_v]: grad(loss, W)
         return (grad_W,)
 
     def _chunk_step(self, W_start, W, q, k, v, eta, alpha):

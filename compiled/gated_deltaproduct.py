@@ -225,13 +225,17 @@ class GatedDeltaproductMemory(nn.Module):
 
     def _forward_online(self, q, k1, v1, k2, v2, eta1, eta2, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        S = state['S']
+        S = state['S'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (S,) = self._token_fn(S, q[:, t], k1[:, t], v1[:, t], k2[:, t], v2[:, t],
-                    eta1[:, t], eta2[:, t], alpha[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k1_t, v1_t, k2_t, v2_t, eta1_t, eta2_t, alpha_t in zip(q.unbind(1), k1.unbind(1),
+                v1.unbind(1), k2.unbind(1), v2.unbind(1), eta1.unbind(1), eta2.unbind(1),
+                alpha.unbind(1)):
+            o_t, (S,) = self._token_fn(S, q_t, k1_t, v1_t, k2_t, v2_t, eta1_t, eta2_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'S': S}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'S': S}
 
     def _token_step(self, S, q, k1, v1, k2, v2, eta1, eta2, alpha):
         """One token: q [B, H, d_k], k1 [B, H, d_k], v1 [B, H, d_v], k2 [B, H, d_k], v2 [B, H, d_v],

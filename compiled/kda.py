@@ -229,12 +229,16 @@ class KdaMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W,) = self._token_fn(W, q[:, t], k[:, t], v[:, t], eta[:, t], alpha[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1),
+                eta.unbind(1), alpha.unbind(1)):
+            o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W': W}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W': W}
 
     def _token_step(self, W, q, k, v, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], alpha [B, H, d_k];
@@ -243,7 +247,9 @@ class KdaMemory(nn.Module):
         qn = l2norm(q)  # [B, H, d_k]
         kn = l2norm(k)  # [B, H, d_k]
         W = (1 - alpha).unsqueeze(-1) * W  # [B, H, d_k, d_v]
-        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, v, kn)  # at the current state
+        y_W = (kn.unsqueeze(-2) @ W).squeeze(-2)  # [B, H, d_v]: at the current state
+        err = y_W - v  # [B, H, d_v]
+        grad_W = kn.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, d_k, d_v]: grad(loss, W)
         W = W - eta[..., None, None] * grad_W  # [B, H, d_k, d_v]
         o = self.f(qn, W)  # [B, H, d_v]
         return o, (W,)

@@ -343,12 +343,16 @@ class LinearAttentionMemory(nn.Module):
 
     def _forward_online(self, q, k, v, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        S, z = state['S'], state['z']
+        # (an expanded initial state would compile a second graph)
+        S, z = state['S'].contiguous(), state['z'].contiguous()
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (S, z) = self._token_fn(S, z, q[:, t], k[:, t], v[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t in zip(q.unbind(1), k.unbind(1), v.unbind(1)):
+            o_t, (S, z) = self._token_fn(S, z, q_t, k_t, v_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'S': S, 'z': z}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'S': S, 'z': z}
 
     def _token_step(self, S, z, q, k, v):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v];

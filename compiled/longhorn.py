@@ -93,19 +93,6 @@ def _where_ok(ok, x, fill):
                        device=x.device))
 
 
-def _decay_matrix(a):
-    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
-    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
-     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
-    Built with one cumprod (exact for any a, zeros and negatives included)."""
-    C = a.shape[-1]
-    idx = torch.arange(C, device=a.device)
-    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
-    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
-    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    return L, torch.cumprod(a, dim=-1)
-
-
 def chunk_delta(q, k, v, beta, S0, chunk):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
@@ -425,19 +412,24 @@ class LonghornMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W = state['W']
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W,) = self._token_fn(W, q[:, t], k[:, t], v[:, t], eta[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1)):
+            o_t, (W,) = self._token_fn(W, q_t, k_t, v_t, eta_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W': W}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W': W}
 
     def _token_step(self, W, q, k, v, eta):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H];
         the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
         """
         eps = eta / (1 + eta * (k * k).sum(-1))  # [B, H]
-        grad_W, = torch.func.grad(self.inner_loss, argnums=(0,))(W, k, v)  # at the current state
+        y_W = (k.unsqueeze(-2) @ W).squeeze(-2)  # [B, H, d_v]: at the current state
+        err = y_W - v  # [B, H, d_v]
+        grad_W = k.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, d_k, d_v]: grad(loss, W)
         W = W - eps[..., None, None] * grad_W  # [B, H, d_k, d_v]
         o = self.f(q, W)  # [B, H, d_v]
         return o, (W,)
@@ -452,74 +444,65 @@ class LonghornMemory(nn.Module):
         call.
         """
         C, T = self.chunk, q.shape[1]
-        W = state['W']
-        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
-        W_start = state.get("minibatch.W", W)
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta)
         # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
         q, k, v, eta = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0),
                 _where_ok(ok, eta, 0.0))
-        outputs = []
+        # head-major [B, H, T, ...], once
+        q, k, v, eta = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta))
+        eps = eta / (1 + eta * (k * k).sum(-1))  # [B, H, T]
+        W = state['W'].contiguous()  # (an expanded initial state would compile a second graph)
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
+        W_start = state.get("minibatch.W", W)
+        # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
+        sizes = []
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        # views, not copies (one concatenation of their gradients when training)
+        q_chunks, k_chunks, v_chunks, eps_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eps))
+        outputs = []
+        for n, q_c, k_c, v_c, eps_c in zip(sizes, q_chunks, k_chunks, v_chunks, eps_chunks):
             if pos == 0:
                 W_start = W  # a new chunk starts here
-            n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W,) = fn(W_start, W, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n])
+            o_c, (W,) = fn(W_start, W, q_c, k_c, v_c, eps_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
         W = _where_ok(ok[:, -1], W, float("nan"))
         state = {'W': W}
         if pos:
             state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
-        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
-    def _chunk_loss(self, z_W, W, k, v):
-        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W [B, H, d_k,
-        d_v],
-        with each linear layer's output shifted by a tap z_W [B, C, H, d_v] (zeros): the
-        gradient with respect to a tap is every token's gradient with respect to that layer's
-        output.
-        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W).
-        """
-        # [B, C, H, d_v]: the layer @ W (head-major product)
-        y_W = (k.transpose(1, 2) @ W).transpose(1, 2) + z_W
-        return (0.5 * ((y_W - v) ** 2).sum(-1)).sum(), ()
-
-    def _chunk_step(self, W_start, W, q, k, v, eta):
-        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v
-        [B, C, H, d_v], eta [B, C, H];
+    def _chunk_step(self, W_start, W, q, k, v, eps):
+        """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
+        C, d_k], v [B, H, C, d_v], eps [B, H, C];
         W_start: the chunk-start state the gradients are taken at;
         W: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, C, H, d_v], the state after the chunk).
+        Returns (o [B, H, C, d_v], the state after the chunk).
         """
-        eps = eta / (1 + eta * (k * k).sum(-1))  # [B, C, H]
-        # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        (dz_W,), _ = torch.func.grad(self._chunk_loss, argnums=(0,), has_aux=True)(
-            q.new_zeros(q.shape[:3] + (self.d_v,)), W_start, k, v)
-        k_h = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
-        d_W_h = dz_W.transpose(1, 2)  # [B, H, C, d_v]: grad_W_j = k_h_j^T d_W_h_j
-        coef_h = (-eps).transpose(1, 2)  # [B, H, C]: -eps
-        ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
-        L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
-        a_W_W = P  # [B, H, C]: coefficient of W (chunk start) in W after each token
+        # every token's gradient at the chunk-start state, in closed form
+        # (memspec.schedule.backprop)
+        y_W = k @ W_start  # [B, H, C, d_v]: the layer @ W
+        err = y_W - v  # [B, H, C, d_v]
+        C = q.shape[2]
+        coef = -eps  # [B, H, C]: -eps
+        # [C, C]: the weights of a decay of 1 (a running sum)
+        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
         # [B, H, C, C]: weights of the gradients of W in W after each token
-        M_W_W = L * coef_h.unsqueeze(-2)
-        q_h = q.transpose(1, 2)  # [B, H, C, d_k]
-        # [B, C, H, d_v]: each token's own W applied, in dual form
-        y_W = (a_W_W.unsqueeze(-1) * (q_h @ W) + ((q_h @ k_h.transpose(-2, -1)) * M_W_W)
-                @ d_W_h).transpose(1, 2)
-        o = y_W  # [B, C, H, d_v]
-        # [B, H, d_k, d_v]
-        W_end = (a_W_W[..., -1, None, None] * W + k_h.transpose(-2, -1)
-                @ (M_W_W[..., -1, :, None] * d_W_h))
+        M_W_W = causal * coef.unsqueeze(-2)
+        # [B, H, C, d_v]: each token's own W applied, in dual form
+        o = q @ W + ((q @ k.transpose(-2, -1)) * M_W_W) @ err
+        W_end = W + k.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * err)  # [B, H, d_k, d_v]
         return o, (W_end,)
 
     def _forward_chunk(self, q, k, v, eta, state):

@@ -220,12 +220,17 @@ class MesaMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        H, G = state['H'], state['G']
+        # (an expanded initial state would compile a second graph)
+        H, G = state['H'].contiguous(), state['G'].contiguous()
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (H, G) = self._token_fn(H, G, q[:, t], k[:, t], v[:, t], eta[:, t], alpha[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1),
+                eta.unbind(1), alpha.unbind(1)):
+            o_t, (H, G) = self._token_fn(H, G, q_t, k_t, v_t, eta_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'H': H, 'G': G}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'H': H, 'G': G}
 
     def _token_step(self, H, G, q, k, v, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], alpha [B, H];

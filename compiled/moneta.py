@@ -27,6 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
+
+
 def l2norm(x):
     """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
     return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
@@ -277,13 +282,17 @@ class MonetaMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W1, W2 = state['W1'], state['W2']
+        # (an expanded initial state would compile a second graph)
+        W1, W2 = state['W1'].contiguous(), state['W2'].contiguous()
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W1, W2) = self._token_fn(W1, W2, q[:, t], k[:, t], v[:, t], eta[:, t],
-                    alpha[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1),
+                eta.unbind(1), alpha.unbind(1)):
+            o_t, (W1, W2) = self._token_fn(W1, W2, q_t, k_t, v_t, eta_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W1': W1, 'W2': W2}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W1': W1, 'W2': W2}
 
     def _token_step(self, W1, W2, q, k, v, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], alpha [B, H];
@@ -291,8 +300,18 @@ class MonetaMemory(nn.Module):
         """
         qn = l2norm(q)  # [B, H, d_k]
         kn = l2norm(k)  # [B, H, d_k]
-        # at the current state
-        grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=(0, 1))(W1, W2, v, kn)
+        y_W1 = (kn.unsqueeze(-2) @ W1).squeeze(-2)  # [B, H, hidden]: at the current state
+        xk_W2 = F.gelu(y_W1)  # [B, H, hidden]
+        y_W2 = (xk_W2.unsqueeze(-2) @ W2).squeeze(-2)  # [B, H, d_v]
+        err = y_W2 - v  # [B, H, d_v]
+        err_2 = torch.abs(err)  # [B, H, d_v]
+        d_err_2 = 3.0 * err_2 ** (3.0 - 1)  # [B, H, d_v]: the loss's gradient w.r.t. err_2
+        d_err = d_err_2 * torch.sign(err)  # [B, H, d_v]: the loss's gradient w.r.t. err
+        # [B, H, hidden]: the loss's gradient w.r.t. xk_W2
+        d_xk_W2 = (d_err.unsqueeze(-2) @ W2.transpose(-2, -1)).squeeze(-2)
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)  # [B, H, hidden]: the loss's gradient w.r.t. y_W1
+        grad_W1 = kn.unsqueeze(-1) * delta_W1.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W1)
+        grad_W2 = xk_W2.unsqueeze(-1) * d_err.unsqueeze(-2)  # [B, H, hidden, d_v]: grad(loss, W2)
         g1 = grad_W1  # [B, H, d_k, hidden]: a temporary of this token
         g2 = grad_W2  # [B, H, hidden, d_v]: a temporary of this token
         W1 = (1 - alpha)[..., None, None] * W1 - eta[..., None, None] * g1  # [B, H, d_k, hidden]
@@ -310,26 +329,38 @@ class MonetaMemory(nn.Module):
         call.
         """
         C, T = self.chunk, q.shape[1]
-        W1, W2 = state['W1'], state['W2']
-        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
-        W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, alpha)
         # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
         q, k, v, eta, alpha = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0),
                 _where_ok(ok, eta, 0.0), _where_ok(ok, alpha, 0.0))
-        outputs = []
+        # head-major [B, H, T, ...], once
+        q, k, v, eta, alpha = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta, alpha))
+        qn = l2norm(q)  # [B, H, T, d_k]
+        kn = l2norm(k)  # [B, H, T, d_k]
+        # (an expanded initial state would compile a second graph)
+        W1, W2 = state['W1'].contiguous(), state['W2'].contiguous()
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
+        W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
+        # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
+        sizes = []
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        # views, not copies (one concatenation of their gradients when training)
+        v_chunks, eta_chunks, alpha_chunks, qn_chunks, kn_chunks = (x.split(sizes,
+                dim=2) for x in (v, eta, alpha, qn, kn))
+        outputs = []
+        for n, v_c, eta_c, alpha_c, qn_c, kn_c in zip(sizes, v_chunks, eta_chunks, alpha_chunks,
+                qn_chunks, kn_chunks):
             if pos == 0:
                 W1_start, W2_start = W1, W2  # a new chunk starts here
-            n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, q[:, t:t + n], k[:, t:t + n],
-                    v[:, t:t + n], eta[:, t:t + n], alpha[:, t:t + n])
+            o_c, (W1, W2) = fn(W1_start, W2_start, W1, W2, v_c, eta_c, alpha_c, qn_c, kn_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
         W1, W2 = _where_ok(ok[:, -1], W1, float("nan")), _where_ok(ok[:, -1], W2, float("nan"))
         state = {'W1': W1, 'W2': W2}
@@ -337,70 +368,50 @@ class MonetaMemory(nn.Module):
             state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.W2"] = W2_start
-        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
-    def _chunk_loss(self, z_W1, z_W2, W1, W2, v, kn):
-        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H,
-        d_k, hidden], W2 [B, H, hidden, d_v],
-        with each linear layer's output shifted by a tap z_W1 [B, C, H, hidden], z_W2 [B, C, H, d_v]
-        (zeros): the
-        gradient with respect to a tap is every token's gradient with respect to that layer's
-        output.
-        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
-        """
-        # [B, C, H, hidden]: the layer @ W1 (head-major product)
-        y_W1 = (kn.transpose(1, 2) @ W1).transpose(1, 2) + z_W1
-        xk_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        # [B, C, H, d_v]: the layer @ W2 (head-major product)
-        y_W2 = (xk_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2
-        return (torch.abs(y_W2 - v) ** 3.0).sum(-1).sum(), (xk_W2,)
-
-    def _chunk_step(self, W1_start, W2_start, W1, W2, q, k, v, eta, alpha):
-        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v
-        [B, C, H, d_v], eta [B, C, H], alpha [B, C, H];
+    def _chunk_step(self, W1_start, W2_start, W1, W2, v, eta, alpha, qn, kn):
+        """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], eta [B,
+        H, C], alpha [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k];
         W1_start, W2_start: the chunk-start state the gradients are taken at;
         W1, W2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, C, H, d_v], the state after the chunk).
+        Returns (o [B, H, C, d_v], the state after the chunk).
         """
-        qn = l2norm(q)  # [B, C, H, d_k]
-        kn = l2norm(k)  # [B, C, H, d_k]
-        # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        (dz_W1, dz_W2), (xk_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
-            q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_v,)),
-                    W1_start, W2_start, v, kn)
-        kn_h = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
-        d_W1_h = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = kn_h_j^T d_W1_h_j
-        # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
-        xk_W2_h = xk_W2.transpose(1, 2)
-        d_W2_h = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_h_j^T d_W2_h_j
-        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
-        coef_h_2 = (1 - alpha).transpose(1, 2)  # [B, H, C]: 1 - alpha
-        L, P = _decay_matrix(coef_h_2)  # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
-        a_W1_W1 = P  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
+        # every token's gradient at the chunk-start state, in closed form
+        # (memspec.schedule.backprop)
+        y_W1 = kn @ W1_start  # [B, H, C, hidden]: the layer @ W1
+        xk_W2 = F.gelu(y_W1)  # [B, H, C, hidden]
+        y_W2 = xk_W2 @ W2_start  # [B, H, C, d_v]: the layer @ W2
+        err = y_W2 - v  # [B, H, C, d_v]
+        err_2 = torch.abs(err)  # [B, H, C, d_v]
+        d_err_2 = 3.0 * err_2 ** (3.0 - 1)  # [B, H, C, d_v]: the loss's gradient w.r.t. err_2
+        d_err = d_err_2 * torch.sign(err)  # [B, H, C, d_v]: the loss's gradient w.r.t. err
+        # [B, H, C, hidden]: the loss's gradient w.r.t. xk_W2
+        d_xk_W2 = d_err @ W2_start.transpose(-2, -1)
+        # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)
+        coef = -eta  # [B, H, C]: -eta
+        W1_decay = 1 - alpha  # [B, H, C]: 1 - alpha
+        # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
+        L_W1_decay, P_W1_decay = _decay_matrix(W1_decay)
         # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
-        M_W1_W1 = L * coef_h.unsqueeze(-2)
-        # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
-        a_W2_W2 = a_W1_W1
-        # [B, H, C, C]: weights of the gradients of W2 in W2 after each token (the same weights)
-        M_W2_W2 = M_W1_W1
-        qn_h = qn.transpose(1, 2)  # [B, H, C, d_k]
-        # [B, C, H, hidden]: each token's own W1 applied, in dual form
-        y_W1 = (a_W1_W1.unsqueeze(-1) * (qn_h @ W1) + ((qn_h @ kn_h.transpose(-2, -1)) * M_W1_W1)
-                @ d_W1_h).transpose(1, 2)
-        xq_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        xq_W2_h = xq_W2.transpose(1, 2)  # [B, H, C, hidden]
-        # [B, C, H, d_v]: each token's own W2 applied, in dual form
-        y_W2 = (a_W2_W2.unsqueeze(-1) * (xq_W2_h @ W2)
-                + ((xq_W2_h @ xk_W2_h.transpose(-2, -1)) * M_W2_W2) @ d_W2_h).transpose(1, 2)
-        o = y_W2  # [B, C, H, d_v]
+        M_W1_W1 = L_W1_decay * coef.unsqueeze(-2)
+        # [B, H, C, hidden]: each token's own W1 applied, in dual form
+        yq_W1 = (P_W1_decay.unsqueeze(-1) * (qn @ W1) + ((qn @ kn.transpose(-2, -1)) * M_W1_W1)
+                @ delta_W1)
+        xq_W2 = F.gelu(yq_W1)  # [B, H, C, hidden]: the input of the layer @ W2
+        # [B, H, C, d_v]: each token's own W2 applied, in dual form
+        o = (P_W1_decay.unsqueeze(-1) * (xq_W2 @ W2) + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1)
+                @ d_err)
         # [B, H, d_k, hidden]
-        W1_end = (a_W1_W1[..., -1, None, None] * W1 + kn_h.transpose(-2, -1)
-                @ (M_W1_W1[..., -1, :, None] * d_W1_h))
+        W1_end = (P_W1_decay[..., -1, None, None] * W1 + kn.transpose(-2, -1)
+                @ (M_W1_W1[..., -1, :, None] * delta_W1))
         # [B, H, hidden, d_v]
-        W2_end = (a_W2_W2[..., -1, None, None] * W2 + xk_W2_h.transpose(-2, -1)
-                @ (M_W2_W2[..., -1, :, None] * d_W2_h))
+        W2_end = (P_W1_decay[..., -1, None, None] * W2 + xk_W2.transpose(-2, -1)
+                @ (M_W1_W1[..., -1, :, None] * d_err))
         return o, (W1_end, W2_end)
 
 

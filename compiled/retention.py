@@ -431,12 +431,15 @@ class RetentionMemory(nn.Module):
 
     def _forward_online(self, q, k, v, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        S = state['S']
+        S = state['S'].contiguous()  # (an expanded initial state would compile a second graph)
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (S,) = self._token_fn(S, q[:, t], k[:, t], v[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t in zip(q.unbind(1), k.unbind(1), v.unbind(1)):
+            o_t, (S,) = self._token_fn(S, q_t, k_t, v_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'S': S}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'S': S}
 
     def _token_step(self, S, q, k, v):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v];

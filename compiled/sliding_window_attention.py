@@ -235,12 +235,16 @@ class SlidingWindowAttentionMemory(nn.Module):
 
     def _forward_online(self, q, k, v, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        K, V = state['K'], state['V']
+        # (an expanded initial state would compile a second graph)
+        K, V = state['K'].contiguous(), state['V'].contiguous()
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (K, V) = self._token_fn(K, V, q[:, t], k[:, t], v[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t in zip(q.unbind(1), k.unbind(1), v.unbind(1)):
+            o_t, (K, V) = self._token_fn(K, V, q_t, k_t, v_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'K': K, 'V': V}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'K': K, 'V': V}
 
     def _token_step(self, K, V, q, k, v):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v];

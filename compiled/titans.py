@@ -25,6 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
+
+
 def l2norm(x):
     """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
     return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
@@ -288,13 +293,19 @@ class TitansMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, mu, alpha, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
+        # (an expanded initial state would compile a second graph)
+        W1, W2, U1, U2 = (state['W1'].contiguous(), state['W2'].contiguous(),
+                state['U1'].contiguous(), state['U2'].contiguous())
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W1, W2, U1, U2) = self._token_fn(W1, W2, U1, U2, q[:, t], k[:, t], v[:, t],
-                    eta[:, t], mu[:, t], alpha[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t, mu_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1),
+                eta.unbind(1), mu.unbind(1), alpha.unbind(1)):
+            o_t, (W1, W2, U1, U2) = self._token_fn(W1, W2, U1, U2, q_t, k_t, v_t, eta_t, mu_t,
+                    alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W1': W1, 'W2': W2, 'U1': U1, 'U2': U2}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W1': W1, 'W2': W2, 'U1': U1, 'U2': U2}
 
     def _token_step(self, W1, W2, U1, U2, q, k, v, eta, mu, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], mu [B, H], alpha [B,
@@ -304,8 +315,15 @@ class TitansMemory(nn.Module):
         qn = l2norm(F.silu(q))  # [B, H, d_k]
         kn = l2norm(F.silu(k))  # [B, H, d_k]
         vs = F.silu(v)  # [B, H, d_v]
-        # at the current state
-        grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=(0, 1))(W1, W2, kn, vs)
+        y_W1 = (kn.unsqueeze(-2) @ W1).squeeze(-2)  # [B, H, hidden]: at the current state
+        xk_W2 = F.gelu(y_W1)  # [B, H, hidden]
+        y_W2 = (xk_W2.unsqueeze(-2) @ W2).squeeze(-2)  # [B, H, d_v]
+        err = y_W2 - vs  # [B, H, d_v]
+        # [B, H, hidden]: the loss's gradient w.r.t. xk_W2
+        d_xk_W2 = (err.unsqueeze(-2) @ W2.transpose(-2, -1)).squeeze(-2)
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)  # [B, H, hidden]: the loss's gradient w.r.t. y_W1
+        grad_W1 = kn.unsqueeze(-1) * delta_W1.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W1)
+        grad_W2 = xk_W2.unsqueeze(-1) * err.unsqueeze(-2)  # [B, H, hidden, d_v]: grad(loss, W2)
         U1 = mu[..., None, None] * U1 - eta[..., None, None] * grad_W1  # [B, H, d_k, hidden]
         U2 = mu[..., None, None] * U2 - eta[..., None, None] * grad_W2  # [B, H, hidden, d_v]
         W1 = (1 - alpha)[..., None, None] * W1 + U1  # [B, H, d_k, hidden]
@@ -323,28 +341,43 @@ class TitansMemory(nn.Module):
         call.
         """
         C, T = self.chunk, q.shape[1]
-        W1, W2, U1, U2 = state['W1'], state['W2'], state['U1'], state['U2']
-        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
-        W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, mu, alpha)
         # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
         q, k, v, eta, mu, alpha = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0),
                 _where_ok(ok, v, 0.0), _where_ok(ok, eta, 0.0), _where_ok(ok, mu, 0.0),
                 _where_ok(ok, alpha, 0.0))
-        outputs = []
+        # head-major [B, H, T, ...], once
+        q, k, v, eta, mu, alpha = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta, mu,
+                alpha))
+        qn = l2norm(F.silu(q))  # [B, H, T, d_k]
+        kn = l2norm(F.silu(k))  # [B, H, T, d_k]
+        vs = F.silu(v)  # [B, H, T, d_v]
+        # (an expanded initial state would compile a second graph)
+        W1, W2, U1, U2 = (state['W1'].contiguous(), state['W2'].contiguous(),
+                state['U1'].contiguous(), state['U2'].contiguous())
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
+        W1_start, W2_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2)
+        # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
+        sizes = []
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        # views, not copies (one concatenation of their gradients when training)
+        eta_chunks, mu_chunks, alpha_chunks, qn_chunks, kn_chunks, vs_chunks = (x.split(sizes,
+                dim=2) for x in (eta, mu, alpha, qn, kn, vs))
+        outputs = []
+        for n, eta_c, mu_c, alpha_c, qn_c, kn_c, vs_c in zip(sizes, eta_chunks, mu_chunks,
+                alpha_chunks, qn_chunks, kn_chunks, vs_chunks):
             if pos == 0:
                 W1_start, W2_start = W1, W2  # a new chunk starts here
-            n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, q[:, t:t + n],
-                    k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n], mu[:, t:t + n],
-                    alpha[:, t:t + n])
+            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, eta_c, mu_c, alpha_c,
+                    qn_c, kn_c, vs_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
         W1, W2, U1, U2 = (_where_ok(ok[:, -1], W1, float("nan")),
                 _where_ok(ok[:, -1], W2, float("nan")), _where_ok(ok[:, -1], U1, float("nan")),
@@ -354,90 +387,58 @@ class TitansMemory(nn.Module):
             state["minibatch.pos"] = pos
             state["minibatch.W1"] = W1_start
             state["minibatch.W2"] = W2_start
-        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
-    def _chunk_loss(self, z_W1, z_W2, W1, W2, kn, vs):
-        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H,
-        d_k, hidden], W2 [B, H, hidden, d_v],
-        with each linear layer's output shifted by a tap z_W1 [B, C, H, hidden], z_W2 [B, C, H, d_v]
-        (zeros): the
-        gradient with respect to a tap is every token's gradient with respect to that layer's
-        output.
-        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
-        """
-        # [B, C, H, hidden]: the layer @ W1 (head-major product)
-        y_W1 = (kn.transpose(1, 2) @ W1).transpose(1, 2) + z_W1
-        xk_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        # [B, C, H, d_v]: the layer @ W2 (head-major product)
-        y_W2 = (xk_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2
-        return (0.5 * ((y_W2 - vs) ** 2).sum(-1)).sum(), (xk_W2,)
-
-    def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, q, k, v, eta, mu, alpha):
-        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v
-        [B, C, H, d_v], eta [B, C, H], mu [B, C, H], alpha [B, C, H];
+    def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, eta, mu, alpha, qn, kn, vs):
+        """One mini-batch chunk of C tokens in the dual form, head-major: eta [B, H, C], mu [B, H,
+        C], alpha [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k], vs [B, H, C, d_v];
         W1_start, W2_start: the chunk-start state the gradients are taken at;
         W1, W2, U1, U2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, C, H, d_v], the state after the chunk).
+        Returns (o [B, H, C, d_v], the state after the chunk).
         """
-        qn = l2norm(F.silu(q))  # [B, C, H, d_k]
-        kn = l2norm(F.silu(k))  # [B, C, H, d_k]
-        vs = F.silu(v)  # [B, C, H, d_v]
-        # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        (dz_W1, dz_W2), (xk_W2,) = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
-            q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.d_v,)),
-                    W1_start, W2_start, kn, vs)
-        kn_h = kn.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
-        d_W1_h = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = kn_h_j^T d_W1_h_j
-        # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
-        xk_W2_h = xk_W2.transpose(1, 2)
-        d_W2_h = dz_W2.transpose(1, 2)  # [B, H, C, d_v]: grad_W2_j = xk_W2_h_j^T d_W2_h_j
-        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
-        mu_h = mu.transpose(1, 2)  # [B, H, C]: mu
-        L, P = _decay_matrix(mu_h)  # [B, H, C, C], [B, H, C]: decay weights of mu
-        a_U1_U1 = P  # [B, H, C]: coefficient of U1 (chunk start) in U1 after each token
+        # every token's gradient at the chunk-start state, in closed form
+        # (memspec.schedule.backprop)
+        y_W1 = kn @ W1_start  # [B, H, C, hidden]: the layer @ W1
+        xk_W2 = F.gelu(y_W1)  # [B, H, C, hidden]
+        y_W2 = xk_W2 @ W2_start  # [B, H, C, d_v]: the layer @ W2
+        err = y_W2 - vs  # [B, H, C, d_v]
+        # [B, H, C, hidden]: the loss's gradient w.r.t. xk_W2
+        d_xk_W2 = err @ W2_start.transpose(-2, -1)
+        # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
+        delta_W1 = _gelu_backward(d_xk_W2, y_W1)
+        coef = -eta  # [B, H, C]: -eta
+        L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu
         # [B, H, C, C]: weights of the gradients of W1 in U1 after each token
-        M_U1_W1 = L * coef_h.unsqueeze(-2)
-        coef_h_2 = (1 - alpha).transpose(1, 2)  # [B, H, C]: 1 - alpha
-        L_2, P_2 = _decay_matrix(coef_h_2)  # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
-        a_W1_W1 = P_2  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
+        M_U1_W1 = L_mu * coef.unsqueeze(-2)
+        W1_decay = 1 - alpha  # [B, H, C]: 1 - alpha
+        # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
+        L_W1_decay, P_W1_decay = _decay_matrix(W1_decay)
         # [B, H, C]: coefficient of U1 (chunk start) in W1 after each token
-        a_W1_U1 = (L_2 @ a_U1_U1.unsqueeze(-1)).squeeze(-1)
+        a_W1_U1 = (L_W1_decay @ P_mu.unsqueeze(-1)).squeeze(-1)
         # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
-        M_W1_W1 = L_2 @ M_U1_W1
-        # [B, H, C]: coefficient of U2 (chunk start) in U2 after each token (the same weights)
-        a_U2_U2 = a_U1_U1
-        # [B, H, C, C]: weights of the gradients of W2 in U2 after each token (the same weights)
-        M_U2_W2 = M_U1_W1
-        # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
-        a_W2_W2 = a_W1_W1
-        # [B, H, C]: coefficient of U2 (chunk start) in W2 after each token (the same weights)
-        a_W2_U2 = a_W1_U1
-        # [B, H, C, C]: weights of the gradients of W2 in W2 after each token (the same weights)
-        M_W2_W2 = M_W1_W1
-        qn_h = qn.transpose(1, 2)  # [B, H, C, d_k]
-        # [B, C, H, hidden]: each token's own W1 applied, in dual form
-        y_W1 = (a_W1_W1.unsqueeze(-1) * (qn_h @ W1) + a_W1_U1.unsqueeze(-1) * (qn_h @ U1)
-                + ((qn_h @ kn_h.transpose(-2, -1)) * M_W1_W1) @ d_W1_h).transpose(1, 2)
-        xq_W2 = F.gelu(y_W1)  # [B, C, H, hidden]: the input of the layer @ W2
-        xq_W2_h = xq_W2.transpose(1, 2)  # [B, H, C, hidden]
-        # [B, C, H, d_v]: each token's own W2 applied, in dual form
-        y_W2 = (a_W2_W2.unsqueeze(-1) * (xq_W2_h @ W2) + a_W2_U2.unsqueeze(-1) * (xq_W2_h @ U2)
-                + ((xq_W2_h @ xk_W2_h.transpose(-2, -1)) * M_W2_W2) @ d_W2_h).transpose(1, 2)
-        o = y_W2  # [B, C, H, d_v]
+        M_W1_W1 = L_W1_decay @ M_U1_W1
+        # [B, H, C, hidden]: each token's own W1 applied, in dual form
+        yq_W1 = (P_W1_decay.unsqueeze(-1) * (qn @ W1) + a_W1_U1.unsqueeze(-1) * (qn @ U1)
+                + ((qn @ kn.transpose(-2, -1)) * M_W1_W1) @ delta_W1)
+        xq_W2 = F.gelu(yq_W1)  # [B, H, C, hidden]: the input of the layer @ W2
+        # [B, H, C, d_v]: each token's own W2 applied, in dual form
+        o = (P_W1_decay.unsqueeze(-1) * (xq_W2 @ W2) + a_W1_U1.unsqueeze(-1) * (xq_W2 @ U2)
+                + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1) @ err)
         # [B, H, d_k, hidden]
-        W1_end = (a_W1_W1[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1
-                + kn_h.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * d_W1_h))
+        W1_end = (P_W1_decay[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1
+                + kn.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * delta_W1))
         # [B, H, hidden, d_v]
-        W2_end = (a_W2_W2[..., -1, None, None] * W2 + a_W2_U2[..., -1, None, None] * U2
-                + xk_W2_h.transpose(-2, -1) @ (M_W2_W2[..., -1, :, None] * d_W2_h))
+        W2_end = (P_W1_decay[..., -1, None, None] * W2 + a_W1_U1[..., -1, None, None] * U2
+                + xk_W2.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * err))
         # [B, H, d_k, hidden]
-        U1_end = (a_U1_U1[..., -1, None, None] * U1 + kn_h.transpose(-2, -1)
-                @ (M_U1_W1[..., -1, :, None] * d_W1_h))
+        U1_end = (P_mu[..., -1, None, None] * U1 + kn.transpose(-2, -1)
+                @ (M_U1_W1[..., -1, :, None] * delta_W1))
         # [B, H, hidden, d_v]
-        U2_end = (a_U2_U2[..., -1, None, None] * U2 + xk_W2_h.transpose(-2, -1)
-                @ (M_U2_W2[..., -1, :, None] * d_W2_h))
+        U2_end = (P_mu[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1)
+                @ (M_U1_W1[..., -1, :, None] * err))
         return o, (W1_end, W2_end, U1_end, U2_end)
 
 

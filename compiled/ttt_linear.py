@@ -25,11 +25,19 @@ import torch
 from torch import nn
 
 
+def _layernorm_grad(x, g, weight=None):
+    """The gradient with respect to x of layernorm(x, weight, bias) (eps 1e-5), given the
+    gradient g with respect to its output (one fused backward; differentiable)."""
+    gw = g if weight is None else g * weight
+    with torch.no_grad():
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+    return torch.ops.aten.native_layer_norm_backward(gw, x, x.shape[-1:], mean, rstd, None, None,
+                                                     [True, False, False])[0]
+
+
 def layernorm(x, weight=None, bias=None):
     """LayerNorm over the last axis (eps 1e-5), then optional weight and bias."""
-    mu = x.mean(-1, keepdim=True)
-    var = (x - mu).square().mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + 1e-5)
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -102,19 +110,6 @@ def _where_ok(ok, x, fill):
     return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
             torch.full((), fill, dtype=x.dtype,
                        device=x.device))
-
-
-def _decay_matrix(a):
-    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
-    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
-     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
-    Built with one cumprod (exact for any a, zeros and negatives included)."""
-    C = a.shape[-1]
-    idx = torch.arange(C, device=a.device)
-    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
-    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
-    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    return L, torch.cumprod(a, dim=-1)
 
 
 class TttLinearMemory(nn.Module):
@@ -275,21 +270,29 @@ class TttLinearMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W, b = state['W'], state['b']
+        # (an expanded initial state would compile a second graph)
+        W, b = state['W'].contiguous(), state['b'].contiguous()
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W, b) = self._token_fn(W, b, q[:, t], k[:, t], v[:, t], eta[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1)):
+            o_t, (W, b) = self._token_fn(W, b, q_t, k_t, v_t, eta_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W': W, 'b': b}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W': W, 'b': b}
 
     def _token_step(self, W, b, q, k, v, eta):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_k], eta [B, H];
         the state tensors [B, H, ...] -> (o [B, H, d_k], the new state tensors).
         """
-        # at the current state
-        grad_W, grad_b = torch.func.grad(self.inner_loss, argnums=(0, 1))(W, b, k, v)
+        y_W = (k.unsqueeze(-2) @ W).squeeze(-2)  # [B, H, d_k]: at the current state
+        y_b = y_W + b  # [B, H, d_k]
+        err = k + layernorm(y_b, self.ln_w, self.ln_b) - v  # [B, H, d_k]
+        # [B, H, d_k]: the loss's gradient w.r.t. y_b
+        delta_b = _layernorm_grad(y_b, err, self.ln_w)
+        grad_W = k.unsqueeze(-1) * delta_b.unsqueeze(-2)  # [B, H, d_k, d_k]: grad(loss, W)
         gW = grad_W  # [B, H, d_k, d_k]: a temporary of this token
-        gb = grad_b  # [B, H, d_k]: a temporary of this token
+        gb = delta_b  # [B, H, d_k]: a temporary of this token
         W = W - eta[..., None, None] * gW  # [B, H, d_k, d_k]
         b = b - eta[..., None] * gb  # [B, H, d_k]
         o = self.f(q, W, b)  # [B, H, d_k]
@@ -305,26 +308,34 @@ class TttLinearMemory(nn.Module):
         call.
         """
         C, T = self.chunk, q.shape[1]
-        W, b = state['W'], state['b']
-        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
-        W_start, b_start = state.get("minibatch.W", W), state.get("minibatch.b", b)
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta)
         # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
         q, k, v, eta = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0),
                 _where_ok(ok, eta, 0.0))
-        outputs = []
+        # head-major [B, H, T, ...], once
+        q, k, v, eta = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta))
+        # (an expanded initial state would compile a second graph)
+        W, b = state['W'].contiguous(), state['b'].contiguous()
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
+        W_start, b_start = state.get("minibatch.W", W), state.get("minibatch.b", b)
+        # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
+        sizes = []
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        # views, not copies (one concatenation of their gradients when training)
+        q_chunks, k_chunks, v_chunks, eta_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta))
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
             if pos == 0:
                 W_start, b_start = W, b  # a new chunk starts here
-            n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W, b) = fn(W_start, b_start, W, b, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n],
-                    eta[:, t:t + n])
+            o_c, (W, b) = fn(W_start, b_start, W, b, q_c, k_c, v_c, eta_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
         W, b = _where_ok(ok[:, -1], W, float("nan")), _where_ok(ok[:, -1], b, float("nan"))
         state = {'W': W, 'b': b}
@@ -332,59 +343,39 @@ class TttLinearMemory(nn.Module):
             state["minibatch.pos"] = pos
             state["minibatch.W"] = W_start
             state["minibatch.b"] = b_start
-        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
-
-    def _chunk_loss(self, z_W, z_b, W, b, k, v):
-        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W [B, H, d_k,
-        d_k], b [B, H, d_k],
-        with each linear layer's output shifted by a tap z_W [B, C, H, d_k], z_b [B, C, H, d_k]
-        (zeros): the
-        gradient with respect to a tap is every token's gradient with respect to that layer's
-        output.
-        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W).
-        """
-        # [B, C, H, d_k]: the layer @ W (head-major product)
-        y_W = (k.transpose(1, 2) @ W).transpose(1, 2) + z_W
-        y_b = y_W + b.unsqueeze(1) + z_b  # [B, C, H, d_k]: + b
-        return (0.5 * ((k + layernorm(y_b, self.ln_w, self.ln_b) - v) ** 2).sum(-1)).sum(), ()
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
     def _chunk_step(self, W_start, b_start, W, b, q, k, v, eta):
-        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v
-        [B, C, H, d_k], eta [B, C, H];
+        """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
+        C, d_k], v [B, H, C, d_k], eta [B, H, C];
         W_start, b_start: the chunk-start state the gradients are taken at;
         W, b: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, C, H, d_k], the state after the chunk).
+        Returns (o [B, H, C, d_k], the state after the chunk).
         """
-        # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        (dz_W, dz_b), _ = torch.func.grad(self._chunk_loss, argnums=(0, 1), has_aux=True)(
-            q.new_zeros(q.shape[:3] + (self.d_k,)), q.new_zeros(q.shape[:3] + (self.d_k,)), W_start,
-                    b_start, k, v)
-        k_h = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W at the chunk start
-        d_W_h = dz_W.transpose(1, 2)  # [B, H, C, d_k]: grad_W_j = k_h_j^T d_W_h_j
-        d_b_h = dz_b.transpose(1, 2)  # [B, H, C, d_k]: grad_b_j = d_b_h_j
-        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
-        ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
-        L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
-        a_W_W = P  # [B, H, C]: coefficient of W (chunk start) in W after each token
+        ln_w = self.ln_w.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
+        ln_b = self.ln_b.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
+        # every token's gradient at the chunk-start state, in closed form
+        # (memspec.schedule.backprop)
+        y_W = k @ W_start  # [B, H, C, d_k]: the layer @ W
+        y_b = y_W + b_start.unsqueeze(-2)  # [B, H, C, d_k]: + b
+        err = k + layernorm(y_b, ln_w, ln_b) - v  # [B, H, C, d_k]
+        delta_b = _layernorm_grad(y_b, err, ln_w)  # [B, H, C, d_k]: the loss's gradient w.r.t. y_b
+        C = q.shape[2]
+        coef = -eta  # [B, H, C]: -eta
+        # [C, C]: the weights of a decay of 1 (a running sum)
+        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
         # [B, H, C, C]: weights of the gradients of W in W after each token
-        M_W_W = L * coef_h.unsqueeze(-2)
-        # [B, H, C]: coefficient of b (chunk start) in b after each token (the same weights)
-        a_b_b = a_W_W
-        # [B, H, C, C]: weights of the gradients of b in b after each token (the same weights)
-        M_b_b = M_W_W
-        q_h = q.transpose(1, 2)  # [B, H, C, d_k]
-        # [B, C, H, d_k]: each token's own W applied, in dual form
-        y_W = (a_W_W.unsqueeze(-1) * (q_h @ W) + ((q_h @ k_h.transpose(-2, -1)) * M_W_W)
-                @ d_W_h).transpose(1, 2)
-        # [B, C, H, d_k]: + each token's own b
-        y_b = y_W + (a_b_b.unsqueeze(-1) * b.unsqueeze(-2) + M_b_b @ d_b_h).transpose(1, 2)
-        o = q + layernorm(y_b, self.ln_w, self.ln_b)  # [B, C, H, d_k]
-        # [B, H, d_k, d_k]
-        W_end = (a_W_W[..., -1, None, None] * W + k_h.transpose(-2, -1)
-                @ (M_W_W[..., -1, :, None] * d_W_h))
-        b_end = a_b_b[..., -1, None] * b + (M_b_b[..., -1, :, None] * d_b_h).sum(-2)  # [B, H, d_k]
+        M_W_W = causal * coef.unsqueeze(-2)
+        # [B, H, C, d_k]: each token's own layer and b, in dual form
+        yq_b = q @ W + b.unsqueeze(-2) + ((q @ k.transpose(-2, -1) + 1) * M_W_W) @ delta_b
+        o = q + layernorm(yq_b, ln_w, ln_b)  # [B, H, C, d_k]
+        # [B, H, C, d_k]: the gradients of W weighted for the state after the chunk
+        last_W = M_W_W[..., -1, :, None] * delta_b
+        W_end = W + k.transpose(-2, -1) @ last_W  # [B, H, d_k, d_k]
+        b_end = b + last_W.sum(-2)  # [B, H, d_k]
         return o, (W_end, b_end)
 
 

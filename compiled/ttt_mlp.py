@@ -25,11 +25,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
+
+
+def _layernorm_grad(x, g, weight=None):
+    """The gradient with respect to x of layernorm(x, weight, bias) (eps 1e-5), given the
+    gradient g with respect to its output (one fused backward; differentiable)."""
+    gw = g if weight is None else g * weight
+    with torch.no_grad():
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+    return torch.ops.aten.native_layer_norm_backward(gw, x, x.shape[-1:], mean, rstd, None, None,
+                                                     [True, False, False])[0]
+
+
 def layernorm(x, weight=None, bias=None):
     """LayerNorm over the last axis (eps 1e-5), then optional weight and bias."""
-    mu = x.mean(-1, keepdim=True)
-    var = (x - mu).square().mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + 1e-5)
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -102,19 +115,6 @@ def _where_ok(ok, x, fill):
     return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
             torch.full((), fill, dtype=x.dtype,
                        device=x.device))
-
-
-def _decay_matrix(a):
-    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
-    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
-     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
-    Built with one cumprod (exact for any a, zeros and negatives included)."""
-    C = a.shape[-1]
-    idx = torch.arange(C, device=a.device)
-    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
-    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
-    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
-    return L, torch.cumprod(a, dim=-1)
 
 
 class TttMlpMemory(nn.Module):
@@ -294,25 +294,40 @@ class TttMlpMemory(nn.Module):
 
     def _forward_online(self, q, k, v, eta, state):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
-        W1, b1, W2, b2 = state['W1'], state['b1'], state['W2'], state['b2']
+        # (an expanded initial state would compile a second graph)
+        W1, b1, W2, b2 = (state['W1'].contiguous(), state['b1'].contiguous(),
+                state['W2'].contiguous(), state['b2'].contiguous())
         outputs = []
-        for t in range(q.shape[1]):
-            o_t, (W1, b1, W2, b2) = self._token_fn(W1, b1, W2, b2, q[:, t], k[:, t], v[:, t],
-                    eta[:, t])
+        # views (one stack of their gradients when training)
+        for q_t, k_t, v_t, eta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), eta.unbind(1)):
+            o_t, (W1, b1, W2, b2) = self._token_fn(W1, b1, W2, b2, q_t, k_t, v_t, eta_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2}
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'W1': W1, 'b1': b1, 'W2': W2, 'b2': b2}
 
     def _token_step(self, W1, b1, W2, b2, q, k, v, eta):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_k], eta [B, H];
         the state tensors [B, H, ...] -> (o [B, H, d_k], the new state tensors).
         """
-        # at the current state
-        grad_W1, grad_b1, grad_W2, grad_b2 = torch.func.grad(self.inner_loss,
-                argnums=(0, 1, 2, 3))(W1, b1, W2, b2, k, v)
+        y_W1 = (k.unsqueeze(-2) @ W1).squeeze(-2)  # [B, H, hidden]: at the current state
+        y_b1 = y_W1 + b1  # [B, H, hidden]
+        xk_W2 = F.gelu(y_b1)  # [B, H, hidden]
+        y_W2 = (xk_W2.unsqueeze(-2) @ W2).squeeze(-2)  # [B, H, d_k]
+        y_b2 = y_W2 + b2  # [B, H, d_k]
+        err = k + layernorm(y_b2, self.ln_w, self.ln_b) - v  # [B, H, d_k]
+        # [B, H, d_k]: the loss's gradient w.r.t. y_b2
+        delta_b2 = _layernorm_grad(y_b2, err, self.ln_w)
+        # [B, H, hidden]: the loss's gradient w.r.t. xk_W2
+        d_xk_W2 = (delta_b2.unsqueeze(-2) @ W2.transpose(-2, -1)).squeeze(-2)
+        delta_b1 = _gelu_backward(d_xk_W2, y_b1)  # [B, H, hidden]: the loss's gradient w.r.t. y_b1
+        grad_W1 = k.unsqueeze(-1) * delta_b1.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W1)
+        # [B, H, hidden, d_k]: grad(loss, W2)
+        grad_W2 = xk_W2.unsqueeze(-1) * delta_b2.unsqueeze(-2)
         gW1 = grad_W1  # [B, H, d_k, hidden]: a temporary of this token
-        gb1 = grad_b1  # [B, H, hidden]: a temporary of this token
+        gb1 = delta_b1  # [B, H, hidden]: a temporary of this token
         gW2 = grad_W2  # [B, H, hidden, d_k]: a temporary of this token
-        gb2 = grad_b2  # [B, H, d_k]: a temporary of this token
+        gb2 = delta_b2  # [B, H, d_k]: a temporary of this token
         W1 = W1 - eta[..., None, None] * gW1  # [B, H, d_k, hidden]
         b1 = b1 - eta[..., None] * gb1  # [B, H, hidden]
         W2 = W2 - eta[..., None, None] * gW2  # [B, H, hidden, d_k]
@@ -330,28 +345,38 @@ class TttMlpMemory(nn.Module):
         call.
         """
         C, T = self.chunk, q.shape[1]
-        W1, b1, W2, b2 = state['W1'], state['b1'], state['W2'], state['b2']
-        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
-        W1_start, b1_start, W2_start, b2_start = (state.get("minibatch.W1", W1),
-                state.get("minibatch.b1", b1), state.get("minibatch.W2", W2),
-                state.get("minibatch.b2", b2))
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta)
         # masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products
         q, k, v, eta = (_where_ok(ok, q, 0.0), _where_ok(ok, k, 0.0), _where_ok(ok, v, 0.0),
                 _where_ok(ok, eta, 0.0))
-        outputs = []
+        # head-major [B, H, T, ...], once
+        q, k, v, eta = (x.transpose(1, 2).contiguous() for x in (q, k, v, eta))
+        # (an expanded initial state would compile a second graph)
+        W1, b1, W2, b2 = (state['W1'].contiguous(), state['b1'].contiguous(),
+                state['W2'].contiguous(), state['b2'].contiguous())
+        pos = state.get("minibatch.pos", 0)  # a Python int: no device sync when decoding
+        W1_start, b1_start, W2_start, b2_start = (state.get("minibatch.W1", W1),
+                state.get("minibatch.b1", b1), state.get("minibatch.W2", W2),
+                state.get("minibatch.b2", b2))
+        # chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one
+        sizes = []
         t = 0
         while t < T:
+            sizes.append(min(C - (pos + t) % C, T - t))
+            t += sizes[-1]
+        # views, not copies (one concatenation of their gradients when training)
+        q_chunks, k_chunks, v_chunks, eta_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta))
+        outputs = []
+        for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
             if pos == 0:
                 W1_start, b1_start, W2_start, b2_start = W1, b1, W2, b2  # a new chunk starts here
-            n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W1, b1, W2, b2) = fn(W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2,
-                    q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n])
+            o_c, (W1, b1, W2, b2) = fn(W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q_c,
+                    k_c, v_c, eta_c)
             outputs.append(o_c)
-            t, pos = t + n, (pos + n) % C
+            pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
         W1, b1, W2, b2 = (_where_ok(ok[:, -1], W1, float("nan")),
                 _where_ok(ok[:, -1], b1, float("nan")), _where_ok(ok[:, -1], W2, float("nan")),
@@ -363,91 +388,55 @@ class TttMlpMemory(nn.Module):
             state["minibatch.b1"] = b1_start
             state["minibatch.W2"] = W2_start
             state["minibatch.b2"] = b2_start
-        return _where_ok(ok, torch.cat(outputs, dim=1), float("nan")), state
-
-    def _chunk_loss(self, z_W1, z_b1, z_W2, z_b2, W1, b1, W2, b2, k, v):
-        """The inner loss of all C tokens of a chunk at once, at the chunk-start state W1 [B, H,
-        d_k, hidden], b1 [B, H, hidden], W2 [B, H, hidden, d_k], b2 [B, H, d_k],
-        with each linear layer's output shifted by a tap z_W1 [B, C, H, hidden], z_b1 [B, C, H,
-        hidden], z_W2 [B, C, H, d_k], z_b2 [B, C, H, d_k] (zeros): the
-        gradient with respect to a tap is every token's gradient with respect to that layer's
-        output.
-        Returns (the loss summed over tokens, batch and heads, the inputs of the layers @ W1, @ W2).
-        """
-        # [B, C, H, hidden]: the layer @ W1 (head-major product)
-        y_W1 = (k.transpose(1, 2) @ W1).transpose(1, 2) + z_W1
-        y_b1 = y_W1 + b1.unsqueeze(1) + z_b1  # [B, C, H, hidden]: + b1
-        xk_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
-        # [B, C, H, d_k]: the layer @ W2 (head-major product)
-        y_W2 = (xk_W2.transpose(1, 2) @ W2).transpose(1, 2) + z_W2
-        y_b2 = y_W2 + b2.unsqueeze(1) + z_b2  # [B, C, H, d_k]: + b2
-        return (0.5 * ((k + layernorm(y_b2, self.ln_w, self.ln_b) - v) ** 2).sum(-1)).sum(), (xk_W2,
-                )
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
+        return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, eta):
-        """One mini-batch chunk of C tokens in the dual form: q [B, C, H, d_k], k [B, C, H, d_k], v
-        [B, C, H, d_k], eta [B, C, H];
+        """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
+        C, d_k], v [B, H, C, d_k], eta [B, H, C];
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
         tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, C, H, d_k], the state after the chunk).
+        Returns (o [B, H, C, d_k], the state after the chunk).
         """
-        # each token's gradient w.r.t. each layer's output, and the layers' inputs
-        (dz_W1, dz_b1, dz_W2, dz_b2), (xk_W2,) = torch.func.grad(self._chunk_loss,
-                argnums=(0, 1, 2, 3), has_aux=True)(
-            q.new_zeros(q.shape[:3] + (self.hidden,)), q.new_zeros(q.shape[:3] + (self.hidden,)),
-                    q.new_zeros(q.shape[:3] + (self.d_k,)), q.new_zeros(q.shape[:3] + (self.d_k,)),
-                    W1_start, b1_start, W2_start, b2_start, k, v)
-        k_h = k.transpose(1, 2)  # [B, H, C, d_k]: inputs of the layer @ W1 at the chunk start
-        d_W1_h = dz_W1.transpose(1, 2)  # [B, H, C, hidden]: grad_W1_j = k_h_j^T d_W1_h_j
-        d_b1_h = dz_b1.transpose(1, 2)  # [B, H, C, hidden]: grad_b1_j = d_b1_h_j
-        # [B, H, C, hidden]: inputs of the layer @ W2 at the chunk start
-        xk_W2_h = xk_W2.transpose(1, 2)
-        d_W2_h = dz_W2.transpose(1, 2)  # [B, H, C, d_k]: grad_W2_j = xk_W2_h_j^T d_W2_h_j
-        d_b2_h = dz_b2.transpose(1, 2)  # [B, H, C, d_k]: grad_b2_j = d_b2_h_j
-        coef_h = (-eta).transpose(1, 2)  # [B, H, C]: -eta
-        ones = q.new_ones(q.shape[0], q.shape[2], q.shape[1])  # [B, H, C]
-        L, P = _decay_matrix(ones)  # [B, H, C, C], [B, H, C]: decay weights of 1
-        a_W1_W1 = P  # [B, H, C]: coefficient of W1 (chunk start) in W1 after each token
+        ln_w = self.ln_w.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
+        ln_b = self.ln_b.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
+        # every token's gradient at the chunk-start state, in closed form
+        # (memspec.schedule.backprop)
+        y_W1 = k @ W1_start  # [B, H, C, hidden]: the layer @ W1
+        y_b1 = y_W1 + b1_start.unsqueeze(-2)  # [B, H, C, hidden]: + b1
+        xk_W2 = F.gelu(y_b1)  # [B, H, C, hidden]
+        y_W2 = xk_W2 @ W2_start  # [B, H, C, d_k]: the layer @ W2
+        y_b2 = y_W2 + b2_start.unsqueeze(-2)  # [B, H, C, d_k]: + b2
+        err = k + layernorm(y_b2, ln_w, ln_b) - v  # [B, H, C, d_k]
+        # [B, H, C, d_k]: the loss's gradient w.r.t. y_b2
+        delta_b2 = _layernorm_grad(y_b2, err, ln_w)
+        # [B, H, C, hidden]: the loss's gradient w.r.t. xk_W2
+        d_xk_W2 = delta_b2 @ W2_start.transpose(-2, -1)
+        # [B, H, C, hidden]: the loss's gradient w.r.t. y_b1
+        delta_b1 = _gelu_backward(d_xk_W2, y_b1)
+        C = q.shape[2]
+        coef = -eta  # [B, H, C]: -eta
+        # [C, C]: the weights of a decay of 1 (a running sum)
+        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
         # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
-        M_W1_W1 = L * coef_h.unsqueeze(-2)
-        # [B, H, C]: coefficient of b1 (chunk start) in b1 after each token (the same weights)
-        a_b1_b1 = a_W1_W1
-        # [B, H, C, C]: weights of the gradients of b1 in b1 after each token (the same weights)
-        M_b1_b1 = M_W1_W1
-        # [B, H, C]: coefficient of W2 (chunk start) in W2 after each token (the same weights)
-        a_W2_W2 = a_W1_W1
-        # [B, H, C, C]: weights of the gradients of W2 in W2 after each token (the same weights)
-        M_W2_W2 = M_W1_W1
-        # [B, H, C]: coefficient of b2 (chunk start) in b2 after each token (the same weights)
-        a_b2_b2 = a_W1_W1
-        # [B, H, C, C]: weights of the gradients of b2 in b2 after each token (the same weights)
-        M_b2_b2 = M_W1_W1
-        q_h = q.transpose(1, 2)  # [B, H, C, d_k]
-        # [B, C, H, hidden]: each token's own W1 applied, in dual form
-        y_W1 = (a_W1_W1.unsqueeze(-1) * (q_h @ W1) + ((q_h @ k_h.transpose(-2, -1)) * M_W1_W1)
-                @ d_W1_h).transpose(1, 2)
-        # [B, C, H, hidden]: + each token's own b1
-        y_b1 = y_W1 + (a_b1_b1.unsqueeze(-1) * b1.unsqueeze(-2) + M_b1_b1 @ d_b1_h).transpose(1, 2)
-        xq_W2 = F.gelu(y_b1)  # [B, C, H, hidden]: the input of the layer @ W2
-        xq_W2_h = xq_W2.transpose(1, 2)  # [B, H, C, hidden]
-        # [B, C, H, d_k]: each token's own W2 applied, in dual form
-        y_W2 = (a_W2_W2.unsqueeze(-1) * (xq_W2_h @ W2)
-                + ((xq_W2_h @ xk_W2_h.transpose(-2, -1)) * M_W2_W2) @ d_W2_h).transpose(1, 2)
-        # [B, C, H, d_k]: + each token's own b2
-        y_b2 = y_W2 + (a_b2_b2.unsqueeze(-1) * b2.unsqueeze(-2) + M_b2_b2 @ d_b2_h).transpose(1, 2)
-        o = q + layernorm(y_b2, self.ln_w, self.ln_b)  # [B, C, H, d_k]
-        # [B, H, d_k, hidden]
-        W1_end = (a_W1_W1[..., -1, None, None] * W1 + k_h.transpose(-2, -1)
-                @ (M_W1_W1[..., -1, :, None] * d_W1_h))
-        # [B, H, hidden]
-        b1_end = a_b1_b1[..., -1, None] * b1 + (M_b1_b1[..., -1, :, None] * d_b1_h).sum(-2)
-        # [B, H, hidden, d_k]
-        W2_end = (a_W2_W2[..., -1, None, None] * W2 + xk_W2_h.transpose(-2, -1)
-                @ (M_W2_W2[..., -1, :, None] * d_W2_h))
-        # [B, H, d_k]
-        b2_end = a_b2_b2[..., -1, None] * b2 + (M_b2_b2[..., -1, :, None] * d_b2_h).sum(-2)
+        M_W1_W1 = causal * coef.unsqueeze(-2)
+        # [B, H, C, hidden]: each token's own layer and b1, in dual form
+        yq_b1 = q @ W1 + b1.unsqueeze(-2) + ((q @ k.transpose(-2, -1) + 1) * M_W1_W1) @ delta_b1
+        xq_W2 = F.gelu(yq_b1)  # [B, H, C, hidden]: the input of the layer @ W2
+        # [B, H, C, d_k]: each token's own layer and b2, in dual form
+        yq_b2 = (xq_W2 @ W2 + b2.unsqueeze(-2) + ((xq_W2 @ xk_W2.transpose(-2, -1) + 1) * M_W1_W1)
+                @ delta_b2)
+        o = q + layernorm(yq_b2, ln_w, ln_b)  # [B, H, C, d_k]
+        # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
+        last_W1 = M_W1_W1[..., -1, :, None] * delta_b1
+        W1_end = W1 + k.transpose(-2, -1) @ last_W1  # [B, H, d_k, hidden]
+        b1_end = b1 + last_W1.sum(-2)  # [B, H, hidden]
+        # [B, H, C, d_k]: the gradients of W2 weighted for the state after the chunk
+        last_W2 = M_W1_W1[..., -1, :, None] * delta_b2
+        W2_end = W2 + xk_W2.transpose(-2, -1) @ last_W2  # [B, H, hidden, d_k]
+        b2_end = b2 + last_W2.sum(-2)  # [B, H, d_k]
         return o, (W1_end, b1_end, W2_end, b2_end)
 
 

@@ -13,7 +13,7 @@ import inspect
 
 import torch.nn as nn
 
-from ..lang.expr import Call, Name
+from ..lang.expr import Call, Name, unparse
 from ..lang.names import GENERATED_NAMES, LANGUAGE_NAMES, fresh
 from ..lang.shapes import ShapeEnv, let_order
 from ..runtime import helpers as runtime_helpers
@@ -81,6 +81,9 @@ class Context:
         online = d.plans["online"]
         self.loss_states = list(online.loss_states)
         self.grad_groups = online.grad_groups
+        # unparse of a group's calls -> its closed-form gradient (memspec.schedule.backprop)
+        self.closed_grads = {tuple(unparse(c) for c in g): cg for g, cg in zip(online.grad_groups, online.closed)
+                             if cg is not None}
         self.loss_args = self.loss_states + self.loss_inputs() if spec.loss is not None else []
 
     # ------------------------------------------------------------ runtime pieces
@@ -102,7 +105,8 @@ class Context:
 
     # ------------------------------------------------------------ names and shapes
     def emitter(self, **kw) -> ExprEmitter:
-        return ExprEmitter(self.spec, like=self.first, attr=self.attr, helpers=self.helpers, **kw)
+        kw.setdefault("like", self.first)
+        return ExprEmitter(self.spec, attr=self.attr, helpers=self.helpers, **kw)
 
     def taken(self) -> set:
         """A fresh set of the names a method's new locals must avoid."""

@@ -22,12 +22,10 @@ layout; the [C, C] algebra runs head-major, ``[B, H, C, ...]``.
 """
 from __future__ import annotations
 
-import re
-
 from ..lang.expr import BinOp, Call, Expr, Name, map_children, substitute, unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _decay_matrix
-from .exprs import P_ATOM, P_MUL
+from .exprs import P_ATOM, P_MUL, ExprEmitter
 from .program import shadow_plan
 from .text import shape_text, tuple_text
 
@@ -55,7 +53,8 @@ class DualWriter:
         self.model = self.spec.model
 
     # ------------------------------------------------------------ lowering
-    def _lower(self, L, em, e: Expr, scope: dict, taken: set, on_site, xbase: str = "x") -> Expr:
+    def _lower(self, L, em, e: Expr, scope: dict, taken: set, on_site, xbase: str = "x",
+               layout: str = "B, H, C") -> Expr:
         """``e`` with the model applications inlined and every linear site replaced by a
         local that ``on_site(kind, state, x_name, a_expr)`` binds (it emits the lines)."""
         model, sites = self.model, self.form.sites
@@ -66,7 +65,7 @@ class DualWriter:
             name = fresh(base, taken)
             shape = self.w.env.infer(x, scope=scope)
             L(f"{name} = {em.with_scope(**scope).emit(x)}",
-              shape_text("B, C, H", shape) + f": {comment}")
+              shape_text(layout, shape) + f": {comment}")
             scope[name] = tuple(shape)
             return Name(name)
 
@@ -89,7 +88,7 @@ class DualWriter:
     def _site_shape(self, s: str) -> tuple:
         return (self.spec.state[s].shape[-1],)
 
-    # ------------------------------------------------------------ the tapped loss
+    # ------------------------------------------------------------ the tapped loss (no closed form)
     def loss_method(self, L):
         w, spec, form = self.w, self.spec, self.form
         taken = set(w.spec_names)
@@ -100,15 +99,16 @@ class DualWriter:
         self.taps = taps
         L(f"def _chunk_loss(self, {', '.join(list(taps.values()) + states + inputs)}):")
         with L.indent():
-            L('"""' + "The inner loss of all C tokens of a chunk at once, at the chunk-start state "
+            L('"""' + "The inner loss of all C tokens of a chunk at once (head-major), at the chunk-start state "
               + ", ".join(f"{s} [B, H, {', '.join(spec.state[s].shape)}]" for s in states) + ",")
             L("with each linear layer's output shifted by a tap " + ", ".join(
-                f"{taps[s]} [B, C, H, {self._site_shape(s)[0]}]" for s in states) + " (zeros): the")
+                f"{taps[s]} [B, H, C, {self._site_shape(s)[0]}]" for s in states) + " (zeros): the")
             L("gradient with respect to a tap is every token's gradient with respect to that layer's output.")
             L("Returns (the loss summed over tokens, batch and heads, the inputs of the layers " +
               ", ".join(f"@ {s}" for s in states if form.sites[s] == "matmul") + ").")
             L('"""')
-            em = w.emitter()
+            names = params_head_major(w, L, used_names(spec, spec.loss))
+            em = w.emitter(names=names)
             scope: dict = {}
             xs: dict = {}
 
@@ -117,129 +117,171 @@ class DualWriter:
                 shape = self._site_shape(s)
                 if kind == "matmul":
                     xs[s] = x.id
-                    L(f"{y} = ({x.id}.transpose(1, 2) @ {s}).transpose(1, 2) + {taps[s]}",
-                      shape_text("B, C, H", shape) + f": the layer @ {s} (head-major product)")
+                    L(f"{y} = {x.id} @ {s} + {taps[s]}", shape_text("B, H, C", shape) + f": the layer @ {s}")
                 else:
                     code = em.with_scope(**scope)._emit(a)
-                    L(f"{y} = {code.text} + {s}.unsqueeze(1) + {taps[s]}", shape_text("B, C, H", shape) + f": + {s}")
+                    L(f"{y} = {code.text} + {s}.unsqueeze(-2) + {taps[s]}", shape_text("B, H, C", shape) + f": + {s}")
                 scope[y] = shape
                 return y
 
-            e = self._lower(L, em, spec.loss, scope, taken, on_site, xbase="xk")
+            e = self._lower(L, em, spec.loss, scope, taken, on_site, xbase="xk", layout="B, H, C")
             self.x_names = xs
             code = em.with_scope(**scope)._emit(e)
             aux = [xs[s] for s in states if s in xs and xs[s] not in inputs]
             L(f"return {code.at(P_ATOM)}.sum(), ({', '.join(aux)}{',' if len(aux) == 1 else ''})")
         L()
 
+    # ------------------------------------------------------------ the chunk's gradients
+    def closed_grads(self, L, em, starts, taken) -> tuple[dict, dict]:
+        """Every token's deltas at the chunk-start state from the plan's closed-form gradient
+        program, head-major; returns (state -> layer input, state -> delta)."""
+        cg = self.form.grad
+        taken |= {st.name for st in cg.forward + cg.backward}
+        names = dict(em.names)
+        names.update({s: starts.get(s, s) for s in self.spec.state})
+        scope: dict = {}
+        L("# every token's gradient at the chunk-start state, in closed form (memspec.schedule.backprop)")
+        for st in cg.forward + cg.backward:
+            if st.kind in ("layer", "back"):
+                x = names.get(st.value.id, st.value.id)
+                S = names[st.state]
+                text = f"{x} @ {S}" if st.kind == "layer" else f"{x} @ {S}.transpose(-2, -1)"
+                what = f"the layer @ {st.state}" if st.kind == "layer" else f"the loss's gradient w.r.t. {st.like}"
+            else:
+                sub = ExprEmitter(self.spec, names=names, like=em.like, attr=self.w.attr,
+                                  helpers=self.w.helpers, scope=scope)
+                if st.kind == "bias":
+                    text = f"{sub._emit(st.value).text} + {names[st.state]}.unsqueeze(-2)"
+                    what = f"+ {st.state}"
+                else:
+                    code = sub._emit(st.value)
+                    text = code.text if code.rank == len(st.shape) else \
+                        f"{sub._lift(code, len(st.shape))}.expand_as({st.like})"
+                    what = f"the loss's gradient w.r.t. {st.like}" if st.like else ""
+            L(f"{st.name} = {text}", shape_text("B, H, C", st.shape) + (f": {what}" if what else ""))
+            scope[st.name] = st.shape
+        xk = {site.state: site.input for site in cg.sites if site.input}
+        dd = {site.state: site.delta for site in cg.sites}
+        return xk, dd
+
+    def tapped_grads(self, L, starts, taken, first) -> tuple[dict, dict]:
+        """Every token's deltas by one torch.func.grad of ``_chunk_loss`` (no closed form)."""
+        w, spec = self.w, self.spec
+        states = list(self.form.sites)
+        dz = {s: fresh(f"delta_{s}", taken) for s in states}
+        xnames = {s: fresh(self.x_names[s], taken) for s in states
+                  if s in self.x_names and self.x_names[s] not in self.loss_inputs}
+        zeros = [f"{first}.new_zeros({first}.shape[:3] + ({w.dim_sizes([spec.state[s].shape[-1]])},))"
+                 for s in states]
+        argnums = tuple(range(len(states)))
+        an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
+        lhs_d = ", ".join(dz[s] for s in states) + ("," if len(states) == 1 else "")
+        lhs_x = ", ".join(xnames.values()) + ("," if len(xnames) == 1 else "")
+        lhs = f"({lhs_d}), ({lhs_x})" if xnames else f"({lhs_d}), _"
+        args = zeros + [starts.get(s, s) for s in states] + self.loss_inputs
+        L(f"{lhs} = torch.func.grad(self._chunk_loss, argnums={an}, has_aux=True)(")
+        L(f"    {', '.join(args)})", "each token's gradient w.r.t. each layer's output, and the layers' inputs")
+        xk = {s: xnames.get(s, self.x_names[s]) for s in states if s in self.x_names}
+        return xk, dz
+
     # ------------------------------------------------------------ the chunk step
     def chunk_step(self, L):
         w, spec, form = self.w, self.spec, self.form
         rec = form.recurrence
-        taken = set(w.spec_names) | set(self.taps.values())
+        taken = set(w.spec_names) | set(getattr(self, "taps", {}).values())
         starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(w)[1]}
-        first = w.first
-        w.need(_decay_matrix)
-        L(f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + w.views + w.gates)}):")
+        inputs = chunk_inputs(w)
+        first = inputs[0]   # a [B, H, C, ...] input: the batch, chunk length, dtype and device
+        L(f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + inputs)}):")
         with L.indent():
-            L('"""' + "One mini-batch chunk of C tokens in the dual form: " + ", ".join(
-                f"{v} [B, C, H, {spec.views[v].dim}]" for v in w.views)
-              + "".join(f", {g} {w.gate_text(g, 'B, C, H')}" for g in w.gates) + ";")
+            L('"""' + "One mini-batch chunk of C tokens in the dual form, head-major: " + ", ".join(
+                shape_text("B, H, C", w.shape(Name(x))) .replace("[", f"{x} [", 1) for x in inputs) + ";")
             if starts:
                 L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
             L(", ".join(w.states) + ": the state before the chunk's first token [B, H, ...].")
             L("Each state after token i is a combination of the states before the chunk and the")
             L("tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.")
-            L("Returns (o " + shape_text("B, C, H", w.read_shape()) + ", the state after the chunk).")
+            L("Returns (o " + shape_text("B, H, C", w.read_shape()) + ", the state after the chunk).")
             L('"""')
-            em = w.emitter()
-            w.lets(L, em, "B, C, H")
-            # every token's layer gradients at the chunk-start state: one backward pass
+            used = direct_names(spec)
+            names = params_head_major(w, L, used)
+            em = w.emitter(names=names, like=first)
             states = list(form.sites)
-            dz = {s: fresh(f"dz_{s}", taken) for s in states}
-            xnames = {s: fresh(self.x_names[s], taken) for s in states
-                      if s in self.x_names and self.x_names[s] not in self.loss_inputs}
-            zeros = []
-            for s in states:
-                d = self.spec.state[s].shape[-1]
-                zeros.append(f"{first}.new_zeros({first}.shape[:3] + ({w.dim_sizes([d])},))")
-            argnums = tuple(range(len(states)))
-            an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
-            lhs_d = ", ".join(dz[s] for s in states) + ("," if len(states) == 1 else "")
-            lhs_x = ", ".join(xnames.values()) + ("," if len(xnames) == 1 else "")
-            lhs = f"({lhs_d}), ({lhs_x})" if xnames else f"({lhs_d}), _"
-            args = zeros + [starts.get(s, s) for s in states] + self.loss_inputs
-            L(f"{lhs} = torch.func.grad(self._chunk_loss, argnums={an}, has_aux=True)(")
-            L(f"    {', '.join(args)})", "each token's gradient w.r.t. each layer's output, and the layers' inputs")
-            # head-major factors of the gradients: grad_W_j = xk_W_j^T d_W_j (a bias: d_b_j)
-            xk, dd = {}, {}
-            for s in states:
-                if s in self.x_names:
-                    src = xnames.get(s, self.x_names[s])   # an input of the loss, or returned by it
-                    xk[s] = fresh(f"{src}_h", taken)
-                    L(f"{xk[s]} = {src}.transpose(1, 2)",
-                      f"[B, H, C, {spec.state[s].shape[0]}]: inputs of the layer @ {s} at the chunk start")
-                dd[s] = fresh(f"d_{s}_h", taken)
-                L(f"{dd[s]} = {dz[s]}.transpose(1, 2)",
-                  f"[B, H, C, {spec.state[s].shape[-1]}]: " + (f"grad_{s}_j = {xk[s]}_j^T {dd[s]}_j" if s in xk
-                                                                 else f"grad_{s}_j = {dd[s]}_j"))
-            # token-local scalar coefficients, head-major
+            if form.grad is not None:
+                xk, dd = self.closed_grads(L, em, starts, taken)
+            else:
+                xk, dd = self.tapped_grads(L, starts, taken, first)
+            # token-local scalar coefficients, head-major [B, H, C]
             coef_cache: dict = {}
-            ones = [None]
+            numbers: set = set()     # the codes of coefficients that are Python numbers
 
-            def ones_h() -> str:
-                if ones[0] is None:
-                    ones[0] = fresh("ones", taken)
-                    L(f"{ones[0]} = {first}.new_ones({first}.shape[0], {first}.shape[2], {first}.shape[1])", "[B, H, C]")
-                return ones[0]
+            def _is_number(text: str) -> bool:
+                return text in numbers or _is_literal(text)
 
-            def coef(e: Expr) -> tuple[str, bool]:
-                """(code, is_number) of a token-local scalar, head-major [B, H, C]."""
+            def coef(e: Expr, base: str = "coef") -> str:
+                """Code of a token-local scalar [B, H, C] (a number: its literal)."""
                 key = unparse(e)
-                if key in coef_cache:
-                    return coef_cache[key]
-                code = em._emit(e)
-                if code.number:
-                    out = (code.at(P_MUL), True)
-                else:
-                    base = e.id if isinstance(e, Name) else "coef"
-                    name = fresh(f"{base}_h", taken)
-                    L(f"{name} = {code.at(P_ATOM)}.transpose(1, 2)", f"[B, H, C]: {key}")
-                    out = (name, False)
-                coef_cache[key] = out
-                return out
+                if key not in coef_cache:
+                    code = em._emit(e)
+                    if code.number:
+                        numbers.add(code.at(P_MUL))
+                    if code.number or isinstance(e, Name):
+                        coef_cache[key] = code.at(P_MUL)
+                    else:
+                        name = fresh(base, taken)
+                        L(f"{name} = {code.text}", f"[B, H, C]: {key}")
+                        coef_cache[key] = name
+                return coef_cache[key]
 
             decays: dict = {}
+            C = fresh("C", taken)
 
-            def decay(e: Expr) -> tuple[str, str]:
+            def decay(e: Expr, s: str) -> tuple[str, str]:
+                """(L, P) of the decay ``e`` of ``s``'s recurrence: L [C, C] or [B, H, C, C], P a
+                number or [B, H, C]."""
                 key = unparse(e)
                 if key not in decays:
-                    c, num = coef(e)
-                    a = f"{ones_h()} * {c}" if num else c
-                    if num and c == "1":
-                        a = ones_h()
-                    Ln, Pn = fresh("L", taken), fresh("P", taken)
-                    L(f"{Ln}, {Pn} = _decay_matrix({a})",
-                      f"[B, H, C, C], [B, H, C]: decay weights of {key}")
-                    decays[key] = (Ln, Pn)
+                    c = coef(e, f"{s}_decay")
+                    if _is_literal(c) and float(c) == 1.0:
+                        Ln = fresh("causal", taken)
+                        L(f"{Ln} = torch.ones({C}, {C}, dtype={first}.dtype, device={first}.device).tril()",
+                          "[C, C]: the weights of a decay of 1 (a running sum)")
+                        decays[key] = (Ln, "1")
+                    else:
+                        w.need(_decay_matrix)
+                        base = c if c.isidentifier() else s
+                        Ln, Pn = fresh(f"L_{base}", taken), fresh(f"P_{base}", taken)
+                        if _is_number(c):
+                            L(f"{Ln}, {Pn} = _decay_matrix({first}.new_full(({C},), {c}))",
+                              f"[C, C], [C]: decay weights of {key}")
+                        else:
+                            L(f"{Ln}, {Pn} = _decay_matrix({c})", f"[B, H, C, C], [B, H, C]: decay weights of {key}")
+                        decays[key] = (Ln, Pn)
                 return decays[key]
 
+            if any(_is_number_decay(rec.coeff[s].get(("prev", s)), em) for s in rec.order):
+                L(f"{C} = {first}.shape[2]")
             reps: dict = {}
             shifted: dict = {}
-            emitted: dict = {}   # right-hand side (aliases resolved) -> the local that holds it
-            canon: dict = {}     # alias -> the local first computed with the same value
+            emitted: dict = {}   # right-hand side -> the local that holds it
+
+            def times(c: str, v: str) -> str:
+                if c == "1":
+                    return v
+                if v == "1":
+                    return c
+                return f"{c} * {v}"
 
             def assign(name: str, rhs: str, comment: str) -> str:
-                """Bind ``name`` to ``rhs``, or alias it to an earlier local computed the same way
-                (right-hand sides compared with every alias replaced by its original)."""
-                key = re.sub(r"\b\w+\b", lambda m: canon.get(m.group(0), m.group(0)), rhs)
-                if key in emitted:
-                    L(f"{name} = {emitted[key]}", comment + " (the same weights)")
-                    canon[name] = emitted[key]
-                else:
+                """Bind ``name`` to ``rhs``, or reuse the local computed the same way earlier."""
+                if _is_number(rhs):
+                    return rhs
+                if rhs.isidentifier():
+                    return rhs
+                if rhs not in emitted:
                     L(f"{name} = {rhs}", comment)
-                    emitted[key] = name
-                return name
+                    emitted[rhs] = name
+                return emitted[rhs]
 
             def group(terms: list) -> str:
                 return terms[0] if len(terms) == 1 and terms[0].isidentifier() else f"({_sum(terms)})"
@@ -254,8 +296,12 @@ class DualWriter:
                 if r not in vec:
                     vec[r] = None
                 for r0, v in vec.items():
+                    if v == "1" and r0 == r:
+                        out.vec[r0] = "1"
+                        continue
                     name = fresh(f"a_{r}_{r0}_before", taken)
-                    src = f"{v}[..., :-1]" if v is not None else f"torch.zeros_like({ones_h()}[..., :-1])"
+                    src = f"{v}[..., :-1]" if v is not None and v != "1" else \
+                        f"{first}.new_full({first}.shape[:2] + ({first}.shape[2] - 1,), {1.0 if v == '1' else 0.0})"
                     L(f"{name} = F.pad({src}, (1, 0), value={1.0 if r0 == r else 0.0})",
                       f"[B, H, C]: coefficient of {r0} in {r} before each token")
                     out.vec[r0] = name
@@ -276,18 +322,18 @@ class DualWriter:
                     if when == "prev" and r == s:
                         continue
                     rep = reps[r] if when == "cur" else shift(r)
-                    c, num = coef(cf)
+                    c = coef(cf)
                     for r0, v in rep.vec.items():
-                        x_vec.setdefault(r0, []).append(v if c == "1" else f"{c} * {v}")
+                        x_vec.setdefault(r0, []).append(times(c, v))
                     for g, m in rep.mat.items():
                         x_mat.setdefault(g, []).append(
-                            m if c == "1" else (f"{c} * {m}" if num else f"{c}[..., None] * {m}"))
+                            m if c == "1" else (f"{c} * {m}" if _is_number(c) else f"{c}[..., None] * {m}"))
                 for g, cf in form.grad_terms[s].items():
                     x_diag.setdefault(g, []).append(coef(cf))
                 d = coeffs.get(("prev", s))
                 rep = _Rep()
                 if d is not None:
-                    Ln, Pn = decay(d)
+                    Ln, Pn = decay(d, s)
                 for r0 in [r for r in w.states if r in x_vec or (r == s and d is not None)]:
                     name = fresh(f"a_{s}_{r0}", taken)
                     parts = []
@@ -297,7 +343,9 @@ class DualWriter:
                         if r0 == s:
                             parts.append(Pn)
                         if r0 in x_vec:
-                            parts.append(f"({Ln} @ {group(x_vec[r0])}.unsqueeze(-1)).squeeze(-1)")
+                            xv = group(x_vec[r0])
+                            parts.append(f"{Ln}.sum(-1) * {xv}" if _is_number(xv.strip("()"))
+                                         else f"({Ln} @ {xv}.unsqueeze(-1)).squeeze(-1)")
                     rep.vec[r0] = assign(name, _sum(parts),
                                          f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
                 for g in [t for t in form.targets if t in x_mat or t in x_diag]:
@@ -306,14 +354,14 @@ class DualWriter:
                     if d is None:
                         if g in x_mat:
                             parts.append(_sum(x_mat[g]))
-                        for c, num in x_diag.get(g, []):
-                            parts.append(f"torch.diag_embed({ones_h()} * {c})" if num
-                                         else f"torch.diag_embed({c})")
+                        for c in x_diag.get(g, []):
+                            parts.append(f"torch.diag_embed({first}.new_ones({first}.shape[:3]) * {c})"
+                                         if _is_number(c) else f"torch.diag_embed({c})")
                     else:
                         if g in x_mat:
                             parts.append(f"{Ln} @ {group(x_mat[g])}")
-                        for c, num in x_diag.get(g, []):
-                            parts.append(f"{c} * {Ln}" if num else f"{Ln} * {c}.unsqueeze(-2)")
+                        for c in x_diag.get(g, []):
+                            parts.append(f"{c} * {Ln}" if _is_number(c) else f"{Ln} * {c}.unsqueeze(-2)")
                     rep.mat[g] = assign(name, _sum(parts),
                                         f"[B, H, C, C]: weights of the gradients of {g} in {s} after each token")
                 reps[s] = rep
@@ -323,36 +371,73 @@ class DualWriter:
 
             def on_site(kind, s, x, a):
                 rep = read_reps[s]
-                y = fresh(f"y_{s}", taken)
+                y = fresh(f"yq_{s}", taken)
                 shape = self._site_shape(s)
                 if kind == "matmul":
-                    xh = fresh(f"{x.id}_h", taken)
-                    L(f"{xh} = {x.id}.transpose(1, 2)", f"[B, H, C, {spec.state[s].shape[0]}]")
-                    terms = [f"{v}.unsqueeze(-1) * ({xh} @ {r0})" for r0, v in rep.vec.items()]
-                    terms += [f"(({xh} @ {xk[g]}.transpose(-2, -1)) * {m}) @ {dd[g]}" for g, m in rep.mat.items()]
-                    L(f"{y} = ({_sum(terms) if terms else f'torch.zeros_like({xh})'}).transpose(1, 2)",
-                      shape_text("B, C, H", shape) + f": each token's own {s} applied, in dual form")
+                    vec = [f"{x.id} @ {r0}" if v == "1" else f"{v}.unsqueeze(-1) * ({x.id} @ {r0})"
+                           for r0, v in rep.vec.items()]
+                    mat = {(m, dd[g]): f"{x.id} @ {xk[g]}.transpose(-2, -1)" for g, m in rep.mat.items()}
+                    # held back one step: a bias added next folds its gradient terms into these
+                    pending[y] = (vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form")
                 else:
-                    code = em.with_scope(**scope)._emit(a)
-                    terms = [f"{v}.unsqueeze(-1) * {r0}.unsqueeze(-2)" for r0, v in rep.vec.items()]
-                    terms += [f"{m} @ {dd[g]}" for g, m in rep.mat.items()]
-                    L(f"{y} = {code.text} + ({_sum(terms)}).transpose(1, 2)",
-                      shape_text("B, C, H", shape) + f": + each token's own {s}")
+                    vec = [f"{r0}.unsqueeze(-2)" if v == "1" else f"{v}.unsqueeze(-1) * {r0}.unsqueeze(-2)"
+                           for r0, v in rep.vec.items()]
+                    if isinstance(a, Name) and a.id in pending:   # (x @ W + b): one product per gradient
+                        avec, amat, _ = pending.pop(a.id)
+                        scores = dict(amat)
+                        for g, m in rep.mat.items():
+                            key = (m, dd[g])
+                            scores[key] = f"{scores[key]} + 1" if key in scores else None
+                        terms = avec + vec + [f"(({sc}) * {m}) @ {d}" if sc else f"{m} @ {d}"
+                                              for (m, d), sc in scores.items()]
+                        L(f"{y} = {_sum(terms)}", shape_text("B, H, C", shape) + f": each token's own layer and {s}, in dual form")
+                    else:
+                        flush()
+                        code = em.with_scope(**scope)._emit(a)
+                        terms = vec + [f"{m} @ {dd[g]}" for g, m in rep.mat.items()]
+                        L(f"{y} = {code.text} + {_sum(terms)}", shape_text("B, H, C", shape) + f": + each token's own {s}")
                 scope[y] = shape
                 return y
 
-            e = self._lower(L, em, spec.read, scope, taken, on_site, xbase="xq")
-            L(f"o = {em.with_scope(**scope).emit(e)}", shape_text("B, C, H", w.read_shape()))
+            pending: dict = {}
+
+            def flush(rename=None):
+                for y, (vec, mat, comment) in list(pending.items()):
+                    terms = vec + [f"(({sc}) * {m}) @ {d}" for (m, d), sc in mat.items()]
+                    L(f"{(rename or {}).get(y, y)} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
+                pending.clear()
+
+            def Lf(*args, **kw):   # every other line of the read comes after the held-back products
+                flush()
+                L(*args, **kw)
+
+            e = self._lower(Lf, em, spec.read, scope, taken, on_site, xbase="xq", layout="B, H, C")
+            if isinstance(e, Name) and e.id in pending:   # the read is a layer's output: o is that line
+                flush(rename={e.id: "o"})
+            else:
+                flush()
+                L(f"o = {em.with_scope(**scope).emit(e)}", shape_text("B, H, C", w.read_shape()))
             # the state after the chunk: row C of every representation
             finals = []
+            last_rows: dict = {}
             for s in w.states:
                 rep = reps[s]
                 rank = len(spec.state[s].shape)
                 lift = "[..., -1" + ", None" * rank + "]"
-                terms = [f"{v}{lift} * {r0}" for r0, v in rep.vec.items()]
+                terms = [r0 if v == "1" else f"{v}{lift} * {r0}" for r0, v in rep.vec.items()]
                 for g, m in rep.mat.items():
-                    weights = f"{m}[..., -1, :, None] * {dd[g]}"
-                    terms.append(f"{xk[g]}.transpose(-2, -1) @ ({weights})" if g in xk else f"({weights}).sum(-2)")
+                    key = (m, dd[g])
+                    if key not in last_rows:
+                        uses = sum(1 for r in w.states for g2, m2 in reps[r].mat.items() if (m2, dd[g2]) == key)
+                        text = f"{m}[..., -1, :, None] * {dd[g]}"
+                        if uses > 1:
+                            last_rows[key] = fresh(f"last_{g}", taken)
+                            L(f"{last_rows[key]} = {text}",
+                              f"[B, H, C, {spec.state[g].shape[-1]}]: the gradients of {g} weighted for the state after the chunk")
+                        else:
+                            last_rows[key] = f"({text})"
+                    weights = last_rows[key]
+                    terms.append(f"{xk[g]}.transpose(-2, -1) @ {weights}" if g in xk else f"{weights}.sum(-2)")
                 name = fresh(f"{s}_end", taken)
                 L(f"{name} = {_sum(terms) if terms else f'torch.zeros_like({s})'}",
                   f"[B, H, {', '.join(spec.state[s].shape)}]")
@@ -361,8 +446,73 @@ class DualWriter:
         L()
 
 
+def params_head_major(ctx, L, used) -> dict:
+    """Bind each per-head param ``[H, *shape]`` the code uses as a local ``[H, 1, *shape]``
+    (it then broadcasts against head-major ``[B, H, C, *shape]``); returns the emitter names."""
+    names = {}
+    for p, prm in ctx.spec.params.items():
+        if p in used:
+            r = len(prm.shape)
+            L(f"{p} = self.{ctx.attr.get(p, p)}.unsqueeze({-r - 1})",
+              f"[H, 1{''.join(', ' + str(d) for d in prm.shape)}]: per head, head-major")
+            names[p] = p
+    return names
+
+
+def used_names(spec, *exprs, follow_lets=True) -> set:
+    """The names the expressions read (through the model's body, and the lets' values)."""
+    seen, todo = set(), list(exprs)
+    while todo:
+        e = todo.pop()
+        for n in e.walk():
+            if isinstance(n, Name) and n.id not in seen:
+                seen.add(n.id)
+                if follow_lets and n.id in spec.let:
+                    todo.append(spec.let[n.id])
+            if isinstance(n, Call) and spec.model is not None and n.fn == spec.model.name:
+                todo.append(spec.model.body)
+    return seen
+
+
+def direct_names(spec) -> set:
+    """The names the chunk step's own expressions read (the loss, the read, the update), lets not followed."""
+    return used_names(spec, spec.loss, spec.read, *[st.value for st in spec.update], follow_lets=False)
+
+
+def chunk_inputs(ctx) -> list:
+    """The chunk step's per-token inputs: the views and gates it reads itself, then the lets
+    (computed once over the whole sequence by :func:`sequence_inputs`)."""
+    used = direct_names(ctx.spec)
+    return [x for x in ctx.views + ctx.gates if x in used] + [n for n in ctx.let_order() if n in used]
+
+
+def sequence_inputs(ctx, L) -> list:
+    """Emit the lets over the whole head-major sequence (token-local: the same numbers as per
+    chunk, once); returns the chunk step's inputs (:func:`chunk_inputs`)."""
+    spec = ctx.spec
+    if ctx.let_order():
+        names = params_head_major(ctx, L, used_names(spec, *[spec.let[n] for n in spec.let]))
+        ctx.lets(L, ctx.emitter(names=names), "B, H, T")
+    return chunk_inputs(ctx)
+
+
+def _is_literal(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_number_decay(d, em) -> bool:
+    """Whether a decay expression is a plain number (its weights need the chunk size C)."""
+    return d is not None and em._emit(d).number
+
+
 def emit(ctx, form, L) -> None:
-    """Emit the dual-form ``_chunk_loss`` and ``_chunk_step`` of the Memory class."""
+    """Emit the dual-form ``_chunk_step`` of the Memory class (and ``_chunk_loss`` when the
+    plan has no closed-form gradient)."""
     d = DualWriter(ctx, form)
-    d.loss_method(L)
+    if form.grad is None:
+        d.loss_method(L)
     d.chunk_step(L)

@@ -42,6 +42,7 @@ _TORCH_ELEMENTWISE = {
     "sign": "torch.sign", "sigmoid": "torch.sigmoid", "softplus": "F.softplus",
     "tanh": "torch.tanh", "relu": "torch.relu", "gelu": "F.gelu", "silu": "F.silu", "elu": "F.elu",
 }
+DERIVATIVE_HELPERS = ("_layernorm_grad", "_rmsnorm_grad", "_l2norm_grad", "_gelu_backward", "_silu_grad")
 _MATH_ELEMENTWISE = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log", "abs": "abs", "tanh": "math.tanh"}
 
 
@@ -243,6 +244,10 @@ class ExprEmitter:
             xs = [self._emit(a) for a in args]
             self.helpers.add(fn)
             return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, xs[0].rank)
+        if fn in DERIVATIVE_HELPERS:   # the closed-form gradients' derivatives (memspec.schedule.backprop)
+            xs = [self._emit(a) for a in args]
+            self.helpers.add(fn)
+            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, max(x.rank for x in xs))
         if fn == "l2norm":
             x = self._emit(args[0])
             self.helpers.add(fn)

@@ -48,6 +48,8 @@ def emit(ctx, L) -> None:
     outs = fresh("outputs", taken)
     o_c = fresh("o_c", taken)
     T = fresh("T", taken)
+    plan = ctx.plans["minibatch"]
+    head_major = plan.dual is not None   # the dual form runs head-major [B, H, C, ...]
     L(f"def _forward_minibatch(self, {', '.join(sv + ['state'])}):")
     with L.indent():
         L('"""' + "Mini-batch: chunks of `self.chunk` tokens; every gradient of a chunk at its start state.")
@@ -58,34 +60,49 @@ def emit(ctx, L) -> None:
         L("state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.")
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
-        L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
-        L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
-        if starts:
-            L(f"{', '.join(starts.values())} = "
-              f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
         ok = fresh("ok", taken)
         L(f"{ok} = _finite_prefix({', '.join(sv)})",
           "[B, T, H]: the tokens before the first non-finite input (of each batch row and head)")
         L(f"{', '.join(sv)} = {', '.join(f'_where_ok({ok}, {x}, 0.0)' for x in sv)}",
           "masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products")
-        L(f"{outs} = []")
-        L(f"{t} = 0")
-        L(f"while {t} < {T}:")
-        with L.indent():
-            L(f"if {pos} == 0:")
-            if starts:
-                L(f"    {', '.join(starts.values())} = {', '.join(starts)}", "a new chunk starts here")
-            else:
-                L("    pass")
-            L(f"{n} = min({c} - {pos}, {T} - {t})")
-            L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-            args = list(starts.values()) + cur + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
-            L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
-            L(f"{outs}.append({o_c})")
-            L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
         ctx.need(_finite_prefix)
         ctx.need(_where_ok)
         nan = 'float("nan")'
+        seq = sv
+        if head_major:
+            L(f"{', '.join(sv)}{',' if len(sv) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in ({', '.join(sv)}{',' if len(sv) == 1 else ''}))",
+              "head-major [B, H, T, ...], once")
+            seq = dual.sequence_inputs(ctx, L)   # the lets once over the whole sequence
+        L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}].contiguous()' for s in cur)}",
+          "(an expanded initial state would compile a second graph)")
+        L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
+        if starts:
+            L(f"{', '.join(starts.values())} = "
+              f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
+        sizes = fresh("sizes", taken)
+        axis = 2 if head_major else 1
+        L(f"{sizes} = []", "chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one")
+        L(f"{t} = 0")
+        L(f"while {t} < {T}:")
+        with L.indent():
+            L(f"{sizes}.append(min({c} - ({pos} + {t}) % {c}, {T} - {t}))")
+            L(f"{t} += {sizes}[-1]")
+        pieces = {x: fresh(f"{x}_chunks", taken) for x in seq}
+        L(f"{', '.join(pieces.values())}{',' if len(seq) == 1 else ''} = "
+          f"(x.split({sizes}, dim={axis}) for x in ({', '.join(seq)}{',' if len(seq) == 1 else ''}))",
+          "views, not copies (one concatenation of their gradients when training)")
+        L(f"{outs} = []")
+        chunk_args = {x: fresh(f"{x}_c", taken) for x in seq}
+        L(f"for {n}, {', '.join(chunk_args.values())} in zip({sizes}, {', '.join(pieces.values())}):")
+        with L.indent():
+            if starts:
+                L(f"if {pos} == 0:")
+                L(f"    {', '.join(starts.values())} = {', '.join(starts)}", "a new chunk starts here")
+            L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
+            args = list(starts.values()) + cur + list(chunk_args.values())
+            L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
+            L(f"{outs}.append({o_c})")
+            L(f"{pos} = ({pos} + {n}) % {c}")
         L(f"{', '.join(cur)} = {', '.join(f'_where_ok({ok}[:, -1], {x}, {nan})' for x in cur)}",
           "after a non-finite input the state is not finite, as token by token")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
@@ -94,9 +111,11 @@ def emit(ctx, L) -> None:
             L(f"state[\"minibatch.pos\"] = {pos}")
             for s, v in starts.items():
                 L(f"state[\"minibatch.{s}\"] = {v}")
-        L(f"return _where_ok({ok}, torch.cat({outs}, dim=1), {nan}), state")
+        o = "o"   # a reserved local name (lang.names)
+        L(f"{o} = {outs}[0] if len({outs}) == 1 else torch.cat({outs}, dim={axis})", "(decoding: no copy)")
+        L(f"return _where_ok({ok}, {o}.transpose(1, 2), {nan}), state" if head_major
+          else f"return _where_ok({ok}, {o}, {nan}), state")
     L()
-    plan = ctx.plans["minibatch"]
     if plan.dual is not None:
         dual.emit(ctx, plan.dual, L)
         return

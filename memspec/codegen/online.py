@@ -14,17 +14,21 @@ def emit(ctx, L) -> None:
     L(f"def _forward_online(self, {', '.join(sv + ['state'])}):")
     with L.indent():
         L('"""' + "Token by token: the per-token step (compiled once when compile=True) in a Python loop." + '"""')
-        L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}]' for s in ctx.states)}")
+        L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}].contiguous()' for s in ctx.states)}",
+          "(an expanded initial state would compile a second graph)")
         outs = fresh("outputs", taken)
-        t = fresh("t", taken)
         o_t = fresh("o_t", taken)
         L(f"{outs} = []")
-        L(f"for {t} in range({ctx.first}.shape[1]):")
+        per_token = {x: fresh(f"{x}_t", taken) for x in sv}
+        L(f"for {', '.join(per_token.values())} in zip({', '.join(f'{x}.unbind(1)' for x in sv)}):",
+          "views (one stack of their gradients when training)")
         with L.indent():
-            args = ctx.states + [f"{x}[:, {t}]" for x in sv]
+            args = ctx.states + list(per_token.values())
             L(f"{o_t}, {tuple_text(ctx.states)} = self._token_fn({', '.join(args)})")
             L(f"{outs}.append({o_t})")
-        L(f"return torch.stack({outs}, dim=1), {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
+        o = "o"   # a reserved local name (lang.names)
+        L(f"{o} = {outs}[0].unsqueeze(1) if len({outs}) == 1 else torch.stack({outs}, dim=1)", "(decoding: no copy)")
+        L(f"return {o}, {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
     L()
     token_step(ctx, L)
 

@@ -7,7 +7,7 @@ gradients are computed together before which statement is the online plan's
 """
 from __future__ import annotations
 
-from ..lang.expr import Call, Name, unparse
+from ..lang.expr import BinOp, Call, Name, Transpose, unparse
 from ..lang.names import fresh
 from .text import shape_text
 
@@ -19,20 +19,59 @@ def grad_target(ctx, c: Call) -> str:
     return ctx.spec.model_states()[0]
 
 
-def grad_call_line(ctx, L, group, taken: set, where: str) -> dict:
-    """Emit ``grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=...)(...)``;
-    returns ``unparse(call) -> local``."""
+def grad_call_line(ctx, L, group, taken: set, where: str, em=None) -> dict:
+    """Emit ``grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=...)(...)``, or the
+    group's closed-form gradient program where the plan has one; returns ``unparse(call) -> local``."""
     targets = []
     for c in group:
         t = grad_target(ctx, c)
         if t not in targets:
             targets.append(t)
+    cg = ctx.closed_grads.get(tuple(unparse(c) for c in group))
+    if cg is not None and em is not None:
+        outs = closed_grad_lines(ctx, L, em, cg, targets, taken, where)
+        return {unparse(c): outs[grad_target(ctx, c)] for c in group}
     argnums = tuple(ctx.loss_args.index(t) for t in targets)
     outs = {t: fresh(f"grad_{t}", taken) for t in targets}
     lhs = ", ".join(outs[t] for t in targets) + ("," if len(targets) == 1 else "")
     an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
     L(f"{lhs} = torch.func.grad(self.inner_loss, argnums={an})({', '.join(ctx.loss_args)})", where)
     return {unparse(c): outs[grad_target(ctx, c)] for c in group}
+
+
+def closed_grad_lines(ctx, L, em, cg, targets, taken: set, where: str) -> dict:
+    """One token's closed-form gradients (a :class:`memspec.schedule.backprop.ClosedGrad`):
+    the loss's steps forward, its adjoints backward, then each target's gradient
+    ``outer(input, delta)`` (a bias: ``delta``) summed over its sites; returns target -> local."""
+    taken |= {s.name for s in cg.forward + cg.backward}
+    scope = {}
+    for i, st in enumerate(cg.forward + cg.backward):
+        if st.kind == "layer":
+            e = BinOp("@", st.value, Name(st.state))
+        elif st.kind == "bias":
+            e = BinOp("+", st.value, Name(st.state))
+        elif st.kind == "back":
+            e = BinOp("@", st.value, Transpose(Name(st.state)))
+        else:
+            e = st.value
+        sub = em.with_scope(**scope)
+        code = sub._emit(e)
+        text = code.text if code.rank == len(st.shape) else f"{sub._lift(code, len(st.shape))}.expand_as({st.like})"
+        note = where if i == 0 else ("the loss's gradient w.r.t. " + st.like if st.like and i >= len(cg.forward)
+                                     else "")
+        L(f"{st.name} = {text}", shape_text("B, H", st.shape) + (f": {note}" if note else ""))
+        scope[st.name] = st.shape
+    outs = {}
+    for t in targets:
+        terms = []
+        for site in cg.of(t):
+            terms.append(f"{site.input}.unsqueeze(-1) * {site.delta}.unsqueeze(-2)" if site.input else site.delta)
+        if len(terms) == 1 and not cg.of(t)[0].input:
+            outs[t] = terms[0]
+            continue
+        outs[t] = fresh(f"grad_{t}", taken)
+        L(f"{outs[t]} = {' + '.join(terms)}", shape_text("B, H", ctx.spec.state[t].shape) + f": grad(loss, {t})")
+    return outs
 
 
 def emit_updates(ctx, L, em, taken, where, keep=None, stop=None) -> list:
@@ -46,7 +85,7 @@ def emit_updates(ctx, L, em, taken, where, keep=None, stop=None) -> list:
         if stop is not None and i >= stop:
             break
         if group:
-            em.grads.update(grad_call_line(ctx, L, group, taken, where))
+            em.grads.update(grad_call_line(ctx, L, group, taken, where, em))
         maps.append(dict(em.grads))
         if keep is not None and i not in keep:
             continue

@@ -15,9 +15,7 @@ import torch
 
 def layernorm(x, weight=None, bias=None):
     """LayerNorm over the last axis (eps 1e-5), then optional weight and bias."""
-    mu = x.mean(-1, keepdim=True)
-    var = (x - mu).square().mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + 1e-5)
+    y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -40,6 +38,40 @@ def huber(x, delta):
     """Elementwise Huber penalty: x^2/2 where |x| <= delta, else delta * (|x| - delta/2)."""
     ax = x.abs()
     return torch.where(ax <= delta, 0.5 * x * x, delta * (ax - 0.5 * delta))
+
+
+def _layernorm_grad(x, g, weight=None):
+    """The gradient with respect to x of layernorm(x, weight, bias) (eps 1e-5), given the
+    gradient g with respect to its output (one fused backward; differentiable)."""
+    gw = g if weight is None else g * weight
+    with torch.no_grad():
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, x.shape[-1:], None, None, 1e-5)
+    return torch.ops.aten.native_layer_norm_backward(gw, x, x.shape[-1:], mean, rstd, None, None,
+                                                     [True, False, False])[0]
+
+
+def _rmsnorm_grad(x, g, weight=None):
+    """The gradient with respect to x of rmsnorm(x, weight) (eps 1e-6), given g."""
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    gw = g if weight is None else g * weight
+    return rstd * (gw - x * rstd.square() * (gw * x).mean(-1, keepdim=True))
+
+
+def _l2norm_grad(x, g):
+    """The gradient with respect to x of l2norm(x) (eps 1e-6), given g."""
+    rnorm = torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    return rnorm * (g - x * rnorm.square() * (g * x).sum(-1, keepdim=True))
+
+
+def _gelu_backward(g, x):
+    """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
+    return torch.ops.aten.gelu_backward(g, x)
+
+
+def _silu_grad(x):
+    """d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
 
 
 def attend(q, K, V, scale):

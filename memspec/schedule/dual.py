@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, rewrite, unparse
 from ..lang.names import fresh
 from ..lang.shapes import ShapeEnv
+from .backprop import ClosedGrad, NoClosedForm, closed_grad, spec_names
 from .recurrence import NotRecurrence, minibatch_recurrence
 
 
@@ -53,18 +54,24 @@ class DualForm:
         ``grad(...)`` replaced by a placeholder name.
     grad_terms: state -> {target: token-local scalar coefficient of that target's
         gradient in the state's update}.
+    grad: the deltas of every site in closed form (:class:`.backprop.ClosedGrad`), or
+        None: ``no_grad`` says why, and the chunk step takes them by ``torch.func.grad``.
     """
 
     sites: dict
     targets: tuple
     recurrence: object
     grad_terms: dict
+    grad: ClosedGrad | None = None
+    no_grad: str | None = None
 
     def describe(self) -> list[str]:
         """Lines for ``memspec explain``."""
         lin = [f"{s} (linear layer x @ {s})" if k == "matmul" else f"{s} (bias a + {s})"
                for s, k in self.sites.items()]
-        return [
+        grads = self.grad.describe() if self.grad is not None else \
+            [f"no closed-form gradient ({self.no_grad}): the deltas by one torch.func.grad per chunk"]
+        return grads + [
             "dual form: the model's states enter only through " + ", ".join(lin)
             + ", so each token's gradient is an outer product x_j^T delta_j (a bias: delta_j) and every "
             "state of the chunk is a masked, decay-weighted sum of them: reads are attention-like "
@@ -255,4 +262,8 @@ def analyse_dual(spec) -> DualForm:
         for (_, r) in rec.coeff[s]:
             if tuple(spec.state[r].shape) != tuple(spec.state[s].shape):
                 raise NotDual(f"the update of {s} adds {r}, of another shape")
-    return DualForm(sites, tuple(targets), rec, grad_terms)
+    try:
+        grad, no_grad = closed_grad(spec, spec.loss, list(sites), spec_names(spec)), None
+    except NoClosedForm as err:
+        grad, no_grad = None, str(err)
+    return DualForm(sites, tuple(targets), rec, grad_terms, grad, no_grad)

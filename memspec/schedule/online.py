@@ -3,7 +3,8 @@
 The plan says which gradients the per-token step computes together: each ``grad(...)``
 is taken at the state values its statement sees, and every later gradient that sees the
 same values (up to the first statement that writes a state the loss reads) is computed
-in the same ``torch.func.grad`` call.
+in the same ``torch.func.grad`` call -- or, where the loss has one (:mod:`.backprop`), in one
+closed-form gradient program, which the per-token step emits as plain tensor code.
 """
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ from dataclasses import dataclass
 
 from ..lang.expr import Call, Name, unparse
 from .algebra import Algebra
+from .backprop import NoClosedForm, closed_grad, spec_names
 
 
 @dataclass(frozen=True)
 class OnlinePlan:
     """``loss_states``: the states the loss reads, in state order; ``grad_groups``: for each
-    update statement, the ``grad(...)`` calls to compute just before it (empty: none)."""
+    update statement, the ``grad(...)`` calls to compute just before it (empty: none);
+    ``closed``: for each group, its :class:`.backprop.ClosedGrad` (None: no group, or no
+    closed form, and the step calls ``torch.func.grad``)."""
 
     loss_states: tuple
     grad_groups: tuple
+    closed: tuple = ()
 
 
 def loss_states(spec) -> tuple:
@@ -59,6 +64,29 @@ def grad_groups(spec, loss_reads: tuple) -> tuple:
     return tuple(groups)
 
 
+def closed_grads(spec, groups: tuple) -> tuple[tuple, list[str]]:
+    """Each gradient group's closed-form gradient (None where it has none), and the reasons."""
+    taken = spec_names(spec)
+    out, reasons = [], []
+    for group in groups:
+        if not group:
+            out.append(None)
+            continue
+        targets = [spec.model_states()[0] if len(c.args) == 1 else c.args[1].id for c in group]
+        try:
+            cg = closed_grad(spec, spec.loss, targets, taken)
+        except NoClosedForm as err:
+            out.append(None)
+            reasons.append(f"no closed-form gradient of {', '.join(unparse(c) for c in group)} ({err}): "
+                           "torch.func.grad")
+            continue
+        out.append(cg)
+        reasons += cg.describe()
+    return tuple(out), reasons
+
+
 def analyse_online(alg: Algebra) -> tuple[OnlinePlan, list[str]]:
     reads = loss_states(alg.spec)
-    return OnlinePlan(reads, grad_groups(alg.spec, reads)), ["online: one token at a time, always exact"]
+    groups = grad_groups(alg.spec, reads)
+    closed, reasons = closed_grads(alg.spec, groups)
+    return OnlinePlan(reads, groups, closed), ["online: one token at a time, always exact"] + reasons

@@ -1,0 +1,52 @@
+"""Compile time of every compiled graph of the given specs' default schedules, fresh inductor cache.
+
+For each spec: a module built with ``compile=True`` runs one full chunk of its
+default schedule without grad, and a second module the same with grad (the training
+graph); each ``_Compiled`` step reports the wall time of its first (compiling) call.
+
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python benchmarks/compile_times.py specs/titans.yaml [...]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import memspec.pipeline.build as build
+
+
+def compiled_steps(mem):
+    return {name: f for name, f in vars(mem).items() if type(f).__name__ == "_Compiled"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    for path in a.files:
+        row = []
+        for grad in (False, True):
+            torch.manual_seed(0)
+            mem = build.build_memory(path, compile=True)
+            T = mem.chunk   # one full chunk (an online default: as many tokens, one compiled token step)
+            views = {n: torch.randn(1, T, mem.heads, getattr(mem, d)).requires_grad_(grad) for n, d in mem.VIEWS.items()}
+            gates = {n: 0.1 * torch.rand(1, T, mem.heads) for n in mem.GATES}
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(grad):
+                o, st = mem(**views, **gates)
+                if grad:
+                    o.sum().backward()
+            total = time.perf_counter() - t0
+            for name, f in compiled_steps(mem).items():
+                if f.seconds is not None:
+                    row.append(f"{name}{' (training)' if grad else ''} {f.seconds:.1f} s")
+            row.append(f"{'training' if grad else 'no-grad'} call {total:.1f} s")
+        print(f"{path}: " + ", ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
