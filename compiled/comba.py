@@ -3,9 +3,9 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 7734d32c73a76b08625d33bfb48c92dcb0810c80858f490ae80542b3f8aebe2f
 # file sha256: 7734d32c73a76b08625d33bfb48c92dcb0810c80858f490ae80542b3f8aebe2f
-# schedule: online: one token at a time (exact)
-# derived by memspec.schedule.analyse: online, exact; admits online
-# schedules of this module: online
+# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 64 (exact)
+# derived by memspec.schedule.analyse: dplr, exact; admits dplr, online
+# schedules of this module: dplr, online
 """comba: Comba: a delta rule whose transition is scalar plus an asymmetric rank one, S_t = alpha_t
 (I - beta_t k_t p_t^T) S_{t-1} + beta_t k_t^T v_t: the error v - p S is read at a feedback key p
 that differs from the write key k.
@@ -75,6 +75,416 @@ class _Compiled:
         return self.fn(*args)
 
 
+def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk):
+    """Exact chunked diagonal-plus-low-rank recurrence (WY / UT representation, generalised).
+
+    The recurrence is :func:`recurrent_dplr`'s; all arguments mean the same (shapes there).
+    Inside a chunk the C R sub-steps are indexed ``i = t R + r``.  With cumulative log decays
+    ``L_t`` (per channel where the decay is), the read of sub-step i, ``u_i = b_i^T S_{i-1}``,
+    is affine in the chunk's start state:
+    ``u_i = (e^{l_i} b_i)^T S_start + sum_{j < i} A_ij u_j + (A^k V)_i`` with
+    ``A_ij = sum_c b_ic a_jc e^{l_ic - L_jc}`` (``l_i`` the log decay the read of i sees), so
+    all reads of a chunk come from ONE unit-lower-triangular solve (batched over chunks),
+    ``u = W S_start + U``.  Then the chunk's effect on the state is one affine map
+    ``S_end = M S_start + D`` (``M = Diag(e^{L_C}) + A~^T W``, ``D = A~^T U + K~^T V``, tildes
+    decayed to the chunk end), and the outputs are ``o = (Q~ + P^a W) S_start + P^a U + P^k V``
+    with ``P`` the masked, decayed query scores: batched matmuls over chunks; the only
+    sequential part is ``S <- M_n S + D_n`` per chunk.  When ``a`` is a scalar times ``k``
+    (every delta-rule variant), the write and the correction share the key and the system is
+    the delta rule's: ``z = alpha u + v`` solves ``(I - diag(alpha) A) z = alpha e^{l} b S + V``.
+
+    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays), or, per
+    channel, in sub-blocks of ``sub`` tokens: between blocks the factor splits at the later
+    block's start, ``e^{l_i - ref_I} e^{ref_I - L_j}`` (both <= 1, block sums added exactly);
+    inside a block it splits at the block's start in float64 (``e^{-lambda_j}`` <= e^640 with
+    log decays >= -40 per token and ``sub <= 16``).  Log decays below -40 per token are clamped
+    to -40 (a factor of 4e-18): finite values and gradients for any input.
+
+    Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
+    replaced by an identity token (by ``torch.where``), and every output that reads a state at or
+    after it, and the final state, are NaN; a non-finite probe makes only its own output NaN.
+    Outputs before such a token are exact and their gradients finite.
+
+    Args:
+        q, k, v, a, b, log_decay, S0: as in :func:`recurrent_dplr` (``q [B, T, H, K]``,
+            ``k [B, T, H, R, K]``, ``v [B, T, H, R, V]``, ``a [B, T, H, R, K]`` or ``[B, T, H, R]``,
+            ``b [B, T, H, R, K]`` or ``[B, T, H, R]`` or None, ``log_decay [B, T, H]`` or
+            ``[B, T, H, K]`` or None, ``S0 [B, H, K, V]`` or None; without the R axis for R = 1).
+        chunk: tokens per chunk C (C R sub-steps enter each solve).
+        inclusive: True: o_t reads the state after token t; False: before it.
+        simultaneous: the R terms of a token read the state before the token.
+        read_after_decay: the reads of sub-step 0 see the state after the token's decay.
+        group: chunks per batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere);
+            any G >= 1 gives the same numbers.
+        sub: tokens per decay sub-block for per-channel decays (default 16, or the largest
+            divisor of C below it; at most 16); any value gives the same numbers.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+
+    Specialised for this module: inclusive=True, simultaneous=False, read_after_decay=True,
+    group=None, sub=None.
+    """
+    # b itself stays as passed (specialisable)
+    b_r = b
+    if k.dim() == 4:
+        k, v, a = k.unsqueeze(3), v.unsqueeze(3), a.unsqueeze(3)
+        if b is not None:
+            b_r = b.unsqueeze(3)
+    B, T, H, R, K = k.shape
+    V = v.shape[-1]
+    BH = B * H
+    dt = torch.promote_types(k.dtype, torch.float32)
+    # the in-block factors of per-channel decays
+    wide = torch.float64
+    dev = k.device
+    # a given as vectors (else a scalar times k)
+    a_vec = a.dim() == 5
+    b_kind = "k" if b is None else ("vec" if b_r.dim() == 5 else "scalar")
+    decay = None if log_decay is None else ("channel" if log_decay.dim() == 4 else "scalar")
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
+    s_dtype = S0.dtype if S0 is not None else v.dtype
+    if T == 0:
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), S.reshape(B, H, K,
+                V).to(s_dtype)
+    C = max(1, min(int(chunk), T))
+    N, rem = divmod(T, C)
+    Np = N + (rem > 0)
+    ns = 1                                                           # tokens per decay sub-block
+    if decay == "channel":
+        target = max(1, min(16, 16, C))
+        ns = max(d for d in range(1, target + 1) if C % d == 0)
+    # column factor sets: [-a | k] or [k]
+    w = 2 if a_vec else 1
+    n_full = C * R
+    width = max(K + V, w * n_full)
+    if decay == "channel":
+        width = max(width, w * (C // ns) * K)
+    if dev.type == "cpu":         # temporaries near 512 KB (float32): no page faults per call
+        G = round((1 << 17) / (BH * n_full * width))
+    else:                           # caching allocators: fewer, larger launches
+        G = 64
+    G = max(1, min(N, G)) if N else 1
+    # groups (chunks nc, tokens c, tokens after padding cp): the tail chunk is padded with identity
+    # tokens (zeros) to a multiple of the decay sub-block
+    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
+    if rem:
+        groups.append((1, rem, -(-rem // ns) * ns))
+    after = decay is not None
+
+    # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
+    def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
+        x = x.reshape(B, T, H, r)
+        if Np * C > T:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, Np * C - T))
+        return x.reshape(B, Np, C, H, r).permute(1, 0, 3, 2, 4).contiguous().reshape(Np, BH, C * r)
+
+    # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
+    total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
+    total = total + (a.sum((-2, -1), dtype=dt) if a_vec else a.sum(-1, dtype=dt))
+    if b_kind != "k":
+        total = total + (b_r.sum((-2, -1), dtype=dt) if b_kind == "vec" else b_r.sum(-1, dtype=dt))
+    if decay is not None:
+        # (a decay of 0, log -inf, is valid)
+        lg_all = log_decay.to(dt).clamp_min(-40.0)
+        total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
+    okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
+    # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
+    # outputs reading a state at or after a bad token, and the final state, are set to NaN at the
+    # end
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    bad_before = torch.cumsum(bad, dim=1)                            # bad tokens at or before t
+    state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1)
+    zero = torch.zeros((), dtype=dt, device=dev)
+    nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
+    if q is not None:
+        q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
+        read_bad = per_chunk(bad_before, 1) > 0
+        read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
+    ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
+    a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
+    b_s = torch.where(ok_r, per_chunk(b_r.to(dt), R), zero) if b_kind == "scalar" else None
+
+    # ---- masks of a chunk of c tokens (sub-step i = t R + r; token of i = i // R)
+    def masks(c):
+        n = c * R
+        tok = torch.arange(n, device=dev) // R
+        solve = torch.arange(n, device=dev)[:, None] > torch.arange(n, device=dev)[None, :]
+        ti = torch.arange(c, device=dev)
+        read = ti[:, None] >= tok[None, :]   # [c, n]
+        return solve, read
+
+    mask_cache = {c: masks(c) for c in {cp for _, _, cp in groups}}
+    # which reads see the state before the token's decay: none (read_after_decay), all
+    # (simultaneous,
+    # or R = 1), or sub-step 0 only
+    before = "none" if after else ("all" if (R == 1) else "first")
+
+    def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
+        return x.split([nc * c for nc, c, _ in groups],
+                dim=1) if x is not None else [None] * len(groups)
+
+    def split_c(x):  # [Np, BH, ...] -> one [nc, BH, ...] piece per group
+        return x.split([nc for nc, _, _ in groups],
+                dim=0) if x is not None else [None] * len(groups)
+
+    # ---- decay factors of every chunk at once
+    dec = {}
+    if decay == "scalar":
+        g = torch.where(okf, per_chunk(lg_all, 1), zero)             # [Np, BH, C]
+        # cumulative log decay in the chunk
+        L = torch.cumsum(g, dim=-1)
+        Lp = L - g                                                    # before token t's decay
+        # [Np, BH, C R] column log of sub-step j
+        Lr = L.repeat_interleave(R, dim=-1) if R > 1 else L
+        first = torch.arange(C * R, device=dev) % R == 0              # sub-step 0 of each token
+        l_row = Lr if before == "none" else (Lp.repeat_interleave(R, dim=-1) if R > 1 else Lp)
+        if before == "first":
+            l_row = torch.where(first, l_row, Lr)
+        Lq = L                                   # the log decay a probe sees
+        dec = {"L": L, "Lr": Lr, "l_row": l_row, "Lq": Lq, "e_row": torch.exp(l_row),
+               "end": torch.exp(L[..., -1:] - Lr), "g_end": torch.exp(L[..., -1]),
+                       "e_q": torch.exp(Lq)}
+
+    def channel_factors(glog):
+        """The decay factors of per-channel log decays glog [M, nbk, ns, K] (sub-blocks of ns
+        tokens)."""
+        nbk = glog.shape[1]
+        # in-block cumulative log decay (inclusive)
+        lam = torch.cumsum(glog, dim=2)
+        # [M, nbk, K] each block's log decay
+        tot = lam[:, :, -1]
+        # e^{-lam_j} <= e^{16 * 40} (float64)
+        e_nlam = torch.exp(lam.to(wide, copy=True).neg_())
+        e_colend = (e_nlam * torch.exp(tot.to(wide))[:, :, None]).to(dt)   # e^{tot_J - lam_j} <= 1
+        f = {"e_nlam": e_nlam}
+        # row factors e^{rho_i} <= 1 (float64) per token and row slot: the R reads, then the probe
+        lam_q = None if q is None else ('lam')
+        slots = [("lamp" if before == "all" or (before == "first" and r == 0)
+                else "lam") for r in range(R)]
+        slots += [lam_q] if lam_q else []
+        pick = {"lam": torch.reciprocal(e_nlam) if "lam" in slots else None,
+                "lamp": torch.exp((lam - glog).to(wide)) if "lamp" in slots else None}
+        if len(set(slots)) == 1:
+            f["e_row"] = pick[slots[0]][:, :, :, None]                # [M, nbk, ns, 1, K]
+        else:
+            f["e_row"] = torch.stack([pick[x] for x in slots], dim=3)  # [M, nbk, ns, slots, K]
+        if nbk == 1:
+            f["end"], f["g_end"] = e_colend, torch.exp(tot[:, 0])    # e^{L_C - L_j}, e^{L_C}
+            return f
+        # before block I (a prefix sum: exact)
+        ref = torch.cumsum(tot, dim=1) - tot
+        suf = torch.flip(torch.cumsum(torch.flip(tot, (1,)), dim=1), (1,)) - tot   # after block J
+        bi = torch.arange(nbk, device=dev)
+        between = ((bi[None, :, None] > bi[None, None, :]) & (bi[None, :, None] < bi[:, None,
+                None])).to(dt)
+        # blocks strictly between J and I
+        seg = torch.einsum("imj,bmk->bijk", between, tot).contiguous()
+        f.update({"e_colend": e_colend, "end": torch.exp(suf)[:, :, None] * e_colend,
+                "e_seg": torch.exp(seg),
+                  "e_ref": torch.exp(ref), "g_end": torch.exp(ref[:, -1] + tot[:, -1])})
+        return f
+
+    dec_p = {key: split_c(x) for key, x in dec.items()}
+
+    k_p, v_p, q_p = split_t(k), split_t(v), split_t(q)
+    g_p = split_t(lg_all) if decay == "channel" else None
+    a_p = split_t(a) if a_vec else split_c(a_s)
+    b_p = split_t(b_r) if b_kind == "vec" else split_c(b_s)
+    ok_p = split_c(okf)
+    rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
+    q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
+    outs = []                                                        # [B, nc, c, H, V] per group
+    for gi, (nc, c, cp) in enumerate(groups):
+        nBH, n = nc * BH, cp * R
+        m_solve, m_read = mask_cache[cp]
+        okg = ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
+        dg_ = {key: x[gi] for key, x in dec_p.items()}               # this group's decay factors
+
+        # piece [B, nc c, H(, rr), d] -> [nc, B, H, cp, rr, d] chunk-major view (tail padded)
+        def lay(x, rr=R):
+            x = x.reshape(B, nc, c, H, rr, x.shape[-1]).permute(1, 0, 3, 2, 4, 5)
+            if cp > c:
+                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, cp - c))
+            return x
+
+        def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+            return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
+
+        # k and v side by side in one buffer, bad tokens zeroed (torch.where, never a product)
+        kv = torch.where(okg, torch.cat([lay(k_p[gi]), lay(v_p[gi])], dim=-1).to(dt),
+                zero).reshape(nBH, n, K + V)
+        # [nBH, n, K], [nBH, n, V] (views)
+        kg, vg = kv[:, :, :K], kv[:, :, K:]
+        if b_kind == "vec":
+            bg = torch.where(okg, lay(b_p[gi]).to(dt), zero).reshape(nBH, n, K)
+        # solve rows (the reads) and the column factor sets; the signs are folded in:
+        # vector a: rows b, columns [-a | k]; scalar a: rows -alpha b, columns k
+        if a_vec:
+            an = torch.where(okg, -lay(a_p[gi]).to(dt), zero).reshape(nBH, n, K)
+            cols = torch.cat([an, kg], dim=1)                       # [nBH, 2 n, K]
+            rows = (bg if b_kind == "vec"
+                    else (kg * scal(b_p[gi])[..., None] if b_kind == "scalar" else kg))
+        else:
+            cols = kg
+            rscale = -scal(a_p[gi])                                  # [nBH, n]
+            if b_kind == "scalar":
+                rscale = rscale * scal(b_p[gi])
+            rows = (bg if b_kind == "vec" else kg) * rscale[..., None]
+        qg = None
+        if q is not None:
+            qkeep = q_ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
+            qg = torch.where(qkeep, lay(q_p[gi].unsqueeze(3), 1).to(dt), zero).reshape(nBH, cp, K)
+
+        if decay == "channel":
+            # ---- per-channel decays, sub-blocks of ns tokens (nbk per chunk, m sub-steps each);
+            # the read
+            # rows and the probe rows of a block enter the same products
+            nbk, m = cp // ns, ns * R
+            # [nc, B, H, cp, K]
+            gch = torch.where(okg[..., 0, :], lay(g_p[gi].unsqueeze(3), 1)[..., 0, :].to(dt), zero)
+            dg_ = channel_factors(gch.reshape(nBH, nbk, ns, K))
+            # row slots per token: R reads (+ the probe)
+            sl = R + (q is not None)
+            x = rows.reshape(nBH, nbk, ns, R, K)
+            if q is not None:
+                x = torch.cat([x, qg.reshape(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
+            x64 = (x * dg_["e_row"]).reshape(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
+            mask_d = m_solve[:m, :m].reshape(ns, R, m)
+            if q is not None:
+                mask_d = torch.cat([mask_d, m_read[:ns, None, :m]], dim=1)   # [ns, sl, m]
+            mask_d = mask_d.reshape(ns * sl, 1, 1, m)
+            y = cols.reshape(nBH, w, nbk, ns, R, K)
+            # inside a block: e^{rho_i - lam_j} = e^{rho_i} e^{-lam_j} in float64
+            y64 = (y * dg_["e_nlam"][:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m,
+                    K)
+            dgm = torch.matmul(x64, y64.transpose(-1, -2)).reshape(nBH, nbk, ns * sl, w, 1, m)
+            dgm = torch.where(mask_d, dgm, 0.0).to(dt)
+            x32 = x64.to(dt)
+            if nbk == 1:
+                full = dgm                                            # [nBH, 1, ns sl, w, 1, m]
+            else:
+                # between blocks J < I: e^{rho_i} * e^{seg_IJ} * e^{tot_J - lam_j}, each <= 1
+                e_seg = dg_["e_seg"]
+                yI = (e_seg[:, :, None, :, None, None]
+                        * (y * dg_["e_colend"][:, None, :, :, None])[:, None])
+                off = torch.matmul(x32, yI.reshape(nBH, nbk, w * n, K).transpose(-1, -2))
+                off = off.reshape(nBH, nbk, ns * sl, w, nbk, m)
+                bi = torch.arange(nbk, device=dev)
+                full = torch.where((bi[:, None] > bi[None, :])[:, None, None, :, None], off,
+                                   torch.where((bi[:, None] == bi[None, :])[:, None, None, :, None],
+                                           dgm, zero))
+                x32 = x32 * dg_["e_ref"][:, :, None]             # e^{l_i} rows (the block offset)
+            full = full.reshape(nBH, nbk, ns, sl, w * n)
+            x32 = x32.reshape(nBH, nbk, ns, sl, K)
+            Nmat = full[:, :, :, :R].reshape(nBH, n, w * n)           # [nBH, n, w n]
+            rk = x32[:, :, :, :R].reshape(nBH, n, K)                  # e^{l_i} rows
+            if q is not None:
+                P = full[:, :, :, R].reshape(nBH, cp, w * n)
+                qd = x32[:, :, :, R].reshape(nBH, cp, K)
+            # e^{L_C - L_j}
+            end_fac = dg_["end"][:, :, :, None].expand(-1, -1, -1, R, -1).reshape(nBH, n, K)
+            g_end = dg_["g_end"]
+        elif decay == "scalar":
+            L, Lr, l_row = scal(dg_["L"]), scal(dg_["Lr"]), scal(dg_["l_row"])
+            shared = R == 1 and True and after and True and q is not None
+            # the reads and the probes see the same decays: one matrix, masked at the read
+            if shared:
+                dec_s = torch.exp((L[:, :, None] - L[:, None, :]).tril())
+            else:
+                # [nBH, n, n]
+                dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))
+            Nmat = torch.bmm(rows, cols.transpose(1, 2))              # [nBH, n, w n]
+            Nmat = ((Nmat.reshape(nBH, n, w, n) * dec_s[:, :, None, :]).reshape(nBH, n, w * n)
+                    if a_vec else Nmat * dec_s)
+            rk = rows * scal(dg_["e_row"])[..., None]
+            end_fac = scal(dg_["end"])[..., None]                     # [nBH, n, 1]
+            g_end = dg_["g_end"].reshape(nBH)
+        else:
+            Nmat = torch.bmm(rows, cols.transpose(1, 2))
+            rk = rows
+        if decay != "channel" and (a_vec):
+            # the solve reads only the strict lower triangle; A^{bk} V and simultaneous steps need
+            # zeros
+            Nmat = torch.where(m_solve.repeat(1, 2) if a_vec else m_solve, Nmat, zero)
+
+        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
+        if a_vec:
+            Nba, Nbk = Nmat[:, :, :n], Nmat[:, :, n:]                 # -A^{ba}, A^{bk}
+            rhs = torch.cat([rk, torch.bmm(Nbk, vg)], dim=-1)         # [e^l b | A^{bk} V]
+        else:
+            Nba = Nmat
+            rhs = torch.cat([rk, vg], dim=-1)                         # [-alpha e^l b | V]
+        # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
+        X = torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True,
+                left=False,
+                                          unitriangular=True).transpose(1, 2)   # [nBH, n, K + V]
+        Wk, U = X.split([K, V], dim=-1)
+        # ---- the sequential part, per chunk: the reads from the start state, then the state update
+        # (vector a: u = W S + U, S <- Diag(g) S + K~^T V - (-A~)^T u; scalar a: z = U - W S (the
+        # right
+        # side carried -alpha), S <- Diag(g) S + K~^T z)
+        kd = kg if decay is None else kg * end_fac                   # keys decayed to the chunk end
+        if a_vec:
+            ad = an if decay is None else an * end_fac               # -a decayed to the chunk end
+            Dv = torch.bmm(kd.transpose(1, 2), vg).reshape(nc, BH, K, V)   # K~^T V: no state in it
+            ad_j = ad.reshape(nc, BH, n, K).unbind(0)
+        kd_j = kd.reshape(nc, BH, n, K).unbind(0)
+        g_j = (g_end.reshape(nc, BH, *g_end.shape[1:]).unbind(0) if decay is not None else [None]
+                * nc)
+        zs, starts = [], []
+        for j, (W_j,
+                U_j) in enumerate(zip(Wk.reshape(nc, BH, n, K).unbind(0),
+                U.reshape(nc, BH, n, V).unbind(0))):
+            starts.append(S)
+            Sg = (S if g_j[j] is None else S
+                    * (g_j[j][:, None, None] if decay == "scalar" else g_j[j][:, :, None]))
+            if a_vec:
+                z = torch.baddbmm(U_j, W_j, S)                        # u = W S + U  [BH, n, V]
+                S = torch.baddbmm(Sg + Dv[j], ad_j[j].transpose(1, 2), z, alpha=-1)
+            else:
+                z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
+                S = torch.baddbmm(Sg, kd_j[j].transpose(1, 2), z)
+            zs.append(z)
+        if q is None:
+            continue
+        S_starts = torch.stack(starts).reshape(nBH, K, V) if nc > 1 else starts[0]
+        z = torch.stack(zs).reshape(nBH, n, V) if nc > 1 else zs[0]
+        # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
+        if decay != "channel":
+            P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]
+            qd = qg
+            if decay == "scalar":
+                Lq = scal(dg_["Lq"])
+                dec_q = (dec_s if shared
+                        else torch.exp(torch.where(m_read, Lq[:, :, None] - Lr[:, None, :], zero)))
+                P = ((P.reshape(nBH, cp, w, n) * dec_q[:, :, None, :]).reshape(nBH, cp, w * n)
+                        if a_vec else P * dec_q)
+                qd = qg * scal(dg_["e_q"])[..., None]
+            if R == 1 and not a_vec:
+                P = P.tril_(0)
+            else:
+                P = torch.where((m_read.repeat(1, 2) if a_vec else m_read), P, zero)
+        if a_vec:   # o = Q~ S + P^a u + P^k V, P holding [-P^a | P^k]
+            og = torch.baddbmm(torch.bmm(P, torch.cat([-z, vg], dim=1)), qd, S_starts)
+        else:       # o = Q~ S + P z
+            og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
+        og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan_value, og)
+        # [B, nc, c, H, V] (a view)
+        outs.append(og.reshape(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))
+    # a bad token poisons the state
+    S_out = torch.where(state_bad, nan_value, S).reshape(B, H, K, V).to(s_dtype)
+    if q is None:
+        return None, S_out
+    # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
+    full = [x for x, (_, c, _) in zip(outs, groups) if c == C]
+    o = (torch.cat(full, dim=1).reshape(B, N * C, H, V) if full
+            else v.new_zeros(B, 0, H, V, dtype=dt))
+    if len(full) < len(outs):
+        o = torch.cat([o, outs[-1].reshape(B, rem, H, V)], dim=1)
+    return o.to(v.dtype), S_out
+
+
 class CombaMemory(nn.Module):
     """The comba memory: one spec step per token, or a chunked schedule.
 
@@ -88,15 +498,15 @@ class CombaMemory(nn.Module):
         state['S']: [B, H, d_k, d_v]
         output: [B, T, H, d_v]
 
-    Schedules: 'online'; "auto" is 'online'.
+    Schedules: 'dplr', 'online'; "auto" is 'dplr'.
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v', 'p': 'd_k'}
     GATES = ('eta', 'alpha', )
     STATE = {'S': ('d_k', 'd_v', )}
     LOSS_STATES = ()
-    SCHEDULES = ('online', )
-    DEFAULT_SCHEDULE = 'online'
+    SCHEDULES = ('dplr', 'online', )
+    DEFAULT_SCHEDULE = 'dplr'
     STEP_SCHEDULE = 'online'
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
@@ -132,7 +542,7 @@ class CombaMemory(nn.Module):
             eta: [B, T, H] (gate value, after its formula)
             alpha: [B, T, H] (gate value, after its formula)
             state: {name: [B, H, ...]} to continue from (default: init_state).
-            schedule: "auto" (online) or one of online.
+            schedule: "auto" (dplr) or one of dplr, online.
         Returns: (o [B, T, H, d_v], the final state).
         """
         if unknown:
@@ -145,9 +555,11 @@ class CombaMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by "
-                             'comba: use "auto" or one of online')
+                             'comba: use "auto" or one of dplr, online')
         if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
             return q.new_zeros(B, 0, q.shape[2], self.d_v), state
+        if schedule == 'dplr':
+            return self._forward_chunk(q, k, v, p, eta, alpha, state)
         return self._forward_online(q, k, v, p, eta, alpha, state)
 
     def step(self, q, k, v, p, *, eta=None, alpha=None, state=None, **unknown):
@@ -240,6 +652,22 @@ class CombaMemory(nn.Module):
                 * (kn.unsqueeze(-1) * (v - (pn.unsqueeze(-2) @ S).squeeze(-2)).unsqueeze(-2)))
         o = (qn.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, d_v]
         return o, (S,)
+
+    def _forward_chunk(self, q, k, v, p, eta, alpha, state):
+        """The exact dplr chunked form over chunks of self.chunk tokens."""
+        qn = l2norm(q)  # [B, T, H, d_k]
+        kn = l2norm(k)  # [B, T, H, d_k]
+        pn = l2norm(p)  # [B, T, H, d_k]
+        # dplr chunked schedule (exact): 1 rank-one sub-step per token in order, S <- Diag(d) S + a
+        # (bᵀ S) + outer(k, v), the decay d on the first, its read after the decay; WY / UT form,
+        # one triangular solve per chunk
+        S_decay = 1 - alpha  # [B, T, H]
+        S_log_decay = torch.log(S_decay.clamp(min=1e-30))  # [B, T, H]
+        S_v = eta[..., None] * v  # [B, T, H, d_v]
+        S_a = -eta  # [B, T, H]
+        S_probe_out, S_new = chunk_dplr(qn, kn, S_v, S_a, pn, S_log_decay, state["S"], self.chunk)
+        o = S_probe_out  # [B, T, H, d_v]
+        return o, {'S': S_new}
 
 
 class CombaLayer(nn.Module):

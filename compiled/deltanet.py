@@ -5,7 +5,7 @@
 # file sha256: 53f6af8358add43c76731267db25b98b164a57a5614095ec947c9696ce2172d9
 # schedule: delta rule chunked form (WY / UT), chunk 64 (exact)
 # mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
-# derived by memspec.schedule.analyse: delta, exact; admits delta, minibatch, online
+# derived by memspec.schedule.analyse: delta, exact; admits delta, dplr, minibatch, online
 # schedules of this module: delta, minibatch, online
 """deltanet: DeltaNet: the delta rule as one step of online gradient descent on the regression loss
 0.5 |k W - v|^2, W <- W - eta outer(k, k W - v), so that a write corrects what the memory already

@@ -4,7 +4,7 @@
 # spec sha256: b628765b5c2070e82d4241af9ec28a512572bb1f279a12efc09cf29648a952b1
 # file sha256: b628765b5c2070e82d4241af9ec28a512572bb1f279a12efc09cf29648a952b1
 # schedule: delta rule chunked form (WY / UT), chunk 64 (exact)
-# derived by memspec.schedule.analyse: delta, exact; admits delta, online
+# derived by memspec.schedule.analyse: delta, exact; admits delta, dplr, online
 # schedules of this module: delta, online
 """deltanet_textbook: The delta rule exactly as the seed text's §3.3 writes it, W_t = W_{t-1} +
 eta_t k_t^T (v_t - k_t W_{t-1}): no model, no loss, no grad, the error written out.

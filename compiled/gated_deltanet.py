@@ -4,7 +4,7 @@
 # spec sha256: 8084871fc81257472497ab3b235d67623a1a33ef3b276da2358bc750f36d6961
 # file sha256: 8084871fc81257472497ab3b235d67623a1a33ef3b276da2358bc750f36d6961
 # schedule: delta rule chunked form (WY / UT), chunk 64 (exact)
-# derived by memspec.schedule.analyse: delta, exact; admits delta, minibatch, online
+# derived by memspec.schedule.analyse: delta, exact; admits delta, dplr, minibatch, online
 # schedules of this module: delta, minibatch, online
 """gated_deltanet: Gated DeltaNet: the gated delta rule S_t = a_t S_{t-1} (I - beta_t k k^T) +
 beta_t k^T v, written as a decay followed by a delta-rule gradient step taken at the decayed memory.

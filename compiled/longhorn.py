@@ -5,7 +5,7 @@
 # file sha256: 8f09e5691a7b7105be594d2950969f70ecda8818d34677afc43a06423051f2e2
 # schedule: delta rule chunked form (WY / UT), chunk 64 (exact)
 # mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
-# derived by memspec.schedule.analyse: delta, exact; admits delta, minibatch, online
+# derived by memspec.schedule.analyse: delta, exact; admits delta, dplr, minibatch, online
 # schedules of this module: delta, minibatch, online
 """longhorn: Longhorn: the state is the solution of an online regression problem solved in closed
 form (the implicit update): W_t = argmin_W |W - W_{t-1}|^2 / 2 + eta |k W - v|^2 / 2, whose solution

@@ -36,6 +36,14 @@ PAPER_FAMILIES = {
     "retention": "additive",
     "mamba2": "additive",
     "deltanet_textbook": "delta",
+    "gla": "additive",                  # a decay per key channel: the per-channel additive kernel
+    "rwkv6": "additive",                # + the bonus read q . (u * k) v, token-local (exclusive read)
+    "hgrn2": "additive",
+    "kda": "dplr",                      # the gated delta rule with a decay per key channel
+    "gdn2": "dplr",
+    "comba": "dplr",                    # an asymmetric rank one: the error read at p, written at k
+    "rwkv7": "dplr",
+    "gated_deltaproduct": "dplr",       # two rank-one steps per token, in order
     "momentum_deltanet": "online",      # two states coupled linearly: auto takes the exact online schedule
 }
 
@@ -126,7 +134,7 @@ def test_rewritten_and_renamed_variants_get_the_same_decision():
     base = analyse(mem(DELTA_HEAD + GATED_VARIANTS["gated"]))
     other = analyse(mem(renamed(DELTA_HEAD + GATED_VARIANTS["renamed"])))
     assert base.family == other.family == "delta"
-    assert base.admits == other.admits == ("delta", "minibatch", "online")
+    assert base.admits == other.admits == ("delta", "dplr", "minibatch", "online")
     pb, po = base.plan, other.plan
     assert str(pb.beta) == "eta" and str(po.beta) == "lr"
     assert str(pb.gamma) == "1 - alpha" and str(po.gamma) == "1 - forget"
@@ -548,3 +556,111 @@ def test_explain_prints_the_normal_form_in_the_specs_names():
     assert text.startswith("momentum_deltanet: online")
     assert "T[W <- U] = mu I" in text and "schedule: minibatch(N)" in text
     assert "one joint transition [[1 - alpha, mu], [0, mu]] ⊗ I plus rank-one terms" in text
+
+
+# ------------------------------------------------------------------ dplr: one decision however it is written
+KDA_HEAD = """
+memory m
+dims { d_k = 6, d_v = 5 }
+view q : d_k
+view k : d_k
+view v : d_v
+gate eta = sigmoid(logit)
+gate alpha : [d_k] = sigmoid(logit) bias -2.0
+state W : [d_k, d_v] = zeros
+"""
+
+KDA_VARIANTS = {
+    "grad": """
+        model f(u) = u @ W
+        loss = 0.5 * sum((f(k) - v)^2)
+        update {
+          W = diag(1 - alpha) @ W
+          W = W - eta * grad(loss, W)
+        }
+        read = f(q)
+    """,
+    "explicit": """
+        update {
+          W = diag(1 - alpha) @ W
+          W = W + eta * outer(k, v - k @ W)
+        }
+        read = q @ W
+    """,
+    "temporaries": """
+        let g = 1 - alpha
+        update {
+          W = diag(g) @ W
+          err = v - k @ W
+          W = W + eta * outer(k, err)
+        }
+        read = q @ W
+    """,
+    "inline": """
+        update {
+          W = diag(1 - alpha) @ W + eta * outer(k, v - k @ (diag(1 - alpha) @ W))
+        }
+        read = q @ W
+    """,
+}
+
+
+@pytest.mark.parametrize("variant", sorted(KDA_VARIANTS))
+def test_kda_written_four_ways_gets_one_dplr_decision_and_the_same_numbers(variant):
+    """The gated delta rule with a decay per key channel (KDA), as grad of the quadratic loss, the
+    error written out, through a let and a temporary, or one statement: the same normal form, the
+    same dplr plan, the same module numbers."""
+    from memspec.pipeline.build import build_memory
+
+    base_spec = mem(KDA_HEAD + KDA_VARIANTS["grad"])
+    spec = mem(KDA_HEAD + KDA_VARIANTS[variant])
+    base, d = analyse(base_spec), analyse(spec)
+    assert base.family == d.family == "dplr" and d.exact
+    assert d.admits == base.admits == ("dplr", "online")
+    for x in (d, base):
+        assert (x.plan.read_after_decay, x.plan.a_form, x.plan.b_form, len(x.plan.steps)) == (
+            True, "scalar", "key", 1)
+    g = torch.Generator().manual_seed(0)
+    B, T, H = 2, 9, 2
+    ins = {"q": torch.randn(B, T, H, 6, generator=g), "k": torch.nn.functional.normalize(
+        torch.randn(B, T, H, 6, generator=g), dim=-1), "v": torch.randn(B, T, H, 5, generator=g),
+        "eta": torch.rand(B, T, H, generator=g), "alpha": 0.3 * torch.rand(B, T, H, 6, generator=g)}
+    outs = []
+    for s in (base_spec, spec):
+        m = build_memory(s, chunk=4, heads=H)
+        with torch.no_grad():
+            outs.append(m(ins["q"], ins["k"], ins["v"], eta=ins["eta"], alpha=ins["alpha"])[0])
+    assert torch.allclose(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    ref = reference.run(base_spec, **ins)[0]
+    assert torch.allclose(outs[1], ref, atol=1e-5, rtol=1e-4)
+
+
+COMBA_HEAD = """
+memory m
+dims { d_k = 6, d_v = 5 }
+view q : d_k
+view k : d_k
+view v : d_v
+view p : d_k
+gate eta = sigmoid(logit)
+gate alpha = sigmoid(logit) bias -2.0
+state S : [d_k, d_v] = zeros
+"""
+
+
+@pytest.mark.parametrize("update", [
+    "S = (1 - alpha) * S\n  S = S + eta * outer(k, v - p @ S)",
+    "e = v - p @ ((1 - alpha) * S)\n  S = (1 - alpha) * S + eta * outer(k, e)",
+    "S = (eye(d_k) - eta * outer(k, p)) @ ((1 - alpha) * S) + eta * outer(k, v)",
+])
+def test_comba_written_three_ways_gets_one_dplr_decision(update):
+    """Comba's asymmetric rank one (error read at p, written at k) after a scalar decay, written in
+    two statements, with a temporary, or as the transition matrix itself: dplr, the error read after
+    the decay, b = p a vector of its own."""
+    d = analyse(mem(COMBA_HEAD + "update {\n  " + update + "\n}\nread = q @ S\n"))
+    assert d.family == "dplr" and d.admits == ("dplr", "online")
+    plan = d.plan
+    assert (str(plan.decay), plan.read_after_decay, plan.a_form, plan.b_form) == ("1 - alpha", True, "scalar",
+                                                                                    "vector")
+    assert [(str(st.a), str(st.b), str(st.k), str(st.v)) for st in plan.steps] == [("-eta", "p", "k", "eta * v")]
+    assert "delta" in dict(d.rejected) and "not symmetric" in dict(d.rejected)["delta"]

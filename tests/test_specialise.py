@@ -12,6 +12,7 @@ import torch
 from memspec.codegen.specialise import specialise, specialise_calls, specialise_source
 from memspec.runtime.additive import chunk_additive
 from memspec.runtime.delta import chunk_delta
+from memspec.runtime.dplr import chunk_dplr
 
 
 def _load(src: str, name: str):
@@ -65,6 +66,53 @@ def test_chunk_delta_specialised_equals_general(decay, rho, inclusive):
     if not decay and not rho:
         assert "if decayed" not in src and "decayed =" not in src and "log_gamma is not None" not in src
     assert "Specialised for this module:" in src
+
+
+def _dplr_inputs(decay, a_vec, b_kind, T=19, B=2, H=2, K=4, V=3, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    u = lambda *s: torch.rand(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    a = -u(B, T, H, K) * k if a_vec else -u(B, T, H)
+    b = {"key": None, "scalar": u(B, T, H), "vector": u(B, T, H, K) * k}[b_kind]
+    lg = {"none": None, "scalar": -u(B, T, H), "channel": -u(B, T, H, K)}[decay]
+    return [r(B, T, H, K), k, r(B, T, H, V), a, b, lg, r(B, H, K, V)]
+
+
+@pytest.mark.parametrize("decay,a_vec,b_kind,after", list(itertools.product(
+    ["none", "scalar", "channel"], [False, True], ["key", "scalar", "vector"], [False, True])))
+def test_chunk_dplr_specialised_equals_general(decay, a_vec, b_kind, after):
+    """Every binding a generated module makes (b = None for b = k, no decay, the flags): the same
+    numbers, bit for bit, as the general kernel (the kernel's elif chain over the decay kinds stays
+    a chain when its head is undecided)."""
+    x = _dplr_inputs(decay, a_vec, b_kind)
+    consts = {"inclusive": True, "simultaneous": False, "read_after_decay": after, "group": None, "sub": None}
+    if b_kind == "key":
+        consts["b"] = None
+    if decay == "none":
+        consts["log_decay"] = None
+    fn = _load(specialise(chunk_dplr, **consts), "chunk_dplr")
+    want = chunk_dplr(*x, 4, inclusive=True, read_after_decay=after)
+    args = [t for t, n in zip(x, ["q", "k", "v", "a", "b", "log_decay", "S0"]) if n not in consts]
+    got = fn(*args, 4)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_an_undecided_elif_stays_in_its_chain():
+    src = ("def f(x, kind, flag=None):\n    if kind == 1:\n        x = x + 1\n    elif kind == 2:\n"
+           "        x = x + 2\n    else:\n        x = x + 3\n    if flag is not None:\n        x = 0\n    return x\n")
+    fn = _load(specialise_source(src, {"flag": None}), "f")
+    assert [fn(0, kind) for kind in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_a_false_operand_ends_an_and_chain():
+    src = ("def f(n, flag=False, other=None):\n    both = n == 1 and flag and other is None\n"
+           "    either = n == 1 or not flag\n    return both, either\n")
+    out = specialise_source(src, {"flag": False})
+    assert "both = False" in out and "either = True" in out
+    fn = _load(out, "f")
+    assert fn(1) == (False, True) and fn(2) == (False, True)
 
 
 def test_calls_lose_their_constant_arguments():

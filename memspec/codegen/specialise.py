@@ -108,6 +108,13 @@ def fold(e: ast.expr, env: dict):
     return UNKNOWN
 
 
+def _is_bool(e: ast.expr) -> bool:
+    """Is ``e`` surely a bool (a comparison, a ``not``, a chain of those)?"""
+    if isinstance(e, (ast.Compare, ast.UnaryOp)) and not (isinstance(e, ast.UnaryOp) and not isinstance(e.op, ast.Not)):
+        return True
+    return isinstance(e, ast.BoolOp) and all(_is_bool(x) for x in e.values)
+
+
 class _Writer:
     def __init__(self, lines: list, assigned: dict):
         self.lines = lines
@@ -129,6 +136,7 @@ class _Writer:
                 return self._paren(inner, self._expr(inner, env))
         if isinstance(e, ast.BoolOp):
             kept = []
+            stop = UNKNOWN    # a decided operand that ends the chain (False in an and, True in an or)
             for x in e.values:
                 v = fold(x, env)
                 if v is UNKNOWN:
@@ -138,7 +146,13 @@ class _Writer:
                 elif isinstance(e.op, ast.Or) and not v:
                     continue          # False or x -> x
                 else:
+                    stop = v
                     break
+            if stop is not UNKNOWN:
+                if all(_is_bool(x) for x in kept):   # x and False -> False, x or True -> True
+                    return repr(stop)
+                op = " and " if isinstance(e.op, ast.And) else " or "
+                return op.join([self._paren(x, self._expr(x, env)) for x in kept] + [repr(stop)])
             if len(kept) == 1 and len(kept) != len(e.values):
                 return self._paren(kept[0], self._expr(kept[0], env))
         return self._substitute(e, env)
@@ -304,9 +318,10 @@ class _Writer:
                 out.extend(self._decided_children_stmt(child, env))
         return out
 
-    def if_(self, node: ast.If, env: dict, dedent: int) -> list:
+    def if_(self, node: ast.If, env: dict, dedent: int, chained: bool = False) -> list:
+        """An undecided ``if`` (``chained``: an ``elif`` that goes on the chain written before it)."""
         head = "\n".join(self.lines[node.lineno - 1:self._first_line(node.body[0]) - 1])
-        if head.lstrip().startswith("elif"):   # an elif whose chain head was decided false
+        if head.lstrip().startswith("elif") and not chained:   # an elif whose chain head was decided false
             head = head.replace("elif", "if", 1)
         test_text = self.seg(node.test)
         new_test = self._expr(node.test, env) if self._touched(node.test, env) else test_text
@@ -325,7 +340,7 @@ class _Writer:
                     if sub.orelse:
                         out += self._elif_rest(sub, env, dedent)
                 else:
-                    out += self.if_(sub, env, dedent)
+                    out += self.if_(sub, env, dedent, chained=True)
             else:
                 out += [_dedent(ln, dedent) for ln in gap]
                 out += self.body(node.orelse, env, dedent)

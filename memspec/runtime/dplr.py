@@ -152,9 +152,11 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
     """
+    b_r = b                                                          # b itself stays as passed (specialisable)
     if k.dim() == 4:
         k, v, a = k.unsqueeze(3), v.unsqueeze(3), a.unsqueeze(3)
-        b = b.unsqueeze(3) if b is not None else None
+        if b is not None:
+            b_r = b.unsqueeze(3)
     B, T, H, R, K = k.shape
     V = v.shape[-1]
     BH = B * H
@@ -162,7 +164,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     wide = torch.float64                                             # the in-block factors of per-channel decays
     dev = k.device
     a_vec = a.dim() == 5                                             # a given as vectors (else a scalar times k)
-    b_kind = "k" if b is None else ("vec" if b.dim() == 5 else "scalar")
+    b_kind = "k" if b is None else ("vec" if b_r.dim() == 5 else "scalar")
     decay = None if log_decay is None else ("channel" if log_decay.dim() == 4 else "scalar")
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
@@ -205,7 +207,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
     total = total + (a.sum((-2, -1), dtype=dt) if a_vec else a.sum(-1, dtype=dt))
     if b_kind != "k":
-        total = total + (b.sum((-2, -1), dtype=dt) if b_kind == "vec" else b.sum(-1, dtype=dt))
+        total = total + (b_r.sum((-2, -1), dtype=dt) if b_kind == "vec" else b_r.sum(-1, dtype=dt))
     if decay is not None:
         lg_all = log_decay.to(dt).clamp_min(-40.0)                   # (a decay of 0, log -inf, is valid)
         total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
@@ -223,7 +225,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
     a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
-    b_s = torch.where(ok_r, per_chunk(b.to(dt), R), zero) if b_kind == "scalar" else None
+    b_s = torch.where(ok_r, per_chunk(b_r.to(dt), R), zero) if b_kind == "scalar" else None
 
     # ---- masks of a chunk of c tokens (sub-step i = t R + r; token of i = i // R)
     def masks(c):
@@ -298,7 +300,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     k_p, v_p, q_p = split_t(k), split_t(v), split_t(q)
     g_p = split_t(lg_all) if decay == "channel" else None
     a_p = split_t(a) if a_vec else split_c(a_s)
-    b_p = split_t(b) if b_kind == "vec" else split_c(b_s)
+    b_p = split_t(b_r) if b_kind == "vec" else split_c(b_s)
     ok_p = split_c(okf)
     rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
     q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)

@@ -20,7 +20,7 @@ from .transition import diagonal, normal_form, side_text
 
 # the runtime's chunk_additive takes one log decay per key channel ([B, T, H, K]) once the
 # per-channel kernel is merged (branch k1-additive); until then a per-channel decay is online
-PER_CHANNEL_KERNEL = False
+PER_CHANNEL_KERNEL = True
 
 
 @dataclass(frozen=True)

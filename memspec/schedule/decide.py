@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, cache, delta, minibatch, online, transition
+from . import additive, cache, delta, dplr, minibatch, online, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -53,6 +53,12 @@ FAMILIES: tuple[Family, ...] = (
            text="delta (exact chunked form: WY / UT representation, triangular solve per chunk)",
            hint="give one matrix state a transition T = gamma I - beta k kᵀ (a scalar decay and the delta "
                 "rule: a gradient step on a loss quadratic in a linear model, or the error written out)",
+           hint_applies=lambda spec: len(spec.state) == 1),
+    Family("dplr", lambda alg, chunk: dplr.analyse_dplr(alg), exact=True, chunked=True, carried=False,
+           text="dplr (exact chunked form: diagonal plus low rank, WY / UT representation, triangular solve per chunk)",
+           hint="give one matrix state a transition on its key side that is a decay (a scalar or one per key "
+                "channel) on the token's first step and rank-one corrections a (bᵀ S), each step writing an "
+                "outer(k, v) (delta-rule steps with per-channel decays, asymmetric keys, several steps per token)",
            hint_applies=lambda spec: len(spec.state) == 1),
     Family("minibatch", minibatch.analyse_minibatch, exact=False, chunked=True, carried=True,
            text="mini-batch (approximate: gradients at the chunk-start state)",
@@ -117,7 +123,7 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
             if "cache" in plans:
                 why = "the spec is a cache read by attention: it is served exactly by scaled_dot_product_attention"
             raise SpecError([Diagnostic(
-                "error", f"schedule {spec.schedule} needs an exact chunk form (additive or delta), "
+                "error", f"schedule {spec.schedule} needs an exact chunk form (additive, delta or dplr), "
                          f"and this spec admits none", spec.span("schedule"),
                 hint=why + "; use " + ("minibatch(N) (approximate) or " if "minibatch" in plans else "")
                 + "online or auto", code="E-schedule")])
