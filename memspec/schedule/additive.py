@@ -11,16 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import BinOp, Call, Expr, Name
+from ..lang.expr import BinOp, Call, Expr, Name, rewrite
 from .algebra import ZERO, Algebra, NotAdmitted, is_num, simplify, txt
 from .polynomial import Probe, find_probes
 from .ranges import check_decay
 from .transition import diagonal, normal_form, side_text
-
-
-# the runtime's chunk_additive takes one log decay per key channel ([B, T, H, K]) once the
-# per-channel kernel is merged (branch k1-additive); until then a per-channel decay is online
-PER_CHANNEL_KERNEL = True
 
 
 @dataclass(frozen=True)
@@ -68,10 +63,7 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
         if gamma is None or is_num(simplify(gamma), 0):
             raise NotAdmitted(f"the update of {n} overwrites it (decay 0): not a recurrence")
         gamma = simplify(gamma)
-        per_channel = alg.rank(gamma) == 1
-        if per_channel and not PER_CHANNEL_KERNEL:
-            raise NotAdmitted(f"the decay of {n} is per key channel (Diag({txt(gamma)})) and this build's chunk "
-                              f"kernel has one decay per head")
+        per_channel = alg.rank(gamma) == 1   # chunk_additive takes the log decay [B, T, H, K]
         dr = check_decay(alg, None if is_num(gamma, 1) else gamma, f"of {n}")
         inc: Expr = ZERO
         for a, b in m.incs:
@@ -94,8 +86,26 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
                    + ", ".join(txt(BinOp("@", p.vector, Name(p.state))) for p in probes)
                    + " of the states with token-local probe vectors" if probes
                    else "the read does not use the states")
+    if spec.order == "read_write":
+        reasons.append("each token reads the state before its own write (order read_write): the kernel's exclusive "
+                       "read, pairs s < t inside a chunk")
+    if probes and _has_token_local_term(read, {p.name for p in probes}):
+        by = {p.name: BinOp("@", p.vector, Name(p.state)) for p in probes}
+        shown = rewrite(read, lambda e: by.get(e.id) if isinstance(e, Name) else None)
+        reasons.append(f"the read {txt(shown)} adds token-local terms to the probes (e.g. a bonus for the current "
+                       f"token): computed for all tokens at once beside the kernel's probe outputs")
     reasons.append("exact chunk form: intra-chunk masked decay-weighted products + inter-chunk state")
     return AdditivePlan(tuple(states), tuple(probes), read, spec.order == "write_read"), reasons
+
+
+def _has_token_local_term(read: Expr, probe_names: set[str]) -> bool:
+    """Is the read a sum with a term that reads no probe (``_p0 + q @ (u * k) * v``)?"""
+    def terms(e: Expr):
+        if isinstance(e, BinOp) and e.op in ("+", "-"):
+            return terms(e.left) + terms(e.right)
+        return [e]
+
+    return any(not any(isinstance(n, Name) and n.id in probe_names for n in t.walk()) for t in terms(read))
 
 
 def additive_states_ok(alg: Algebra) -> bool:
