@@ -6,7 +6,7 @@
 # mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mag(segment=64, persistent=16, window=128) -- built here: TitansMagLayer is MAG around TitansMagMemoryLayer
+# wiring: mag(segment=64, persistent=16, window=128, qk_norm=True, gate="normalized") -- built here: TitansMagLayer is MAG around TitansMagMemoryLayer
 """titans_mag: Titans MAG (memory as a gate): sliding-window attention (window 128, with 16 persistent tokens) and the Titans neural memory read the same input, and a learned gate mixes their outputs.
 
 Cite: Behrouz, Zhong & Mirrokni 2025, Titans: Learning to Memorize at Test Time, §4.2 (gated memory)
@@ -14,7 +14,7 @@ Cite: Behrouz, Zhong & Mirrokni 2025, Titans: Learning to Memorize at Test Time,
 TitansMagMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TitansMagMemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
 TitansMagLayer: the spec's wiring, MAG, memory as gate: sliding-window attention and the memory on the same input,
-    mixed by a learned gate.
+    mixed as RMSNorm(attention) * sigmoid(RMSNorm(memory)); attention on l2-normalised queries and keys with a learned temperature.
 """
 import math
 import time
@@ -96,36 +96,54 @@ class Attention(nn.Module):
     ``[B, heads, n, d_head]``; ``forward(x_q, k, v, mask)`` attends from the queries of
     ``x_q`` ``[B, T, d_model]`` to ``[persistent | k]`` with ``mask`` ``[T, n]`` (bool,
     True = may attend) for the non-persistent keys, and returns ``[B, T, d_model]``.
+
+    ``qk_norm=True`` (the default) l2-normalises queries and keys and scales their
+    cosine by a learned per-head gain times ``sqrt(d_head)`` (``qk_gain`` ``[heads]``,
+    initialised to 1): at initialisation the scores of RMS-normalised queries and keys
+    under the usual ``1 / sqrt(d_head)``, with the temperature learned (query-key
+    normalisation: Henry et al. 2020; RMSNorm on q and k in OLMo 2 and Gemma 3).
+    ``qk_norm=False`` is plain scaled dot-product attention, ``softmax(q k^T /
+    sqrt(d_head)) v`` (Vaswani et al. 2017).
     """
 
-    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0):
+    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0, qk_norm: bool = True):
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
         self.d_model, self.heads, self.n_persistent = d_model, heads, persistent
+        self.qk_norm = qk_norm
         self.wq = nn.Linear(d_model, d_model, bias=False)
         self.wk = nn.Linear(d_model, d_model, bias=False)
         self.wv = nn.Linear(d_model, d_model, bias=False)
         self.wo = nn.Linear(d_model, d_model, bias=False)
         self.persistent = nn.Parameter(torch.randn(persistent, d_model) * 0.02)  # [P, d_model]
+        if qk_norm:
+            self.qk_gain = nn.Parameter(torch.ones(heads))                          # [heads]
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         B, n, _ = x.shape
         return x.view(B, n, self.heads, self.d_model // self.heads).transpose(1, 2)  # [B, h, n, dh]
 
     def project_kv(self, x: torch.Tensor):
-        return self.split(self.wk(x)), self.split(self.wv(x))
+        k = self.split(self.wk(x))                                    # [B, h, n, dh]
+        if self.qk_norm:
+            k = F.normalize(k, dim=-1)
+        return k, self.split(self.wv(x))
 
     def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
+        scale = None                                                  # SDPA's default, 1 / sqrt(dh)
+        if self.qk_norm:
+            q = F.normalize(q, dim=-1) * self.qk_gain.view(-1, 1, 1)  # the learned temperature
+            scale = (self.d_model // self.heads) ** 0.5               # cosine * gain * sqrt(dh)
         if self.n_persistent:
             pk, pv = self.project_kv(self.persistent.unsqueeze(0))    # [1, h, P, dh]
             k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
             always = torch.ones(T, self.n_persistent, dtype=torch.bool, device=mask.device)
             mask = torch.cat([always, mask], dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, T, dh]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, T, dh]
         return self.wo(o.transpose(1, 2).reshape(B, T, self.d_model))
 
 
@@ -137,8 +155,9 @@ class SlidingWindowAttention(Attention):
     ``min(window - 1, seen)`` tokens.
     """
 
-    def __init__(self, d_model: int, heads: int = 1, window: int = 64, persistent: int = 0):
-        super().__init__(d_model, heads, persistent)
+    def __init__(self, d_model: int, heads: int = 1, window: int = 64, persistent: int = 0,
+                 qk_norm: bool = True):
+        super().__init__(d_model, heads, persistent, qk_norm)
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window
@@ -161,24 +180,41 @@ class SlidingWindowAttention(Attention):
 
 
 class MAG(nn.Module):
-    """Memory as gate (Titans §4.2): ``o = g * SWA(x) + (1 - g) * M(x)``, ``g = sigmoid(x W_g + b)``.
+    """Memory as gate (Titans §4.2): sliding-window attention ``y = SWA(x)`` and the memory
+    ``m = M(x)`` read the same input and are mixed.
+
+    ``gate="normalized"`` (the paper's Eq. 28, ``o = y ⊗ M(x)``, with "the outputs y and
+    M(x) normalised using learnable vector-valued weights, followed by a non-linearity"):
+    ``o = RMSNorm(y) * sigmoid(RMSNorm(m))``, two RMSNorms with learned weights
+    ``[d_model]``, the non-linear gate the same as MAC's ``y * sigmoid(m)``.
+    ``gate="convex"``: ``o = g * y + (1 - g) * m`` with ``g = sigmoid(x W_g + b)`` per channel.
 
     ``forward(x, state=None, return_state=False)``; state ``{"mem", "attn"}``.
     """
 
     def __init__(self, layer: nn.Module, d_model: int, *, window: int = 64, persistent: int = 4,
-                 heads: int = 1):
+                 heads: int = 1, qk_norm: bool = True, gate: str = "normalized"):
         super().__init__()
+        if gate not in ("normalized", "convex"):
+            raise ValueError(f"gate must be 'normalized' or 'convex', got {gate!r}")
         self.layer = layer
-        self.attn = SlidingWindowAttention(d_model, heads, window, persistent)
-        self.gate = nn.Linear(d_model, d_model)
+        self.attn = SlidingWindowAttention(d_model, heads, window, persistent, qk_norm)
+        self.gate_form = gate
+        if gate == "normalized":
+            self.norm_attn = nn.RMSNorm(d_model)
+            self.norm_mem = nn.RMSNorm(d_model)
+        else:
+            self.gate = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
         st = state if state is not None else {"mem": None, "attn": None}
         y, attn_state = self.attn(x, st["attn"])
         m, mem = self.layer(x, state=st["mem"], return_state=True)
-        g = torch.sigmoid(self.gate(x))
-        out = g * y + (1 - g) * m
+        if self.gate_form == "normalized":
+            out = self.norm_attn(y) * torch.sigmoid(self.norm_mem(m))
+        else:
+            g = torch.sigmoid(self.gate(x))
+            out = g * y + (1 - g) * m
         new = {"mem": mem, "attn": attn_state}
         return (out, new) if return_state else out
 
@@ -512,7 +548,7 @@ class TitansMagLayer(MAG):
     """x [B, T, d_model] -> y [B, T, d_model]: MAG around TitansMagMemoryLayer.
 
     MAG, memory as gate: sliding-window attention and the memory on the same input,
-    mixed by a learned gate.
+    mixed as RMSNorm(attention) * sigmoid(RMSNorm(memory)); attention on l2-normalised queries and keys with a learned temperature.
 
     TitansMagMemoryLayer (projections, TitansMagMemory, output projection) is ``self.layer``;
     ``self.memory`` is its TitansMagMemory.  Attention: ``attn_heads`` heads (default: ``heads``
@@ -522,11 +558,13 @@ class TitansMagLayer(MAG):
     """
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64, compile=False,
-                 window=128, persistent=16, attn_heads=None):
+                 window=128, persistent=16, attn_heads=None,
+                 qk_norm=True, gate="normalized"):
         layer = TitansMagMemoryLayer(d_model=d_model, heads=heads, d_k=d_k, d_v=d_v, hidden=hidden, chunk=chunk, compile=compile)
         if attn_heads is None:
             attn_heads = heads if d_model % heads == 0 else 1
-        super().__init__(layer, d_model, window=window, persistent=persistent, heads=attn_heads)
+        super().__init__(layer, d_model, window=window, persistent=persistent, heads=attn_heads,
+                         qk_norm=qk_norm, gate=gate)
         self.d_model = d_model
         self.heads = heads
 

@@ -6,14 +6,15 @@
 # mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C] products (memspec.dual)
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mal(segment=64, persistent=16, window=128) -- built here: TitansMalLayer is MAL around TitansMalMemoryLayer
+# wiring: mal(segment=64, persistent=16, window=128, qk_norm=True, residual=True) -- built here: TitansMalLayer is MAL around TitansMalMemoryLayer
 """titans_mal: Titans MAL (memory as a layer): the Titans neural memory as a layer followed by sliding-window attention (window 128, with 16 persistent tokens).
 
 Cite: Behrouz, Zhong & Mirrokni 2025, Titans: Learning to Memorize at Test Time, §4.3 (memory as a layer)
 
 TitansMalMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TitansMalMemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
-TitansMalLayer: the spec's wiring, MAL, memory as layer: the memory layer, then sliding-window attention.
+TitansMalLayer: the spec's wiring, MAL, memory as layer: the memory layer, then sliding-window attention,
+    memory(x) + attention(memory(x)); attention on l2-normalised queries and keys with a learned temperature.
 """
 import math
 import time
@@ -95,36 +96,54 @@ class Attention(nn.Module):
     ``[B, heads, n, d_head]``; ``forward(x_q, k, v, mask)`` attends from the queries of
     ``x_q`` ``[B, T, d_model]`` to ``[persistent | k]`` with ``mask`` ``[T, n]`` (bool,
     True = may attend) for the non-persistent keys, and returns ``[B, T, d_model]``.
+
+    ``qk_norm=True`` (the default) l2-normalises queries and keys and scales their
+    cosine by a learned per-head gain times ``sqrt(d_head)`` (``qk_gain`` ``[heads]``,
+    initialised to 1): at initialisation the scores of RMS-normalised queries and keys
+    under the usual ``1 / sqrt(d_head)``, with the temperature learned (query-key
+    normalisation: Henry et al. 2020; RMSNorm on q and k in OLMo 2 and Gemma 3).
+    ``qk_norm=False`` is plain scaled dot-product attention, ``softmax(q k^T /
+    sqrt(d_head)) v`` (Vaswani et al. 2017).
     """
 
-    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0):
+    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0, qk_norm: bool = True):
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
         self.d_model, self.heads, self.n_persistent = d_model, heads, persistent
+        self.qk_norm = qk_norm
         self.wq = nn.Linear(d_model, d_model, bias=False)
         self.wk = nn.Linear(d_model, d_model, bias=False)
         self.wv = nn.Linear(d_model, d_model, bias=False)
         self.wo = nn.Linear(d_model, d_model, bias=False)
         self.persistent = nn.Parameter(torch.randn(persistent, d_model) * 0.02)  # [P, d_model]
+        if qk_norm:
+            self.qk_gain = nn.Parameter(torch.ones(heads))                          # [heads]
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         B, n, _ = x.shape
         return x.view(B, n, self.heads, self.d_model // self.heads).transpose(1, 2)  # [B, h, n, dh]
 
     def project_kv(self, x: torch.Tensor):
-        return self.split(self.wk(x)), self.split(self.wv(x))
+        k = self.split(self.wk(x))                                    # [B, h, n, dh]
+        if self.qk_norm:
+            k = F.normalize(k, dim=-1)
+        return k, self.split(self.wv(x))
 
     def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
+        scale = None                                                  # SDPA's default, 1 / sqrt(dh)
+        if self.qk_norm:
+            q = F.normalize(q, dim=-1) * self.qk_gain.view(-1, 1, 1)  # the learned temperature
+            scale = (self.d_model // self.heads) ** 0.5               # cosine * gain * sqrt(dh)
         if self.n_persistent:
             pk, pv = self.project_kv(self.persistent.unsqueeze(0))    # [1, h, P, dh]
             k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
             always = torch.ones(T, self.n_persistent, dtype=torch.bool, device=mask.device)
             mask = torch.cat([always, mask], dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, T, dh]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, T, dh]
         return self.wo(o.transpose(1, 2).reshape(B, T, self.d_model))
 
 
@@ -136,8 +155,9 @@ class SlidingWindowAttention(Attention):
     ``min(window - 1, seen)`` tokens.
     """
 
-    def __init__(self, d_model: int, heads: int = 1, window: int = 64, persistent: int = 0):
-        super().__init__(d_model, heads, persistent)
+    def __init__(self, d_model: int, heads: int = 1, window: int = 64, persistent: int = 0,
+                 qk_norm: bool = True):
+        super().__init__(d_model, heads, persistent, qk_norm)
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window
@@ -160,23 +180,31 @@ class SlidingWindowAttention(Attention):
 
 
 class MAL(nn.Module):
-    """Memory as layer (Titans §4.3): ``o = SWA(M(x))``.
+    """Memory as layer (Titans §4.3): the memory layer, then sliding-window attention.
+
+    ``residual=True`` (the default): ``o = M(x) + SWA(M(x))``, the residual connection
+    around the attention layer that the paper's stacked layers have (its MAL follows
+    Samba, where every layer sits in a residual block); ``residual=False``: the bare
+    composition ``o = SWA(M(x))``, in which the memory's read reaches the output only
+    through an attention that starts out uniform over its window.
 
     ``forward(x, state=None, return_state=False)``; state ``{"mem", "attn"}``.
     """
 
     def __init__(self, layer: nn.Module, d_model: int, *, window: int = 64, persistent: int = 4,
-                 heads: int = 1):
+                 heads: int = 1, qk_norm: bool = True, residual: bool = True):
         super().__init__()
         self.layer = layer
-        self.attn = SlidingWindowAttention(d_model, heads, window, persistent)
+        self.attn = SlidingWindowAttention(d_model, heads, window, persistent, qk_norm)
+        self.residual = residual
 
     def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
         st = state if state is not None else {"mem": None, "attn": None}
         m, mem = self.layer(x, state=st["mem"], return_state=True)
         y, attn_state = self.attn(m, st["attn"])
+        out = m + y if self.residual else y
         new = {"mem": mem, "attn": attn_state}
-        return (y, new) if return_state else y
+        return (out, new) if return_state else out
 
 
 class TitansMalMemory(nn.Module):
@@ -507,7 +535,8 @@ class TitansMalMemoryLayer(nn.Module):
 class TitansMalLayer(MAL):
     """x [B, T, d_model] -> y [B, T, d_model]: MAL around TitansMalMemoryLayer.
 
-    MAL, memory as layer: the memory layer, then sliding-window attention.
+    MAL, memory as layer: the memory layer, then sliding-window attention,
+    memory(x) + attention(memory(x)); attention on l2-normalised queries and keys with a learned temperature.
 
     TitansMalMemoryLayer (projections, TitansMalMemory, output projection) is ``self.layer``;
     ``self.memory`` is its TitansMalMemory.  Attention: ``attn_heads`` heads (default: ``heads``
@@ -517,11 +546,13 @@ class TitansMalLayer(MAL):
     """
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64, compile=False,
-                 window=128, persistent=16, attn_heads=None):
+                 window=128, persistent=16, attn_heads=None,
+                 qk_norm=True, residual=True):
         layer = TitansMalMemoryLayer(d_model=d_model, heads=heads, d_k=d_k, d_v=d_v, hidden=hidden, chunk=chunk, compile=compile)
         if attn_heads is None:
             attn_heads = heads if d_model % heads == 0 else 1
-        super().__init__(layer, d_model, window=window, persistent=persistent, heads=attn_heads)
+        super().__init__(layer, d_model, window=window, persistent=persistent, heads=attn_heads,
+                         qk_norm=qk_norm, residual=residual)
         self.d_model = d_model
         self.heads = heads
 

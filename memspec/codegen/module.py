@@ -966,7 +966,8 @@ class ModuleWriter:
         L(f"# schedules of this module: {', '.join(self.schedules)}")
         if spec.wiring.kind != "none":
             w = spec.wiring
-            L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window}) -- "
+            opts = "".join(f", {k}={_py_literal(v)}" for k, v in w.options().items())
+            L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window}{opts}) -- "
               f"built here: {self.name}Layer is {w.kind.upper()} around {self.name}MemoryLayer")
         L('"""' + f"{spec.name}: " + (spec.description.split(". ")[0].strip().rstrip(".") + "." if spec.description else "a memspec memory."))
         L()
@@ -979,7 +980,7 @@ class ModuleWriter:
         else:
             L(f"{self.name}MemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, "
               "the output projection.")
-            for i, line in enumerate(f"{WIRING_TEXT[spec.wiring.kind]}.".split("\n")):
+            for i, line in enumerate(f"{wiring_text(spec.wiring)}.".split("\n")):
                 L(f"{self.name}Layer: the spec's wiring, {line}" if i == 0 else f"    {line}")
         L('"""')
 
@@ -1816,7 +1817,7 @@ class ModuleWriter:
         with L.indent():
             L('"""' + f"x [B, T, d_model] -> y [B, T, d_model]: {base} around {n}MemoryLayer.")
             L()
-            for line in f"{WIRING_TEXT[w.kind]}.".split("\n"):
+            for line in f"{wiring_text(w)}.".split("\n"):
                 L(line)
             L()
             L(f"{n}MemoryLayer (projections, {n}Memory, output projection) is ``self.layer``;")
@@ -1826,14 +1827,17 @@ class ModuleWriter:
             L("the attention's keys/values (see the wiring class above).")
             L('"""')
             L()
+            opts = w.options()
             L(f"def __init__(self, *, {', '.join(sig)}, chunk={self.default_chunk}, compile=False,")
-            L(f"             {extent}, persistent={w.persistent}, attn_heads=None):")
+            L(f"             {extent}, persistent={w.persistent}, attn_heads=None,")
+            L(f"             {', '.join(f'{k}={_py_literal(v)}' for k, v in opts.items())}):")
             with L.indent():
                 L(f"layer = {n}MemoryLayer({inner}, chunk=chunk, compile=compile)")
                 L("if attn_heads is None:")
                 L("    attn_heads = heads if d_model % heads == 0 else 1")
                 L(f"super().__init__(layer, d_model, {extent.split('=')[0]}={extent.split('=')[0]}, "
-                  "persistent=persistent, heads=attn_heads)")
+                  "persistent=persistent, heads=attn_heads,")
+                L(f"                 {', '.join(f'{k}={k}' for k in opts)})")
                 L("self.d_model = d_model")
                 L("self.heads = heads")
             L()
@@ -1844,13 +1848,30 @@ class ModuleWriter:
                 L("return self.layer.memory")
 
 
-WIRING_TEXT = {
-    "mac": "MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],\n"
-           "write the attention output y into the memory, output y * sigmoid(memory(y))",
-    "mag": "MAG, memory as gate: sliding-window attention and the memory on the same input,\n"
-           "mixed by a learned gate",
-    "mal": "MAL, memory as layer: the memory layer, then sliding-window attention",
-}
+def _py_literal(v) -> str:
+    """A wiring option as Python source: ``True`` / ``False``, an int, or a double-quoted name
+    (the options are validated names; json.dumps escapes whatever it is given)."""
+    import json
+
+    return repr(v) if isinstance(v, (bool, int)) else json.dumps(str(v))
+
+
+def wiring_text(w) -> str:
+    """What the spec's wiring computes, in words (lines for the generated docstrings)."""
+    att = ("attention on l2-normalised queries and keys with a learned temperature" if w.qk_norm
+           else "plain scaled dot-product attention")
+    if w.kind == "mac":
+        wrote = "the attention output y" if w.write == "attention" else "the segment input x"
+        read = "memory(y)" if w.write == "attention" else "memory(x)"
+        out = f"y * sigmoid({read})" if w.output == "gated" else f"y + {read}"
+        return ("MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],\n"
+                f"write {wrote} into the memory, output {out}; {att}")
+    if w.kind == "mag":
+        mix = ("RMSNorm(attention) * sigmoid(RMSNorm(memory))" if w.gate == "normalized"
+               else "g * attention + (1 - g) * memory with a learned gate g")
+        return f"MAG, memory as gate: sliding-window attention and the memory on the same input,\nmixed as {mix}; {att}"
+    form = "memory(x) + attention(memory(x))" if w.residual else "attention(memory(x))"
+    return f"MAL, memory as layer: the memory layer, then sliding-window attention,\n{form}; {att}"
 
 
 def generate(spec, decision=None, *, source_path=None, source_text=None) -> str:
