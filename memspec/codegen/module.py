@@ -107,7 +107,8 @@ def huber(x, delta):
 ''',
     "attend": '''\
 def attend(q, K, V, scale):
-    """softmax(scale * K q) V over a cache: q [..., d], K [..., n, d], V [..., n, e] -> [..., e]."""
+    """softmax(scale * K q) V over a cache: q [..., d], K [..., n, d], V [..., n, e] -> [..., e];
+    scale a number or [..., 1]."""
     scores = (K @ q.unsqueeze(-1)).squeeze(-1) * scale
     return (torch.softmax(scores, dim=-1).unsqueeze(-2) @ V).squeeze(-2)
 ''',
@@ -362,7 +363,10 @@ class ExprEmitter:
         if fn == "attend":
             xs = [self._emit(a) for a in args]
             self.helpers.add(fn)
-            return Code(f"attend({', '.join(x.text for x in xs)})", P_ATOM, len(self.shape(e)))
+            texts = [x.text for x in xs[:3]]
+            scale = xs[3]                    # a number, or a tensor [..., H] (a param, a gate)
+            texts.append(scale.text if scale.number else f"{scale.at(P_ATOM)}.unsqueeze(-1)")
+            return Code(f"attend({', '.join(texts)})", P_ATOM, len(self.shape(e)))
         if fn == "append":
             raise CodegenError("append(K, k) is only allowed as a statement `K = append(K, k)`")
         raise CodegenError(f"unknown function {fn!r}")
@@ -868,10 +872,13 @@ class ModuleWriter:
         self.default_chunk = self.ck_chunk if self.default in EXACT_CHUNKED else self.mb_chunk
 
     def _cache_scales_ok(self) -> bool:
+        """Every attend's scale is a number (SDPA's ``scale=``) or a per-token / per-head
+        scalar ``[..., H]`` (a learned param, a gate), which multiplies the query."""
         em = self.emitter()
         for c in self.spec.read.walk():
             if isinstance(c, Call) and c.fn == "attend":
-                if not em._emit(c.args[3]).number:
+                scale = em._emit(c.args[3])
+                if not scale.number and scale.rank != 0:
                     return False
         return True
 
@@ -1688,8 +1695,13 @@ class ModuleWriter:
                     mask = fresh("mask", taken)
                     L(f"{mask} = _causal_mask({T}, {full[K.id]}.shape[2], {win}, {self.first}.device)", "[T, n + T]")
                     name = fresh("attended", taken)
-                    L(f"{name} = F.scaled_dot_product_attention({em._emit(q).at(P_ATOM)}.transpose(1, 2), {full[K.id]}, "
-                      f"{full[V.id]}, attn_mask={mask}, scale={em.emit(scale)}).transpose(1, 2)",
+                    sc = em._emit(scale)
+                    if sc.number:
+                        query, sdpa_scale = em._emit(q).at(P_ATOM), sc.text
+                    else:                              # softmax(s K q) = softmax(K (s q)): s into the query
+                        query, sdpa_scale = f"({em._emit(q).at(P_MUL)} * {sc.at(P_ATOM)}.unsqueeze(-1))", "1.0"
+                    L(f"{name} = F.scaled_dot_product_attention({query}.transpose(1, 2), {full[K.id]}, "
+                      f"{full[V.id]}, attn_mask={mask}, scale={sdpa_scale}).transpose(1, 2)",
                       _shape_text("B, T, H", self.shape(c)))
                     pre[unparse(c)] = name
             if _CAUSAL_MASK not in self.module_parts:
