@@ -27,6 +27,10 @@ The result stays differentiable for the outer loop: gradients flow into views,
 gates, params and learned initial states.
 
 Public API: :func:`run`, :func:`init_state`, :func:`apply_model`.
+
+Size: one interpreter for the whole language -- the token semantics of every construct
+(``eval_*``, ``fn_*``) side by side, which the tests pin together; split by construct it
+would scatter the one definition of the language's meaning.
 """
 from __future__ import annotations
 

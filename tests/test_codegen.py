@@ -11,7 +11,8 @@ import torch
 import memspec
 from memspec.pipeline.build import build, build_memory, source
 from memspec.tools.cli import main
-from memspec.codegen.module import ExprEmitter, NotRecurrence, minibatch_recurrence
+from memspec.codegen import ExprEmitter
+from memspec.schedule.recurrence import NotRecurrence, minibatch_recurrence
 from memspec.lang.expr import parse_expr, unparse
 
 from _compiled_harness import ROOT, SPEC_FILES, call, inputs, load, make, small_dims

@@ -62,9 +62,11 @@ def test_near_setting_is_within_the_window():
 
 @pytest.mark.parametrize("path", sorted(CURRICULUM.glob("*.yaml")), ids=lambda p: p.stem)
 def test_curriculum_specs_check_clean(path):
-    from memspec.tools.cli import load_checked
+    from memspec.pipeline.build import load_checked
 
-    spec, _ = load_checked(str(path), warnings=False)
+    checked = load_checked(path)
+    spec = checked.spec
+    assert not checked.warnings
     assert spec.name == path.stem
     if spec.wiring.kind in ("mag", "mal"):
         assert (spec.wiring.window, spec.wiring.persistent) == (16, 4)

@@ -197,9 +197,9 @@ def test_changed_constant_is_a_constant_edit():
     c = memspec.loads(BASE.replace("(f(k) - v)^2", "(f(k) - 2*v)^3"))
     assert diff(a, c) == [Changed("loss", ("loss", "const", 2), -1, -2),
                           Changed("loss", ("loss", "const", 3), 2, 3),
-                          # a cubic loss is no longer the delta rule
+                          # a cubic loss is no longer the delta rule; auto takes only exact schedules
                           Changed("schedule", ("schedule", "derived"), "delta chunk 64, exact",
-                                  "minibatch chunk 64, approximate")]
+                                  "online, exact")]
     d = memspec.loads(BASE.replace("W - eta", "W + eta"))
     assert diff(a, d) == [Changed("update", ("update", 0, "const"), -1, 1)]
 

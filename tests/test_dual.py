@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memspec
 from memspec.pipeline.build import build_memory
-from memspec.codegen.module import generate
+from memspec.codegen import generate
 from memspec.schedule.dual import NotDual, analyse_dual
 from memspec.reference import run as reference_run
-from memspec.schedule.decide import analyse, explain
+from memspec.schedule import analyse, explain
 
 ROOT = Path(__file__).resolve().parent.parent
 

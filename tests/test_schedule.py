@@ -13,7 +13,7 @@ import torch
 import memspec
 from memspec import reference
 from memspec.lang.errors import SpecError
-from memspec.schedule.decide import AdditivePlan, MinibatchPlan, CachePlan, analyse, explain
+from memspec.schedule import AdditivePlan, MinibatchPlan, CachePlan, analyse, explain
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -190,8 +190,13 @@ def test_nonlinear_model_is_minibatch_and_forced_chunk_is_located_error():
     assert "needs an exact chunk form" in diag.message
     assert "not polynomial in W (gelu(u @ W))" in diag.hint and "minibatch(N)" in diag.hint
     auto = analyse(mem(text.replace("schedule chunk(32)", "")))
-    assert auto.family == "minibatch" and not auto.exact and auto.chunk == 64
-    assert isinstance(auto.plan, MinibatchPlan)
+    # auto picks only exact schedules: online, with the approximate mini-batch admitted (asked for by name)
+    assert auto.family == "online" and auto.exact and auto.chunk is None
+    assert auto.admits == ("minibatch", "online") and auto.schedules == ("minibatch", "online")
+    assert isinstance(auto.plans["minibatch"], MinibatchPlan) and auto.plans["minibatch"].chunk == 64
+    assert "ask for it with `schedule: minibatch(N)`" in explain(mem(text.replace("schedule chunk(32)", "")))
+    asked = analyse(mem(text.replace("schedule chunk(32)", "schedule minibatch(64)")))
+    assert asked.family == "minibatch" and not asked.exact and asked.chunk == 64
 
 
 def test_forced_schedules():
@@ -244,6 +249,7 @@ def test_titans_recurrences():
           W2 = (1 - alpha) * W2 + U2
         }
         read = f(q)
+        schedule minibatch(64)
     """))
     assert d.family == "minibatch" and d.admits == ("minibatch", "online")
     coef = d.plan.coef
@@ -307,16 +313,21 @@ def test_cli_explain_and_error(tmp_path):
 
 # ------------------------------------------------------- chunked emission vs reference
 def _build(spec):
-    from memspec.codegen.module import ExprEmitter, helper_source
-    from memspec.codegen.chunked import emit_chunked_forward, kernel_sources
+    import inspect
+
+    from memspec.codegen import EMITTERS, ExprEmitter
+    from memspec.codegen.chunked import forward_lines
+    from memspec.runtime import helpers
 
     d = analyse(spec)
     em = ExprEmitter(spec)
-    lines = emit_chunked_forward(spec, d, em, chunk="chunk", lets=True)
+    family = EMITTERS[d.family]
+    lines = forward_lines(spec, family.body, d.plan, em, d.let_forms, chunk="chunk", lets=True)
     args = ", ".join([*spec.views, *spec.gates])
     body = textwrap.indent("\n".join(lines), "    ")
-    src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + kernel_sources(d) + "\n\n"
-           + helper_source(em.helpers) + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n")
+    helper_src = "\n\n".join(inspect.getsource(getattr(helpers, h)) for h in sorted(em.helpers))
+    src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + inspect.getsource(family.KERNEL)
+           + "\n\n" + helper_src + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n")
     ns: dict = {}
     exec(compile(src, f"<chunked {spec.name}>", "exec"), ns)
     return ns["forward"], src

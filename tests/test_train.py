@@ -61,6 +61,25 @@ def test_mqar_gap_puts_every_query_after_the_pad_gap():
         MQAR(seq_len=40, pairs=3, gap=33)
 
 
+def test_seeds_of_runs_give_different_data():
+    """torch's CPU generator keeps only a seed's low 32 bits; the run's seed sits in the
+    high bits of the batch seeds, so it is folded in: two runs' batches and held-out sets
+    differ, and a seed below 2^32 (every batch of run seed 0) draws what it always did."""
+    from memspec.tools.tasks import seed32
+    from memspec.tools.train import eval_seed, train_seed
+
+    task = MQAR(seq_len=24, pairs=4, vocab_size=21)
+    run0, run1 = TrainConfig(seed=0), TrainConfig(seed=1)
+    assert not torch.equal(task.batch(8, train_seed(run0, 3))[0], task.batch(8, train_seed(run1, 3))[0])
+    assert not torch.equal(task.batch(8, eval_seed(run0))[0], task.batch(8, eval_seed(run1))[0])
+    assert seed32(train_seed(run0, 3)) == 3 and seed32(eval_seed(run0)) == 1 << 31
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(task.batch(8, 3)[0][:, 0], (torch.rand(8, task.n_keys, generator=g).argsort(1)[:, 0] + 1))
+    for r in range(4):                                           # a run's held-out set is no training batch
+        cfg = TrainConfig(seed=r)
+        assert seed32(eval_seed(cfg)) not in {seed32(train_seed(cfg, s)) for s in range(10_000)}
+
+
 def test_mqar_rejects_bad_sizes():
     with pytest.raises(ValueError, match="no room"):
         MQAR(seq_len=10, pairs=5)

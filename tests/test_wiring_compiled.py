@@ -125,7 +125,7 @@ def test_generated_file_is_standalone_and_wired(name, tmp_path):
             imported |= {n.name.split(".")[0] for n in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.split(".")[0])
-    assert imported == {"torch", "math", "time", "warnings"}
+    assert imported <= {"torch", "math", "time", "warnings"} and "torch" in imported
     kind = KINDS[name]
     cname = "".join(p.capitalize() for p in name.split("_"))
     assert f"class {cname}Layer({kind}):" in text and f"class {kind}(nn.Module):" in text

@@ -52,19 +52,12 @@ import networkx as nx
 from ..lang.errors import Collector, Diagnostic, Span, did_you_mean, sorted_diagnostics
 from ..lang.expr import FUNCTIONS, Call, Expr, Name
 from .graph import lower
+from ..lang.names import RESERVED_NAMES
 from ..lang.shapes import let_order
 
 IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
-RESERVED_NAMES = frozenset({
-    # modules and names the generated code binds itself
-    "torch", "nn", "F", "math", "warnings", "self", "state", "schedule", "x", "o",
-    # fixed parameter names of the generated modules: forward(..., **unknown), __init__(..., chunk=)
-    "unknown", "chunk",
-    # names with a fixed meaning in the language
-    "logit", "loss",
-})
-"""Names a spec may not declare: the generated code (``compiled/*.py``) uses them."""
+
 
 BUILTIN_NAMES = frozenset(n for n in dir(builtins))
 

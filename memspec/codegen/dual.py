@@ -1,4 +1,4 @@
-"""Code generation for the dual form of the mini-batch schedule (see :mod:`memspec.dual`).
+"""Code generation for the dual form of the mini-batch schedule (see :mod:`memspec.schedule.dual`).
 
 Writes two methods of the Memory class, in place of the materialising
 ``_token_grads`` / ``_chunk_step`` pair:
@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import re
 
-from .module import _DECAY_MATRIX, P_ATOM, P_MUL, _shape_text, fresh
 from ..lang.expr import BinOp, Call, Expr, Name, map_children, substitute, unparse
-
+from ..lang.names import fresh
+from ..runtime.helpers import _decay_matrix
+from .exprs import P_ATOM, P_MUL
+from .program import shadow_plan
+from .text import shape_text, tuple_text
 
 
 def _sum(terms: list) -> str:
@@ -63,7 +66,7 @@ class DualWriter:
             name = fresh(base, taken)
             shape = self.w.env.infer(x, scope=scope)
             L(f"{name} = {em.with_scope(**scope).emit(x)}",
-              _shape_text("B, C, H", shape) + f": {comment}")
+              shape_text("B, C, H", shape) + f": {comment}")
             scope[name] = tuple(shape)
             return Name(name)
 
@@ -92,7 +95,7 @@ class DualWriter:
         taken = set(w.spec_names)
         taps = {s: fresh(f"z_{s}", taken) for s in form.sites}
         states = list(form.sites)
-        inputs = w._loss_inputs()
+        inputs = w.loss_inputs()
         self.loss_inputs = inputs
         self.taps = taps
         L(f"def _chunk_loss(self, {', '.join(list(taps.values()) + states + inputs)}):")
@@ -115,10 +118,10 @@ class DualWriter:
                 if kind == "matmul":
                     xs[s] = x.id
                     L(f"{y} = ({x.id}.transpose(1, 2) @ {s}).transpose(1, 2) + {taps[s]}",
-                      _shape_text("B, C, H", shape) + f": the layer @ {s} (head-major product)")
+                      shape_text("B, C, H", shape) + f": the layer @ {s} (head-major product)")
                 else:
                     code = em.with_scope(**scope)._emit(a)
-                    L(f"{y} = {code.text} + {s}.unsqueeze(1) + {taps[s]}", _shape_text("B, C, H", shape) + f": + {s}")
+                    L(f"{y} = {code.text} + {s}.unsqueeze(1) + {taps[s]}", shape_text("B, C, H", shape) + f": + {s}")
                 scope[y] = shape
                 return y
 
@@ -134,10 +137,9 @@ class DualWriter:
         w, spec, form = self.w, self.spec, self.form
         rec = form.recurrence
         taken = set(w.spec_names) | set(self.taps.values())
-        starts = {s: fresh(f"{s}_start", taken) for s in w._shadow_plan()[1]}
+        starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(w)[1]}
         first = w.first
-        if _DECAY_MATRIX not in w.module_parts:
-            w.module_parts.append(_DECAY_MATRIX)
+        w.need(_decay_matrix)
         L(f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + w.views + w.gates)}):")
         with L.indent():
             L('"""' + "One mini-batch chunk of C tokens in the dual form: " + ", ".join(
@@ -148,10 +150,10 @@ class DualWriter:
             L(", ".join(w.states) + ": the state before the chunk's first token [B, H, ...].")
             L("Each state after token i is a combination of the states before the chunk and the")
             L("tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.")
-            L("Returns (o " + _shape_text("B, C, H", w.read_shape()) + ", the state after the chunk).")
+            L("Returns (o " + shape_text("B, C, H", w.read_shape()) + ", the state after the chunk).")
             L('"""')
             em = w.emitter()
-            w._lets(L, em, "B, C, H")
+            w.lets(L, em, "B, C, H")
             # every token's layer gradients at the chunk-start state: one backward pass
             states = list(form.sites)
             dz = {s: fresh(f"dz_{s}", taken) for s in states}
@@ -329,18 +331,18 @@ class DualWriter:
                     terms = [f"{v}.unsqueeze(-1) * ({xh} @ {r0})" for r0, v in rep.vec.items()]
                     terms += [f"(({xh} @ {xk[g]}.transpose(-2, -1)) * {m}) @ {dd[g]}" for g, m in rep.mat.items()]
                     L(f"{y} = ({_sum(terms) if terms else f'torch.zeros_like({xh})'}).transpose(1, 2)",
-                      _shape_text("B, C, H", shape) + f": each token's own {s} applied, in dual form")
+                      shape_text("B, C, H", shape) + f": each token's own {s} applied, in dual form")
                 else:
                     code = em.with_scope(**scope)._emit(a)
                     terms = [f"{v}.unsqueeze(-1) * {r0}.unsqueeze(-2)" for r0, v in rep.vec.items()]
                     terms += [f"{m} @ {dd[g]}" for g, m in rep.mat.items()]
                     L(f"{y} = {code.text} + ({_sum(terms)}).transpose(1, 2)",
-                      _shape_text("B, C, H", shape) + f": + each token's own {s}")
+                      shape_text("B, C, H", shape) + f": + each token's own {s}")
                 scope[y] = shape
                 return y
 
             e = self._lower(L, em, spec.read, scope, taken, on_site, xbase="xq")
-            L(f"o = {em.with_scope(**scope).emit(e)}", _shape_text("B, C, H", w.read_shape()))
+            L(f"o = {em.with_scope(**scope).emit(e)}", shape_text("B, C, H", w.read_shape()))
             # the state after the chunk: row C of every representation
             finals = []
             for s in w.states:
@@ -355,12 +357,12 @@ class DualWriter:
                 L(f"{name} = {_sum(terms) if terms else f'torch.zeros_like({s})'}",
                   f"[B, H, {', '.join(spec.state[s].shape)}]")
                 finals.append(name)
-            L(f"return o, {w._tuple(finals)}")
+            L(f"return o, {tuple_text(finals)}")
         L()
 
 
-def write_dual(writer, form, L) -> None:
-    """Emit the dual-form ``_chunk_loss`` and ``_chunk_step`` of ``writer``'s Memory class."""
-    d = DualWriter(writer, form)
+def emit(ctx, form, L) -> None:
+    """Emit the dual-form ``_chunk_loss`` and ``_chunk_step`` of the Memory class."""
+    d = DualWriter(ctx, form)
     d.loss_method(L)
     d.chunk_step(L)

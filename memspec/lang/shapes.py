@@ -27,6 +27,9 @@ argument only inside the model, ``loss`` only as the first argument of ``grad``.
 Pass ``context`` ("gate", "let", "model", "loss", "update", "read") to get the
 rules of that place (``grad`` only in updates, ``logit`` only in gates); the default
 ``None`` is permissive and is what code generators want.
+
+Size: the shape rule of every construct in one class (``_fn_*``), with its located
+errors; the rules share the context and the diagnostics, and read as one table.
 """
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""pipeline"""
+"""The pipeline (:mod:`.build`): load -> check -> decide -> generate -> write / import.
+:mod:`.write` writes files atomically."""

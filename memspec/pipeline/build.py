@@ -1,11 +1,16 @@
-"""`memspec.compile` and `memspec.build`: a spec -> a generated module -> an ``nn.Module``.
+"""The pipeline: the one place that loads, checks, decides, generates, writes and imports.
 
-``compile(spec_or_path, out_dir="compiled") -> Path`` writes ``<out_dir>/<name>.py``
-atomically (:func:`memspec.emit.write_atomic`).  ``build(spec_or_path, *,
-compile=True, **dims)`` generates the same text, executes it as a fresh module
-(registered in :mod:`linecache`, so tracebacks show the generated lines) and returns
-its ``<Name>Layer`` built with the given dims (``chunk=`` sets the chunk size of
-chunked schedules).  ``build_memory`` returns the ``<Name>Memory`` alone.
+Every tool (the CLI, diff, table, bench, train, the lab) goes through these functions:
+
+* :func:`load_checked` -- spec file (or :class:`~memspec.lang.spec.Spec`) -> :class:`Checked`
+  (the spec, its dataflow graph, the checks' warnings, the file's text); raises
+  :class:`~memspec.lang.errors.SpecError` with every error;
+* :func:`decide` -- the schedule decision (:func:`memspec.schedule.analyse`);
+* :func:`generate_source` -- the generated module text of a checked spec;
+* :func:`compile` -- writes ``<out_dir>/<name>.py`` atomically (:mod:`.write`);
+* :func:`build` / :func:`build_memory` -- the same text executed as a fresh module
+  (registered in :mod:`linecache`, so tracebacks show the generated lines), its
+  ``<Name>Layer`` / ``<Name>Memory`` built with the given dims.
 
 The shipped specs' modules live in ``compiled/`` and are regenerated with::
 
@@ -13,34 +18,55 @@ The shipped specs' modules live in ``compiled/`` and are regenerated with::
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import linecache
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from ..codegen.module import class_name, generate
-from .write import write_atomic
-from ..lang.errors import SpecError
+from ..check.verify import check
+from ..codegen import class_name, generate
+from ..lang.errors import Diagnostic, SpecError
+from ..lang.frontend import load
 from ..lang.spec import Spec
+from ..schedule import ScheduleDecision, analyse
+from .write import write_atomic
 
 SpecLike = Union[Spec, str, Path]
 
 
-def _load(spec_or_path: SpecLike) -> tuple[Spec, str | None, str | None]:
-    """(spec, path as written in the header, source text)."""
-    if isinstance(spec_or_path, Spec):
-        return spec_or_path, spec_or_path.path, None
-    from ..lang.frontend import load
+@dataclass(frozen=True)
+class Checked:
+    """A loaded spec that passed the checks."""
 
-    path = Path(spec_or_path)
-    spec = load(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        text = None
-    return spec, _display(path), text
+    spec: Spec
+    graph: object                       # the networkx dataflow graph of one token step
+    warnings: tuple[Diagnostic, ...]
+    path: str | None                    # the file as the generated header names it
+    text: str | None                    # the file's text (hashed into the header)
+
+
+def load_checked(spec_or_path: SpecLike | Checked) -> Checked:
+    """Load (a path) and check a spec; raise SpecError with every error (warnings included)."""
+    if isinstance(spec_or_path, Checked):
+        return spec_or_path
+    if isinstance(spec_or_path, Spec):
+        spec, path, text = spec_or_path, spec_or_path.path, None
+    else:
+        p = Path(spec_or_path)
+        spec = load(p)
+        path = _display(p)
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            text = None
+    graph, diags = check(spec)
+    if any(d.severity == "error" for d in diags):
+        raise SpecError(diags)
+    return Checked(spec, graph, tuple(d for d in diags if d.severity == "warning"), path, text)
 
 
 def _display(path: Path) -> str:
@@ -50,55 +76,41 @@ def _display(path: Path) -> str:
         return path.as_posix()
 
 
-def _checked(spec: Spec) -> None:
-    """Run the verifier; raise SpecError with every error."""
-    from ..check.verify import check
-
-    _, diags = check(spec)
-    errors = [d for d in diags if d.severity == "error"]
-    if errors:
-        raise SpecError(errors)
-
-
-def decide(spec: Spec):
-    """The schedule decision (``memspec.schedule.analyse``); raises SpecError for a forced
-    schedule the spec does not admit."""
-    from ..schedule.decide import analyse
-
+def decide(spec: Spec) -> ScheduleDecision:
+    """The schedule decision; raises SpecError for a schedule the spec asks for and does not admit."""
     return analyse(spec)
 
 
+def generate_source(checked: Checked, decision: ScheduleDecision | None = None) -> str:
+    """The generated module text of a checked spec (what ``compile`` writes)."""
+    decision = decide(checked.spec) if decision is None else decision
+    return generate(checked.spec, decision, source_path=checked.path, source_text=checked.text)
+
+
 def source(spec_or_path: SpecLike) -> str:
-    """The generated module text of a spec (what ``compile`` writes)."""
-    spec, path, text = _load(spec_or_path)
-    _checked(spec)
-    return generate(spec, decide(spec), source_path=path, source_text=text)
+    """The generated module text of a spec file or Spec."""
+    return generate_source(load_checked(spec_or_path))
 
 
-def compile(spec_or_path: SpecLike, out_dir: Union[str, Path] = "compiled") -> Path:  # noqa: A001
+def compile(spec_or_path: SpecLike | Checked, out_dir: Union[str, Path] = "compiled") -> Path:  # noqa: A001
     """Generate ``<out_dir>/<name>.py`` for a spec (atomically); returns its path."""
-    text = source(spec_or_path)
-    spec, _, _ = _load(spec_or_path)
-    out = Path(out_dir) / f"{spec.name}.py"
-    write_atomic(out, text)
-    return out
+    return compile_with_decision(spec_or_path, out_dir)[0]
 
 
-def compile_checked(spec: Spec, path: Union[str, Path], out_dir: Union[str, Path] = "compiled"):
-    """For the CLI: ``spec`` already loaded and checked from ``path``; writes the module and
-    returns ``(out_path, "schedule: ...")``."""
-    p = Path(path)
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
-        text = None
-    decision = decide(spec)
-    code = generate(spec, decision, source_path=_display(p), source_text=text)
-    out = Path(out_dir) / f"{spec.name}.py"
-    write_atomic(out, code)
+def compile_with_decision(spec_or_path: SpecLike | Checked, out_dir: Union[str, Path] = "compiled"):
+    """:func:`compile`, returning ``(path, decision)``."""
+    checked = load_checked(spec_or_path)
+    decision = decide(checked.spec)
+    out = Path(out_dir) / f"{checked.spec.name}.py"
+    write_atomic(out, generate_source(checked, decision))
+    return out, decision
+
+
+def decision_text(decision: ScheduleDecision) -> str:
+    """``schedule delta(64), exact`` (what ``memspec compile`` prints)."""
     kind = "exact" if decision.exact else "approximate"
     chunk = f"({decision.chunk})" if decision.chunk and decision.family != "cache" else ""
-    return out, f"schedule {decision.family}{chunk}, {kind}"
+    return f"schedule {decision.family}{chunk}, {kind}"
 
 
 def load_module(text: str, name: str) -> types.ModuleType:
@@ -112,25 +124,17 @@ def load_module(text: str, name: str) -> types.ModuleType:
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     mod = types.ModuleType(modname)
     mod.__file__ = filename
-    exec(builtins_compile(text, filename, "exec"), mod.__dict__)
+    exec(builtins.compile(text, filename, "exec"), mod.__dict__)
     sys.modules[modname] = mod
     return mod
 
 
-def builtins_compile(text, filename, mode):
-    import builtins
-
-    return builtins.compile(text, filename, mode)
-
-
-def _module(spec_or_path: SpecLike):
-    spec, path, text = _load(spec_or_path)
-    _checked(spec)
-    code = generate(spec, decide(spec), source_path=path, source_text=text)
-    return spec, load_module(code, spec.name)
+def _module(spec_or_path: SpecLike | Checked):
+    checked = load_checked(spec_or_path)
+    return checked.spec, load_module(generate_source(checked), checked.spec.name)
 
 
-def build(spec_or_path: SpecLike, *, compile: bool = True, **dims):  # noqa: A002
+def build(spec_or_path: SpecLike | Checked, *, compile: bool = True, **dims):  # noqa: A002
     """The ``<Name>Layer`` of a spec: ``x [B, T, d_model] -> y``; ``.memory`` is the memory.
 
     ``dims`` override the spec's dims (and ``chunk=`` the chunk size); for a wired spec
@@ -143,7 +147,7 @@ def build(spec_or_path: SpecLike, *, compile: bool = True, **dims):  # noqa: A00
     return getattr(mod, f"{class_name(spec.name)}Layer")(compile=compile, **dims)
 
 
-def build_memory(spec_or_path: SpecLike, *, compile: bool = True, **dims):  # noqa: A002
+def build_memory(spec_or_path: SpecLike | Checked, *, compile: bool = True, **dims):  # noqa: A002
     """The ``<Name>Memory`` of a spec alone (views and gates in, outputs and state out)."""
     spec, mod = _module(spec_or_path)
     _check_dims(spec, dims)

@@ -85,7 +85,8 @@ class Attention(nn.Module):
             k = F.normalize(k, dim=-1)
         return k, self.split(self.wv(x))
 
-    def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
         scale = None                                                  # SDPA's default, 1 / sqrt(dh)
@@ -164,7 +165,8 @@ class MAC(nn.Module):
     """
 
     def __init__(self, layer: nn.Module, d_model: int, *, segment: int = 64, persistent: int = 4,
-                 heads: int = 1, qk_norm: bool = True, write: str = "attention", output: str = "gated"):
+                 heads: int = 1, qk_norm: bool = True, write: str = "attention",
+                 output: str = "gated"):
         super().__init__()
         if segment < 1:
             raise ValueError("segment must be >= 1")
@@ -208,9 +210,9 @@ class MAC(nn.Module):
         return self.layer(y, state=mem, return_state=True)
 
     def _segment_piece(self, x: torch.Tensor, st: dict):
-        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier ones)."""
+        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier)."""
         L = x.shape[1]
-        h = self.retrieve(x, st["start"])                              # 1. retrieve (pre-segment state)
+        h = self.retrieve(x, st["start"])                              # 1. retrieve (segment start)
         hk, hv = self.attn.project_kv(h)                               # [B, h, L, dh]
         xk, xv = self.attn.project_kv(x)
         if st["hk"] is not None:
@@ -331,9 +333,10 @@ def wrap(layer: nn.Module, kind: str, d_model: int, *, segment: int = 64, window
         raise ValueError(f"{kind} has no option {', '.join(unknown)}: its options are "
                          f"{', '.join(OPTIONS[kind])} (and qk_norm)")
     if kind == "mac":
-        return MAC(layer, d_model, segment=segment, persistent=persistent, heads=heads, qk_norm=qk_norm, **options)
-    return WIRINGS[kind](layer, d_model, window=window, persistent=persistent, heads=heads, qk_norm=qk_norm,
-                         **options)
+        return MAC(layer, d_model, segment=segment, persistent=persistent, heads=heads,
+                   qk_norm=qk_norm, **options)
+    return WIRINGS[kind](layer, d_model, window=window, persistent=persistent, heads=heads,
+                         qk_norm=qk_norm, **options)
 
 
 def source(kind: str | None = None) -> str:
@@ -344,7 +347,8 @@ def source(kind: str | None = None) -> str:
     import inspect
 
     needs = {None: (Attention, SlidingWindowAttention, MAC, MAG, MAL), "mac": (Attention, MAC),
-             "mag": (Attention, SlidingWindowAttention, MAG), "mal": (Attention, SlidingWindowAttention, MAL)}
+             "mag": (Attention, SlidingWindowAttention, MAG),
+             "mal": (Attention, SlidingWindowAttention, MAL)}
     if kind not in needs:
         raise ValueError(f"unknown wiring {kind!r}: use mac, mag or mal")
     return "\n\n".join(inspect.getsource(c) for c in needs[kind])

@@ -6,7 +6,7 @@ bias ``a + b``), the gradient of any per-token loss with respect to it is an out
 product, ``grad_j = x_j^T delta_j`` (``delta_j`` the gradient with respect to the layer's
 output), or ``delta_j`` itself for a bias.  If, moreover, the update program is a set
 of linear recurrences whose coefficients are token-local scalars (momentum, forgetting,
-step sizes: :func:`memspec.codegen.minibatch_recurrence`), every state after token i
+step sizes: :func:`.recurrence.minibatch_recurrence`), every state after token i
 of the chunk is
 
     S_i = sum_R a[S, R]_i R_0 + sum_g sum_{j <= i} M[S, g]_{i, j} grad_g_j
@@ -24,7 +24,7 @@ backward pass of the chunk's summed loss with respect to each layer's output (it
 *tap*), at the chunk-start state.
 
 :func:`analyse_dual` decides whether a spec admits this form and returns the facts the
-code generator needs (:mod:`memspec.codegen_dual`); :class:`NotDual` says why not (the
+code generator needs (:mod:`memspec.codegen.dual`); :class:`NotDual` says why not (the
 mini-batch schedule then materialises every token's state, which is exact too, but
 C times larger).
 """
@@ -32,7 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, rewrite, unparse
+from ..lang.names import fresh
+from ..lang.shapes import ShapeEnv
+from .recurrence import NotRecurrence, minibatch_recurrence
 
 
 class NotDual(Exception):
@@ -46,7 +49,7 @@ class DualForm:
     sites: each state of the inner model -> ``"matmul"`` (enters as ``x @ W``, W a
         matrix, x a vector) or ``"bias"`` (enters as ``a + b``, both vectors).
     targets: the states that the update differentiates (``grad(loss, W)``), in state order.
-    recurrence: :class:`memspec.codegen.Recurrence` of the update program, every
+    recurrence: :class:`.recurrence.Recurrence` of the update program, every
         ``grad(...)`` replaced by a placeholder name.
     grad_terms: state -> {target: token-local scalar coefficient of that target's
         gradient in the state's update}.
@@ -71,8 +74,6 @@ class DualForm:
 
 def _sites(spec) -> dict:
     """state -> site kind, for every state of the model; raises NotDual."""
-    from ..lang.shapes import ShapeEnv
-
     model = spec.model
     env = ShapeEnv.from_spec(spec)
     states = spec.model_states()
@@ -185,10 +186,6 @@ def _mentions(e: Expr, names: set) -> bool:
 
 def analyse_dual(spec) -> DualForm:
     """The dual form of ``spec``'s mini-batch schedule, or raise :class:`NotDual`."""
-    from ..codegen.module import NotRecurrence, fresh, minibatch_recurrence
-    from ..lang.expr import rewrite
-    from ..lang.shapes import ShapeEnv
-
     if spec.model is None or spec.loss is None:
         raise NotDual("the spec has no inner model and loss")
     if any(st.cache for st in spec.state.values()):

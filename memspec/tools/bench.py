@@ -84,7 +84,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
                compile: bool = False, peak: float | None = None, budget_s: float = 20.0) -> list[dict]:
     """Time every admitted schedule of one spec; returns one record per schedule."""
     from ..pipeline.build import build_memory
-    from ..schedule.decide import analyse
+    from ..schedule import analyse
 
     decision = analyse(spec)
     dims = {d: D for d in ("d_k", "d_v") if d in spec.dims}
@@ -227,7 +227,7 @@ def run_cli(args, load_checked, usage_error) -> int:
         raise usage_error("--device cuda: no CUDA device is available")
     record = bench(args.files, T=args.T, B=args.B, H=args.H, D=args.D, device=args.device, dtype=args.dtype,
                    repeat=args.repeat, grad=args.grad, schedules=schedules, compile=getattr(args, "compile", False),
-                   loader=lambda p: load_checked(p)[0])
+                   loader=lambda p: load_checked(p).spec)
     sys.stdout.write(render(record))
     if args.json:
         from ..pipeline.write import write_atomic

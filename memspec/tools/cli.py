@@ -29,18 +29,14 @@ def _print_diags(diags: list[Diagnostic]) -> None:
 
 
 def load_checked(path: str, *, warnings: bool = True):
-    """Load and verify a spec; print every diagnostic; return (spec, graph) or raise SpecError."""
-    from ..check.verify import check
-    from ..lang.frontend import load
+    """:func:`memspec.pipeline.build.load_checked`, printing the warnings; returns the
+    :class:`~memspec.pipeline.build.Checked` or raises SpecError."""
+    from ..pipeline.build import load_checked as pipeline_load
 
-    spec = load(path)
-    graph, diags = check(spec)
-    errors = [d for d in diags if d.severity == "error"]
-    if errors:
-        raise SpecError(diags)
+    checked = pipeline_load(path)
     if warnings:
-        _print_diags([d for d in diags if d.severity == "warning"])
-    return spec, graph
+        _print_diags(list(checked.warnings))
+    return checked
 
 
 # ------------------------------------------------------------------ commands
@@ -93,7 +89,7 @@ def cmd_fmt(args) -> int:
 def cmd_graph(args) -> int:
     from ..check.graph import render
 
-    spec, graph = load_checked(args.file)
+    graph = load_checked(args.file).graph
     if args.format in ("svg", "png"):
         return _graphviz(render(graph, "dot"), args.format, args.output)
     text = render(graph, args.format)
@@ -148,21 +144,15 @@ def cmd_diff(args) -> int:
     from .diff import diff, graph_edits, lower_graph, render_dot, render_json, render_markdown, render_text
 
     try:
-        a, b = load_checked(args.a, warnings=False)[0], load_checked(args.b, warnings=False)[0]
+        a, b = load_checked(args.a, warnings=False).spec, load_checked(args.b, warnings=False).spec
     except SpecError as err:  # like diff(1): trouble is exit status 2
         _print_diags(err.diagnostics)
         return 2
     edits = diff(a, b)
     graph: list | None = None
     if args.format == "dot" or (edits and not args.no_graph):
-        try:
-            ga, gb = lower_graph(a), lower_graph(b)
-        except ImportError:
-            if args.format == "dot":
-                raise UsageError("--format dot needs the dataflow graph (memspec.graph), which is not available")
-            ga = gb = None
-        if ga is not None:
-            graph = graph_edits(ga, gb) if edits else []
+        ga, gb = lower_graph(a), lower_graph(b)
+        graph = graph_edits(ga, gb) if edits else []
     status = 1 if edits else 0
     if args.format == "dot":
         text = render_dot(ga, gb, title=f"{a.name} -> {b.name}")
@@ -187,7 +177,7 @@ def cmd_diff(args) -> int:
 def cmd_table(args) -> int:
     from .table import render_table, rows
 
-    specs = [load_checked(p, warnings=False)[0] for p in args.files]
+    specs = [load_checked(p, warnings=False).spec for p in args.files]
     sys.stdout.write(render_table(rows(specs), args.format))
     return 0
 
@@ -199,13 +189,12 @@ def cmd_lab(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from ..schedule.decide import explain
+    from ..schedule import explain
 
     status = 0
     for path in args.files:
         try:
-            spec, _ = load_checked(path)
-            sys.stdout.write(explain(spec))
+            sys.stdout.write(explain(load_checked(path).spec))
         except SpecError as err:
             _print_diags(err.diagnostics)
             status = 1
@@ -213,14 +202,13 @@ def cmd_explain(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from ..pipeline.build import compile_checked
+    from ..pipeline.build import compile_with_decision, decision_text
 
     status = 0
     for path in args.files:
         try:
-            spec, _ = load_checked(path)
-            out, decision_text = compile_checked(spec, path, args.output)
-            print(f"wrote {out} ({decision_text})")
+            out, decision = compile_with_decision(load_checked(path), args.output)
+            print(f"wrote {out} ({decision_text(decision)})")
         except SpecError as err:
             _print_diags(err.diagnostics)
             status = 1

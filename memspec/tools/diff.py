@@ -139,16 +139,11 @@ def schedule_text(decision: Any) -> str:
     return s + (", exact" if decision.exact else ", approximate")
 
 
-def derived_schedule(spec: Spec) -> Any | None:
-    """``schedule.analyse(spec)`` when that analysis exists, else None."""
-    try:
-        from ..schedule.decide import analyse  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    try:
-        return analyse(spec)
-    except NotImplementedError:
-        return None
+def derived_schedule(spec: Spec) -> Any:
+    """The schedule decision of a (checked) spec."""
+    from ..pipeline.build import decide
+
+    return decide(spec)
 
 
 # --------------------------------------------------------------- the diff
@@ -156,15 +151,9 @@ def _as_spec(x: Spec | str | Path) -> Spec:
     """A spec as given, or loaded from a path and verified (raises ``SpecError``)."""
     if isinstance(x, Spec):
         return x
-    from ..check.verify import check, errors_of
-    from ..lang.errors import SpecError
-    from ..lang.frontend import load
+    from ..pipeline.build import load_checked
 
-    spec = load(x)
-    _, diags = check(spec)
-    if errors_of(diags):
-        raise SpecError(errors_of(diags))
-    return spec
+    return load_checked(x).spec
 
 
 def _span(spec: Spec, path: tuple, node: Any = None) -> Span | None:
@@ -312,8 +301,7 @@ class _Differ:
     def _schedule(self):
         self.value("schedule", ("schedule", "declared"), self.a.schedule, self.b.schedule)
         da, db = derived_schedule(self.a), derived_schedule(self.b)
-        if da is not None and db is not None:
-            self.value("schedule", ("schedule", "derived"), schedule_text(da), schedule_text(db))
+        self.value("schedule", ("schedule", "derived"), schedule_text(da), schedule_text(db))
 
     def _wiring(self):
         # only the parameters the wiring kind uses take part; a change of kind is one edit

@@ -16,11 +16,7 @@ looks at its name:
   state) -> a gradient write into a model linear in its state (error-based write)
   -> a model non-linear in its state (an inner learner) -> extras: momentum,
   decay, a non-quadratic inner loss, an implicit key-dependent step, a wiring.
-* **costs** per token and head of a write and a read, from the shapes: ``@`` and
-  ``outer`` cost the product of their dims, elementwise operations the size of
-  their result, ``solve`` ``n^3 + n^2 m``, ``attend`` ``n (d + e)`` over a cache of
-  ``n`` entries, ``f(x)`` its body, ``grad(loss, W)`` the loss (a backward pass
-  costs a small multiple of the forward); only the dominant terms are kept.
+* **costs** per token and head of a write and a read, from the shapes (:mod:`.costs`).
 * **schedule** from :func:`memspec.schedule.analyse`.
 
 ``render_table(rows, "markdown" | "text" | "csv")`` prints them.
@@ -37,6 +33,8 @@ from .diff import WIRING_FIELDS, derived_schedule
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute
 from ..lang.normalize import canon
 from ..lang.spec import Spec
+from .costs import Coster, cost_text
+from .mathtext import mname, render
 
 # ------------------------------------------------------------------- algebra
 Term = tuple  # (coefficient: float, factors: tuple[Expr, ...])
@@ -370,211 +368,6 @@ def _cap(s: str) -> str:
     return s[:1].upper() + s[1:]
 
 
-# ------------------------------------------------------------------- costs
-def _size(shape) -> Counter:
-    return Counter({tuple(sorted(shape or ())): 1})
-
-
-class Coster:
-    """Asymptotic per-token cost of expressions, from their inferred shapes."""
-
-    def __init__(self, spec: Spec):
-        from ..lang.shapes import ShapeEnv
-
-        self.spec = spec
-        self.env = ShapeEnv.from_spec(spec)
-
-    def cost(self, e: Expr, scope: dict | None = None) -> Counter:
-        from ..lang.errors import Collector
-
-        rec: dict = {}
-        self.env.infer(e, scope=scope or {}, diags=Collector(), record=rec)
-        return self._cost(e, rec, scope or {})
-
-    def _shape(self, e: Expr, rec: dict):
-        sh = rec.get(id(e))
-        if sh is None and isinstance(e, Name):  # cache arguments are typed by their call
-            sh = self.env.names.get(e.id)
-        return sh
-
-    def _cost(self, e: Expr, rec: dict, scope: dict) -> Counter:
-        out: Counter = Counter()
-        for c in e.children():
-            out += self._cost(c, rec, scope)
-        sh = self._shape(e, rec)
-        if isinstance(e, BinOp):
-            if e.op == "@":
-                a, b = self._shape(e.left, rec), self._shape(e.right, rec)
-                if a is not None and b is not None:
-                    out += _size(tuple(a) + tuple(b)[1:]) if a and b else _size(a or b)
-            else:
-                out += _size(sh)
-        elif isinstance(e, Neg):
-            out += _size(sh)
-        elif isinstance(e, Call):
-            out += self._call(e, rec, sh, scope)
-        return out
-
-    def _call(self, e: Call, rec: dict, sh, scope: dict) -> Counter:
-        spec = self.spec
-        arg = [self._shape(a, rec) for a in e.args]
-        if spec.model is not None and e.fn == spec.model.name:
-            return self.cost(spec.model.body, {**scope, spec.model.arg: arg[0] or ()})
-        if e.fn == "grad":
-            # backward ~ forward: the loss, at the current state
-            return self.cost(spec.loss) + _size(sh) if spec.loss is not None else _size(sh)
-        if e.fn == "solve" and arg[0]:
-            n = arg[0][0]
-            m = tuple((arg[1] or ())[1:])
-            return _size((n, n, n)) + _size((n, n) + m)
-        if e.fn == "attend" and len(arg) == 4 and arg[1] and arg[2]:
-            return _size(arg[1]) + _size(arg[2])
-        if e.fn in ("sum", "mean", "norm", "layernorm", "rmsnorm", "l2norm"):
-            return _size(arg[0])
-        if e.fn in ("eye",):
-            return Counter()
-        if e.fn == "append":  # pushing one vector
-            return _size(arg[1])
-        return _size(sh)
-
-
-def dominant(c: Counter) -> list[tuple[str, ...]]:
-    """The monomials not dominated by another (``d_k`` is dominated by ``d_k·d_v``)."""
-    monos = [m for m in c if c[m]]
-
-    def divides(a, b):
-        ca, cb = Counter(a), Counter(b)
-        return all(cb[k] >= v for k, v in ca.items())
-
-    keep = [m for m in monos if not any(o != m and divides(m, o) for o in monos)]
-    return sorted(set(keep), key=lambda m: (-len(m), m))
-
-
-SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
-
-
-def _mono_text(m: tuple[str, ...], order: list[str]) -> str:
-    cnt = Counter(m)
-    parts = []
-    for d in sorted(cnt, key=lambda d: (order.index(d) if d in order else len(order), d)):
-        parts.append(d + (str(cnt[d]).translate(SUPERSCRIPT) if cnt[d] > 1 else ""))
-    return "·".join(parts) or "1"
-
-
-def cost_text(c: Counter, spec: Spec, cache_axis: str = "n") -> str:
-    """``O(d_k·d_v)``; a factor common to every term is pulled out: ``O(n·(d_k + d_v))``."""
-    monos = dominant(c)
-    if not monos:
-        return "O(1)"
-    order = [cache_axis] + list(spec.dims)
-    if len(monos) == 1:
-        return f"O({_mono_text(monos[0], order)})"
-    common = Counter(monos[0])
-    for m in monos[1:]:
-        common &= Counter(m)
-    rest = [tuple((Counter(m) - common).elements()) for m in monos]
-    inner = " + ".join(_mono_text(r, order) for r in rest)
-    if common:
-        return f"O({_mono_text(tuple(common.elements()), order)}·({inner}))"
-    return f"O({inner})"
-
-
-# ----------------------------------------------------------------- math text
-GREEK = {
-    "alpha": "α", "beta": "β", "gamma": "γ", "delta": "δ", "eps": "ε", "epsilon": "ε", "eta": "η",
-    "theta": "θ", "lam": "λ", "lambda_": "λ", "mu": "μ", "rho": "ρ", "sigma": "σ", "tau": "τ",
-    "phi": "φ", "omega": "ω", "loss": "ℓ",
-}
-SUBSCRIPT = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
-_MPREC = {"+": 1, "-": 1, "*": 2, "/": 2, "@": 2, "neg": 3, "^": 4, "atom": 6}
-
-
-def _mname(n: str) -> str:
-    if n in GREEK:
-        return GREEK[n]
-    head = n.rstrip("0123456789")
-    if head and head != n and "_" not in n:
-        return _mname(head) + n[len(head):].translate(SUBSCRIPT)
-    return n
-
-
-def _mprec(e: Expr) -> int:
-    if isinstance(e, BinOp):
-        return _MPREC[e.op]
-    if isinstance(e, Neg) or (isinstance(e, Num) and float(e.value) < 0):
-        return _MPREC["neg"]
-    return _MPREC["atom"]
-
-
-def _num_text(v) -> str:
-    if float(v) == 0.5:
-        return "½"
-    return format_number(v).replace("-", "−")
-
-
-def render(e: Expr) -> str:
-    """An expression as plain-text math: ``W − η ∇ℓ(W)``, ``‖f(k) − v‖²``, ``k ⊗ v``."""
-    if isinstance(e, Num):
-        return _num_text(e.value)
-    if isinstance(e, Name):
-        return _mname(e.id)
-    if isinstance(e, Neg):
-        inner = render(e.operand)
-        return "−" + (f"({inner})" if _mprec(e.operand) < _MPREC["neg"] else inner)
-    if isinstance(e, Transpose):
-        inner = render(e.operand)
-        return (f"({inner})" if _mprec(e.operand) < _MPREC["atom"] else inner) + "ᵀ"
-    if isinstance(e, Call):
-        a = e.args
-        if e.fn == "grad":
-            return "∇ℓ" + (f"({render(a[1])})" if len(a) > 1 else "")
-        if e.fn == "outer":
-            return f"{_wrap(a[0], 3)} ⊗ {_wrap(a[1], 3)}"
-        if e.fn == "sum" and isinstance(a[0], BinOp) and a[0].op == "^" and a[0].right == Num(2):
-            return f"‖{render(a[0].left)}‖²"
-        if e.fn == "norm":
-            return f"‖{render(a[0])}‖"
-        if e.fn == "sqrt":
-            return "√" + _wrap(a[0], _MPREC["atom"])
-        if e.fn == "abs":
-            return f"|{render(a[0])}|"
-        if e.fn == "sum":
-            return f"Σ({render(a[0])})"
-        if e.fn == "solve":
-            return f"{_wrap(a[0], 6)}⁻¹ {_wrap(a[1], 3)}"
-        if e.fn == "eye":
-            return "I"
-        if e.fn == "attend":
-            sc = a[3]
-            if isinstance(sc, BinOp) and sc.op == "^" and (sc.right == Num(-0.5) or sc.right == Neg(Num(0.5))):
-                return f"softmax({_wrap(a[1], 3)} {_wrap(a[0], 3)}/√{_wrap(sc.left, 6)}) · {_wrap(a[2], 3)}"
-            return f"softmax({_wrap(sc, 3)} {_wrap(a[1], 3)} {_wrap(a[0], 3)}) · {_wrap(a[2], 3)}"
-        if e.fn == "append":
-            return f"[{render(a[0])}; {render(a[1])}]"
-        return f"{e.fn}({', '.join(render(x) for x in a)})"
-    if isinstance(e, BinOp):
-        p = _MPREC[e.op]
-        if e.op == "^":
-            left = _wrap(e.left, p + 1)
-            if isinstance(e.right, Num) and float(e.right.value) in (0.5, -0.5):
-                return ("1/√" if float(e.right.value) < 0 else "√") + _wrap(e.left, _MPREC["atom"])
-            if isinstance(e.right, Neg) and e.right.operand == Num(0.5):
-                return "1/√" + _wrap(e.left, _MPREC["atom"])
-            if isinstance(e.right, Num) and float(e.right.value).is_integer() and 0 <= float(e.right.value) < 10:
-                return left + format_number(int(e.right.value)).translate(SUPERSCRIPT)
-            return f"{left}^{_wrap(e.right, p)}"
-        left = _wrap(e.left, p)
-        right = _wrap(e.right, p + 1)
-        sym = {"+": " + ", "-": " − ", "*": " ", "/": "/", "@": " · "}[e.op]
-        return f"{left}{sym}{right}"
-    raise TypeError(f"not an expression: {e!r}")
-
-
-def _wrap(e: Expr, p: int) -> str:
-    s = render(e)
-    return f"({s})" if _mprec(e) < p else s
-
-
 # -------------------------------------------------------------------- rows
 COLUMNS = (
     ("spec", "spec"), ("problem", "problem reached"), ("mechanism", "main mechanism"),
@@ -609,7 +402,7 @@ def _feature_text(f: Optional[Feature], states: tuple[str, ...] = ()) -> str:
         return "—"
     s = f.text + (", per token" if f.per_token else ", constant")
     if states:
-        s += " (" + ", ".join(_mname(x) for x in states) + ")"
+        s += " (" + ", ".join(mname(x) for x in states) + ")"
     return s
 
 
@@ -618,16 +411,14 @@ def _state_text(spec: Spec, cache_axis: str) -> str:
     for n, s in spec.state.items():
         if s.cache:
             shape = ([f"≤{s.window}"] if s.window else [cache_axis]) + list(s.shape)
-            out.append(f"{_mname(n)} cache [{', '.join(shape)}]")
+            out.append(f"{mname(n)} cache [{', '.join(shape)}]")
         else:
-            out.append(f"{_mname(n)} [{', '.join(s.shape)}]" + (" learned init" if s.learned else ""))
+            out.append(f"{mname(n)} [{', '.join(s.shape)}]" + (" learned init" if s.learned else ""))
     return ", ".join(out)
 
 
 def _schedule_text(spec: Spec) -> str:
     d = derived_schedule(spec)
-    if d is None:
-        return f"declared {spec.schedule} (analysis unavailable)"
     s = d.family + (f" chunk {d.chunk}" if d.chunk else "")
     return s + (", exact" if d.exact else ", approximate")
 
@@ -659,15 +450,15 @@ def row(spec: Spec) -> Row:
     if spec.loss is not None:
         loss = f"{ft.loss_kind}: {render(spec.loss)}"
     step = _feature_text(ft.step)
-    if ft.step is not None and ft.step.text in {_mname(n) for n in spec.let}:
-        name = next(n for n in spec.let if _mname(n) == ft.step.text)
+    if ft.step is not None and ft.step.text in {mname(n) for n in spec.let}:
+        name = next(n for n in spec.let if mname(n) == ft.step.text)
         step = f"{ft.step.text} = {render(spec.let[name])}" + step[len(ft.step.text):]
     if ft.step is not None and ft.step_kind == "additive":
         step += " (additive write)"
     return Row(
         spec=spec.name, problem=problem, mechanism=mech,
         state=_state_text(spec, axis),
-        write="; ".join(f"{_mname(s.target)} {'←' if s.target in spec.state else '='} {render(s.value)}"
+        write="; ".join(f"{mname(s.target)} {'←' if s.target in spec.state else '='} {render(s.value)}"
                         for s in spec.update) or "—",
         loss=loss,
         step=step,

@@ -12,7 +12,9 @@ target at a query key's position is its value; every other target is ``-100``
 ``1 / n_values`` for a model that has learned to answer with a value token.
 
 Generation is vectorised and deterministic in the seed (a ``torch.Generator``), so
-every process of a distributed run builds the same global batch.
+every process of a distributed run builds the same global batch.  torch's CPU generator
+keeps only the low 32 bits of a seed, so :func:`seed32` folds the high bits in (the
+training loop puts the run's seed there): seeds below 2^32 are used as they are.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ class MQAR:
 
     def batch(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` sequences from ``seed``: (inputs ``[n, seq_len]`` int64, targets ``[n, seq_len]``)."""
-        g = torch.Generator().manual_seed(int(seed))
+        g = torch.Generator().manual_seed(seed32(seed))
         P, Q, T = self.pairs, self.n_queries, self.seq_len
         keys = torch.rand(n, self.n_keys, generator=g).argsort(1)[:, :P] + 1           # distinct keys
         values = torch.randint(0, self.n_values, (n, P), generator=g) + 1 + self.n_keys
@@ -85,6 +87,14 @@ class MQAR:
         y = torch.full((n, T), -100, dtype=torch.long)
         y.scatter_(1, pos, qv)
         return x, y
+
+
+def seed32(seed: int) -> int:
+    """A 64-bit seed as the 32 bits torch's generator keeps: the low half, XOR the high half
+    times an odd constant (Knuth's multiplicative hash), so that seeds differing only in
+    their high bits give different streams; a seed below 2^32 is unchanged."""
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return (seed & 0xFFFFFFFF) ^ (((seed >> 32) * 0x9E3779B1) & 0xFFFFFFFF)
 
 
 def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:

@@ -86,22 +86,16 @@ class RunResult:
 # ------------------------------------------------------------------ helpers
 def load_spec(path: str):
     """Load and check a spec file (raises SpecError with located diagnostics)."""
-    try:
-        from ..check import verify as checks  # noqa: F401
-    except ImportError:
-        from ..lang.frontend import load
+    from ..pipeline.build import load_checked
 
-        return load(path)
-    from .cli import load_checked
-
-    return load_checked(path, warnings=False)[0]
+    return load_checked(path).spec
 
 
 def schedule_name(spec, chunk: int | None = None) -> str:
     """The memory's derived schedule, e.g. ``delta(64)`` (or the spec's own preference),
     and the wiring when there is one: ``minibatch(64), mac``."""
     try:
-        from ..schedule.decide import analyse
+        from ..schedule import analyse
 
         d = analyse(spec)
         size = chunk if chunk and d.chunk else d.chunk          # a --dim chunk=N override

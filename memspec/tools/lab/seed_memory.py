@@ -68,13 +68,9 @@ def initial_state(spec, w1: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def backend(spec, compiled: bool = True) -> tuple[Callable, str]:
     """``forward(state, q=, k=, v=) -> (o, state)`` of the compiled module, else of the interpreter."""
-    build_memory = None
     if compiled:
-        try:
-            from ...pipeline.build import build_memory  # the compiler; absent in builds without codegen
-        except ImportError:
-            pass
-    if build_memory is not None:
+        from ...pipeline.build import build_memory
+
         memory = build_memory(spec, compile=False)
 
         def forward(state, **views):

@@ -1,0 +1,184 @@
+"""The code generator's context: everything the emitters of one module read.
+
+A :class:`Context` is built once from a spec and its :class:`~memspec.schedule.ScheduleDecision`
+and never re-derives what the analysis decided: the schedules the module carries, the
+default, the chunk sizes and every family's plan come from the decision.  It also names
+things (attributes of the generated Memory module, fresh locals) and collects what the
+emitted code needs from :mod:`memspec.runtime` (``helpers``, ``parts``), which the module
+emitter writes at the top of the file.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch.nn as nn
+
+from ..lang.expr import Call, Name
+from ..lang.names import GENERATED_NAMES, LANGUAGE_NAMES, fresh
+from ..lang.shapes import ShapeEnv, let_order
+from ..runtime import helpers as runtime_helpers
+from ..schedule.decide import DEFAULT_CHUNK, ScheduleDecision
+from .exprs import ExprEmitter
+from .text import class_name, shape_text
+
+# the language's functions the emitted code may call, as module-level helpers
+HELPER_FUNCTIONS = ("layernorm", "rmsnorm", "l2norm", "huber", "attend", "append")
+
+# attributes and methods of the generated Memory module besides nn.Module's own
+OWN_ATTRS = ("chunk", "compile", "forward", "step", "init_state", "inner_loss",
+             "VIEWS", "GATES", "STATE", "CACHES", "SCHEDULES", "DEFAULT_SCHEDULE", "STEP_SCHEDULE",
+             "CHUNK_SCHEDULES", "LOSS_STATES")
+
+
+def runtime_source(obj) -> str:
+    """The source of a :mod:`memspec.runtime` function or class, as the module carries it."""
+    return inspect.getsource(obj)
+
+
+class Context:
+    """One module's generation context (see the module docstring)."""
+
+    def __init__(self, spec, decision: ScheduleDecision, *, source_path=None, source_text=None):
+        self.spec = spec
+        self.decision = decision
+        self.source_path = source_path
+        self.source_text = source_text
+        self.name = class_name(spec.name)
+        self.env = ShapeEnv.from_spec(spec)
+        self.helpers: set = set()      # runtime helper functions the emitted code calls
+        self.parts: list = []          # further runtime sources the module carries, in order of need
+        spec_names = set(spec.dims) | set(spec.constants) | set(spec.views) | set(spec.gates) | \
+            set(spec.params) | set(spec.state) | set(spec.let)
+        if spec.model is not None:
+            spec_names |= {spec.model.name, spec.model.arg}
+        self.spec_names = spec_names | set(GENERATED_NAMES) | set(HELPER_FUNCTIONS) | set(LANGUAGE_NAMES) | \
+            {st.target for st in spec.update}   # per-token temporaries are locals of the generated code
+        # attribute names on the Memory module
+        taken = set(dir(nn.Module)) | set(OWN_ATTRS)
+        self.attr: dict = {}
+        for n in list(spec.dims) + list(spec.params):
+            self.attr[n] = fresh(n, taken)
+        if "heads" not in spec.dims:
+            self.attr["heads"] = "heads"
+        self.init_attr = {s: fresh(f"{s}_init", taken) for s, st in spec.state.items() if st.learned}
+        if spec.model is not None:
+            self.attr[spec.model.name] = fresh(spec.model.name, taken)
+        self.views = list(spec.views)
+        self.gates = list(spec.gates)
+        self.states = list(spec.state)
+        self.first = self.views[0] if self.views else None
+        # what the analysis decided
+        d = decision
+        self.plans = d.plans
+        self.schedules = list(d.schedules)
+        self.default = d.family
+        self.step_schedule = "minibatch" if self.default == "minibatch" else "online"
+        self.default_chunk = d.chunk or d.chunks.get("minibatch") or DEFAULT_CHUNK
+        online = d.plans["online"]
+        self.loss_states = list(online.loss_states)
+        self.grad_groups = online.grad_groups
+        self.loss_args = self.loss_states + self.loss_inputs() if spec.loss is not None else []
+
+    # ------------------------------------------------------------ runtime pieces
+    def need(self, obj) -> None:
+        """The module carries the runtime function/class ``obj`` (once, in order of need)."""
+        src = runtime_source(obj)
+        if src not in self.parts:
+            self.parts.append(src)
+
+    def helper_sources(self) -> list:
+        """Sources of the language helpers the emitted code called, sorted by name."""
+        return [runtime_source(getattr(runtime_helpers, h)) for h in sorted(self.helpers)]
+
+    # ------------------------------------------------------------ names and shapes
+    def emitter(self, **kw) -> ExprEmitter:
+        return ExprEmitter(self.spec, like=self.first, attr=self.attr, helpers=self.helpers, **kw)
+
+    def taken(self) -> set:
+        """A fresh set of the names a method's new locals must avoid."""
+        return set(self.spec_names)
+
+    def shape(self, e) -> tuple:
+        return tuple(self.env.infer(e))
+
+    def read_shape(self) -> tuple:
+        return self.shape(self.spec.read)
+
+    def dim_sizes(self, shape, obj="self") -> str:
+        return ", ".join(f"{obj}.{self.attr.get(d, d)}" for d in shape)
+
+    def let_order(self) -> list:
+        return [n for n in let_order(self.spec.let) if n in self.spec.let]
+
+    def lets(self, L, em, prefix) -> None:
+        """Bind every let as a local, in dependency order."""
+        for n in self.let_order():
+            L(f"{n} = {em.emit(self.spec.let[n])}", shape_text(prefix, self.shape(Name(n))))
+
+    def model_arg_shape(self) -> tuple:
+        spec = self.spec
+        exprs = [spec.read] + ([spec.loss] if spec.loss is not None else []) + [s.value for s in spec.update]
+        for e in exprs:
+            for c in e.walk():
+                if isinstance(c, Call) and c.fn == spec.model.name:
+                    return self.shape(c.args[0])
+        return (spec.dims and next(iter(spec.views.values())).dim,) if spec.views else ()
+
+    def has_grads(self) -> bool:
+        return any(isinstance(c, Call) and c.fn == "grad" for s in self.spec.update for c in s.value.walk())
+
+    def loss_inputs(self) -> list:
+        """The views, gates and lets the inner loss reads (after its states)."""
+        spec = self.spec
+        used = {n.id for n in spec.loss.walk() if isinstance(n, Name)}
+        if spec.model is not None:
+            used |= {n.id for n in spec.model.body.walk() if isinstance(n, Name)} - {spec.model.arg}
+        return [n for n in self.views + self.gates + list(spec.let) if n in used]
+
+    def dims_signature(self) -> list:
+        spec = self.spec
+        sig = []
+        if "heads" not in spec.dims:
+            sig.append("heads=1")
+        for dname, val in spec.dims.items():
+            sig.append(f"{dname}={val}")
+        return sig
+
+    def locals_bt(self) -> str:
+        taken = self.taken()
+        return f"{fresh('B', taken)}, {fresh('T', taken)}"
+
+    def signature(self) -> tuple:
+        """(views, gates) parts of the forward/step signatures."""
+        views = ", ".join(self.views)
+        gates = "".join(f"{g}=None, " for g in self.gates)
+        return views, gates
+
+    # ------------------------------------------------------------ the read
+    def read_names(self) -> set:
+        """Spec names the read uses, lets followed."""
+        spec = self.spec
+        seen: set = set()
+        todo = [spec.read]
+        while todo:
+            e = todo.pop()
+            for n in e.walk():
+                if isinstance(n, Name) and n.id not in seen:
+                    seen.add(n.id)
+                    if n.id in spec.let:
+                        todo.append(spec.let[n.id])
+                if isinstance(n, Call) and spec.model is not None and n.fn == spec.model.name:
+                    for st in spec.model_states():
+                        seen.add(st)
+        return seen
+
+    def read_views(self):
+        """The views a read-only call needs, or None when the read is not a function of the
+        views and the state alone (it uses a gate or a temporary, or a state is a cache)."""
+        spec = self.spec
+        used = self.read_names()
+        if any(st.cache for st in spec.state.values()) or used & set(spec.gates) \
+                or used & {st.target for st in spec.update if st.target not in spec.state}:
+            return None
+        views = [v for v in self.views if v in used]
+        return views or None

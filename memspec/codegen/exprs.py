@@ -1,0 +1,291 @@
+"""Expressions -> torch code: :class:`ExprEmitter` turns one expression AST into a line of torch.
+
+Layout of emitted tensors: every tensor in generated code has leading *prefix* axes
+followed by its named trailing shape (the shape written in the spec):
+
+* one token:            ``[B, H, *shape]``     (views ``[B, H, d]``, gates ``[B, H]``)
+* all tokens at once:   ``[B, T, H, *shape]``  (views ``[B, T, H, d]``, gates ``[B, T, H]``)
+* per-token states of a chunk: ``[B, C, H, *shape]``
+
+The heads axis is always the *last* prefix axis, so learned per-head params
+``[H, *shape]`` broadcast against any prefix.  Every rule of the emitter acts on the
+trailing named axes only (negative dims, ``unsqueeze(-r-1)``), so the same code is correct
+for every prefix: that is what makes token-local expressions vectorisable over time for
+free.  Usage::
+
+    em = ExprEmitter(spec)                       # names: locals, self.<param>, self.<dim>
+    em.emit(parse_expr("l2norm(k)"))             # 'l2norm(k)'  (a helper in the module)
+    em.emit(parse_expr("eta * outer(k, v)"))     # 'eta[..., None, None] * (k.unsqueeze(-1) * v.unsqueeze(-2))'
+    em.shape(parse_expr("outer(k, v)"))          # ('d_k', 'd_v')
+    em.helpers                                   # {'l2norm'}: module-level helpers the code calls
+    ExprEmitter(spec, names={"W": "W_seq"})      # write a spec name as another local
+
+``helpers`` collects the names of the :mod:`memspec.runtime.helpers` functions that
+emitted code calls (``layernorm``, ``rmsnorm``, ``l2norm``, ``huber``, ``attend``,
+``append``); they are named after the language's functions, which a spec can never use
+as identifiers, so they never collide.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
+from ..lang.shapes import ShapeEnv
+
+# Python precedence levels of emitted code (higher binds tighter).
+P_ADD, P_MUL, P_NEG, P_POW, P_ATOM = 1, 2, 3, 4, 9
+
+_TORCH_ELEMENTWISE = {
+    "sqrt": "torch.sqrt", "exp": "torch.exp", "log": "torch.log", "abs": "torch.abs",
+    "sign": "torch.sign", "sigmoid": "torch.sigmoid", "softplus": "F.softplus",
+    "tanh": "torch.tanh", "relu": "torch.relu", "gelu": "F.gelu", "silu": "F.silu", "elu": "F.elu",
+}
+_MATH_ELEMENTWISE = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log", "abs": "abs", "tanh": "math.tanh"}
+
+
+class CodegenError(ValueError):
+    """An expression the generator cannot emit (the checks should have caught it)."""
+
+
+@dataclass
+class Code:
+    text: str
+    prec: int = P_ATOM
+    rank: int = 0            # rank of the named (trailing) shape
+    number: bool = False     # a plain Python number (dims, constants, literals)
+
+    def at(self, prec: int) -> str:
+        """The text, parenthesised if it binds looser than ``prec``."""
+        return self.text if self.prec >= prec else f"({self.text})"
+
+
+@dataclass
+class ExprEmitter:
+    """Emits torch code for memspec expressions (see the module docstring).
+
+    Args:
+        spec: the spec whose names the expressions use.
+        names: spec name -> code for it (overrides the defaults: views, gates,
+            lets and states are locals of the same name; params ``self.<param>``;
+            dims ``self.<dim>``; constants their literal value).
+        grads: ``unparse(call)`` of a call -> code of its value, computed by the caller
+            (every ``grad(...)``; also e.g. ``attend(...)`` over a whole sequence).
+        model: format string of a model application with ``{u}`` the input and
+            ``{states}`` the model's states, e.g. ``"self.f({u}, {states})"``.
+        like: code of a tensor in scope whose dtype and device ``eye(d)`` uses.
+        self_name: how the generated code refers to the module (``self``).
+    """
+
+    spec: object
+    names: dict = field(default_factory=dict)
+    grads: dict = field(default_factory=dict)
+    model: Optional[str] = None
+    like: Optional[str] = None
+    self_name: str = "self"
+    attr: dict = field(default_factory=dict)
+    helpers: set = field(default_factory=set)
+    scope: dict = field(default_factory=dict)     # extra name -> shape (e.g. the model argument)
+
+    def __post_init__(self):
+        self.env = ShapeEnv.from_spec(self.spec)
+
+    # ------------------------------------------------------------ shapes
+    def shape(self, e: Expr) -> tuple:
+        """The named shape of ``e`` (tuple of dim names; ``()`` for a scalar)."""
+        s = self.env.infer(e, scope=self.scope)
+        if s is None:
+            raise CodegenError(f"cannot infer the shape of `{unparse(e)}`")
+        return tuple(s)
+
+    def with_scope(self, **shapes) -> "ExprEmitter":
+        """A copy that knows extra local names (e.g. the model argument) with shapes."""
+        new = ExprEmitter(self.spec, dict(self.names), dict(self.grads), self.model, self.like,
+                          self.self_name, self.attr, self.helpers, {**self.scope, **shapes})
+        return new
+
+    # ------------------------------------------------------------ public
+    def emit(self, e: Expr) -> str:
+        """Torch code for ``e`` (a Python expression string)."""
+        return self._emit(e).text
+
+    # ------------------------------------------------------------ names
+    def _name(self, e: Name) -> Code:
+        n = e.id
+        spec = self.spec
+        rank = len(self.shape(e))
+        if n in self.names:
+            is_num = n in spec.dims or n in spec.constants
+            return Code(self.names[n], P_ATOM, rank, number=is_num)
+        if n in self.scope:
+            return Code(n, P_ATOM, rank)
+        if n in spec.dims:
+            return Code(f"{self.self_name}.{self.attr.get(n, n)}", P_ATOM, 0, number=True)
+        if n in spec.constants:
+            return self._num(spec.constants[n])
+        if n in spec.params:
+            return Code(f"{self.self_name}.{self.attr.get(n, n)}", P_ATOM, rank)
+        return Code(n, P_ATOM, rank)
+
+    @staticmethod
+    def _num(v) -> Code:
+        text = format_number(v)
+        neg = text.startswith("-")
+        return Code(text, P_NEG if neg else P_ATOM, 0, number=True)
+
+    # ------------------------------------------------------------ walk
+    def _emit(self, e: Expr) -> Code:
+        if isinstance(e, Num):
+            return self._num(e.value)
+        if isinstance(e, Name):
+            return self._name(e)
+        if isinstance(e, Neg):
+            x = self._emit(e.operand)
+            return Code(f"-{x.at(P_NEG)}", P_NEG, x.rank, x.number)
+        if isinstance(e, Transpose):
+            x = self._emit(e.operand)
+            return Code(f"{x.at(P_ATOM)}.transpose(-2, -1)", P_ATOM, x.rank)
+        if isinstance(e, BinOp):
+            return self._binop(e)
+        if isinstance(e, Call):
+            return self._call(e)
+        raise CodegenError(f"not an expression: {e!r}")
+
+    @staticmethod
+    def _lift(x: Code, rank: int) -> str:
+        """``x`` (rank r) with singleton axes inserted after the prefix to reach ``rank``."""
+        if x.number or x.rank >= rank:
+            return x.at(P_ATOM) if not x.number else x.text
+        k = rank - x.rank
+        if x.rank == 0:
+            return f"{x.at(P_ATOM)}[..., {', '.join(['None'] * k)}]"
+        return x.at(P_ATOM) + f".unsqueeze({-x.rank - 1})" * k
+
+    def _aligned(self, xs: list[Code]) -> tuple[list[str], int]:
+        """Texts of ``xs`` lifted to a common rank (numpy trailing broadcasting)."""
+        rank = max(x.rank for x in xs)
+        out = []
+        for x in xs:
+            out.append(self._lift(x, rank) if x.rank < rank and not x.number else None)
+        return out, rank
+
+    def _binop(self, e: BinOp) -> Code:
+        a, b = self._emit(e.left), self._emit(e.right)
+        if e.op == "@":
+            return self._matmul(a, b, e)
+        number = a.number and b.number
+        (la, lb), rank = self._aligned([a, b])
+        prec = {"+": P_ADD, "-": P_ADD, "*": P_MUL, "/": P_MUL, "^": P_POW}[e.op]
+        op = "**" if e.op == "^" else e.op
+        if e.op == "^":
+            left = la if la is not None else a.at(P_POW + 1)
+            right = lb if lb is not None else b.at(P_NEG)
+        else:
+            left = la if la is not None else a.at(prec)
+            right = lb if lb is not None else b.at(prec + 1)
+        return Code(f"{left} {op} {right}", prec, rank, number)
+
+    def _matmul(self, a: Code, b: Code, e: Expr) -> Code:
+        ra, rb = a.rank, b.rank
+        if ra == 1 and rb == 2:
+            return Code(f"({a.at(P_ATOM)}.unsqueeze(-2) @ {b.at(P_MUL + 1)}).squeeze(-2)", P_ATOM, 1)
+        if ra == 2 and rb == 2:
+            return Code(f"{a.at(P_MUL)} @ {b.at(P_MUL + 1)}", P_MUL, 2)
+        if ra == 2 and rb == 1:
+            return Code(f"({a.at(P_MUL)} @ {b.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1)
+        if ra == 1 and rb == 1:
+            return Code(f"({a.at(P_MUL)} * {b.at(P_MUL + 1)}).sum(-1)", P_ATOM, 0)
+        raise CodegenError(f"`{unparse(e)}`: @ needs vectors or matrices (ranks {ra} and {rb})")
+
+    # ------------------------------------------------------------ calls
+    def _call(self, e: Call) -> Code:
+        fn, args = e.fn, e.args
+        spec = self.spec
+        if spec.model is not None and fn == spec.model.name:
+            return self._model_call(e)
+        if unparse(e) in self.grads:  # computed by the caller (grad(...), attend(...) over a sequence)
+            return Code(self.grads[unparse(e)], P_ATOM, len(self.shape(e)))
+        if fn == "grad":
+            raise CodegenError(f"`{unparse(e)}` has no precomputed value here")
+        if fn in _TORCH_ELEMENTWISE:
+            x = self._emit(args[0])
+            if x.number:
+                if fn in _MATH_ELEMENTWISE:
+                    return Code(f"{_MATH_ELEMENTWISE[fn]}({x.text})", P_ATOM, 0, number=True)
+                return Code(f"{_TORCH_ELEMENTWISE[fn]}(torch.tensor({x.text})).item()", P_ATOM, 0, number=True)
+            return Code(f"{_TORCH_ELEMENTWISE[fn]}({x.text})", P_ATOM, x.rank)
+        if fn in ("sum", "mean", "norm"):
+            x = self._emit(args[0])
+            if x.rank == 0:
+                if fn == "norm":
+                    return Code(f"abs({x.text})" if x.number else f"{x.at(P_ATOM)}.abs()", P_ATOM, 0, x.number)
+                return x
+            dims = "-1" if x.rank == 1 else "(" + ", ".join(str(-i) for i in range(x.rank, 0, -1)) + ")"
+            if fn == "norm":
+                return Code(f"torch.linalg.vector_norm({x.text}, dim={dims})", P_ATOM, 0)
+            return Code(f"{x.at(P_ATOM)}.{fn}({dims})", P_ATOM, 0)
+        if fn in ("layernorm", "rmsnorm"):
+            xs = [self._emit(a) for a in args]
+            self.helpers.add(fn)
+            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, xs[0].rank)
+        if fn == "l2norm":
+            x = self._emit(args[0])
+            self.helpers.add(fn)
+            return Code(f"l2norm({x.text})", P_ATOM, x.rank)
+        if fn == "outer":
+            a, b = self._emit(args[0]), self._emit(args[1])
+            return Code(f"{a.at(P_ATOM)}.unsqueeze(-1) * {b.at(P_ATOM)}.unsqueeze(-2)", P_MUL, 2)
+        if fn == "huber":
+            xs = [self._emit(a) for a in args]
+            texts, rank = self._aligned(xs)
+            self.helpers.add(fn)
+            return Code(f"huber({', '.join(t if t is not None else x.text for t, x in zip(texts, xs))})",
+                        P_ATOM, rank)
+        if fn in ("min", "max"):
+            a, b = self._emit(args[0]), self._emit(args[1])
+            if a.number and b.number:
+                return Code(f"{fn}({a.text}, {b.text})", P_ATOM, 0, True)
+            if a.number or b.number:
+                t, n = (b, a) if a.number else (a, b)
+                kw = "max" if fn == "min" else "min"
+                return Code(f"{t.at(P_ATOM)}.clamp({kw}={n.text})", P_ATOM, t.rank)
+            (la, lb), rank = self._aligned([a, b])
+            torch_fn = "torch.minimum" if fn == "min" else "torch.maximum"
+            return Code(f"{torch_fn}({la or a.text}, {lb or b.text})", P_ATOM, rank)
+        if fn == "clamp":
+            x, lo, hi = (self._emit(a) for a in args)
+            if x.number and lo.number and hi.number:
+                return Code(f"min(max({x.text}, {lo.text}), {hi.text})", P_ATOM, 0, True)
+            texts, rank = self._aligned([x, lo, hi])
+            tx = texts[0] or (f"torch.as_tensor({x.text})" if x.number else x.at(P_ATOM))
+            tlo, thi = (t or c.text for t, c in zip(texts[1:], (lo, hi)))
+            return Code(f"{tx}.clamp(min={tlo}).clamp(max={thi})", P_ATOM, rank)
+        if fn == "solve":
+            A, B = self._emit(args[0]), self._emit(args[1])
+            if B.rank == 1:
+                return Code(f"torch.linalg.solve({A.text}, {B.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1)
+            return Code(f"torch.linalg.solve({A.text}, {B.text})", P_ATOM, 2)
+        if fn == "eye":
+            d = self._emit(args[0])
+            like = self.like
+            if like is None:
+                raise CodegenError("eye(d) needs a tensor in scope for its dtype and device")
+            return Code(f"torch.eye({d.text}, dtype={like}.dtype, device={like}.device)", P_ATOM, 2)
+        if fn == "attend":
+            xs = [self._emit(a) for a in args]
+            self.helpers.add(fn)
+            texts = [x.text for x in xs[:3]]
+            scale = xs[3]                    # a number, or a tensor [..., H] (a param, a gate)
+            texts.append(scale.text if scale.number else f"{scale.at(P_ATOM)}.unsqueeze(-1)")
+            return Code(f"attend({', '.join(texts)})", P_ATOM, len(self.shape(e)))
+        if fn == "append":
+            raise CodegenError("append(K, k) is only allowed as a statement `K = append(K, k)`")
+        raise CodegenError(f"unknown function {fn!r}")
+
+    def _model_call(self, e: Call) -> Code:
+        spec = self.spec
+        u = self._emit(e.args[0])
+        states = ", ".join(self.names.get(s, s) for s in spec.model_states())
+        fmt = self.model or (self.self_name + ".{fn}({u}, {states})")
+        text = fmt.format(fn=self.attr.get(spec.model.name, spec.model.name), u=u.text, states=states)
+        return Code(text, P_ATOM, len(self.shape(e)))

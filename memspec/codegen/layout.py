@@ -1,0 +1,187 @@
+"""Line layout of generated source: every line within :data:`WIDTH` characters.
+
+:func:`layout` rewrites only whitespace, comments and the wrapping of docstring text:
+
+* a trailing comment that makes a line too long moves to its own line(s) above the
+  statement it annotates;
+* a comment line too long is wrapped (same indentation, ``# `` on every line);
+* a code line too long is broken after commas inside brackets (Python's implicit line
+  continuation), the continuation indented 8 columns deeper than the statement;
+* a docstring line too long is wrapped at spaces, at the docstring's indentation.
+
+The result is checked: its AST equals the input's (docstrings compared with their
+whitespace normalised), so layout can never change what the code does.  A line that
+cannot be shortened this way (one long word) is left as it is.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import textwrap
+import tokenize
+
+WIDTH = 100
+CONTINUATION = 8
+
+
+class LayoutError(AssertionError):
+    """The layout changed the code's AST (a bug in this module)."""
+
+
+def layout(text: str, width: int = WIDTH) -> str:
+    """``text`` (Python source) with every line within ``width`` where possible."""
+    lines = text.split("\n")
+    if all(len(ln) <= width for ln in lines):
+        return text
+    out = _layout(text, width)
+    if _normalised_ast(out) != _normalised_ast(text):
+        raise LayoutError("the line layout changed the generated code's AST")
+    return out
+
+
+OPERAND_END = (tokenize.NAME, tokenize.NUMBER, tokenize.STRING)
+BREAK_BEFORE = {"+", "-", "*", "@", "/", "if", "else", "and", "or"}
+
+
+def _layout(text: str, width: int) -> str:
+    lines = text.split("\n")
+    toks = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    # per physical line (1-based): its trailing comment, the columns where the line may break
+    # (col, depth; depth 0 = in a right-hand side that gets parenthesised), the docstring
+    # text it belongs to, and the first line of its logical line
+    comment_of: dict[int, tokenize.TokenInfo] = {}
+    breaks: dict[int, list[tuple[int, int]]] = {}
+    rhs_of: dict[int, int] = {}                       # line -> column where its assignment's value starts
+    text_lines: dict[int, int | None] = {}            # docstring line -> continuation column (None: own)
+    logical_start: dict[int, int] = {}
+    depth = fstring = 0
+    opened: list[str] = []
+    start = None
+    prev = None                                       # the previous significant token
+    logical: list[tokenize.TokenInfo] = []
+    skip = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE,
+            tokenize.ENDMARKER)
+    for tok in toks:
+        if start is None and tok.type not in skip:
+            start = tok.start[0]
+        if start is not None:
+            for ln in range(tok.start[0], tok.end[0] + 1):
+                logical_start.setdefault(ln, start)
+        name = tokenize.tok_name[tok.type]
+        fstring += (name == "FSTRING_START") - (name == "FSTRING_END")
+        if not fstring and tok.type in (tokenize.OP, tokenize.NAME):
+            s_ = tok.string
+            line = tok.start[0]
+            if s_ in "([{" and tok.type == tokenize.OP:
+                depth += 10 if s_ == "[" else 1     # break inside a subscript only as a last resort
+                opened.append(s_)
+            elif s_ in ")]}" and tok.type == tokenize.OP:
+                depth -= 10 if opened.pop() == "[" else 1
+            elif s_ == "," and (depth >= 1 or line in rhs_of):
+                breaks.setdefault(line, []).append((tok.end[1], depth))
+            elif s_ in BREAK_BEFORE and (depth >= 1 or line in rhs_of) and prev is not None \
+                    and (prev.type in OPERAND_END or prev.string in ")]}") and prev.end[0] == line:
+                breaks.setdefault(line, []).append((tok.start[1], depth))
+            elif s_ == "=" and depth == 0 and tok.type == tokenize.OP and start == line \
+                    and line not in rhs_of:
+                rhs_of[line] = tok.end[1] + 1
+        if tok.type == tokenize.COMMENT and prev is not None and prev.end[0] == tok.start[0]:
+            comment_of[tok.start[0]] = tok
+        if tok.type not in skip:
+            logical.append(tok)
+        if tok.type == tokenize.NEWLINE:
+            if len(logical) == 1 and logical[0].type == tokenize.STRING:     # a docstring
+                doc = logical[0]
+                for ln in range(doc.start[0], doc.end[0] + 1):
+                    text_lines[ln] = doc.start[1] if ln > doc.start[0] else None
+            start, logical = None, []
+        if tok.type not in skip:
+            prev = tok
+    above: dict[int, list[str]] = {}
+    new: dict[int, list[str]] = {}
+    for i, line in enumerate(lines, 1):
+        if len(line) <= width:
+            continue
+        body = line
+        c = comment_of.get(i)
+        if c is not None:
+            body = line[:c.start[1]].rstrip()
+            first = logical_start.get(i, i)
+            above.setdefault(first, []).extend(_comment_lines(c.string, _indent(lines[first - 1]), width))
+        if len(body) <= width:
+            new[i] = [body]
+        elif i in text_lines:
+            new[i] = _wrap_text(body, text_lines[i], width)
+        elif body.lstrip().startswith("#"):
+            new[i] = _comment_lines(body.lstrip(), _indent(body), width)
+        else:
+            new[i] = _break_code(body, breaks.get(i, []), rhs_of.get(i), width)
+    out: list[str] = []
+    for i, line in enumerate(lines, 1):
+        out.extend(above.get(i, []))
+        out.extend(new.get(i, [line]))
+    return "\n".join(out)
+
+
+def _indent(line: str) -> str:
+    return line[:len(line) - len(line.lstrip())]
+
+
+def _comment_lines(comment: str, indent: str, width: int) -> list[str]:
+    text = comment.lstrip("#").strip()
+    return [indent + "# " + part for part in
+            textwrap.wrap(text, max(20, width - len(indent) - 2), break_long_words=False,
+                          break_on_hyphens=False)] or [indent + "#"]
+
+
+def _wrap_text(line: str, doc_col: int | None, width: int) -> list[str]:
+    """A line of docstring text wrapped at spaces; continuation lines at the docstring's
+    indentation (its first line's column, or this line's own indentation)."""
+    indent = _indent(line)
+    cont = " " * doc_col if doc_col is not None else indent
+    parts = textwrap.wrap(line.strip(), max(20, width - len(cont)), break_long_words=False,
+                          break_on_hyphens=False, initial_indent="", subsequent_indent="")
+    if not parts:
+        return [line]
+    return [indent + parts[0]] + [cont + p for p in parts[1:]]
+
+
+def _break_code(line: str, cands: list[tuple[int, int]], rhs: int | None, width: int) -> list[str]:
+    """Break ``line`` at the candidate columns (after a comma, before an operator), each piece
+    as long as fits, shallow brackets first.  A candidate of depth 0 lies in an assignment's
+    value, which is then parenthesised (``x = (...)``), so that every break is inside brackets."""
+    if rhs is not None and any(d == 0 for _, d in cands):
+        line = line[:rhs] + "(" + line[rhs:] + ")"
+        cands = [(c + 1, d + 1) for c, d in cands]
+    cands = [(c, d) for c, d in cands if d >= 1]
+    cont = " " * (len(_indent(line)) + CONTINUATION)
+    pieces: list[str] = []
+    start, prefix = 0, ""
+
+    def piece(a: int, b: int) -> str:
+        return (prefix + line[a:b].strip()) if a else line[:b].rstrip()
+
+    while len(piece(start, len(line))) > width:
+        later = [(c, d) for c, d in cands if start < c < len(line) and line[start:c].strip()]
+        if not later:
+            break
+        fits = [(c, d) for c, d in later if len(piece(start, c)) <= width]
+        if fits:
+            shallow = min(d for _, d in fits)
+            cut = max(c for c, d in fits if d == shallow)
+        else:
+            cut = later[0][0]
+        pieces.append(piece(start, cut))
+        start, prefix = cut, cont
+    pieces.append(piece(start, len(line)))
+    return pieces
+
+
+def _normalised_ast(text: str) -> str:
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body[0].value.value = " ".join(body[0].value.value.split())
+    return ast.dump(tree)

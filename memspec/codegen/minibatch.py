@@ -1,0 +1,209 @@
+"""Emitter of the ``minibatch`` family.
+
+``_forward_minibatch`` runs chunks of ``self.chunk`` tokens (the compiled chunk step for
+full chunks, eagerly for a partial one; a call that ends inside a chunk returns the
+chunk-start state so that streaming gives the same numbers as one call).  The chunk step
+is the *dual form* (:mod:`.dual`) when the plan has one; otherwise it materialises:
+``_token_grads`` replays one token's statements on the chunk-start state and takes each
+``grad(...)`` there (memspec.reference's rule, so chunk 1 equals online), vmapped over the
+chunk's tokens, and ``_chunk_step`` solves the plan's recurrences with the gradients held
+fixed (decays through ``_linear_scan``, no decay through ``cumsum``); each token then
+reads its own state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..lang.expr import Name, substitute, unparse
+from ..lang.names import fresh
+from ..runtime.helpers import _decay_matrix, _linear_scan
+from ..schedule.algebra import is_num
+from ..schedule.recurrence import term_add, term_mul
+from . import dual
+from .exprs import ExprEmitter
+from .program import emit_updates, shadow_plan
+from .text import shape_text, tuple_text
+
+
+@dataclass(frozen=True)
+class TokenGrads:
+    """What ``_token_grads`` takes and returns: its inputs after the start states, the start
+    states, its returned gradient locals, and per statement ``unparse(grad call) -> local``."""
+
+    inputs: list
+    starts: list
+    locals: list
+    maps: list
+
+
+def emit(ctx, L) -> None:
+    taken = ctx.taken()
+    sv = ctx.views + ctx.gates
+    starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(ctx)[1]}
+    cur = ctx.states
+    c = fresh("C", taken)
+    t = fresh("t", taken)
+    n = fresh("n", taken)
+    pos = fresh("pos", taken)
+    outs = fresh("outputs", taken)
+    o_c = fresh("o_c", taken)
+    T = fresh("T", taken)
+    L(f"def _forward_minibatch(self, {', '.join(sv + ['state'])}):")
+    with L.indent():
+        L('"""' + "Mini-batch: chunks of `self.chunk` tokens; every gradient of a chunk at its start state.")
+        L()
+        L("Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk")
+        L("begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk")
+        L("returns the chunk-start state and position as state['minibatch.<name>'] and")
+        L("state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.")
+        L('"""')
+        L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
+        L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
+        L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
+        if starts:
+            L(f"{', '.join(starts.values())} = "
+              f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
+        L(f"{outs} = []")
+        L(f"{t} = 0")
+        L(f"while {t} < {T}:")
+        with L.indent():
+            L(f"if {pos} == 0:")
+            if starts:
+                L(f"    {', '.join(starts.values())} = {', '.join(starts)}", "a new chunk starts here")
+            else:
+                L("    pass")
+            L(f"{n} = min({c} - {pos}, {T} - {t})")
+            L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
+            args = list(starts.values()) + cur + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
+            L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
+            L(f"{outs}.append({o_c})")
+            L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
+        L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
+        L(f"if {pos}:")
+        with L.indent():
+            L(f"state[\"minibatch.pos\"] = {pos}")
+            for s, v in starts.items():
+                L(f"state[\"minibatch.{s}\"] = {v}")
+        L(f"return torch.cat({outs}, dim=1), state")
+    L()
+    plan = ctx.plans["minibatch"]
+    if plan.dual is not None:
+        dual.emit(ctx, plan.dual, L)
+        return
+    grads = token_grads(ctx, L)
+    chunk_step(ctx, L, plan, grads)
+
+
+def token_grads(ctx, L) -> TokenGrads:
+    """The method that computes one token's gradients from the chunk-start state."""
+    spec = ctx.spec
+    keep, starts, last = shadow_plan(ctx)
+    taken = ctx.taken()
+    used = set(ctx.loss_args)
+    for j in range(last + 1):
+        used |= {n.id for n in spec.update[j].value.walk() if isinstance(n, Name)}
+    inputs = [n for n in ctx.views + ctx.gates + ctx.let_order() if n in used]
+    L(f"def _token_grads(self, {', '.join(starts + inputs)}):")
+    with L.indent():
+        L('"""' + "One token's gradients for the mini-batch schedule: its update statements replayed on")
+        L("the chunk-start state (" + ", ".join(starts) + " [B, H, ...]); each grad(...) taken there.")
+        L('"""')
+        em = ctx.emitter()
+        maps = emit_updates(ctx, L, em, taken, "at the chunk-start state (carried through this token)",
+                            keep=keep, stop=last + 1)
+        grad_locals = []
+        for mp in maps:
+            for local in mp.values():
+                if local not in grad_locals:
+                    grad_locals.append(local)
+        L(f"return {tuple_text(grad_locals)}")
+    L()
+    return TokenGrads(inputs, starts, grad_locals, maps)
+
+
+def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
+    spec = ctx.spec
+    taken = ctx.taken()
+    starts = {s: fresh(f"{s}_start", taken) for s in grads.starts}
+    L(f"def _chunk_step(self, {', '.join(list(starts.values()) + ctx.states + ctx.views + ctx.gates)}):")
+    with L.indent():
+        L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
+          + "".join(f", {g} [B, C, H]" for g in ctx.gates) + ";")
+        if starts:
+            L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
+        L(", ".join(ctx.states) + ": the state before the chunk's first token [B, H, ...].")
+        L("Returns (o " + shape_text("B, C, H", ctx.read_shape()) + ", the state after the chunk).")
+        L('"""')
+        em = ctx.emitter()
+        ctx.lets(L, em, "B, C, H")
+        # every token's gradients at once: vmap over the chunk's tokens
+        locals_ = [fresh(g, taken) for g in grads.locals]
+        ren = dict(zip(grads.locals, locals_))
+        in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
+        in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
+        L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
+          f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
+          "[B, C, H, ...]: every token's gradients")
+        # the plan's recurrences, each statement's gradient placeholders named by their per-token values
+        calls = {unparse(c): c for group in ctx.grad_groups for c in group}
+        scope = {ren[local]: ctx.shape(calls[key]) for mp in grads.maps for key, local in mp.items()}
+        names = {ph: Name(ren[grads.maps[i][unparse(call)]]) for ph, (i, call) in plan.grad_sites.items()}
+        rec = plan.recurrence
+        seq = {s: fresh(f"{s}_seq", taken) for s in ctx.states}
+        prev: dict = {}
+        for s in rec.order:
+            coeffs = {k: substitute(cf, names) for k, cf in rec.coeff[s].items()}
+            shape = tuple(spec.state[s].shape)
+            terms = substitute(rec.rest[s], names) if rec.rest[s] is not None else None
+            sc = dict(scope)
+            sub_names = {}
+            for (when, r), cf in coeffs.items():
+                if when == "prev" and r == s:
+                    continue
+                if when == "prev" and r not in prev:
+                    prev[r] = fresh(f"{r}_before", taken)
+                    L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
+                      shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
+                ph = f"{r}__{when}"
+                sc[ph] = tuple(spec.state[r].shape)
+                sub_names[ph] = prev[r] if when == "prev" else seq[r]
+                terms = term_add(terms, term_mul(cf, Name(ph)))
+            sub = ExprEmitter(spec, names=sub_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers, scope=sc)
+            decay = coeffs.get(("prev", s))
+            if terms is None:
+                x = f"torch.zeros_like({s}).unsqueeze(1).expand(-1, {ctx.first}.shape[1], *{s}.shape[1:])"
+            else:
+                xc = sub._emit(terms)
+                if xc.number:
+                    x = f"({xc.text}) * torch.ones_like({s}.unsqueeze(1))"
+                elif xc.rank < len(shape):
+                    x = f"{sub._lift(xc, len(shape))} * torch.ones_like({s}.unsqueeze(1))"
+                else:
+                    x = xc.text
+            comment = shape_text("B, C, H", shape)
+            if decay is None:
+                L(f"{seq[s]} = {x}", comment)
+            elif is_num(decay, 1):
+                xs = x if x.isidentifier() else f"({x})"
+                L(f"{seq[s]} = {s}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
+            else:
+                ctx.need(_decay_matrix)
+                ctx.need(_linear_scan)
+                a = sub._emit(decay)
+                L(f"{seq[s]} = _linear_scan({a.text}, {x}, {s})",
+                  comment + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
+        # the read of every token with its own state
+        if spec.order == "write_read":
+            read_names = {s: seq[s] for s in ctx.states}
+        else:
+            for r in ctx.states:
+                if r not in prev:
+                    prev[r] = fresh(f"{r}_before", taken)
+                    L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
+                      shape_text("B, C, H", spec.state[r].shape))
+            read_names = {s: prev[s] for s in ctx.states}
+        rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
+        L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
+        L(f"return o, {tuple_text([seq[s] + '[:, -1]' for s in ctx.states])}")
+    L()
+

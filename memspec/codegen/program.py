@@ -1,0 +1,95 @@
+"""The update program as emitted statements: gradients first, then each statement.
+
+Shared by the per-token step of the online schedule and the materialising mini-batch
+chunk step (which replays a token's statements on the chunk-start state).  Which
+gradients are computed together before which statement is the online plan's
+``grad_groups`` (:mod:`memspec.schedule.online`).
+"""
+from __future__ import annotations
+
+from ..lang.expr import Call, Name, unparse
+from ..lang.names import fresh
+from .text import shape_text
+
+
+def grad_target(ctx, c: Call) -> str:
+    """The state ``grad(loss, W)`` (or ``grad(loss)``: the model's first state) differentiates."""
+    if len(c.args) == 2:
+        return c.args[1].id
+    return ctx.spec.model_states()[0]
+
+
+def grad_call_line(ctx, L, group, taken: set, where: str) -> dict:
+    """Emit ``grad_W1, grad_W2 = torch.func.grad(self.inner_loss, argnums=...)(...)``;
+    returns ``unparse(call) -> local``."""
+    targets = []
+    for c in group:
+        t = grad_target(ctx, c)
+        if t not in targets:
+            targets.append(t)
+    argnums = tuple(ctx.loss_args.index(t) for t in targets)
+    outs = {t: fresh(f"grad_{t}", taken) for t in targets}
+    lhs = ", ".join(outs[t] for t in targets) + ("," if len(targets) == 1 else "")
+    an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
+    L(f"{lhs} = torch.func.grad(self.inner_loss, argnums={an})({', '.join(ctx.loss_args)})", where)
+    return {unparse(c): outs[grad_target(ctx, c)] for c in group}
+
+
+def emit_updates(ctx, L, em, taken, where, keep=None, stop=None) -> list:
+    """Emit the update statements [0, stop) in order, each preceded by the gradients it
+    needs (computed jointly at the same state values).  Assignments only for the
+    statement indices in ``keep`` (None: all).  Returns, per statement, the map
+    ``unparse(grad call) -> local`` in effect at that statement."""
+    spec = ctx.spec
+    maps = []
+    for i, (stmt, group) in enumerate(zip(spec.update, ctx.grad_groups)):
+        if stop is not None and i >= stop:
+            break
+        if group:
+            em.grads.update(grad_call_line(ctx, L, group, taken, where))
+        maps.append(dict(em.grads))
+        if keep is not None and i not in keep:
+            continue
+        st = spec.state.get(stmt.target)
+        v = stmt.value
+        if st is None:   # a per-token temporary: a local variable of this token
+            L(f"{stmt.target} = {em.emit(v)}",
+              shape_text("B, H", ctx.env.names.get(stmt.target) or ()) + ": a temporary of this token")
+            continue
+        if isinstance(v, Call) and v.fn == "append":
+            ctx.helpers.add("append")
+            item = em.emit(v.args[1])
+            win = f", {st.window}" if st.window else ""
+            L(f"{stmt.target} = append({stmt.target}, {item}{win})",
+              shape_text("B, H", ("n",) + tuple(st.shape)))
+            continue
+        code = em._emit(v)
+        text = code.text
+        if code.number:
+            text = f"({text}) * torch.ones_like({stmt.target})"
+        elif code.rank < len(st.shape):
+            text = f"{em._lift(code, len(st.shape))}.expand_as({stmt.target})"
+        L(f"{stmt.target} = {text}", shape_text("B, H", st.shape))
+    return maps
+
+
+def shadow_plan(ctx):
+    """For the mini-batch gradients: (statements to replay, states they start from, last).
+
+    In a chunk, token i's statements are replayed on the chunk-start state (the shadow)
+    and each grad(...) is taken there, i.e. at the chunk-start values carried through
+    the token's own earlier statements (memspec.reference's rule; C = 1 is online)."""
+    spec = ctx.spec
+    last = max(i for i, st in enumerate(spec.update)
+               if any(isinstance(c, Call) and c.fn == "grad" for c in st.value.walk()))
+    needed = set(ctx.loss_states)
+    keep = set()
+    temps = {st.target for st in spec.update if st.target not in spec.state}
+    for j in range(last - 1, -1, -1):
+        stmt = spec.update[j]
+        if stmt.target in needed:
+            keep.add(j)
+            needed |= {n.id for n in stmt.value.walk() if isinstance(n, Name)
+                       and (n.id in spec.state or n.id in temps)}
+    starts = [s for s in ctx.states if s in needed]
+    return keep, starts, last

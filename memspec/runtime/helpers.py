@@ -1,0 +1,139 @@
+"""Helpers that generated modules carry: the language's functions, input checks, the compile
+wrapper, and the scans of the mini-batch and cache schedules.
+
+Each is copied into a generated module with ``inspect.getsource`` (only those its code
+calls), so each uses only ``torch``, ``time`` and ``warnings`` and nothing of memspec.
+The language's functions are named after the functions of the spec language
+(``layernorm(x)`` in a spec is ``layernorm(x)`` in the generated code), which a spec can
+never use as identifiers; the others start with ``_``, which spec names cannot.
+"""
+import time
+import warnings
+
+import torch
+
+
+def layernorm(x, weight=None, bias=None):
+    """LayerNorm over the last axis (eps 1e-5), then optional weight and bias."""
+    mu = x.mean(-1, keepdim=True)
+    var = (x - mu).square().mean(-1, keepdim=True)
+    y = (x - mu) / torch.sqrt(var + 1e-5)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def rmsnorm(x, weight=None):
+    """x / sqrt(mean(x^2) + 1e-6) over the last axis, times an optional weight."""
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+    return y if weight is None else y * weight
+
+
+def l2norm(x):
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def huber(x, delta):
+    """Elementwise Huber penalty: x^2/2 where |x| <= delta, else delta * (|x| - delta/2)."""
+    ax = x.abs()
+    return torch.where(ax <= delta, 0.5 * x * x, delta * (ax - 0.5 * delta))
+
+
+def attend(q, K, V, scale):
+    """softmax(scale * K q) V over a cache: q [..., d], K [..., n, d], V [..., n, e] -> [..., e];
+    scale a number or [..., 1]."""
+    scores = (K @ q.unsqueeze(-1)).squeeze(-1) * scale
+    return (torch.softmax(scores, dim=-1).unsqueeze(-2) @ V).squeeze(-2)
+
+
+def append(cache, item, window=None):
+    """Push item [..., d] onto cache [..., n, d]; keep the last `window` entries."""
+    out = torch.cat([cache, item.unsqueeze(-2)], dim=-2)
+    return out if window is None else out[..., -window:, :]
+
+
+def _check(name, t, axes, sizes, ref=None):
+    """Raise ValueError unless `t` is a floating tensor of shape `sizes` (None: any size),
+    with the dtype and device of `ref` = (name, tensor) when given."""
+    notation = "[" + ", ".join(axes) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor {notation}, got {type(t).__name__}")
+    want = "[" + ", ".join(a if s is None else str(s) for a, s in zip(axes, sizes)) + "]"
+    if t.dim() != len(axes) or any(s is not None and s != n for s, n in zip(sizes, t.shape)):
+        raise ValueError(f"{name}: expected {notation} = {want}, got {list(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor {notation}, got {t.dtype}")
+    if ref is not None and t.dtype != ref[1].dtype:
+        raise ValueError(f"{name}: dtype {t.dtype} does not match {ref[0]} ({ref[1].dtype})")
+    if ref is not None and t.device != ref[1].device:
+        raise ValueError(f"{name}: device {t.device} does not match {ref[0]} ({ref[1].device})")
+    return t
+
+
+class _Compiled:
+    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+
+    If compilation fails, warns once and runs `fn` eagerly from then on.
+    `seconds` is the wall time of the first (compiling) call."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=False)
+        self.seconds = None
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                start = time.perf_counter()
+                out = self.compiled(*args)
+                if self.seconds is None:
+                    self.seconds = time.perf_counter() - start
+                return out
+            except Exception as err:  # a construct torch.compile cannot handle on this machine
+                first = str(err).splitlines()[0] if str(err) else ""
+                warnings.warn(f"torch.compile failed for {self.fn.__name__} "
+                              f"({type(err).__name__}: {first}); running it eagerly")
+                self.compiled = None
+        return self.fn(*args)
+
+
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
+    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
+    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
+    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
+    return L, torch.cumprod(a, dim=-1)
+
+
+def _linear_scan(a, x, s0):
+    """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0, in closed form.
+
+    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]:
+    s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of _decay_matrix.
+    """
+    B, C, H = x.shape[:3]
+    if not isinstance(a, torch.Tensor):
+        a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
+    L, P = _decay_matrix(a.expand(B, C, H).transpose(1, 2))                # [B, H, C, C], [B, H, C]
+    xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
+    s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
+    return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
+
+
+def _causal_mask(T, N, window, device):
+    """[T, N] boolean: new token i (position N - T + i) may attend to cached position j
+    when j <= its position and j > its position - window."""
+    pos = torch.arange(N - T, N, device=device).unsqueeze(1)               # [T, 1]
+    j = torch.arange(N, device=device).unsqueeze(0)                        # [1, N]
+    allowed = j <= pos
+    if window is not None:
+        allowed = allowed & (j > pos - window)
+    return allowed

@@ -1,0 +1,115 @@
+"""Family ``minibatch``: gradient writes whose update program, with each ``grad(...)`` held as a
+token-local input, is a chain of linear recurrences with token-local scalar coefficients.
+Inside a chunk every gradient is taken at the chunk-start state: an approximation of
+online learning (chunk 1 equals it), used only when a spec asks for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
+from .algebra import ZERO, Algebra, NotAdmitted, all_updates, compose_all, is_num, replace_grads, simplify
+from .dual import DualForm, NotDual, analyse_dual
+from .polynomial import linear_form
+from .recurrence import NotRecurrence, Recurrence, minibatch_recurrence
+
+
+@dataclass(frozen=True)
+class MinibatchPlan:
+    """The update program as linear recurrences: ``new[S] = sum_R coef[S][R] * old[R] + rest[S]``.
+
+    ``grads`` maps the placeholder names used in ``rest`` to the original ``grad(...)`` calls
+    (evaluated at the chunk-start states in the mini-batch schedule).  ``recurrence`` is the
+    same program statement by statement (:class:`.recurrence.Recurrence`, each statement's
+    gradients the placeholders of ``grad_sites``: name -> (statement index, call)), which the
+    materialising chunk step solves; ``dual`` is the dual form when the spec admits it
+    (:mod:`.dual`), else ``no_dual`` says why not."""
+
+    coef: dict
+    rest: dict
+    grads: dict
+    chunk: int
+    recurrence: Recurrence
+    grad_sites: dict
+    dual: DualForm | None
+    no_dual: str | None
+
+
+def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str]]:
+    table: dict = {}
+    updates = [(t, replace_grads(e, alg, table)) for t, e in all_updates(alg)]
+    if not table:
+        raise NotAdmitted("the update takes no gradient (mini-batch learning needs gradient writes)")
+    if alg.caches:
+        raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
+    final = compose_all(alg, updates)
+    coef, rest = {}, {}
+    for n in alg.states:
+        e = final.get(n, Name(n))
+        c, r = linear_form(alg, e, set(alg.states), "the states")
+        if any(alg.depends(x) for x in c.values()) or alg.depends(r):
+            raise NotAdmitted(f"the update of {n} is not a linear recurrence with token-local coefficients")
+        coef[n] = {k: simplify(v) for k, v in c.items() if not is_num(simplify(v), 0)}
+        rest[n] = simplify(r)
+    # the scans solve the recurrences one state after another: off-diagonal dependencies must be acyclic
+    done: list[str] = []
+    pending = list(alg.states)
+    while pending:
+        ready = [n for n in pending if all(r == n or r in done for r in coef[n])]
+        if not ready:
+            raise NotAdmitted(f"the recurrences of {', '.join(pending)} feed each other's previous values "
+                              f"(a coupled system, not a chain of scalar recurrences)")
+        done.append(ready[0])
+        pending.remove(ready[0])
+    grads = {name: call for name, call in table.values()}
+    reasons = []
+    for n in alg.states:
+        total: Expr = ZERO
+        for k, v in coef[n].items():
+            total = BinOp("+", total, BinOp("*", v, Name(k)))
+        txt = gtxt(simplify(BinOp("+", total, rest[n])), grads)
+        reasons.append(f"update of {n} is a linear recurrence with token-local scalar coefficients "
+                       f"when each grad(...) is held fixed: {n} <- {txt}")
+    reasons.append("mini-batch: inside a chunk every grad(...) is taken at the chunk-start state, "
+                   "the recurrences run token by token (an approximation of online learning; "
+                   "chunk 1 equals online)")
+    recurrence, sites = _statement_recurrence(alg)
+    try:
+        dual, no_dual = analyse_dual(alg.spec), None
+        reasons += dual.describe()
+    except NotDual as err:
+        dual, no_dual = None, str(err)
+        reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
+    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual), reasons
+
+
+def _statement_recurrence(alg: Algebra) -> tuple[Recurrence, dict]:
+    """The :class:`Recurrence` the materialising chunk step solves: every ``grad(...)`` of
+    statement i replaced by a placeholder ``_g<i>_<k>`` (token-local, the gradient's shape),
+    so that the same call in two statements (taken at different values) stays two inputs.
+    Returns the recurrence and ``placeholder -> (statement index, call)``."""
+    spec = alg.spec
+    sites: dict = {}
+    values = []
+    for i, stmt in enumerate(spec.update):
+        names: dict = {}
+
+        def placeholder(c: Expr, i=i, names=names) -> Expr | None:
+            if not (isinstance(c, Call) and c.fn == "grad"):
+                return None
+            key = unparse(c)
+            if key not in names:
+                names[key] = f"_g{i}_{len(names)}"
+                sites[names[key]] = (i, c)
+            return Name(names[key])
+
+        values.append(rewrite(stmt.value, placeholder))
+    scope = {ph: tuple(spec.state[alg.grad_target(c)].shape) for ph, (_, c) in sites.items()}
+    try:
+        return minibatch_recurrence(spec, values, scope), sites
+    except NotRecurrence as err:
+        raise NotAdmitted(str(err)) from None
+
+
+def gtxt(e: Expr, grads: dict) -> str:
+    return unparse(substitute(e, {k: v for k, v in grads.items()}))

@@ -1,0 +1,59 @@
+"""Line layout of generated source (memspec.codegen.layout): every line within 100 characters,
+the AST unchanged, idempotent."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from memspec.codegen import layout as lay
+
+COMPILED = Path(__file__).resolve().parent.parent / "compiled"
+
+
+@pytest.mark.parametrize("path", sorted(COMPILED.glob("*.py")), ids=lambda p: p.name)
+def test_compiled_modules_fit_in_100_columns(path):
+    text = path.read_text(encoding="utf-8")
+    long = [(i + 1, ln) for i, ln in enumerate(text.split("\n")) if len(ln) > lay.WIDTH]
+    assert not long, long[:3]
+    assert lay.layout(text) == text
+
+
+SOURCE = '''
+def f(alpha, beta, gamma):
+    """A docstring whose single line is much longer than one hundred characters, so that it has to be wrapped."""
+    value = some_function(alpha, beta, gamma) + some_function(beta, gamma, alpha) * some_function(gamma, alpha, beta)  # a comment
+    pair = alpha * 2, beta * 3, gamma * 4, alpha + beta + gamma, alpha - beta - gamma, alpha * beta * gamma + 1
+    table = {"first": alpha, "second": beta, "third": gamma, "fourth": alpha + beta, "fifth": beta + gamma}
+    # a comment line that goes on and on beyond the limit of one hundred characters, to be wrapped at words
+    return value, pair, table
+
+
+def some_function(a, b, c):
+    return a * 100 + b * 10 + c
+'''
+
+
+def test_long_lines_are_laid_out_with_the_same_ast_and_values():
+    out = lay.layout(SOURCE)
+    assert all(len(ln) <= lay.WIDTH for ln in out.split("\n")), out
+    assert lay._normalised_ast(out) == lay._normalised_ast(SOURCE)
+    assert "# a comment\n" in out and out.index("# a comment") < out.index("value = ")
+    ns_a, ns_b = {}, {}
+    exec(SOURCE, ns_a)
+    exec(out, ns_b)
+    assert ns_a["f"](1, 2, 3) == ns_b["f"](1, 2, 3)
+    assert lay.layout(out) == out
+
+
+def test_a_layout_that_changes_the_code_is_refused(monkeypatch):
+    monkeypatch.setattr(lay, "_layout", lambda text, width: text.replace("* 100", "* 101"))
+    with pytest.raises(lay.LayoutError):
+        lay.layout(SOURCE)
+
+
+def test_unbreakable_lines_are_left_alone():
+    src = "x = '" + "a" * 150 + "'\n"
+    assert lay.layout(src) == src
+    ast.parse(lay.layout(src))
