@@ -4,8 +4,7 @@
 # spec sha256: 53f6af8358add43c76731267db25b98b164a57a5614095ec947c9696ce2172d9
 # file sha256: 53f6af8358add43c76731267db25b98b164a57a5614095ec947c9696ce2172d9
 # schedule: delta rule chunked form (WY / UT), chunk 64 (exact)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: delta, exact; admits delta, minibatch, online
 # schedules of this module: delta, minibatch, online
 """deltanet: DeltaNet: the delta rule as one step of online gradient descent on the regression loss
@@ -90,7 +89,7 @@ def _decay_matrix(a):
     return L, torch.cumprod(a, dim=-1)
 
 
-def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True, group=None):
+def chunk_delta(q, k, v, beta, S0, chunk):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
@@ -124,6 +123,8 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+
+    Specialised for this module: log_gamma=None, log_rho=None, inclusive=True, group=None.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -131,16 +132,13 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
-    if group is not None:
-        G = int(group)
-    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
+    if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
         G = round((1 << 17) / (BH * C * max(K + V, C)))
     else:                          # caching allocators: fewer, larger launches
         G = 64
     G = max(1, min(N, G))                                            # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
-    decayed = log_gamma is not None or log_rho is not None
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     eye = torch.eye(K, dtype=dt, device=k.device)
     Np = N + (r > 0)                                                 # chunks, the tail included
@@ -155,20 +153,6 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
     # log decay 0, so L at the chunk's last slot is L at its last real token
     bc = per_chunk(beta)                                             # beta
-    if decayed:
-        lgc = per_chunk(log_gamma) if log_gamma is not None else torch.zeros_like(bc)
-        # cumulative log decay in the chunk
-        L = torch.cumsum(lgc, dim=-1)
-        R = L if log_rho is None else L - lgc + per_chunk(log_rho)   # log decay the error term sees
-        # beta exp(R): scales k on the right side
-        b_r = bc * torch.exp(R)
-        # decay from token t to the chunk end
-        to_end = torch.exp(L[..., -1:] - L)
-        g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
-        Lq = L if inclusive else L - lgc                             # log decay a probe sees
-        q_fac = torch.exp(Lq)
-        # one decay matrix for solve and read
-        shared = log_rho is None and inclusive and qq is not None
 
     # exp(rows_t - cols_s) on and below the diagonal, 1 above
     def decay_matrix(rows, cols, diagonal):
@@ -190,10 +174,6 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                 (n, c) in zip(x.split(c_pieces, dim=0), groups)]
 
     pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc)]
-    if decayed:
-        pieces += [c_split(L), c_split(R), c_split(b_r), c_split(to_end), c_split(Lq),
-                c_split(q_fac),
-                   g_end.split(c_pieces, dim=0)]
     outs = []                                                        # [B, n, c, H, V] per group
     for gi, (n, c) in enumerate(groups):
         kp, vp, qp, b = (x[gi] for x in pieces[:4])                  # [B, n c, H, K|V|K], [nBH, c]
@@ -204,29 +184,11 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                         vp.view(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1).view(nBH, c, K + V)
         kg = kv[:, :, :K]                                            # [nBH, c, K] (a view)
         b = b[:, :, None]                                            # [nBH, c, 1]
-        if decayed:
-            Lg, Rg, b_rg, to_end_g, Lq_g, q_fac_g, g_end_g = (x[gi] for x in pieces[4:])
-            if shared:
-                read_decay = decay_matrix(Lg, Lg, 0)                 # exp(L_t - L_s), s <= t
-                solve_decay = read_decay
-            else:
-                solve_decay = decay_matrix(Rg, Lg, -1)               # exp(R_t - L_s), s < t
-            # A_ts = beta_t exp(R_t - L_s) (k_t . k_s), s < t (only the strict lower part is read)
-            A = torch.bmm(kg * b, kg.transpose(1, 2)) * solve_decay  # [nBH, c, c]
-            if K == V:
-                fac = torch.stack([b_rg, b[:, :, 0]], dim=-1)        # [nBH, c, 2]
-                rhs = (kv.view(nBH, c, 2, K) * fac[..., None]).view(nBH, c, K + V)
-            else:
-                rhs = torch.cat([kg * b_rg[:, :, None], kv[:, :, K:] * b], dim=-1)
-            # [nBH, c, K] keys decayed to the chunk end
-            kd = kg * to_end_g[:, :, None]
-            M0 = eye * g_end_g.reshape(nBH, 1, 1)                    # [nBH, K, K]
-        else:
-            rhs = kv * b                                             # [beta k | beta v]
-            # beta_t (k_t . k_s); strict lower part read
-            A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))
-            kd = kg
-            M0 = eye.expand(nBH, K, K)
+        rhs = kv * b                                             # [beta k | beta v]
+        # beta_t (k_t . k_s); strict lower part read
+        A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))
+        kd = kg
+        M0 = eye.expand(nBH, K, K)
         # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on
         # CPU
         # [nBH, c, K + V] = [W | U]
@@ -248,14 +210,8 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
             # [nBH, c, K]
             qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4).reshape(nBH, c, K)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
-            if decayed:
-                if not shared:
-                    read_decay = decay_matrix(Lq_g, Lg, 0 if inclusive else -1)
-                scores = scores * read_decay
-            # P W, P U
-            Y_w, Y_u = torch.bmm(scores.tril_(0 if inclusive else -1), X).split([K, V], dim=-1)
-            # P W - Qd
-            neg_q = torch.addcmul(Y_w, qg, q_fac_g[:, :, None], value=-1) if decayed else Y_w - qg
+            Y_w, Y_u = torch.bmm(scores.tril_(0), X).split([K, V], dim=-1)  # P W, P U
+            neg_q = Y_w - qg   # P W - Qd
             # [nBH, c, V] = P U + (Qd - P W) S_start
             og = torch.baddbmm(Y_u, neg_q, S_starts, alpha=-1)
             outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)
@@ -518,8 +474,7 @@ class DeltanetMemory(nn.Module):
         kn = l2norm(k)  # [B, T, H, d_k]
         # delta chunked schedule (exact): W <- gamma * W + outer(k, beta * (v - rho * k @ W)), WY /
         # UT form with one triangular solve per chunk
-        W_probe_out, W_new = chunk_delta(qn, kn, v, eta, None, state["W"], self.chunk, log_rho=None,
-                inclusive=True)
+        W_probe_out, W_new = chunk_delta(qn, kn, v, eta, state["W"], self.chunk)
         o = W_probe_out  # [B, T, H, d_v]
         return o, {'W': W_new}
 

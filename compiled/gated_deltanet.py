@@ -102,7 +102,7 @@ def _linear_scan(a, x, s0):
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
 
 
-def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True, group=None):
+def chunk_delta(q, k, v, beta, log_gamma, S0, chunk):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
@@ -136,6 +136,8 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+
+    Specialised for this module: log_rho=None, inclusive=True, group=None.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -143,16 +145,14 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
-    if group is not None:
-        G = int(group)
-    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
+    if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
         G = round((1 << 17) / (BH * C * max(K + V, C)))
     else:                          # caching allocators: fewer, larger launches
         G = 64
     G = max(1, min(N, G))                                            # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
-    decayed = log_gamma is not None or log_rho is not None
+    decayed = log_gamma is not None
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     eye = torch.eye(K, dtype=dt, device=k.device)
     Np = N + (r > 0)                                                 # chunks, the tail included
@@ -171,16 +171,15 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         lgc = per_chunk(log_gamma) if log_gamma is not None else torch.zeros_like(bc)
         # cumulative log decay in the chunk
         L = torch.cumsum(lgc, dim=-1)
-        R = L if log_rho is None else L - lgc + per_chunk(log_rho)   # log decay the error term sees
+        R = L   # log decay the error term sees
         # beta exp(R): scales k on the right side
         b_r = bc * torch.exp(R)
         # decay from token t to the chunk end
         to_end = torch.exp(L[..., -1:] - L)
         g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
-        Lq = L if inclusive else L - lgc                             # log decay a probe sees
+        Lq = L                             # log decay a probe sees
         q_fac = torch.exp(Lq)
-        # one decay matrix for solve and read
-        shared = log_rho is None and inclusive and qq is not None
+        shared = qq is not None   # one decay matrix for solve and read
 
     # exp(rows_t - cols_s) on and below the diagonal, 1 above
     def decay_matrix(rows, cols, diagonal):
@@ -262,10 +261,9 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
             if decayed:
                 if not shared:
-                    read_decay = decay_matrix(Lq_g, Lg, 0 if inclusive else -1)
+                    read_decay = decay_matrix(Lq_g, Lg, 0)
                 scores = scores * read_decay
-            # P W, P U
-            Y_w, Y_u = torch.bmm(scores.tril_(0 if inclusive else -1), X).split([K, V], dim=-1)
+            Y_w, Y_u = torch.bmm(scores.tril_(0), X).split([K, V], dim=-1)  # P W, P U
             # P W - Qd
             neg_q = torch.addcmul(Y_w, qg, q_fac_g[:, :, None], value=-1) if decayed else Y_w - qg
             # [nBH, c, V] = P U + (Qd - P W) S_start
@@ -520,8 +518,7 @@ class GatedDeltanetMemory(nn.Module):
         # UT form with one triangular solve per chunk
         W_gamma = 1 - alpha  # [B, T, H]
         W_log_gamma = torch.log(W_gamma.clamp(min=1e-30))  # [B, T, H]
-        W_probe_out, W_new = chunk_delta(qn, kn, v, eta, W_log_gamma, state["W"], self.chunk,
-                log_rho=None, inclusive=True)
+        W_probe_out, W_new = chunk_delta(qn, kn, v, eta, W_log_gamma, state["W"], self.chunk)
         o = W_probe_out  # [B, T, H, d_v]
         return o, {'W': W_new}
 

@@ -71,7 +71,7 @@ class _Compiled:
         return self.fn(*args)
 
 
-def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
+def chunk_additive(q, k, v, S0, chunk):
     """Exact chunked form of ``S_t = exp(log_gamma_t) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @
     S_t``.
 
@@ -102,6 +102,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
+
+    Specialised for this module: log_gamma=None, inclusive=True, group=None.
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
@@ -110,9 +112,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
-    if group is not None:
-        G = int(group)
-    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
+    if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
         G = round((1 << 17) / (BH * C * max(K, V, C)))
     # caching allocators: fewer, larger launches; the [G, G] prefix stays small
     else:
@@ -120,11 +120,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     G = max(1, min(N, G))                                            # chunks per group
     kk, vv = k.to(dt), tuple(x.to(dt) for x in vs)                   # no copies in float32
     qq = q.to(dt) if q is not None else None
-    lg = log_gamma.to(dt) if log_gamma is not None else None
     S = k.new_zeros(BH, K * V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K * V)
     idx = torch.arange(C, device=k.device)
-    # [C, C]
-    read_mask = idx[:, None] >= idx[None, :] if inclusive else idx[:, None] > idx[None, :]
+    read_mask = idx[:, None] >= idx[None, :]   # [C, C]
     gidx = torch.arange(G, device=k.device)
     # [G, G]
     strict = gidx[:, None] > gidx[None, :]
@@ -151,43 +149,20 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None):
     outs = []
     for a, n, c in groups:
         kg, vg = block(kk, a, n, c), block_cat(vv, a, n, c)         # [BHn, c, K], [BHn, c, V]
-        if lg is not None:
-            lgg = lg[:, a:a + n * c].reshape(B, n, c, H).permute(0, 3, 1, 2)   # [B, H, n, c]
-            L = torch.cumsum(lgg, dim=-1)                            # [B, H, n, c]
-            # [BH, n] log decay of each chunk
-            l_chunk = L[..., -1].reshape(BH, n)
-            kd = kg * torch.exp(L[..., -1:] - L).reshape(BH * n, c, 1)   # decayed to the chunk end
-            lam = torch.cumsum(l_chunk, dim=-1)                      # [BH, n]
-            # [BH, n] log decay before chunk j
-            lam_prev = lam - l_chunk
-            W = torch.exp(torch.where(strict[:n, :n], lam_prev[:, :, None] - lam[:, None, :],
-                    float("-inf")))
-            S_in = torch.exp(lam_prev)[:, :, None] * S[:, None, :]  # [BH, n, KV]
-        else:
-            kd = kg
-            if n not in lower:
-                lower[n] = strict[:n, :n].to(dt).expand(BH, n, n)
-            W = lower[n]                                             # [BH, n, n]
-            S_in = S[:, None, :]                                     # [BH, 1, KV]
+        kd = kg
+        if n not in lower:
+            lower[n] = strict[:n, :n].to(dt).expand(BH, n, n)
+        W = lower[n]                                             # [BH, n, n]
+        S_in = S[:, None, :]                                     # [BH, 1, KV]
         kv = torch.bmm(kd.transpose(1, 2), vg).view(BH, n, K * V)   # [BH, n, KV] chunk increments
         # [BH, n, KV] state at each chunk start
         S_starts = torch.baddbmm(S_in, W, kv)
-        if lg is not None:
-            S = torch.addcmul(kv[:, -1], S_starts[:, -1], torch.exp(l_chunk[:, -1:]))
-        else:
-            S = S_starts[:, -1] + kv[:, -1]                          # [BH, KV]
+        S = S_starts[:, -1] + kv[:, -1]                          # [BH, KV]
         if qq is None:
             continue
         qg = block(qq, a, n, c)                                      # [BHn, c, K]
         scores = torch.bmm(qg, kg.transpose(1, 2))                   # [BHn, c, c]
-        if lg is not None:
-            Lq = L if inclusive else L - lgg                         # [B, H, n, c]
-            decay = torch.exp(torch.where(read_mask[:c, :c], Lq[..., :, None] - L[..., None, :],
-                    float("-inf")))
-            scores = scores * decay.reshape(BH * n, c, c)
-            qg = qg * torch.exp(Lq).reshape(BH * n, c, 1)
-        else:
-            scores = scores.tril_(0 if inclusive else -1)
+        scores = scores.tril_(0)
         og = torch.baddbmm(torch.bmm(qg, S_starts.view(BH * n, K, V)), scores, vg)   # [BHn, c, V]
         outs.append(og.view(BH, n * c, V))
     S_out = S.view(B, H, K, V).to(S0.dtype if S0 is not None else vs[0].dtype)
@@ -357,7 +332,7 @@ class LinearAttentionMemory(nn.Module):
         # [B, T, H, d_v + 1] side by side (the kernel concatenates them chunk by chunk)
         S_z_b = (v, torch.ones_like(kf[..., :1]))
         S_z_0 = torch.cat([state["S"], state["z"].unsqueeze(-1)], dim=-1)  # [B, H, d_k, d_v + 1]
-        S_z_read0, S_z_T = chunk_additive(qf, kf, S_z_b, None, S_z_0, self.chunk, inclusive=True)
+        S_z_read0, S_z_T = chunk_additive(qf, kf, S_z_b, S_z_0, self.chunk)
         S_probe_out, z_probe_out = torch.split(S_z_read0, [self.d_v, 1], dim=-1)
         z_probe_out = z_probe_out.squeeze(-1)  # [B, T, H]
         S_new, z_new = torch.split(S_z_T, [self.d_v, 1], dim=-1)

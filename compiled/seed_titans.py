@@ -4,8 +4,7 @@
 # spec sha256: 7f63bbaed21dfc48544e10f1184fdd47bb61af3053d3283cde12f792052f06cb
 # file sha256: 7f63bbaed21dfc48544e10f1184fdd47bb61af3053d3283cde12f792052f06cb
 # schedule: online: one token at a time (exact)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: online, exact; admits minibatch, online
 # schedules of this module: minibatch, online
 """seed_titans: The neural memory of the seed snippet: a two-layer GELU MLP f(u) = gelu(u W1 + b1)

@@ -3,10 +3,8 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 72eb12068d23446fb160d29686a676a5738844b8e5c4c896b2f1a5f25c7c01bc
 # file sha256: 72eb12068d23446fb160d29686a676a5738844b8e5c4c896b2f1a5f25c7c01bc
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(64): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 """titans: Titans' long-term neural memory: a 2-layer MLP memory f(u) = gelu(u W1) W2 learned at

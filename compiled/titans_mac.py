@@ -3,15 +3,13 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 508e0a968a6f5afb7e6a91420483debb9afce803570abe3dc32538d434781bd7
 # file sha256: 074622973339f54621cc441b454af28e4248b971561d7faa07d19380e7124069
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(64): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mac(segment=128, persistent=16, window=64) -- built here: TitansMacLayer is MAC around
-# TitansMacMemoryLayer
-# wiring options: qk_norm=True, write="attention", output="gated"
+# wiring: mac(segment=128, persistent=16, window=64); options: qk_norm=True, write="attention",
+# output="gated"
+# built here: TitansMacLayer is MAC around TitansMacMemoryLayer
 """titans_mac: Titans MAC (memory as a context): the Titans neural memory wired per segment of 128
 tokens; the segment's queries first retrieve from the memory left by earlier segments, attention
 runs over [16 persistent tokens | retrieved | segment], and the attention output is what the memory

@@ -3,15 +3,12 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 8b686c1aed55bbe4a968ff96fc4893fc0f2195a54e278777b2f292dcec4b1ed8
 # file sha256: 75b5d226e4b7ecff246ca8176040811cc794b1f6afa28a350b2122551ccad1b6
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(64): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mag(segment=64, persistent=16, window=128) -- built here: TitansMagLayer is MAG around
-# TitansMagMemoryLayer
-# wiring options: qk_norm=True, gate="normalized"
+# wiring: mag(segment=64, persistent=16, window=128); options: qk_norm=True, gate="normalized"
+# built here: TitansMagLayer is MAG around TitansMagMemoryLayer
 """titans_mag: Titans MAG (memory as a gate): sliding-window attention (window 128, with 16
 persistent tokens) and the Titans neural memory read the same input, and the attention's output is
 gated by the memory's, each RMS-normalised with learned weights (Eq.

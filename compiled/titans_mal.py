@@ -3,15 +3,12 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 535f65340d78bb6be8d47433ef17b299c7fcf4ac62c592489946e386f08565fd
 # file sha256: ae62787a64e07b8b35be63dd66b8a30264b88e06b6a089d578f9cef7a437e94a
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(64): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mal(segment=64, persistent=16, window=128) -- built here: TitansMalLayer is MAL around
-# TitansMalMemoryLayer
-# wiring options: qk_norm=True, residual=True
+# wiring: mal(segment=64, persistent=16, window=128); options: qk_norm=True, residual=True
+# built here: TitansMalLayer is MAL around TitansMalMemoryLayer
 """titans_mal: Titans MAL (memory as a layer): the Titans neural memory as a layer followed by
 sliding-window attention (window 128, with 16 persistent tokens), with the residual of the paper's
 stacked layers around the attention: the memory's read plus the attention over it.

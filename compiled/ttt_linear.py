@@ -3,10 +3,8 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: f50e2298f1c0d6ea35625f9518b80d8a7a6724fc07eb65430719a364b76d39d9
 # file sha256: f50e2298f1c0d6ea35625f9518b80d8a7a6724fc07eb65430719a364b76d39d9
-# schedule: minibatch(16): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(16): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 """ttt_linear: TTT-Linear: the hidden state is the weight W and bias b of a linear model trained at

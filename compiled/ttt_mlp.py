@@ -3,10 +3,8 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: e6d7c4819f66bec1a8c416aad0dcdf68cd4328808c5f49e6c9cd21cba009373e
 # file sha256: e6d7c4819f66bec1a8c416aad0dcdf68cd4328808c5f49e6c9cd21cba009373e
-# schedule: minibatch(16): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(16): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 """ttt_mlp: TTT-MLP: as TTT-Linear but the inner model is a two-layer MLP with a GELU hidden layer

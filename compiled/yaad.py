@@ -3,10 +3,8 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 63778633cf760d46e15ec23df9dcf97cc63b093f0cb57010a2483256a6ac8701
 # file sha256: 63778633cf760d46e15ec23df9dcf97cc63b093f0cb57010a2483256a6ac8701
-# schedule: minibatch(64): gradients of each chunk at the chunk-start state (approximate; chunk 1
-# equals online when no statement writes a state before a gradient reads it)
-# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are masked [C, C]
-# products (memspec.dual)
+# schedule: minibatch(64): each chunk's gradients at its start state (approximate; chunk 1 = online)
+# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
 """yaad: Miras' Yaad: a 2-layer MLP memory (as in Titans) trained at test time with a Huber

@@ -132,7 +132,7 @@ def test_header_names_spec_hash_and_schedule():
     assert any(ln.startswith("# spec sha256") and len(ln.split()[-1]) == 64 for ln in head)
     assert any("schedule: minibatch(64)" in ln and "approximate" in ln for ln in head)
     assert "# [B, C, H, hidden]" in text and "# [B, H, C, C]" in text       # shape comments
-    assert "dual form" in head[5] and "_token_grads" not in text
+    assert any("dual form" in ln for ln in head) and "_token_grads" not in text
     assert "class TitansMemory(nn.Module):" in text and "class TitansLayer(nn.Module):" in text
     mac = source("specs/titans_mac.yaml")
     assert "TitansMacLayer is MAC around TitansMacMemoryLayer" in mac and "not built here" not in mac

@@ -125,4 +125,4 @@ def emit_forward(ctx, L, body, kernel) -> None:
                                   taken=tuple(sorted(ctx.spec_names))):
             L.block(line)
     L()
-    ctx.need(kernel)
+    ctx.need_kernel(kernel)

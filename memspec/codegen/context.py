@@ -86,6 +86,12 @@ class Context:
         if src not in self.parts:
             self.parts.append(src)
 
+    def need_kernel(self, fn) -> None:
+        """The module carries the kernel ``fn``, specialised to the constant arguments its
+        calls pass (:func:`memspec.codegen.specialise.specialise_calls`, once the code is known)."""
+        if fn not in self.parts:
+            self.parts.append(fn)
+
     def helper_sources(self) -> list:
         """Sources of the language helpers the emitted code called, sorted by name."""
         return [runtime_source(getattr(runtime_helpers, h)) for h in sorted(self.helpers)]

@@ -22,6 +22,7 @@ from . import additive, cache, delta, layer, minibatch, online
 from .context import Context, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
+from .specialise import specialise_calls
 from .text import Lines, dims_text, shape_text, string_pieces
 
 # one emitter per schedule family (the rows of memspec.schedule.decide.FAMILIES)
@@ -33,8 +34,7 @@ FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
 SCHEDULE_TEXT = {
     "online": "online: one token at a time (exact)",
     "cache": "cache: scaled_dot_product_attention over [past cache | new tokens] with a causal{window} mask (exact)",
-    "minibatch": "minibatch({chunk}): gradients of each chunk at the chunk-start state (approximate; chunk 1 "
-                 "equals online when no statement writes a state before a gradient reads it)",
+    "minibatch": "minibatch({chunk}): each chunk's gradients at its start state (approximate; chunk 1 = online)",
     "additive": "additive chunked form, chunk {chunk} (exact)",
     "delta": "delta rule chunked form (WY / UT), chunk {chunk} (exact)",
 }
@@ -59,12 +59,18 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
     if ctx.spec.wiring.kind != "none":
         wiring = ["# ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----\n"
                   + wiring_source(ctx.spec.wiring.kind)]
+    code = "\n".join(body.lines)
+    runtime = []
+    for part in ctx.parts:
+        if callable(part):   # a kernel: specialised to the constant arguments of its calls
+            code, part = specialise_calls(code, part)
+        runtime.append(part)
     parts = Lines()
-    for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + ctx.parts + wiring:
+    for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + runtime + wiring:
         parts.block(part)
         parts()
         parts()
-    code = "\n".join(parts.lines + body.lines)
+    code = "\n".join(parts.lines) + "\n" + code
     for module in ("math", "time", "warnings"):
         if re.search(rf"\b{module}\.", code):
             L(f"import {module}")
@@ -93,16 +99,15 @@ def header(ctx, L):
     text = SCHEDULE_TEXT[ctx.default].format(chunk=ctx.default_chunk, window=window_text(ctx))
     L(f"# schedule: {text}")
     if "minibatch" in ctx.schedules and ctx.plans["minibatch"].dual is not None:
-        L("# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are "
-          "masked [C, C] products (memspec.dual)")
+        L("# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads")
     exact = "exact" if d.exact else "approximate (mini-batch)"
     L(f"# derived by memspec.schedule.analyse: {d.family}, {exact}; admits {', '.join(d.admits)}")
     L(f"# schedules of this module: {', '.join(ctx.schedules)}")
     if spec.wiring.kind != "none":
         w = spec.wiring
-        L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window}) -- "
-          f"built here: {ctx.name}Layer is {w.kind.upper()} around {ctx.name}MemoryLayer")
-        L("# wiring options: " + ", ".join(f"{k}={layer.py_literal(v)}" for k, v in w.options().items()))
+        L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window}); options: "
+          + ", ".join(f"{k}={layer.py_literal(v)}" for k, v in w.options().items()))
+        L(f"# built here: {ctx.name}Layer is {w.kind.upper()} around {ctx.name}MemoryLayer")
     L('"""' + f"{spec.name}: " + (spec.description.split(". ")[0].strip().rstrip(".") + "." if spec.description else "a memspec memory."))
     L()
     if spec.cite:
