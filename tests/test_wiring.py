@@ -326,3 +326,12 @@ def test_wrap_and_source():
     ns = {}
     exec("import torch\nfrom torch import nn\nimport torch.nn.functional as F\n" + src, ns)
     assert {"MAC", "MAG", "MAL", "SlidingWindowAttention"} <= set(ns)
+
+
+def test_runtime_options_are_the_specs():
+    """The runtime (torch only) keeps its own table of each kind's options; it must be the
+    spec language's."""
+    from memspec.lang.spec import WIRING_OPTIONS
+    from memspec.runtime.wiring import OPTIONS
+
+    assert OPTIONS == WIRING_OPTIONS
