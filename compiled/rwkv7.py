@@ -127,7 +127,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk):
     Specialised for this module: inclusive=True, simultaneous=False, read_after_decay=False,
     group=None, sub=None.
     """
-    # b itself stays as passed (specialisable)
+    # b with the sub-step axis (b is never rebound)
     b_r = b
     if k.dim() == 4:
         k, v, a = k.unsqueeze(3), v.unsqueeze(3), a.unsqueeze(3)

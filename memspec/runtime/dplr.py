@@ -152,7 +152,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
     """
-    b_r = b                                                          # b itself stays as passed (specialisable)
+    b_r = b                                                          # b with the sub-step axis (b is never rebound)
     if k.dim() == 4:
         k, v, a = k.unsqueeze(3), v.unsqueeze(3), a.unsqueeze(3)
         if b is not None:
