@@ -18,7 +18,7 @@ from ..lang.expr import Name, substitute, unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _decay_matrix, _linear_scan
 from ..schedule.algebra import is_num
-from ..schedule.recurrence import term_add, term_mul
+from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
 from .exprs import ExprEmitter
 from .program import emit_updates, shadow_plan
@@ -151,19 +151,28 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
         rec = plan.recurrence
         seq = {s: fresh(f"{s}_seq", taken) for s in ctx.states}
         prev: dict = {}
+        def before(r: str) -> str:
+            if r not in prev:
+                prev[r] = fresh(f"{r}_before", taken)
+                L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
+                  shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
+            return prev[r]
+
         for s in rec.order:
             coeffs = {k: substitute(cf, names) for k, cf in rec.coeff[s].items()}
             shape = tuple(spec.state[s].shape)
             terms = substitute(rec.rest[s], names) if rec.rest[s] is not None else None
             sc = dict(scope)
             sub_names = {}
+            for when, r in rec.inputs.get(s, ()):   # functions of sequences solved before s
+                ph = input_name(when, r)
+                sc[ph] = tuple(spec.state[r].shape)
+                sub_names[ph] = before(r) if when == "prev" else seq[r]
             for (when, r), cf in coeffs.items():
                 if when == "prev" and r == s:
                     continue
-                if when == "prev" and r not in prev:
-                    prev[r] = fresh(f"{r}_before", taken)
-                    L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
-                      shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
+                if when == "prev":
+                    before(r)
                 ph = f"{r}__{when}"
                 sc[ph] = tuple(spec.state[r].shape)
                 sub_names[ph] = prev[r] if when == "prev" else seq[r]
@@ -181,17 +190,31 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
                 else:
                     x = xc.text
             comment = shape_text("B, C, H", shape)
+            mirror = rec.mirror.get(s)
+            out, start = seq[s], s
+            if mirror is not None:   # a mirror-descent step: the recurrence of its logits
+                out, start = fresh(f"Z_{s}", taken), fresh(f"log_{s}", taken)
+                L(f"{start} = torch.log({s})", shape_text("B, H", shape) + f": the logits of {s} before the chunk")
+                comment += f": the logits Z of {s}"
             if decay is None:
-                L(f"{seq[s]} = {x}", comment)
+                L(f"{out} = {x}", comment)
             elif is_num(decay, 1):
                 xs = x if x.isidentifier() else f"({x})"
-                L(f"{seq[s]} = {s}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
+                L(f"{out} = {start}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
             else:
                 ctx.need(_decay_matrix)
                 ctx.need(_linear_scan)
                 a = sub._emit(decay)
-                L(f"{seq[s]} = _linear_scan({a.text}, {x}, {s})",
+                L(f"{out} = _linear_scan({a.text}, {x}, {start})",
                   comment + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
+            if mirror is not None:
+                c, axis = mirror
+                dim = list(shape).index(axis) - len(shape)
+                cc = sub._emit(substitute(c, names))
+                one = is_num(c, 1) or (cc.number and float(cc.text) == 1.0)
+                scale = "" if one else f"{cc.text if cc.number else sub._lift(cc, len(shape))} * "
+                L(f"{seq[s]} = {scale}torch.softmax({out}, dim={dim})",
+                  shape_text("B, C, H", shape) + f": {s} = {unparse(c)} * softmax(Z, {axis})")
         # the read of every token with its own state
         if spec.order == "write_read":
             read_names = {s: seq[s] for s in ctx.states}

@@ -13,6 +13,7 @@ import hashlib
 
 from ..lang.expr import Name, unparse
 from ..lang.fmt import to_yaml
+from ..lang.spec import parse_init
 from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled
 from ..runtime.wiring import source as wiring_source
@@ -249,9 +250,11 @@ def init_code(init, lead: list, dims: list, kw: str = "", generator: str = "") -
     if init == "eye":
         d = dims[-1]
         return f"torch.eye({d}{kw}).expand({', '.join(lead)}, {d}, {d}).clone()"
-    if init.startswith("normal("):
-        std = float(init[len("normal("):-1])
-        return f"torch.randn({sizes}{kw}{generator}) * {std!r}"
+    d = parse_init(init)
+    if d["kind"] == "normal":
+        return f"torch.randn({sizes}{kw}{generator}) * {d['std']!r}"
+    if d["kind"] == "uniform":
+        return f"{d['lo']!r} + {d['hi'] - d['lo']!r} * torch.rand({sizes}{kw}{generator})"
     raise CodegenError(f"unknown init {init!r}")
 
 
@@ -373,7 +376,11 @@ def validation(ctx, L):
         L("    return self.init_state(B, device=like.device, dtype=like.dtype)")
         L("if not isinstance(state, dict):")
         L("    raise ValueError(f\"state: expected a dict of tensors {{name: [B, H, ...]}}, got {type(state).__name__}\")")
-        L("extra = [k for k in state if k not in self.STATE and not str(k).startswith(\"minibatch.\")]")
+        if ctx.accs or "apply_update" in ctx.schedules:   # block sums ride along in the state
+            L("extra = [k for k in state if k not in self.STATE")
+            L("         and not str(k).startswith((\"minibatch.\", \"every.\"))]")
+        else:
+            L("extra = [k for k in state if k not in self.STATE and not str(k).startswith(\"minibatch.\")]")
         L("missing = [k for k in self.STATE if k not in state]")
         L("if extra or missing:")
         L("    raise ValueError(f\"state: expected the entries {', '.join(self.STATE)}\"")
@@ -393,7 +400,7 @@ def model_method(ctx, L):
     m = spec.model
     states = spec.model_states()
     arg = ctx.model_arg_shape()
-    em = ctx.emitter().with_scope(**{m.arg: arg})
+    em = ctx.emitter(like=m.arg).with_scope(**{m.arg: arg})
     out = tuple(ctx.env.model_output(arg) or ())
     L(f"def {ctx.attr[m.name]}(self, {m.arg}, {', '.join(states)}):")
     with L.indent():

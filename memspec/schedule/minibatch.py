@@ -11,7 +11,7 @@ from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
 from .algebra import ZERO, Algebra, NotAdmitted, all_updates, compose_all, is_num, replace_grads, simplify
 from .dual import DualForm, NotDual, analyse_dual
 from .polynomial import linear_form
-from .recurrence import NotRecurrence, Recurrence, minibatch_recurrence
+from .recurrence import NotRecurrence, Recurrence, input_name, minibatch_recurrence
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,42 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
         raise NotAdmitted("the update takes no gradient (mini-batch learning needs gradient writes)")
     if alg.caches:
         raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
+    slow = {n: st.every for n, st in alg.spec.state.items() if st.every and st.every > 1}
+    if slow:
+        raise NotAdmitted(", ".join(f"{n} updates every {c} tokens" for n, c in slow.items())
+                          + " (block updates are not in the mini-batch chunk step yet)")
+    grads = {name: call for name, call in table.values()}
+    reasons = []
+    try:
+        coef, rest = _linear_program(alg, updates)
+    except NotAdmitted as err:   # inputs that are functions of solved states, mirror steps
+        recurrence, sites = _statement_recurrence(alg, err)
+        coef, rest = {}, {}
+        reasons += _recurrence_reasons(alg, recurrence, sites)
+    else:
+        for n in alg.states:
+            total: Expr = ZERO
+            for k, v in coef[n].items():
+                total = BinOp("+", total, BinOp("*", v, Name(k)))
+            txt = gtxt(simplify(BinOp("+", total, rest[n])), grads)
+            reasons.append(f"update of {n} is a linear recurrence with token-local scalar coefficients "
+                           f"when each grad(...) is held fixed: {n} <- {txt}")
+        recurrence, sites = _statement_recurrence(alg)
+    reasons.append("mini-batch: inside a chunk every grad(...) is taken at the chunk-start state, "
+                   "the recurrences run token by token (an approximation of online learning; "
+                   "chunk 1 equals online)")
+    try:
+        dual, no_dual = analyse_dual(alg.spec), None
+        reasons += dual.describe()
+    except NotDual as err:
+        dual, no_dual = None, str(err)
+        reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
+    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual), reasons
+
+
+def _linear_program(alg: Algebra, updates) -> tuple[dict, dict]:
+    """The whole token's update as ``new[S] = sum_R coef[S][R] old[R] + rest[S]`` (each grad held
+    fixed), solvable one state after another; raises NotAdmitted."""
     final = compose_all(alg, updates)
     coef, rest = {}, {}
     for n in alg.states:
@@ -61,29 +97,38 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
                               f"(a coupled system, not a chain of scalar recurrences)")
         done.append(ready[0])
         pending.remove(ready[0])
-    grads = {name: call for name, call in table.values()}
-    reasons = []
-    for n in alg.states:
+    return coef, rest
+
+
+def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict) -> list[str]:
+    """explain lines for a program solved statement by statement (inputs, mirror steps)."""
+    calls = {ph: c for ph, (_, c) in sites.items()}
+    out = []
+    for s in rec.order:
+        if s in alg.caches:
+            continue
         total: Expr = ZERO
-        for k, v in coef[n].items():
-            total = BinOp("+", total, BinOp("*", v, Name(k)))
-        txt = gtxt(simplify(BinOp("+", total, rest[n])), grads)
-        reasons.append(f"update of {n} is a linear recurrence with token-local scalar coefficients "
-                       f"when each grad(...) is held fixed: {n} <- {txt}")
-    reasons.append("mini-batch: inside a chunk every grad(...) is taken at the chunk-start state, "
-                   "the recurrences run token by token (an approximation of online learning; "
-                   "chunk 1 equals online)")
-    recurrence, sites = _statement_recurrence(alg)
-    try:
-        dual, no_dual = analyse_dual(alg.spec), None
-        reasons += dual.describe()
-    except NotDual as err:
-        dual, no_dual = None, str(err)
-        reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
-    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual), reasons
+        for (when, r), c in rec.coeff[s].items():
+            total = BinOp("+", total, BinOp("*", c, Name(r)))
+        if rec.rest[s] is not None:
+            back = {input_name(w, n): Name(n) for n in alg.states for w in ("prev", "cur")}
+            total = BinOp("+", total, substitute(rec.rest[s], {**calls, **back}))
+        body = unparse(simplify(total))
+        ins = rec.inputs.get(s, ())
+        via = (" with " + ", ".join(f"{r} ({'after' if w == 'cur' else 'before'} the token)" for w, r in ins)
+               + " read from its solved sequence") if ins else ""
+        if s in rec.mirror:
+            c, axis = rec.mirror[s]
+            body = unparse(simplify(substitute(total, {s: Name("Z")})))
+            out.append(f"update of {s} is a mirror-descent step {s} = {unparse(c)} * softmax(Z, {axis}): its logits "
+                       f"follow the linear recurrence Z <- {body}{via} (log {s} differs from Z by a shift along "
+                       f"{axis}, which softmax ignores)")
+        else:
+            out.append(f"update of {s}, statement by statement with each grad(...) held fixed: {s} <- {body}{via}")
+    return out
 
 
-def _statement_recurrence(alg: Algebra) -> tuple[Recurrence, dict]:
+def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = None) -> tuple[Recurrence, dict]:
     """The :class:`Recurrence` the materialising chunk step solves: every ``grad(...)`` of
     statement i replaced by a placeholder ``_g<i>_<k>`` (token-local, the gradient's shape),
     so that the same call in two statements (taken at different values) stays two inputs.
@@ -105,10 +150,13 @@ def _statement_recurrence(alg: Algebra) -> tuple[Recurrence, dict]:
 
         values.append(rewrite(stmt.value, placeholder))
     scope = {ph: tuple(spec.state[alg.grad_target(c)].shape) for ph, (_, c) in sites.items()}
+    for n, st in spec.state.items():
+        for when in ("prev", "cur"):
+            scope[input_name(when, n)] = tuple(st.shape)
     try:
-        return minibatch_recurrence(spec, values, scope), sites
+        return minibatch_recurrence(spec, values, scope, inputs=True), sites
     except NotRecurrence as err:
-        raise NotAdmitted(str(err)) from None
+        raise (linear_failure or NotAdmitted(str(err))) from None
 
 
 def gtxt(e: Expr, grads: dict) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..lang.blocks import block_statements, frequencies
 from ..lang.expr import Call, Name, unparse
 from .algebra import Algebra
 
@@ -16,10 +17,13 @@ from .algebra import Algebra
 @dataclass(frozen=True)
 class OnlinePlan:
     """``loss_states``: the states the loss reads, in state order; ``grad_groups``: for each
-    update statement, the ``grad(...)`` calls to compute just before it (empty: none)."""
+    update statement, the ``grad(...)`` calls to compute just before it (empty: none);
+    ``blocks``: the statements of states updated once every C > 1 tokens
+    (:class:`memspec.lang.blocks.BlockStatement`), whose gradient terms the step sums."""
 
     loss_states: tuple
     grad_groups: tuple
+    blocks: tuple = ()
 
 
 def loss_states(spec) -> tuple:
@@ -60,5 +64,12 @@ def grad_groups(spec, loss_reads: tuple) -> tuple:
 
 
 def analyse_online(alg: Algebra) -> tuple[OnlinePlan, list[str]]:
-    reads = loss_states(alg.spec)
-    return OnlinePlan(reads, grad_groups(alg.spec, reads)), ["online: one token at a time, always exact"]
+    spec = alg.spec
+    reads = loss_states(spec)
+    blocks = block_statements(spec, frequencies(spec))
+    why = ["online: one token at a time, always exact"]
+    for b in blocks:
+        why.append(f"{b.target} updates every {b.every} tokens: the step adds "
+                   + ", ".join(unparse(t) for t in b.terms) + f" to a running sum and applies "
+                   f"`{unparse(spec.update[b.index].value)}` with the sum at each block's last token")
+    return OnlinePlan(reads, grad_groups(spec, reads), blocks), why
