@@ -3,8 +3,8 @@
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): b16871096be333ec0bf4fcee39cd6540678f11f058a65d11545213b14a5862bb
 # file sha256: b16871096be333ec0bf4fcee39cd6540678f11f058a65d11545213b14a5862bb
 # schedule: online: one token at a time (exact)
-# derived by memspec.schedule.analyse: online, exact; admits online
-# schedules of this module: online
+# derived by memspec.schedule.analyse: online, exact; admits minibatch, online
+# schedules of this module: minibatch, online
 """hope_cms: The continuum memory system of Nested Learning (HOPE's CMS) as a fast-weight memory: a chain of three levels, y = h W3' with h = u W1' W2', each level a residual linear map W' = I + W, learned at test time on one associative loss 0.5 |f(k) - v|^2, at its own frequency: level 1 every token, level 2 once every 4 tokens and level 3 once every 8, each applying the sum of its tokens' steps eta grad at the end of its block (the paper's theta_{i+1} = theta_i - sum_t eta_t f(theta_t; x_t) when i = 0 mod C).
 
 Cite: Behrouz, Razaviyayn, Zhong & Mirrokni 2025, Nested Learning: The Illusion of Deep Learning Architectures (arXiv 2512.24695), the continuum memory system (CMS) and HOPE
@@ -86,7 +86,7 @@ class HopeCmsMemory(nn.Module):
         state['W3']: [B, H, d_k, d_k]
         output: [B, T, H, d_k]
 
-    Schedules: 'online'; "auto" is 'online'.
+    Schedules: 'minibatch', 'online'; "auto" is 'online'.
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_k'}
@@ -94,11 +94,11 @@ class HopeCmsMemory(nn.Module):
     STATE = {'W1': ('d_k', 'd_k', ), 'W2': ('d_k', 'd_k', ), 'W3': ('d_k', 'd_k', )}
     CACHES = {}
     LOSS_STATES = ('W1', 'W2', 'W3', )
-    SCHEDULES = ('online', )
+    SCHEDULES = ('minibatch', 'online', )
     DEFAULT_SCHEDULE = 'online'
     STEP_SCHEDULE = 'online'
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, chunk=4, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `compile`: torch.compile the per-token and per-chunk step functions (static shapes).
         """
@@ -109,6 +109,7 @@ class HopeCmsMemory(nn.Module):
         self.chunk = chunk
         self.compile = compile
         self._token_fn = _Compiled(self._token_step) if compile else self._token_step
+        self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step
 
     def init_state(self, batch, device=None, dtype=None, generator=None):
         """The initial state {name: [batch, H, ...]} (learned initial values are parameters;
@@ -131,7 +132,7 @@ class HopeCmsMemory(nn.Module):
             eta2: [B, T, H] (gate value, after its formula)
             eta3: [B, T, H] (gate value, after its formula)
             state: {name: [B, H, ...]} to continue from (default: init_state).
-            schedule: "auto" (online) or one of online.
+            schedule: "auto" (online) or one of minibatch, online.
         Returns: (o [B, T, H, d_k], the final state).
         """
         if unknown:
@@ -143,7 +144,9 @@ class HopeCmsMemory(nn.Module):
         if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
-            raise ValueError(f"schedule {schedule!r} is not admitted by hope_cms: use \"auto\" or one of online")
+            raise ValueError(f"schedule {schedule!r} is not admitted by hope_cms: use \"auto\" or one of minibatch, online")
+        if schedule == 'minibatch':
+            return self._forward_minibatch(q, k, v, eta1, eta2, eta3, state)
         return self._forward_online(q, k, v, eta1, eta2, eta3, state)
 
     def step(self, q, k, v, *, eta1=None, eta2=None, eta3=None, state=None, **unknown):
@@ -267,6 +270,79 @@ class HopeCmsMemory(nn.Module):
         o = self.f(qn, W1, W2, W3)  # [B, H, d_k]
         return o, (W1, W2, W3, acc_W2_0, acc_W3_0)
 
+    def _forward_minibatch(self, q, k, v, eta1, eta2, eta3, state):
+        """Mini-batch: chunks of `self.chunk` tokens; every gradient of a chunk at its start state.
+
+        Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
+        begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
+        returns the chunk-start state and position as state['minibatch.<name>'] and
+        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        """
+        C, T = self.chunk, q.shape[1]
+        W1, W2, W3 = state['W1'], state['W2'], state['W3']
+        if any(b % C for b in (4, 8)):
+            raise ValueError(f"the chunk {C} must divide the blocks (4, 8) of the block updates "
+                             "(nested chunks)")
+        bpos = state.get("every.pos", 0)  # a Python int: the position in the blocks
+        acc_W2_0 = state['every.W2.0'] if 'every.W2.0' in state else torch.zeros_like(W2)  # the block's sum of eta2 * g2
+        acc_W3_0 = state['every.W3.0'] if 'every.W3.0' in state else torch.zeros_like(W3)  # the block's sum of eta3 * g3
+        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        W1_start, W2_start, W3_start = state.get("minibatch.W1", W1), state.get("minibatch.W2", W2), state.get("minibatch.W3", W3)
+        outputs = []
+        t = 0
+        while t < T:
+            if pos == 0:
+                W1_start, W2_start, W3_start = W1, W2, W3  # a new chunk starts here
+            n = min(C - pos, T - t)
+            fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
+            o_c, (W1, W2, W3, acc_W2_0, acc_W3_0) = fn(W1_start, W2_start, W3_start, W1, W2, W3, acc_W2_0, acc_W3_0, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta1[:, t:t + n], eta2[:, t:t + n], eta3[:, t:t + n], (bpos + t + n) % 4 == 0, (bpos + t + n) % 8 == 0)
+            outputs.append(o_c)
+            t, pos = t + n, (pos + n) % C
+        state = {'W1': W1, 'W2': W2, 'W3': W3}
+        if (bpos + T) % 8:
+            state["every.pos"] = (bpos + T) % 8
+            state['every.W2.0'] = acc_W2_0
+            state['every.W3.0'] = acc_W3_0
+        if pos:
+            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.W1"] = W1_start
+            state["minibatch.W2"] = W2_start
+            state["minibatch.W3"] = W3_start
+        return torch.cat(outputs, dim=1), state
+
+    def _token_grads(self, W1, W2, W3, v, kn):
+        """One token's gradients for the mini-batch schedule: its update statements replayed on
+        the chunk-start state (W1, W2, W3 [B, H, ...]); each grad(...) taken there.
+        """
+        grad_W1, grad_W2, grad_W3 = torch.func.grad(self.inner_loss, argnums=(0, 1, 2))(W1, W2, W3, v, kn)  # at the chunk-start state (carried through this token)
+        return (grad_W1, grad_W2, grad_W3)
+
+    def _chunk_step(self, W1_start, W2_start, W3_start, W1, W2, W3, acc_W2_0, acc_W3_0, q, k, v, eta1, eta2, eta3, last_4, last_8):
+        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k], eta1 [B, C, H], eta2 [B, C, H], eta3 [B, C, H];
+        W1_start, W2_start, W3_start: the chunk-start state the gradients are taken at;
+        W1, W2, W3: the state before the chunk's first token [B, H, ...].
+        acc_W2_0, acc_W3_0: the open blocks' sums; last_4: does this chunk end a block of 4, last_8: does this chunk end a block of 8.
+        Returns (o [B, C, H, d_k], the state after the chunk and the block sums).
+        """
+        qn = l2norm(q)  # [B, C, H, d_k]
+        kn = l2norm(k)  # [B, C, H, d_k]
+        grad_W1, grad_W2, grad_W3 = torch.func.vmap(self._token_grads, in_dims=(None, None, None, 1, 1), out_dims=1)(W1_start, W2_start, W3_start, v, kn)  # [B, C, H, ...]: every token's gradients
+        W1_seq = W1.unsqueeze(1) + (-(eta1[..., None, None] * grad_W1)).cumsum(1)  # [B, C, H, d_k, d_k]: W1_i = W1_(i-1) + ...
+        acc_W2_0 = acc_W2_0 + (eta2[..., None, None] * grad_W2).sum(1)  # [B, H, d_k, d_k]: the chunk's sum of eta2 * g2
+        W2_end = W2  # W2 holds through the chunk ...
+        if last_4:  # ... and a chunk that ends a block of 4 applies its update
+            W2_end = W2 - acc_W2_0  # [B, H, d_k, d_k]
+            acc_W2_0 = torch.zeros_like(acc_W2_0)
+        W2_seq = torch.cat([W2.unsqueeze(1).expand(-1, q.shape[1] - 1, *W2.shape[1:]), W2_end.unsqueeze(1)], dim=1)  # [B, C, H, d_k, d_k]: W2 seen by each token
+        acc_W3_0 = acc_W3_0 + (eta3[..., None, None] * grad_W3).sum(1)  # [B, H, d_k, d_k]: the chunk's sum of eta3 * g3
+        W3_end = W3  # W3 holds through the chunk ...
+        if last_8:  # ... and a chunk that ends a block of 8 applies its update
+            W3_end = W3 - acc_W3_0  # [B, H, d_k, d_k]
+            acc_W3_0 = torch.zeros_like(acc_W3_0)
+        W3_seq = torch.cat([W3.unsqueeze(1).expand(-1, q.shape[1] - 1, *W3.shape[1:]), W3_end.unsqueeze(1)], dim=1)  # [B, C, H, d_k, d_k]: W3 seen by each token
+        o = self.f(qn, W1_seq, W2_seq, W3_seq)  # [B, C, H, d_k]: each token reads its own state
+        return o, (W1_seq[:, -1], W2_seq[:, -1], W3_seq[:, -1], acc_W2_0, acc_W3_0)
+
 
 class HopeCmsLayer(nn.Module):
     """x [B, T, d_model] -> projections into views (and gates) -> HopeCmsMemory -> output projection.
@@ -279,7 +355,7 @@ class HopeCmsLayer(nn.Module):
     eta3 = sigmoid(logit) with logit = eta3_proj(x) [B, T, H] (bias init -4.0)
     """
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, chunk=4, compile=False):
         super().__init__()
         self.d_model = d_model
         self.heads = heads

@@ -89,36 +89,40 @@ class Context:
         self.plans = d.plans
         self.schedules = list(d.schedules)
         self.default = d.family
-        self.step_schedule = "minibatch" if self.default == "minibatch" else "online"
-        self.default_chunk = d.chunk or d.chunks.get("minibatch") or DEFAULT_CHUNK
+        self.step_schedule = self.default if self.default in ("minibatch", "apply_update") else "online"
+        self.default_chunk = d.chunk or d.chunks.get("minibatch") or d.chunks.get("apply_update") or DEFAULT_CHUNK
         online = d.plans["online"]
         self.loss_states = list(online.loss_states)
         self.grad_groups = online.grad_groups
         self.loss_args = self.loss_states + self.loss_inputs() if spec.loss is not None else []
-        self.set_blocks(online.blocks)
-
-    def set_blocks(self, blocks) -> None:
-        """The block updates of the step (:class:`memspec.lang.blocks.BlockStatement`): one running
-        sum per gradient term (``accs``, carried in the state as ``every.<state>.<k>``) and one
-        flag per frequency (``flags``: is this token the last of its block)."""
-        self.blocks = tuple(blocks)
+        # block updates of the online step (states with `every C`)
+        self.blocks = tuple(online.blocks)
+        self.accs = self.block_accs(self.blocks)
         taken = self.taken()
-        self.accs: list = []
+        self.flags = {}
+        for c in sorted({b.every for b in self.blocks}):
+            self.flags[c] = fresh(f"last_{c}", taken)
+            taken.add(self.flags[c])
+        self.spec_names |= set(self.flags.values())
+        self.block_period = math.lcm(*self.flags) if self.flags else 1
+
+    def block_accs(self, blocks) -> list:
+        """One running sum per gradient term of the block statements ``blocks``
+        (:class:`memspec.lang.blocks.BlockStatement`), carried in the state as ``every.<state>.<k>``;
+        their locals are reserved in ``spec_names``."""
+        taken = self.taken()
+        accs: list = []
         count: dict = {}
-        for b in self.blocks:
+        for b in blocks:
             for t in b.terms:
                 k = count.get(b.target, 0)
                 count[b.target] = k + 1
                 name = fresh(f"acc_{b.target}_{k}", taken)
                 taken.add(name)
                 shape = tuple(self.env.infer(t, scope=self.env.temp_scope(b.index)))
-                self.accs.append(BlockAcc(f"every.{b.target}.{k}", name, b.index, t, shape, b.target))
-        self.flags = {}
-        for c in sorted({b.every for b in self.blocks}):
-            self.flags[c] = fresh(f"last_{c}", taken)
-            taken.add(self.flags[c])
-        self.spec_names |= {a.name for a in self.accs} | set(self.flags.values())
-        self.block_period = math.lcm(*self.flags) if self.flags else 1
+                accs.append(BlockAcc(f"every.{b.target}.{k}", name, b.index, t, shape, b.target))
+        self.spec_names |= {a.name for a in accs}
+        return accs
 
     # ------------------------------------------------------------ runtime pieces
     def need(self, obj) -> None:

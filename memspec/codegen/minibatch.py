@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import Name, substitute, unparse
+from ..lang.expr import Name, rewrite, substitute, unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _decay_matrix, _linear_scan
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
 from .exprs import ExprEmitter
+from .online import block_sums_in, block_sums_out
 from .program import emit_updates, shadow_plan
 from .text import shape_text, tuple_text
 
@@ -59,6 +60,14 @@ def emit(ctx, L) -> None:
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
         L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}]' for s in cur)}")
+        carried = cur + [a.name for a in ctx.accs]
+        bpos = fresh("bpos", taken)
+        if ctx.accs:   # block updates (states with `every`): nested chunks
+            blocks = tuple(ctx.flags)
+            L(f"if any(b % {c} for b in {blocks!r}):")
+            L(f"    raise ValueError(f\"the chunk {{{c}}} must divide the blocks {blocks!r} of the block updates \"")
+            L("                     \"(nested chunks)\")")
+            block_sums_in(ctx, L, bpos, ctx.accs)
         L(f"{pos} = int(state[\"minibatch.pos\"]) if \"minibatch.pos\" in state else 0")
         if starts:
             L(f"{', '.join(starts.values())} = "
@@ -74,11 +83,14 @@ def emit(ctx, L) -> None:
                 L("    pass")
             L(f"{n} = min({c} - {pos}, {T} - {t})")
             L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-            args = list(starts.values()) + cur + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
-            L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
+            args = list(starts.values()) + carried + [f"{x}[:, {t}:{t} + {n}]" for x in sv]
+            args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]
+            L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
+        if ctx.accs:
+            block_sums_out(ctx, L, f"({bpos} + {T})", ctx.accs, ctx.block_period)
         L(f"if {pos}:")
         with L.indent():
             L(f"state[\"minibatch.pos\"] = torch.tensor({pos})")
@@ -125,14 +137,19 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
     spec = ctx.spec
     taken = ctx.taken()
     starts = {s: fresh(f"{s}_start", taken) for s in grads.starts}
-    L(f"def _chunk_step(self, {', '.join(list(starts.values()) + ctx.states + ctx.views + ctx.gates)}):")
+    carried = ctx.states + [a.name for a in ctx.accs]
+    L(f"def _chunk_step(self, {', '.join(list(starts.values()) + carried + ctx.views + ctx.gates + list(ctx.flags.values()))}):")
     with L.indent():
         L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
           + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates) + ";")
         if starts:
             L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
         L(", ".join(ctx.states) + ": the state before the chunk's first token [B, H, ...].")
-        L("Returns (o " + shape_text("B, C, H", ctx.read_shape()) + ", the state after the chunk).")
+        if ctx.accs:
+            L(", ".join(a.name for a in ctx.accs) + ": the open blocks' sums; "
+              + ", ".join(f"{f}: does this chunk end a block of {b}" for b, f in ctx.flags.items()) + ".")
+        L("Returns (o " + shape_text("B, C, H", ctx.read_shape()) + ", the state after the chunk"
+          + (" and the block sums)." if ctx.accs else ")."))
         L('"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, C, H")
@@ -158,7 +175,10 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
                   shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
             return prev[r]
 
+        held = {b.target for b in ctx.blocks}
         for s in rec.order:
+            if s in held:
+                continue
             coeffs = {k: substitute(cf, names) for k, cf in rec.coeff[s].items()}
             shape = tuple(spec.state[s].shape)
             terms = substitute(rec.rest[s], names) if rec.rest[s] is not None else None
@@ -215,6 +235,7 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
                 scale = "" if one else f"{cc.text if cc.number else sub._lift(cc, len(shape))} * "
                 L(f"{seq[s]} = {scale}torch.softmax({out}, dim={dim})",
                   shape_text("B, C, H", shape) + f": {s} = {unparse(c)} * softmax(Z, {axis})")
+        block_chunk(ctx, L, grads, ren, seq, taken)
         # the read of every token with its own state
         if spec.order == "write_read":
             read_names = {s: seq[s] for s in ctx.states}
@@ -227,6 +248,41 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
             read_names = {s: prev[s] for s in ctx.states}
         rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
         L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
-        L(f"return o, {tuple_text([seq[s] + '[:, -1]' for s in ctx.states])}")
+        L(f"return o, {tuple_text([seq[s] + '[:, -1]' for s in ctx.states] + [a.name for a in ctx.accs])}")
     L()
+
+
+def block_chunk(ctx, L, grads: TokenGrads, ren: dict, seq: dict, taken: set) -> None:
+    """The block updates in a chunk (a whole number of chunks per block): the state holds; the
+    chunk adds its tokens' gradient terms to the block's sums; a chunk that ends a block
+    applies the statement with the sums at its last token, which (write_read) reads the result."""
+    spec = ctx.spec
+    temps = {st.target: st.value for st in spec.update if st.target not in spec.state}
+    lastnames = {n: f"{n}[:, -1]" for n in ctx.views + ctx.gates + ctx.let_order()}
+    for b in ctx.blocks:
+        mine = [a for a in ctx.accs if a.index == b.index]
+        # the gradients in effect at the statement (after the last gradient: all of them)
+        gmap = {key: ren[local] for key, local in grads.maps[min(b.index, len(grads.maps) - 1)].items()}
+        em = ctx.emitter(grads=gmap)
+        for a in mine:
+            term = substitute(a.term, {t: v for t, v in temps.items() if t in {n.id for n in a.term.walk()
+                                                                                 if isinstance(n, Name)}})
+            L(f"{a.name} = {a.name} + ({em.emit(term)}).sum(1)",
+              shape_text("B, H", a.shape) + f": the chunk's sum of {unparse(a.term)}")
+        end = fresh(f"{b.target}_end", taken)
+        L(f"{end} = {b.target}", f"{b.target} holds through the chunk ...")
+        L(f"if {ctx.flags[b.every]}:", f"... and a chunk that ends a block of {b.every} applies its update")
+        with L.indent():
+            by_term = {unparse(a.term): a.name for a in mine}
+            value = rewrite(spec.update[b.index].value,
+                            lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None)
+            sub = ctx.emitter(names=dict(lastnames)).with_scope(**{a.name: a.shape for a in mine})
+            code = sub._emit(value)
+            L(f"{end} = {code.text}", shape_text("B, H", spec.state[b.target].shape))
+            for a in mine:
+                L(f"{a.name} = torch.zeros_like({a.name})")
+        first = ctx.first
+        L(f"{seq[b.target]} = torch.cat([{b.target}.unsqueeze(1).expand(-1, {first}.shape[1] - 1, "
+          f"*{b.target}.shape[1:]), {end}.unsqueeze(1)], dim=1)",
+          shape_text("B, C, H", spec.state[b.target].shape) + f": {b.target} seen by each token")
 

@@ -18,17 +18,18 @@ from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled
 from ..runtime.wiring import source as wiring_source
 from ..schedule.decide import ScheduleDecision
-from . import additive, cache, delta, layer, minibatch, online
+from . import additive, apply_update, cache, delta, layer, minibatch, online
 from .context import Context, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .text import Lines, dims_text, shape_text
 
 # one emitter per schedule family (the rows of memspec.schedule.decide.FAMILIES)
-EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "minibatch": minibatch, "online": online}
+EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "minibatch": minibatch, "online": online,
+            "apply_update": apply_update}
 # the order the families' methods appear in the generated class
-EMIT_ORDER = ("online", "minibatch", "cache", "additive", "delta")
+EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta")
 FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
-                  "additive": "_forward_chunk", "delta": "_forward_chunk"}
+                  "additive": "_forward_chunk", "delta": "_forward_chunk", "apply_update": "_forward_apply_update"}
 SCHEDULE_TEXT = {
     "online": "online: one token at a time (exact)",
     "cache": "cache: scaled_dot_product_attention over [past cache | new tokens] with a causal{window} mask (exact)",
@@ -36,6 +37,8 @@ SCHEDULE_TEXT = {
                  "equals online when no statement writes a state before a gradient reads it)",
     "additive": "additive chunked form, chunk {chunk} (exact)",
     "delta": "delta rule chunked form (WY / UT), chunk {chunk} (exact)",
+    "apply_update": "apply_update({chunk}): each chunk reads the state the previous chunk left, then every state "
+                    "updates once with the chunk's summed gradient terms (approximate; chunk 1 equals online)",
 }
 
 
@@ -93,7 +96,7 @@ def header(ctx, L):
     if "minibatch" in ctx.schedules and ctx.plans["minibatch"].dual is not None:
         L("# mini-batch chunks in dual form: linear-layer gradients are outer products, reads are "
           "masked [C, C] products (memspec.dual)")
-    exact = "exact" if d.exact else "approximate (mini-batch)"
+    exact = "exact" if d.exact else f"approximate ({'mini-batch' if d.family == 'minibatch' else 'apply-then-update'})"
     L(f"# derived by memspec.schedule.analyse: {d.family}, {exact}; admits {', '.join(d.admits)}")
     L(f"# schedules of this module: {', '.join(ctx.schedules)}")
     if spec.wiring.kind != "none":
@@ -235,7 +238,7 @@ def memory_init(ctx, L):
         has_cache = any(st.cache for st in spec.state.values())
         tok = "compile and not self.CACHES" if has_cache else "compile"
         L(f"self._token_fn = _Compiled(self._token_step) if {tok} else self._token_step")
-        if "minibatch" in ctx.schedules:
+        if "minibatch" in ctx.schedules or "apply_update" in ctx.schedules:
             L("self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step")
     L()
 
@@ -313,7 +316,7 @@ def forward(ctx, L):
         L(f"    raise ValueError(f\"schedule {{schedule!r}} is not admitted by {spec.name}: use \\\"auto\\\" or one of "
           f"{', '.join(ctx.schedules)}\")")
         args = ", ".join(ctx.views + ctx.gates + ["state"])
-        for fam in ("minibatch", "cache", "additive", "delta"):
+        for fam in ("minibatch", "apply_update", "cache", "additive", "delta"):
             if fam in ctx.schedules:
                 L(f"if schedule == {fam!r}:")
                 L(f"    return self.{FORWARD_METHOD[fam]}({args})")

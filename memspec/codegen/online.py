@@ -27,7 +27,7 @@ def emit(ctx, L) -> None:
         L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}]' for s in ctx.states)}")
         pos = fresh("pos", taken)
         if ctx.accs:
-            block_sums_in(ctx, L, pos)
+            block_sums_in(ctx, L, pos, ctx.accs)
         outs = fresh("outputs", taken)
         t = fresh("t", taken)
         o_t = fresh("o_t", taken)
@@ -40,7 +40,7 @@ def emit(ctx, L) -> None:
             L(f"{outs}.append({o_t})")
         if ctx.accs:
             L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
-            block_sums_out(ctx, L, f"{pos} + {ctx.first}.shape[1]")
+            block_sums_out(ctx, L, f"({pos} + {ctx.first}.shape[1])", ctx.accs, ctx.block_period)
             L(f"return torch.stack({outs}, dim=1), state")
         else:
             L(f"return torch.stack({outs}, dim=1), {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
@@ -48,10 +48,10 @@ def emit(ctx, L) -> None:
     token_step(ctx, L)
 
 
-def block_sums_in(ctx, L, pos: str) -> None:
-    """Read the position and the block sums from ``state`` (zeros when a block starts)."""
+def block_sums_in(ctx, L, pos: str, accs) -> None:
+    """Read the position and the block sums ``accs`` from ``state`` (zeros when a block starts)."""
     L(f"{pos} = state.get(\"every.pos\", 0)", "a Python int: the position in the blocks")
-    for a in ctx.accs:
+    for a in accs:
         if tuple(a.shape) == tuple(ctx.spec.state[a.target].shape):
             zero = f"torch.zeros_like({a.target})"
         else:
@@ -62,12 +62,12 @@ def block_sums_in(ctx, L, pos: str) -> None:
           f"the block's sum of {unparse(a.term)}")
 
 
-def block_sums_out(ctx, L, end: str) -> None:
+def block_sums_out(ctx, L, end: str, accs, period) -> None:
     """Write the position and the open blocks' sums into ``state`` (none at a block boundary)."""
-    L(f"if ({end}) % {ctx.block_period}:")
+    L(f"if {end} % {period}:")
     with L.indent():
-        L(f"state[\"every.pos\"] = ({end}) % {ctx.block_period}")
-        for a in ctx.accs:
+        L(f"state[\"every.pos\"] = {end} % {period}")
+        for a in accs:
             L(f"state[{a.key!r}] = {a.name}")
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
-from .algebra import ZERO, Algebra, NotAdmitted, all_updates, compose_all, is_num, replace_grads, simplify
+from .algebra import ZERO, Algebra, NotAdmitted, all_updates, compose_all, grad_calls, is_num, replace_grads, simplify
 from .dual import DualForm, NotDual, analyse_dual
+from .online import loss_states
 from .polynomial import linear_form
 from .recurrence import NotRecurrence, Recurrence, input_name, minibatch_recurrence
 
@@ -42,18 +44,22 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
         raise NotAdmitted("the update takes no gradient (mini-batch learning needs gradient writes)")
     if alg.caches:
         raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
-    slow = {n: st.every for n, st in alg.spec.state.items() if st.every and st.every > 1}
-    if slow:
-        raise NotAdmitted(", ".join(f"{n} updates every {c} tokens" for n, c in slow.items())
-                          + " (block updates are not in the mini-batch chunk step yet)")
+    blocks = _blocks(alg, chunk)
     grads = {name: call for name, call in table.values()}
     reasons = []
     try:
+        if blocks:
+            raise NotAdmitted("block updates")
         coef, rest = _linear_program(alg, updates)
-    except NotAdmitted as err:   # inputs that are functions of solved states, mirror steps
-        recurrence, sites = _statement_recurrence(alg, err)
+    except NotAdmitted as err:   # inputs that are functions of solved states, mirror steps, blocks
+        recurrence, sites = _statement_recurrence(alg, None if blocks else err, {b.index for b in blocks})
         coef, rest = {}, {}
-        reasons += _recurrence_reasons(alg, recurrence, sites)
+        reasons += _recurrence_reasons(alg, recurrence, sites, {b.target for b in blocks})
+        for b in blocks:
+            reasons.append(f"{b.target} updates every {b.every} tokens, a multiple of the chunk {chunk} (nested "
+                           f"chunks): it holds through each chunk, the chunk adds its tokens' "
+                           + ", ".join(unparse(t) for t in b.terms) + " to the block's sums, and the chunk that "
+                           f"ends a block applies `{unparse(alg.spec.update[b.index].value)}` with them")
     else:
         for n in alg.states:
             total: Expr = ZERO
@@ -67,6 +73,8 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
                    "the recurrences run token by token (an approximation of online learning; "
                    "chunk 1 equals online)")
     try:
+        if blocks:
+            raise NotDual(f"{', '.join(b.target for b in blocks)} update once per block")
         dual, no_dual = analyse_dual(alg.spec), None
         reasons += dual.describe()
     except NotDual as err:
@@ -100,12 +108,43 @@ def _linear_program(alg: Algebra, updates) -> tuple[dict, dict]:
     return coef, rest
 
 
-def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict) -> list[str]:
+def _blocks(alg: Algebra, chunk: int) -> tuple:
+    """The block statements (states with ``every C``) the chunk step can run: C a multiple of the
+    chunk, gradients taken before any block statement that changes what the loss reads, and no
+    other state's statement reading a block state."""
+    spec = alg.spec
+    try:
+        blocks = block_statements(spec, frequencies(spec))
+    except NotBlockwise as err:
+        raise NotAdmitted(str(err)) from None
+    if not blocks:
+        return ()
+    off = sorted({b.every for b in blocks if b.every % chunk})
+    if off:
+        raise NotAdmitted(f"a block of {', '.join(map(str, off))} tokens is not a whole number of chunks of {chunk}")
+    last = max(i for i, st in enumerate(spec.update) if grad_calls(st.value))
+    reads = set(loss_states(spec))
+    slow = {b.target for b in blocks}
+    for b in blocks:
+        if b.index < last and b.target in reads:
+            raise NotAdmitted(f"a gradient is taken after {b.target}'s block update in the token (take the gradients "
+                              "first)")
+    for i, st in enumerate(spec.update):
+        if i in {b.index for b in blocks}:
+            continue
+        no_grads = rewrite(st.value, lambda n: ZERO if isinstance(n, Call) and n.fn == "grad" else None)
+        used = {n.id for n in no_grads.walk() if isinstance(n, Name)} & slow
+        if used:
+            raise NotAdmitted(f"`{st}` reads {', '.join(sorted(used))}, which updates once per block")
+    return blocks
+
+
+def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict, held: set = frozenset()) -> list[str]:
     """explain lines for a program solved statement by statement (inputs, mirror steps)."""
     calls = {ph: c for ph, (_, c) in sites.items()}
     out = []
     for s in rec.order:
-        if s in alg.caches:
+        if s in alg.caches or s in held:
             continue
         total: Expr = ZERO
         for (when, r), c in rec.coeff[s].items():
@@ -128,7 +167,8 @@ def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict) -> list[str]
     return out
 
 
-def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = None) -> tuple[Recurrence, dict]:
+def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = None,
+                          held: set = frozenset()) -> tuple[Recurrence, dict]:
     """The :class:`Recurrence` the materialising chunk step solves: every ``grad(...)`` of
     statement i replaced by a placeholder ``_g<i>_<k>`` (token-local, the gradient's shape),
     so that the same call in two statements (taken at different values) stays two inputs.
@@ -138,6 +178,9 @@ def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = Non
     values = []
     for i, stmt in enumerate(spec.update):
         names: dict = {}
+        if i in held:   # a block update: the state holds through the chunk (the chunk step adds the block)
+            values.append(Name(stmt.target))
+            continue
 
         def placeholder(c: Expr, i=i, names=names) -> Expr | None:
             if not (isinstance(c, Call) and c.fn == "grad"):
