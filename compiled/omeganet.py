@@ -3,8 +3,8 @@
 # spec sha256 (canonical resolved form, `memspec fmt --to yaml`): b9c90e66f98f59254ccaa5594a40c640fff0dfb27638fa857e381e5c6f821af6
 # file sha256: 041b66b66900f3f52b93f54bcc9f3146ace8fde66fbe0e754580b3dece9e55f8
 # schedule: online: one token at a time (exact)
-# derived by memspec.schedule.analyse: online, exact; admits online
-# schedules of this module: online
+# derived by memspec.schedule.analyse: online, exact; admits minibatch, online
+# schedules of this module: minibatch, online
 """omeganet: OmegaNet: DeltaNet's linear memory learned with the Omega rule, one gradient step per token on the regression loss of the last 8 keys and values, 0.5 sum_i |k_i W - v_i|^2 over the window, instead of the current pair only (window 1 is DeltaNet).
 
 Cite: Behrouz et al. 2025, Atlas: Learning to Optimally Memorize the Context at Test Time, §3 (the Omega rule, OmegaNet)
@@ -77,6 +77,17 @@ class _Compiled:
         return self.fn(*args)
 
 
+def _window_sums(g, C, window):
+    """Each token's sum over the rows of its window: g [B, R, H, ...] holds one value per row, the
+    last C rows the chunk's own tokens -> [B, C, H, ...], token i summing rows R - C + i - window + 1
+    .. R - C + i (those that exist), with one [C, R] band matrix."""
+    R = g.shape[1]
+    i = torch.arange(C, device=g.device).unsqueeze(1) + (R - C)                # [C, 1]: token i's row
+    r = torch.arange(R, device=g.device).unsqueeze(0)                          # [1, R]
+    band = ((i - r >= 0) & (i - r < window)).to(g.dtype)                       # [C, R]
+    return torch.einsum("ir,br...->bi...", band, g)
+
+
 class OmeganetMemory(nn.Module):
     """The omeganet memory: one spec step per token, or a chunked schedule.
 
@@ -90,7 +101,7 @@ class OmeganetMemory(nn.Module):
         state['V']: [B, H, n, d_v] (a cache of at most 8 entries)
         output: [B, T, H, d_v]
 
-    Schedules: 'online'; "auto" is 'online'.
+    Schedules: 'minibatch', 'online'; "auto" is 'online'.
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
@@ -98,7 +109,7 @@ class OmeganetMemory(nn.Module):
     STATE = {'W': ('d_k', 'd_v', ), 'K': ('d_k', ), 'V': ('d_v', )}
     CACHES = {'K': 8, 'V': 8}
     LOSS_STATES = ('W', 'K', 'V', )
-    SCHEDULES = ('online', )
+    SCHEDULES = ('minibatch', 'online', )
     DEFAULT_SCHEDULE = 'online'
     STEP_SCHEDULE = 'online'
 
@@ -114,6 +125,7 @@ class OmeganetMemory(nn.Module):
         self.chunk = chunk
         self.compile = compile
         self._token_fn = _Compiled(self._token_step) if compile and not self.CACHES else self._token_step
+        self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step
 
     def init_state(self, batch, device=None, dtype=None, generator=None):
         """The initial state {name: [batch, H, ...]} (learned initial values are parameters;
@@ -134,7 +146,7 @@ class OmeganetMemory(nn.Module):
             v: [B, T, H, d_v]
             eta: [B, T, H] (gate value, after its formula)
             state: {name: [B, H, ...]} to continue from (default: init_state).
-            schedule: "auto" (online) or one of online.
+            schedule: "auto" (online) or one of minibatch, online.
         Returns: (o [B, T, H, d_v], the final state).
         """
         if unknown:
@@ -146,7 +158,9 @@ class OmeganetMemory(nn.Module):
         if schedule == "chunk" and self.DEFAULT_SCHEDULE in ("additive", "delta"):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
-            raise ValueError(f"schedule {schedule!r} is not admitted by omeganet: use \"auto\" or one of online")
+            raise ValueError(f"schedule {schedule!r} is not admitted by omeganet: use \"auto\" or one of minibatch, online")
+        if schedule == 'minibatch':
+            return self._forward_minibatch(q, k, v, eta, state)
         return self._forward_online(q, k, v, eta, state)
 
     def step(self, q, k, v, *, eta=None, state=None, **unknown):
@@ -230,6 +244,60 @@ class OmeganetMemory(nn.Module):
         W = W - eta[..., None, None] * grad_W  # [B, H, d_k, d_v]
         o = self.f(qn, W)  # [B, H, d_v]
         return o, (W, K, V)
+
+    def _forward_minibatch(self, q, k, v, eta, state):
+        """Mini-batch: chunks of `self.chunk` tokens; every gradient of a chunk at its start state.
+
+        Full chunks run the compiled chunk step; a partial chunk (at the start, continuing a chunk
+        begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
+        returns the chunk-start state and position as state['minibatch.<name>'] and
+        state['minibatch.pos'], so that streaming in pieces gives the same numbers as one call.
+        """
+        C, T = self.chunk, q.shape[1]
+        W, K, V = state['W'], state['K'], state['V']
+        pos = int(state["minibatch.pos"]) if "minibatch.pos" in state else 0
+        W_start = state.get("minibatch.W", W)
+        outputs = []
+        t = 0
+        while t < T:
+            if pos == 0:
+                W_start = W  # a new chunk starts here
+            n = min(C - pos, T - t)
+            fn = self._chunk_fn if n == C else self._chunk_step  # static shapes: one compiled chunk size
+            o_c, (W, K, V) = fn(W_start, W, K, V, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta[:, t:t + n])
+            outputs.append(o_c)
+            t, pos = t + n, (pos + n) % C
+        state = {'W': W, 'K': K, 'V': V}
+        if pos:
+            state["minibatch.pos"] = torch.tensor(pos)
+            state["minibatch.W"] = W_start
+        return torch.cat(outputs, dim=1), state
+
+    def _row_loss(self, W, K_row, V_row):
+        """The loss of one row of the window, 0.5 * sum((f(K_row) - V_row)^2), summed over batch and heads:
+        the states [B, H, ...] and one row of each cache (K_row [B, H, d_k], V_row [B, H, d_v]) -> a scalar.
+        """
+        return (0.5 * ((self.f(K_row, W) - V_row) ** 2).sum(-1)).sum()
+
+    def _chunk_step(self, W_start, W, K, V, q, k, v, eta):
+        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H];
+        W_start: the chunk-start state the gradients are taken at;
+        W, K, V: the state before the chunk's first token [B, H, ...].
+        Returns (o [B, C, H, d_v], the state after the chunk).
+        """
+        qn = l2norm(q)  # [B, C, H, d_k]
+        kn = l2norm(k)  # [B, C, H, d_k]
+        K_new = kn  # [B, C, H, d_k]: appended to K
+        K_rows = torch.cat([K.transpose(1, 2)[:, -7:], K_new], dim=1)  # [B, R, H, ...]: the 7 rows before the chunk and its own
+        V_new = v  # [B, C, H, d_v]: appended to V
+        V_rows = torch.cat([V.transpose(1, 2)[:, -7:], V_new], dim=1)  # [B, R, H, ...]: the 7 rows before the chunk and its own
+        W_rows, = torch.func.vmap(torch.func.grad(self._row_loss, argnums=(0,)), in_dims=(None, 1, 1), out_dims=1)(W_start, K_rows, V_rows)  # [B, R, H, ...]: each row's gradient at the chunk start
+        grad_W = _window_sums(W_rows, q.shape[1], 8)  # [B, C, H, ...]: each token sums its window
+        K_after = torch.cat([K, K_new.transpose(1, 2)], dim=2)[:, :, -8:]  # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
+        V_after = torch.cat([V, V_new.transpose(1, 2)], dim=2)[:, :, -8:]  # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
+        W_seq = W.unsqueeze(1) + (-(eta[..., None, None] * grad_W)).cumsum(1)  # [B, C, H, d_k, d_v]: W_i = W_(i-1) + ...
+        o = self.f(qn, W_seq)  # [B, C, H, d_v]: each token reads its own state
+        return o, (W_seq[:, -1], K_after, V_after)
 
 
 class OmeganetLayer(nn.Module):

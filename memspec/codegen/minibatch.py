@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..lang.expr import Name, rewrite, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _decay_matrix, _linear_scan
+from ..runtime.helpers import _decay_matrix, _linear_scan, _window_sums
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
@@ -40,7 +40,7 @@ class TokenGrads:
 def emit(ctx, L) -> None:
     taken = ctx.taken()
     sv = ctx.views + ctx.gates
-    starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(ctx)[1]}
+    starts = {s: fresh(f"{s}_start", taken) for s in chunk_starts(ctx)}
     cur = ctx.states
     c = fresh("C", taken)
     t = fresh("t", taken)
@@ -102,8 +102,93 @@ def emit(ctx, L) -> None:
     if plan.dual is not None:
         dual.emit(ctx, plan.dual, L)
         return
-    grads = token_grads(ctx, L)
+    grads = window_grads(ctx, L, plan.window) if plan.window is not None else token_grads(ctx, L)
     chunk_step(ctx, L, plan, grads)
+
+
+def chunk_starts(ctx) -> list:
+    """The states whose chunk-start values the gradients are taken at (with a window loss, the
+    learned states the loss reads: its caches are always up to date)."""
+    plan = ctx.plans["minibatch"]
+    if plan.window is not None:
+        return [s for s in ctx.loss_states if s not in plan.window.caches]
+    return shadow_plan(ctx)[1]
+
+
+def window_grads(ctx, L, window) -> TokenGrads:
+    """``_row_loss``: the loss of one row of the window (the chunk step takes each row's gradient
+    once and sums the rows of every token's window)."""
+    spec = ctx.spec
+    starts = chunk_starts(ctx)
+    rows = [window.rows[c] for c in window.caches]
+    scope = {window.rows[c]: tuple(spec.state[c].shape) for c in window.caches}
+    em = ctx.emitter().with_scope(**scope)
+    L(f"def _row_loss(self, {', '.join(starts + rows)}):")
+    with L.indent():
+        L('"""' + f"The loss of one row of the window, {unparse(window.row_loss)}, summed over batch and heads:")
+        L("the states [B, H, ...] and one row of each cache (" + ", ".join(
+            f"{r} [B, H{''.join(', ' + d for d in scope[r])}]" for r in rows) + ") -> a scalar.")
+        L('"""')
+        L(f"return {em._emit(window.row_loss).at(9)}.sum()")
+    L()
+    targets = []
+    for st in spec.update:
+        for c in st.value.walk():
+            if c.__class__.__name__ == "Call" and c.fn == "grad":
+                t = c.args[1].id if len(c.args) == 2 else spec.model_states()[0]
+                if t not in targets:
+                    targets.append(t)
+    targets = [s for s in ctx.states if s in targets]
+    locals_ = [f"grad_{t}" for t in targets]
+    maps = []
+    for st in spec.update:
+        mp = {}
+        for c in st.value.walk():
+            if c.__class__.__name__ == "Call" and c.fn == "grad":
+                t = c.args[1].id if len(c.args) == 2 else spec.model_states()[0]
+                mp[unparse(c)] = f"grad_{t}"
+        maps.append(mp)
+    cumulative = {}
+    out = []
+    for mp in maps:
+        cumulative.update(mp)
+        out.append(dict(cumulative))
+    return TokenGrads(targets, starts, locals_, out)
+
+
+def window_rows(ctx, L, em, plan, grads: TokenGrads, starts: dict, locals_: list, taken: set) -> dict:
+    """Every token's gradients from the rows of its window; returns cache -> its new value."""
+    spec, window = ctx.spec, plan.window
+    c = window.window
+    rows, items = {}, {}
+    for cache, (i, item) in window.caches.items():
+        items[cache] = fresh(f"{cache}_new", taken)
+        code = em._emit(item)
+        text = code.text if code.rank == len(spec.state[cache].shape) else em._lift(code, len(spec.state[cache].shape))
+        L(f"{items[cache]} = {text}", shape_text("B, C, H", tuple(spec.state[cache].shape)) + f": appended to {cache}")
+        rows[cache] = fresh(f"{cache}_rows", taken)
+        if c == 1:
+            L(f"{rows[cache]} = {items[cache]}", f"[B, R, H, ...]: the rows of the windows (window 1)")
+        else:
+            L(f"{rows[cache]} = torch.cat([{cache}.transpose(1, 2)[:, -{c - 1}:], {items[cache]}], dim=1)",
+              f"[B, R, H, ...]: the {c - 1} rows before the chunk and its own")
+    argnums = tuple(grads.starts.index(t) for t in grads.inputs)
+    an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
+    row_g = [fresh(f"{g}_rows", taken) for g in grads.inputs]
+    in_dims = ["None"] * len(grads.starts) + ["1"] * len(window.caches)
+    L(f"{', '.join(row_g)}{',' if len(row_g) == 1 else ''} = torch.func.vmap(torch.func.grad(self._row_loss, "
+      f"argnums={an}), in_dims=({', '.join(in_dims)}), out_dims=1)("
+      f"{', '.join([starts[s] for s in grads.starts] + [rows[k] for k in window.caches])})",
+      "[B, R, H, ...]: each row's gradient at the chunk start")
+    ctx.need(_window_sums)
+    for g, loc in zip(row_g, locals_):
+        L(f"{loc} = _window_sums({g}, {ctx.first}.shape[1], {c})", "[B, C, H, ...]: each token sums its window")
+    new = {}
+    for cache in window.caches:
+        new[cache] = fresh(f"{cache}_after", taken)
+        L(f"{new[cache]} = torch.cat([{cache}, {items[cache]}.transpose(1, 2)], dim=2)[:, :, -{c}:]",
+          f"[B, H, n, ...]: the cache after the chunk (at most {c} entries)")
+    return new
 
 
 def token_grads(ctx, L) -> TokenGrads:
@@ -156,11 +241,15 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
         # every token's gradients at once: vmap over the chunk's tokens
         locals_ = [fresh(g, taken) for g in grads.locals]
         ren = dict(zip(grads.locals, locals_))
-        in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
-        in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
-        L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
-          f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
-          "[B, C, H, ...]: every token's gradients")
+        caches_after = {}
+        if plan.window is not None:   # a window loss: the rows' gradients, summed over each window
+            caches_after = window_rows(ctx, L, em, plan, grads, starts, locals_, taken)
+        else:
+            in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
+            in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
+            L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
+              f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
+              "[B, C, H, ...]: every token's gradients")
         # the plan's recurrences, each statement's gradient placeholders named by their per-token values
         calls = {unparse(c): c for group in ctx.grad_groups for c in group}
         scope = {ren[local]: ctx.shape(calls[key]) for mp in grads.maps for key, local in mp.items()}
@@ -175,7 +264,7 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
                   shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
             return prev[r]
 
-        held = {b.target for b in ctx.blocks}
+        held = {b.target for b in ctx.blocks} | set(caches_after)
         for s in rec.order:
             if s in held:
                 continue
@@ -248,7 +337,8 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
             read_names = {s: prev[s] for s in ctx.states}
         rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
         L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
-        L(f"return o, {tuple_text([seq[s] + '[:, -1]' for s in ctx.states] + [a.name for a in ctx.accs])}")
+        after = [caches_after[s] if s in caches_after else seq[s] + '[:, -1]' for s in ctx.states]
+        L(f"return o, {tuple_text(after + [a.name for a in ctx.accs])}")
     L()
 
 

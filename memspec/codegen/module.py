@@ -273,7 +273,7 @@ def init_state(ctx, L):
         for s, st in spec.state.items():
             dims = [f"self.{ctx.attr.get(x, x)}" for x in st.shape]
             if st.cache:
-                code = f"torch.zeros(batch, {H}, 0, {', '.join(dims)}, device=device, dtype=dtype)"
+                code = f"torch.zeros(batch, {H}, 0{''.join(', ' + d for d in dims)}, device=device, dtype=dtype)"
             elif st.learned:
                 code = f"self.{ctx.init_attr[s]}.to(device=device, dtype=dtype).expand(batch, {H}{''.join(', ' + x for x in dims)})"
             else:

@@ -59,6 +59,13 @@ def emit_updates(ctx, L, em, taken, where, keep=None, stop=None, blocks=True) ->
             L(f"{stmt.target} = {em.emit(v)}",
               shape_text("B, H", ctx.env.names.get(stmt.target) or ()) + ": a temporary of this token")
             continue
+        if isinstance(v, Call) and v.fn == "append" and not st.shape:   # a cache of scalars [B, H, n]
+            item = em._emit(v.args[1])
+            item = f"{stmt.target}.new_full({stmt.target}.shape[:-1], {item.text})" if item.number else item.at(9)
+            win = f"[..., -{st.window}:]" if st.window else ""
+            L(f"{stmt.target} = torch.cat([{stmt.target}, {item}.unsqueeze(-1)], dim=-1){win}",
+              shape_text("B, H", ("n",)))
+            continue
         if isinstance(v, Call) and v.fn == "append":
             ctx.helpers.add("append")
             item = em.emit(v.args[1])

@@ -141,6 +141,17 @@ def _linear_scan(a, x, s0):
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
 
 
+def _window_sums(g, C, window):
+    """Each token's sum over the rows of its window: g [B, R, H, ...] holds one value per row, the
+    last C rows the chunk's own tokens -> [B, C, H, ...], token i summing rows R - C + i - window + 1
+    .. R - C + i (those that exist), with one [C, R] band matrix."""
+    R = g.shape[1]
+    i = torch.arange(C, device=g.device).unsqueeze(1) + (R - C)                # [C, 1]: token i's row
+    r = torch.arange(R, device=g.device).unsqueeze(0)                          # [1, R]
+    band = ((i - r >= 0) & (i - r < window)).to(g.dtype)                       # [C, R]
+    return torch.einsum("ir,br...->bi...", band, g)
+
+
 def _causal_mask(T, N, window, device):
     """[T, N] boolean: new token i (position N - T + i) may attend to cached position j
     when j <= its position and j > its position - window."""

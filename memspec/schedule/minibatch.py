@@ -14,6 +14,7 @@ from .dual import DualForm, NotDual, analyse_dual
 from .online import loss_states
 from .polynomial import linear_form
 from .recurrence import NotRecurrence, Recurrence, input_name, minibatch_recurrence
+from .window import WindowLoss, analyse_window
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class MinibatchPlan:
     same program statement by statement (:class:`.recurrence.Recurrence`, each statement's
     gradients the placeholders of ``grad_sites``: name -> (statement index, call)), which the
     materialising chunk step solves; ``dual`` is the dual form when the spec admits it
-    (:mod:`.dual`), else ``no_dual`` says why not."""
+    (:mod:`.dual`), else ``no_dual`` says why not; ``window``: a window loss over caches, its
+    row-by-row form (:mod:`.window`), whose per-row gradients make every token's."""
 
     coef: dict
     rest: dict
@@ -35,6 +37,7 @@ class MinibatchPlan:
     grad_sites: dict
     dual: DualForm | None
     no_dual: str | None
+    window: WindowLoss | None = None
 
 
 def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str]]:
@@ -42,17 +45,19 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     updates = [(t, replace_grads(e, alg, table)) for t, e in all_updates(alg)]
     if not table:
         raise NotAdmitted("the update takes no gradient (mini-batch learning needs gradient writes)")
-    if alg.caches:
-        raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
+    window = analyse_window(alg) if alg.caches else None
+    if window is not None:
+        _window_gradients_at_start(alg)
     blocks = _blocks(alg, chunk)
     grads = {name: call for name, call in table.values()}
     reasons = []
     try:
-        if blocks:
-            raise NotAdmitted("block updates")
+        if blocks or window is not None:
+            raise NotAdmitted("block updates or a window loss")
         coef, rest = _linear_program(alg, updates)
     except NotAdmitted as err:   # inputs that are functions of solved states, mirror steps, blocks
-        recurrence, sites = _statement_recurrence(alg, None if blocks else err, {b.index for b in blocks})
+        held = {b.index for b in blocks} | ({i for i, _ in window.caches.values()} if window else set())
+        recurrence, sites = _statement_recurrence(alg, None if blocks or window else err, held)
         coef, rest = {}, {}
         reasons += _recurrence_reasons(alg, recurrence, sites, {b.target for b in blocks})
         for b in blocks:
@@ -72,15 +77,30 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     reasons.append("mini-batch: inside a chunk every grad(...) is taken at the chunk-start state, "
                    "the recurrences run token by token (an approximation of online learning; "
                    "chunk 1 equals online)")
+    if window is not None:
+        reasons += window.describe()
     try:
         if blocks:
             raise NotDual(f"{', '.join(b.target for b in blocks)} update once per block")
+        if window is not None:
+            raise NotDual("the loss reads caches")
         dual, no_dual = analyse_dual(alg.spec), None
         reasons += dual.describe()
     except NotDual as err:
         dual, no_dual = None, str(err)
         reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
-    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual), reasons
+    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual, window), reasons
+
+
+def _window_gradients_at_start(alg: Algebra) -> None:
+    """With a window loss every gradient of a chunk is at the chunk-start learned states: no
+    statement before a gradient may change a learned state the loss reads."""
+    spec = alg.spec
+    last = max(i for i, st in enumerate(spec.update) if grad_calls(st.value))
+    reads = set(loss_states(spec)) - alg.caches
+    for j in range(last):
+        if spec.update[j].target in reads:
+            raise NotAdmitted(f"{spec.update[j].target} changes before a gradient of the window loss is taken")
 
 
 def _linear_program(alg: Algebra, updates) -> tuple[dict, dict]:

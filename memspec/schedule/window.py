@@ -1,0 +1,163 @@
+"""Window losses in the mini-batch schedule: the Omega rule of Atlas / OmegaNet.
+
+A window loss reads caches of the last c keys and values (``K = append(K, kn)``, window c),
+e.g. ``0.5 * sum(G @ (f(K) - V)^2)``.  When it is a sum over the cache's rows of one term per
+row, ``loss = sum_r loss_r`` with ``loss_r`` a function of row r alone (and of the learned
+states), every token's gradient in a mini-batch chunk, all taken at the chunk-start state,
+is a banded sum of per-row gradients: token i sums the rows of its window,
+
+    grad_i = sum_{r in window(i)} grad loss_r (W_0),
+
+so each row's gradient is computed once per chunk (the chunk's C rows and the c - 1 rows
+before it), and a [C, C + c - 1] band matrix makes the per-token gradients.
+:func:`analyse_window` decides this and returns the row loss; :class:`NotAdmitted` says
+why not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..lang.expr import ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, unparse
+from ..lang.names import fresh
+from ..lang.shapes import ShapeEnv
+from .algebra import Algebra, NotAdmitted, grad_calls
+
+ROWWISE = ELEMENTWISE_FUNCTIONS | {"l2norm", "layernorm", "rmsnorm", "huber", "min", "max", "clamp"}
+
+
+@dataclass(frozen=True)
+class WindowLoss:
+    """``caches``: cache -> (the statement index of its append, the appended item);
+    ``window``: c, the rows each token's loss reads (its own and the c - 1 before);
+    ``rows``: cache -> the name of one of its rows in ``row_loss``; ``row_loss``: the loss of
+    one row (a scalar of the rows, the learned states, params and constants)."""
+
+    caches: dict
+    window: int
+    rows: dict
+    row_loss: Expr
+
+    def describe(self) -> list[str]:
+        return [f"window loss: the loss is a sum over the rows of {', '.join(self.caches)} (window "
+                f"{self.window}) of {unparse(self.row_loss)}, so each token's chunk-start gradient is a banded "
+                f"sum of per-row gradients: each row's gradient is taken once per chunk"]
+
+
+def analyse_window(alg: Algebra) -> WindowLoss:
+    spec = alg.spec
+    caches: dict = {}
+    first_grad = min((i for i, st in enumerate(spec.update) if grad_calls(st.value)), default=None)
+    for i, st in enumerate(spec.update):
+        if st.target in alg.caches:
+            v = st.value
+            if not (isinstance(v, Call) and v.fn == "append") or st.target in caches:
+                raise NotAdmitted(f"cache {st.target} is not written by one append")
+            if first_grad is not None and i > first_grad:
+                raise NotAdmitted(f"cache {st.target} is appended to after a gradient is taken (append first, so "
+                                  "that each token's window ends at the token)")
+            item = v.args[1]
+            if alg.depends(alg.inline(item)):
+                raise NotAdmitted(f"the item appended to {st.target} reads a state")
+            caches[st.target] = (i, item)
+    windows = {spec.state[c].window for c in caches}
+    if None in windows:
+        raise NotAdmitted(f"cache {', '.join(c for c in caches if spec.state[c].window is None)} has no window "
+                          "(a chunk would need every past row)")
+    if len(windows) != 1:
+        raise NotAdmitted("the caches have different windows")
+    if alg.spec.loss is None or not (set(caches) & _names(alg.spec.loss)):
+        raise NotAdmitted("the loss reads no cache")
+    for what, e in (("the read", spec.read),):
+        if _names(e) & set(caches):
+            raise NotAdmitted(f"{what} reads a cache")
+    for st in spec.update:
+        if st.target not in caches and _names(_drop_grads(st.value)) & set(caches):
+            raise NotAdmitted(f"`{st}` reads a cache")
+    env = ShapeEnv.from_spec(spec)
+    taken = set(spec.state) | set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.params) \
+        | set(spec.dims) | set(spec.constants) | {st.target for st in spec.update}
+    rows = {c: fresh(f"{c}_row", taken) for c in caches}
+    local = set(spec.views) | set(spec.gates) | set(spec.let) | {st.target for st in spec.update
+                                                                  if st.target not in spec.state}
+    row = _Rows(alg, env, rows, local)
+    loss = row.loss(spec.loss)
+    return WindowLoss(caches, windows.pop(), rows, loss)
+
+
+def _names(e: Expr) -> set:
+    return {n.id for n in e.walk() if isinstance(n, Name)}
+
+
+def _drop_grads(e: Expr) -> Expr:
+    from ..lang.expr import rewrite
+    return rewrite(e, lambda n: Num(0) if isinstance(n, Call) and n.fn == "grad" else None)
+
+
+class _Rows:
+    """The row-by-row form of a window loss (raises NotAdmitted)."""
+
+    def __init__(self, alg, env, rows, local):
+        self.alg, self.env, self.rows, self.local = alg, env, rows, local
+        self.axis = env.cache_axis
+
+    def cached(self, e: Expr) -> bool:
+        s = self.env.infer(e)
+        return s is not None and len(s) >= 1 and s[0] == self.axis
+
+    def loss(self, e: Expr) -> Expr:
+        """``loss`` as the loss of one row: ``sum_r loss_r``."""
+        if isinstance(e, BinOp) and e.op in "+-":
+            return BinOp(e.op, self.loss(e.left), self.loss(e.right))
+        if isinstance(e, Neg):
+            return Neg(self.loss(e.operand))
+        if isinstance(e, BinOp) and e.op in "*/":
+            for c, x in ((e.left, e.right), (e.right, e.left)):
+                if e.op == "/" and c is e.left:
+                    continue
+                if self.constant(c):
+                    inner = self.loss(x)
+                    return BinOp(e.op, inner, c) if c is e.right else BinOp(e.op, c, inner)
+        if isinstance(e, Call) and e.fn == "sum" and len(e.args) == 1:
+            x = e.args[0]
+            if isinstance(x, BinOp) and x.op == "@" and (self.cached(x.left) and self.rank(x.left) == 1):
+                return Call("sum", (BinOp("*", self.row(x.left), self.row(x.right)),))
+            if isinstance(x, BinOp) and x.op == "@" and isinstance(x.left, Call) and x.left.fn == "diag" \
+                    and self.cached(x.left.args[0]):
+                return Call("sum", (BinOp("*", self.row(x.left.args[0]), self.row(x.right)),))
+            if self.cached(x):
+                return Call("sum", (self.row(x),))
+        if isinstance(e, BinOp) and e.op == "@" and self.cached(e.left) and self.cached(e.right) \
+                and self.rank(e.left) == 1 and self.rank(e.right) == 1:
+            return BinOp("*", self.row(e.left), self.row(e.right))
+        raise NotAdmitted(f"the loss is not a sum over the rows of its caches (`{unparse(e)}`)")
+
+    def rank(self, e: Expr) -> int:
+        return len(self.env.infer(e))
+
+    def constant(self, e: Expr) -> bool:
+        """A factor that is the same for every row and every token: no cache, no token value."""
+        s = self.env.infer(e)
+        return s == () and not (_names(e) & (set(self.rows) | self.local)) and not self.alg.depends(e)
+
+    def row(self, e: Expr) -> Expr:
+        """Row r of a value with a leading cache axis."""
+        if isinstance(e, Name) and e.id in self.rows:
+            return Name(self.rows[e.id])
+        if not self.cached(e):
+            if _names(e) & (self.local | set(self.rows)):
+                raise NotAdmitted(f"`{unparse(e)}` in the window loss is a value of the token, not of the row")
+            return e
+        spec = self.alg.spec
+        if isinstance(e, Call) and spec.model is not None and e.fn == spec.model.name:
+            return Call(e.fn, (self.row(e.args[0]),))
+        if isinstance(e, Neg):
+            return Neg(self.row(e.operand))
+        if isinstance(e, BinOp) and e.op in "+-*/^":
+            return BinOp(e.op, self.row(e.left), self.row(e.right))
+        if isinstance(e, BinOp) and e.op == "@" and not self.cached(e.right):
+            return BinOp("@", self.row(e.left), self.row(e.right))
+        if isinstance(e, Call) and e.fn in ROWWISE:
+            return Call(e.fn, tuple(self.row(a) for a in e.args))
+        if isinstance(e, Call) and e.fn in ("sum", "mean", "norm", "softmax") and len(e.args) == 2:
+            return Call(e.fn, (self.row(e.args[0]), e.args[1]))
+        raise NotAdmitted(f"`{unparse(e)}` does not act on the rows of a cache one by one")
