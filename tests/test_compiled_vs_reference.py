@@ -78,7 +78,11 @@ def test_gradients_match_reference(path, schedule):
 GRADCHECK = ["deltanet", "gated_deltanet", "linear_attention", "softmax_attention", "sliding_window_attention",
              "mesa", "titans", "ttt_linear", "ttt_mlp", "moneta", "yaad", "longhorn",
              "gla", "rwkv6", "hgrn2", "retention", "mamba2", "kda", "gdn2", "comba", "rwkv7", "gated_deltaproduct",
-             "momentum_deltanet", "deltanet_textbook"]
+             "momentum_deltanet", "deltanet_textbook", "omeganet", "lact", "hope_cms",
+             # MLP memories through Newton-Schulz or a softmax: a minute each on 2 cores; their gradients
+             # are also checked against the reference's in test_gradients_match_reference
+             pytest.param("atlas", marks=pytest.mark.slow), pytest.param("memora", marks=pytest.mark.slow),
+             pytest.param("titans_muon", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name", GRADCHECK)
