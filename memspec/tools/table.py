@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from .diff import WIRING_FIELDS, derived_schedule
+from ..lang.blocks import gradient_terms
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute
 from ..lang.normalize import canon
 from ..lang.spec import Spec
@@ -156,6 +157,7 @@ class Features:
     loss_kind: str = ""
     ratio_read: bool = False      # the read divides by a vector state
     solve_read: bool = False
+    window: bool = False          # the loss reads caches of recent tokens (a window loss)
 
 
 def _per_channel(spec: Spec, factors: Iterable[Expr]) -> bool:
@@ -226,7 +228,10 @@ def state_updates(spec: Spec) -> list[tuple[str, Expr]]:
 
 def features(spec: Spec) -> Features:
     ft = Features()
-    ft.cache = any(s.cache for s in spec.state.values())
+    caches = {n for n, s in spec.state.items() if s.cache}
+    # a cache the read matches against (attention); a cache only the loss reads is its window
+    ft.cache = bool(names(inline_lets(spec, spec.read)) & caches)
+    ft.window = bool(spec.loss is not None and names(inline_lets(spec, spec.loss)) & caches)
     ft.learned_init = any(s.learned for s in spec.state.values())
     states = set(spec.state)
     retention: dict[str, list[list[Term]]] = {}
@@ -241,9 +246,23 @@ def features(spec: Spec) -> Features:
                 inc.append((c, f))
         retention.setdefault(x, []).append(_simplify_coef(ret))
         increments.setdefault(x, []).extend(inc)
-    # step: the factors multiplying grad(...)
+    # step: the factors multiplying grad(...) -- in a term of the update, or inside a call that
+    # transforms the step (a normalisation, Newton-Schulz, a softmax): its gradient terms
     step_terms = [(c, tuple(y for y in f if not _is_grad(y)))
                   for ts in increments.values() for c, f in ts if any(_is_grad(y) for y in f)]
+    # Muon: the step multiplies the orthogonalised momentum, W <- W - eta NS(S)
+    muon = [(c, tuple(y for y in f if not (isinstance(y, Call) and y.fn == "newton_schulz")))
+            for ts in increments.values() for c, f in ts
+            if any(isinstance(y, Call) and y.fn == "newton_schulz" and not _has_grad_or_temp(spec, y.args[0])
+                   for y in f)]
+    if muon and all(not f for _, f in step_terms):
+        step_terms = muon
+    if not step_terms:
+        for _, value in state_updates(spec):
+            for t in gradient_terms(value, lambda a: not (names(a) & states) and not any(
+                    _is_grad(n) for n in a.walk())):
+                step_terms += [(c, tuple(y for y in f if not _is_grad(y))) for c, f in terms(t)
+                               if any(_is_grad(y) for y in f)]
     ft.grad_write = bool(step_terms)
     if step_terms:
         c, f = step_terms[0]
@@ -280,7 +299,7 @@ def features(spec: Spec) -> Features:
         ts = decayed[fgt[0]]
         ft.forget = _feature(spec, [y for _, f in ts for y in f], _sum_expr(ts))
         ft.forget_states = tuple(fgt)
-    ft.additive = not ft.grad_write and not ft.cache and all(
+    ft.additive = not ft.grad_write and not caches and all(
         not (names(f) & states) for ts in increments.values() for _, f in ts)
     if spec.model is not None:
         used = spec.model_states()
@@ -297,6 +316,65 @@ def features(spec: Spec) -> Features:
     return ft
 
 
+def optimizer_kind(spec: Spec, ft: Features | None = None) -> str:
+    """SGD, momentum, Muon or mirror, from the shape of the update program (never a name):
+    ``mirror`` when a state steps as ``softmax(a log S + ...)`` (exponentiated gradient),
+    ``Muon`` when a Newton-Schulz iteration orthogonalises a gradient or a momentum before it
+    moves a state, ``momentum`` when a decayed state feeds another state's update, else
+    ``SGD``; ``, renormalised`` when a step is followed by a normalisation of the state."""
+    ft = ft or features(spec)
+    if not ft.grad_write:
+        return "—"
+    states = set(spec.state)
+    kinds: list[str] = []
+    renorm = False
+    for x, value in state_updates(spec):
+        for n in value.walk():
+            if isinstance(n, Call) and n.fn == "softmax" and any(
+                    isinstance(c, Call) and c.fn == "log" and c.args and _is_state(c.args[0], x) for c in n.args[0].walk()):
+                kinds.append("mirror")
+            if isinstance(n, Call) and n.fn == "newton_schulz":
+                inner = names(n.args[0]) & states
+                kinds.append("Muon (on momentum)" if inner - {x} else "Muon")
+            if isinstance(n, Call) and n.fn in ("l2norm", "norm", "rmsnorm", "layernorm") and \
+                    x in names(n.args[0]) and _has_grad_or_temp(spec, n.args[0]):
+                renorm = True
+    if not kinds:
+        kinds.append("momentum" if ft.momentum else "SGD")
+    kind = kinds[0]
+    return kind + (", renormalised" if renorm else "")
+
+
+def _has_grad_or_temp(spec: Spec, e: Expr) -> bool:
+    temps = {st.target for st in spec.update if st.target not in spec.state}
+    return any(_is_grad(n) or (isinstance(n, Name) and n.id in temps) for n in e.walk())
+
+
+def loss_window(spec: Spec) -> str:
+    """The tokens one token's inner loss sees: ``1 token``, or the window of the caches it reads
+    (``last 8 tokens``, ``, weighted`` when a cache of scalars weighs the rows)."""
+    if spec.loss is None or not any(_is_grad(n) for st in spec.update for n in st.value.walk()):
+        return "—"
+    caches = [n for n in names(inline_lets(spec, spec.loss)) if n in spec.state and spec.state[n].cache]
+    if not caches:
+        return "1 token"
+    wins = {spec.state[c].window for c in caches}
+    w = "all past tokens" if None in wins else f"last {max(wins)} tokens"
+    weighted = any(not spec.state[c].shape for c in caches)
+    return w + (", weighted" if weighted else "")
+
+
+def update_frequency(spec: Spec) -> str:
+    """How often each state updates: ``every token``, ``W₂ every 4, W₃ every 8`` (block updates,
+    the others every token), or the chunks of the apply-then-update schedule."""
+    if spec.schedule_kind == "apply_update":
+        return f"once per chunk of {spec.schedule_size} (apply, then update)"
+    slow = [(n, st.every) for n, st in spec.state.items() if st.every and st.every > 1]
+    if not slow:
+        return "every token"
+    return ", ".join(f"{_mname(n)} every {c}" for n, c in slow) + "; others every token"
+
+
 def loss_kind(spec: Spec) -> str:
     """``squared error``, ``Huber``, ``lp (p = 3)``, ``dot product``, ``custom`` or ``""`` (no loss)."""
     if spec.loss is None:
@@ -308,6 +386,8 @@ def loss_kind(spec: Spec) -> str:
         a = t[2][0]
         if a[0] == "pow" and a[2] == ("num", 2.0):
             return "squared error"
+        if a[0] == "matmul" and len(a[1]) == 2 and a[1][1][0] == "pow" and a[1][1][2] == ("num", 2.0):
+            return "weighted squared error"   # sum(G @ (f(K) - V)^2): rows weighted by a cache of scalars
         if a[0] == "call" and a[1] == "huber":
             return "Huber"
         if a[0] == "pow" and a[1][0] == "call" and a[1][1] == "abs":
@@ -369,7 +449,9 @@ def ladder(spec: Spec, ft: Features) -> tuple[str, str]:
         extras.append("decay")
     if ft.implicit_step:
         extras.append("implicit key-dependent step")
-    if level == "learner" and ft.loss_kind not in ("", "squared error"):
+    if ft.window:
+        extras.append("window loss")
+    if level == "learner" and ft.loss_kind not in ("", "squared error", "weighted squared error"):
         extras.append(f"{ft.loss_kind} inner loss")
     wired = spec.wiring.kind != "none"
     if wired:
@@ -377,11 +459,14 @@ def ladder(spec: Spec, ft: Features) -> tuple[str, str]:
     if not extras:
         return problem, _cap(mech)
     if ft.momentum or ft.forget:
-        extra_problem = "manage continuing writes" + (" and combine history with local context" if wired else "")
+        extra_problem = "manage continuing writes" + (" and combine history with local context" if wired else "") \
+            + ("; memorise the recent context, not only the current token" if ft.window else "")
     elif wired:
         extra_problem = "combine history with local context"
     elif ft.implicit_step:
         extra_problem = "keep each write stable whatever the key's norm"
+    elif ft.window:
+        extra_problem = "memorise the recent context, not only the current token"
     else:
         extra_problem = "choose what the inner objective penalises"
     if level == "learner":  # the extras are what is new beyond an inner learner
@@ -454,8 +539,12 @@ class Coster:
             return _size((n, n, n)) + _size((n, n) + m)
         if e.fn == "attend" and len(arg) == 4 and arg[1] and arg[2]:
             return _size(arg[1]) + _size(arg[2])
-        if e.fn in ("sum", "mean", "norm", "layernorm", "rmsnorm", "l2norm"):
+        if e.fn in ("sum", "mean", "norm", "layernorm", "rmsnorm", "l2norm", "softmax"):
             return _size(arg[0])
+        if e.fn == "newton_schulz" and arg[0] and len(arg[0]) == 2:
+            # each step: X X^T (m n m), (A A) (m^3), (.) X (m m n) on the smaller side m
+            m, n = arg[0]
+            return Counter({tuple(sorted((m, m, n))): 2, tuple(sorted((m, m, m))): 1})
         if e.fn in ("eye", "diag"):   # never formed (diag is the operand of a scaling)
             return Counter()
         if e.fn == "append":  # pushing one vector
@@ -555,6 +644,14 @@ def render(e: Expr) -> str:
             return "∇ℓ" + (f"({render(a[1])})" if len(a) > 1 else "")
         if e.fn == "outer":
             return f"{_wrap(a[0], 3)} ⊗ {_wrap(a[1], 3)}"
+        if e.fn in ("sum", "mean", "norm", "softmax") and len(a) == 2:   # over a named axis
+            axis = a[1].id if isinstance(a[1], Name) else render(a[1])
+            if e.fn == "norm":
+                return f"‖{render(a[0])}‖_{axis}"
+            return {"sum": "Σ", "mean": "mean", "softmax": "softmax"}[e.fn] + f"_{axis}({render(a[0])})"
+        if e.fn == "newton_schulz":
+            steps = format_number(a[1].value) if isinstance(a[1], Num) else render(a[1])
+            return f"NS{steps.translate(SUBSCRIPT)}({render(a[0])})"
         if e.fn == "sum" and isinstance(a[0], BinOp) and a[0].op == "^" and a[0].right == Num(2):
             return f"‖{render(a[0].left)}‖²"
         if e.fn == "norm":
@@ -609,6 +706,7 @@ COLUMNS = (
     ("spec", "spec"), ("problem", "problem reached"), ("mechanism", "main mechanism"),
     ("state", "state"), ("write", "write rule"), ("loss", "loss"),
     ("step", "step"), ("momentum", "momentum"), ("forget", "forget"),
+    ("optimizer", "optimizer"), ("window", "loss window"), ("frequency", "update frequency"),
     ("read", "read"), ("schedule", "schedule"), ("wiring", "wiring"),
     ("write_cost", "write cost"), ("read_cost", "read cost"), ("cite", "citation"),
 )
@@ -625,6 +723,9 @@ class Row:
     step: str
     momentum: str
     forget: str
+    optimizer: str
+    window: str
+    frequency: str
     read: str
     schedule: str
     wiring: str
@@ -699,6 +800,9 @@ def row(spec: Spec) -> Row:
         step=step,
         momentum=_feature_text(ft.momentum, ft.momentum_states),
         forget=_feature_text(ft.forget, ft.forget_states),
+        optimizer=optimizer_kind(spec, ft),
+        window=loss_window(spec),
+        frequency=update_frequency(spec),
         read=render(spec.read),
         schedule=_schedule_text(spec),
         wiring=_wiring_text(spec),
