@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import memspec
 from memspec import reference
 from memspec.lang.errors import SpecError
+from memspec.lang.expr import parse_expr
 from memspec.runtime import helpers
 from memspec.schedule import analyse, explain
 from memspec.schedule.algebra import Algebra
@@ -396,3 +397,25 @@ def test_window_rows_of_an_empty_and_a_partial_cache():
     assert got.flatten().tolist() == [2 + 3, 3 + 4, 4 + 5]
     got = helpers._window_sums(g[:, 2:], 3, 8)                 # no row before the chunk
     assert got.flatten().tolist() == [3, 3 + 4, 3 + 4 + 5]
+
+
+def test_two_key_value_writes_per_token():
+    # titans-pytorch's num_kv_per_token: the loss of both pairs; compiled mini-batch = reference
+    spec = memspec.load(SPECS / "variants" / "titans_two_kv.yaml")
+    dims = {"d_model": 8, "heads": 2, "d_k": 3, "d_v": 2, "hidden": 4}
+    torch.manual_seed(0)
+    m = memspec.build(spec, compile=False, chunk=4, **dims).memory.to(DT)
+    ins = {n: _rand(2, 6, 2, getattr(m, v.dim), seed=i) for i, (n, v) in enumerate(spec.views.items())}
+    gates = {n: _gate(2, 6, 2, seed=20 + i) for i, n in enumerate(spec.gates)}
+    params = {n: getattr(m, m_attr) for n, m_attr in (("W1", "W1_init"), ("W2", "W2_init"))}
+    for schedule, ref_schedule in (("online", "online"), ("minibatch", ("minibatch", 4))):
+        o, s = m(*[ins[v] for v in spec.views], **gates, schedule=schedule)
+        ro, rs = reference.run(spec, dims=dims, schedule=ref_schedule, params=params, **ins, **gates)
+        torch.testing.assert_close(o, ro, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(s["W2"], rs["W2"], rtol=1e-10, atol=1e-12)
+    # one pair written twice is the same as the titans memory with its loss doubled
+    one = {**ins, "k2": ins["k"], "v2": ins["v"]}
+    _, two = reference.run(spec, dims=dims, params=params, **one, **gates)
+    base = _spec("titans").model_copy(update={"loss": parse_expr("sum((f(kn) - vs)^2)")})
+    _, ref = reference.run(base, dims=dims, params=params, **{n: ins[n] for n in "qkv"}, **gates)
+    torch.testing.assert_close(two["W1"], ref["W1"], rtol=1e-12, atol=1e-14)
