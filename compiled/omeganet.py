@@ -77,15 +77,25 @@ class _Compiled:
         return self.fn(*args)
 
 
-def _window_sums(g, C, window):
-    """Each token's sum over the rows of its window: g [B, R, H, ...] holds one value per row, the
-    last C rows the chunk's own tokens -> [B, C, H, ...], token i summing rows R - C + i - window + 1
-    .. R - C + i (those that exist), with one [C, R] band matrix."""
-    R = g.shape[1]
-    i = torch.arange(C, device=g.device).unsqueeze(1) + (R - C)                # [C, 1]: token i's row
-    r = torch.arange(R, device=g.device).unsqueeze(0)                          # [1, R]
-    band = ((i - r >= 0) & (i - r < window)).to(g.dtype)                       # [C, R]
-    return torch.einsum("ir,br...->bi...", band, g)
+def _decay_matrix(a):
+    """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
+    (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
+     P [B, H, C] with P[i] = a_1 ... a_i), so that s_i = P[i] s_0 + sum_j L[i, j] x_j.
+    Built with one cumprod (exact for any a, zeros and negatives included)."""
+    C = a.shape[-1]
+    idx = torch.arange(C, device=a.device)
+    later = idx.unsqueeze(0) > idx.unsqueeze(1)                            # [C, C]: l > j
+    Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
+    L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
+    return L, torch.cumprod(a, dim=-1)
+
+
+def _window_band(C, R, window, like):
+    """[C, R]: 1 where row r is in the window of token i (rows R - C + i - window + 1 .. R - C + i;
+    the last C rows are the chunk's own tokens), else 0; dtype and device of `like`."""
+    i = torch.arange(C, device=like.device).unsqueeze(1) + (R - C)             # [C, 1]: token i's row
+    r = torch.arange(R, device=like.device).unsqueeze(0)                       # [1, R]
+    return ((i - r >= 0) & (i - r < window)).to(like.dtype)
 
 
 class OmeganetMemory(nn.Module):
@@ -273,31 +283,37 @@ class OmeganetMemory(nn.Module):
             state["minibatch.W"] = W_start
         return torch.cat(outputs, dim=1), state
 
-    def _row_loss(self, W, K_row, V_row):
-        """The loss of one row of the window, 0.5 * sum((f(K_row) - V_row)^2), summed over batch and heads:
-        the states [B, H, ...] and one row of each cache (K_row [B, H, d_k], V_row [B, H, d_v]) -> a scalar.
+    def _row_loss_tap(self, z, W, K_row, V_row):
+        """One row's loss 0.5 * sum((f(K_row) - V_row)^2) with the layer's output shifted by the tap z
+        [B, H, d_v] (zeros): its gradient with respect to z is the row's delta, summed over batch and heads.
         """
-        return (0.5 * ((self.f(K_row, W) - V_row) ** 2).sum(-1)).sum()
+        return (0.5 * (((self.f(K_row, W) + z) - V_row) ** 2).sum(-1)).sum()
 
     def _chunk_step(self, W_start, W, K, V, q, k, v, eta):
-        """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H];
-        W_start: the chunk-start state the gradients are taken at;
-        W, K, V: the state before the chunk's first token [B, H, ...].
-        Returns (o [B, C, H, d_v], the state after the chunk).
+        """One mini-batch chunk in the banded dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v], eta [B, C, H];
+        W_start: the chunk-start W the gradients are taken at; W, K, V: the state before the chunk.
+        Every W_i is P_i W + sum_r N[i, r] x_r^T delta_r over the rows r of the windows: no per-token
+        state is formed.  Returns (o [B, C, H, d_v], the state after the chunk).
         """
         qn = l2norm(q)  # [B, C, H, d_k]
         kn = l2norm(k)  # [B, C, H, d_k]
         K_new = kn  # [B, C, H, d_k]: appended to K
         K_rows = torch.cat([K.transpose(1, 2)[:, -7:], K_new], dim=1)  # [B, R, H, ...]: the 7 rows before the chunk and its own
+        K_after = torch.cat([K, K_new.transpose(1, 2)], dim=2)[:, :, -8:]  # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
         V_new = v  # [B, C, H, d_v]: appended to V
         V_rows = torch.cat([V.transpose(1, 2)[:, -7:], V_new], dim=1)  # [B, R, H, ...]: the 7 rows before the chunk and its own
-        W_rows, = torch.func.vmap(torch.func.grad(self._row_loss, argnums=(0,)), in_dims=(None, 1, 1), out_dims=1)(W_start, K_rows, V_rows)  # [B, R, H, ...]: each row's gradient at the chunk start
-        grad_W = _window_sums(W_rows, q.shape[1], 8)  # [B, C, H, ...]: each token sums its window
-        K_after = torch.cat([K, K_new.transpose(1, 2)], dim=2)[:, :, -8:]  # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
         V_after = torch.cat([V, V_new.transpose(1, 2)], dim=2)[:, :, -8:]  # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
-        W_seq = W.unsqueeze(1) + (-(eta[..., None, None] * grad_W)).cumsum(1)  # [B, C, H, d_k, d_v]: W_i = W_(i-1) + ...
-        o = self.f(qn, W_seq)  # [B, C, H, d_v]: each token reads its own state
-        return o, (W_seq[:, -1], K_after, V_after)
+        delta = torch.func.vmap(torch.func.grad(self._row_loss_tap), in_dims=(1, None, 1, 1), out_dims=1)(
+            K_rows.new_zeros(q.shape[0], K_rows.shape[1], q.shape[2], self.d_v), W_start, K_rows, V_rows)  # [B, R, H, d_v]: each row's gradient with respect to its layer output
+        x_rows = K_rows  # [B, R, H, d_k]: the rows' layer inputs
+        x_read = qn  # [B, C, H, d_k]: the read's layer input
+        x_h, d_h, q_h = x_rows.transpose(1, 2), delta.transpose(1, 2), x_read.transpose(1, 2)  # [B, H, R, ...], [B, H, R, ...], [B, H, C, ...]
+        L, P = _decay_matrix(q.new_ones(q.shape[0], q.shape[2], q.shape[1]))  # [B, H, C, C], [B, H, C]: decay weights of 1
+        band = _window_band(q.shape[1], x_h.shape[2], 8, x_h)  # [C, R]: the rows of each token's window
+        N = (L * -eta.transpose(1, 2).unsqueeze(-2)) @ band  # [B, H, C, R]: the weight of row r's gradient in W after token i
+        o = (P.unsqueeze(-1) * (q_h @ W) + ((q_h @ x_h.transpose(-2, -1)) * N) @ d_h).transpose(1, 2)  # [B, C, H, d_v]: q_i @ W_i, a masked [C, R] product
+        W_after = P[..., -1, None, None] * W + x_h.transpose(-2, -1) @ (N[..., -1, :, None] * d_h)  # [B, H, d_k, d_v]: W after the chunk
+        return o, (W_after, K_after, V_after)
 
 
 class OmeganetLayer(nn.Module):

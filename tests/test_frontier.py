@@ -419,3 +419,25 @@ def test_two_key_value_writes_per_token():
     base = _spec("titans").model_copy(update={"loss": parse_expr("sum((f(kn) - vs)^2)")})
     _, ref = reference.run(base, dims=dims, params=params, **{n: ins[n] for n in "qkv"}, **gates)
     torch.testing.assert_close(two["W1"], ref["W1"], rtol=1e-12, atol=1e-14)
+
+
+def test_diff_of_frequencies_schedules_and_new_functions():
+    from memspec.tools.diff import Changed, diff
+    a = _spec("hope_cms")
+    b = a.model_copy(update={"state": {**a.state, "W3": a.state["W3"].model_copy(update={"every": 16})}})
+    assert diff(a, b) == [Changed("state", ("state", "W3", "every"), 8, 16)]
+    lact, muon = _spec("lact"), memspec.load(SPECS / "variants" / "lact_muon.yaml")
+    edits = diff(lact, muon)
+    changed = [e for e in edits if e.path[0] == "update"]
+    assert len(changed) == 3 and all("newton_schulz" in str(e.new) for e in changed)
+
+
+def test_readme_shows_omeganet_as_five_lines_on_deltanet():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("```yaml\nextends: deltanet.yaml\n", 1)[1].split("```", 1)[0]
+    lines = ["extends: deltanet.yaml"] + block.strip("\n").split("\n")
+    assert len(lines) == 5
+    shipped = (SPECS / "omeganet.yaml").read_text(encoding="utf-8").splitlines()
+    assert all(line in shipped for line in lines)
+    assert [ln.split(":")[0] for ln in shipped if ln and not ln.startswith(" ")] == \
+        ["extends", "name", "description", "cite", "state", "loss", "update"]

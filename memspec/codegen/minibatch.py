@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from ..lang.expr import Name, rewrite, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _decay_matrix, _linear_scan, _window_sums
+from ..runtime.helpers import _decay_matrix, _linear_scan, _window_band, _window_sums
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
+from .window import emit_dual as emit_window_dual
 from .exprs import ExprEmitter
 from .online import block_sums_in, block_sums_out
 from .program import emit_updates, shadow_plan
@@ -102,6 +103,9 @@ def emit(ctx, L) -> None:
     if plan.dual is not None:
         dual.emit(ctx, plan.dual, L)
         return
+    if plan.window is not None and plan.window.dual is not None:
+        emit_window_dual(ctx, L, plan)
+        return
     grads = window_grads(ctx, L, plan.window) if plan.window is not None else token_grads(ctx, L)
     chunk_step(ctx, L, plan, grads)
 
@@ -180,6 +184,7 @@ def window_rows(ctx, L, em, plan, grads: TokenGrads, starts: dict, locals_: list
       f"argnums={an}), in_dims=({', '.join(in_dims)}), out_dims=1)("
       f"{', '.join([starts[s] for s in grads.starts] + [rows[k] for k in window.caches])})",
       "[B, R, H, ...]: each row's gradient at the chunk start")
+    ctx.need(_window_band)
     ctx.need(_window_sums)
     for g, loc in zip(row_g, locals_):
         L(f"{loc} = _window_sums({g}, {ctx.first}.shape[1], {c})", "[B, C, H, ...]: each token sums its window")

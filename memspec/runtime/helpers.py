@@ -141,15 +141,18 @@ def _linear_scan(a, x, s0):
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
 
 
+def _window_band(C, R, window, like):
+    """[C, R]: 1 where row r is in the window of token i (rows R - C + i - window + 1 .. R - C + i;
+    the last C rows are the chunk's own tokens), else 0; dtype and device of `like`."""
+    i = torch.arange(C, device=like.device).unsqueeze(1) + (R - C)             # [C, 1]: token i's row
+    r = torch.arange(R, device=like.device).unsqueeze(0)                       # [1, R]
+    return ((i - r >= 0) & (i - r < window)).to(like.dtype)
+
+
 def _window_sums(g, C, window):
-    """Each token's sum over the rows of its window: g [B, R, H, ...] holds one value per row, the
-    last C rows the chunk's own tokens -> [B, C, H, ...], token i summing rows R - C + i - window + 1
-    .. R - C + i (those that exist), with one [C, R] band matrix."""
-    R = g.shape[1]
-    i = torch.arange(C, device=g.device).unsqueeze(1) + (R - C)                # [C, 1]: token i's row
-    r = torch.arange(R, device=g.device).unsqueeze(0)                          # [1, R]
-    band = ((i - r >= 0) & (i - r < window)).to(g.dtype)                       # [C, R]
-    return torch.einsum("ir,br...->bi...", band, g)
+    """Each token's sum over the rows of its window: g [B, R, H, ...] holds one value per row ->
+    [B, C, H, ...], with the [C, R] band of _window_band."""
+    return torch.einsum("ir,br...->bi...", _window_band(C, g.shape[1], window, g), g)
 
 
 def _causal_mask(T, N, window, device):

@@ -5,7 +5,7 @@ online learning (chunk 1 equals it), used only when a spec asks for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
@@ -14,7 +14,7 @@ from .dual import DualForm, NotDual, analyse_dual
 from .online import loss_states
 from .polynomial import linear_form
 from .recurrence import NotRecurrence, Recurrence, input_name, minibatch_recurrence
-from .window import WindowLoss, analyse_window
+from .window import WindowLoss, analyse_window, window_dual
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,11 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
                    "the recurrences run token by token (an approximation of online learning; "
                    "chunk 1 equals online)")
     if window is not None:
-        reasons += window.describe()
+        wdual, why_not = window_dual(alg, window, recurrence, sites)
+        window = replace(window, dual=wdual)
+        reasons += window.describe() + (wdual.describe() if wdual is not None else
+                                        [f"no banded dual form ({why_not}): each chunk materialises every token's "
+                                         "state"])
     try:
         if blocks:
             raise NotDual(f"{', '.join(b.target for b in blocks)} update once per block")
@@ -88,7 +92,8 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
         reasons += dual.describe()
     except NotDual as err:
         dual, no_dual = None, str(err)
-        reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
+        if window is None:   # (a window loss said above how its chunks run)
+            reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
     return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual, window), reasons
 
 

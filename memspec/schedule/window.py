@@ -26,6 +26,26 @@ ROWWISE = ELEMENTWISE_FUNCTIONS | {"l2norm", "layernorm", "rmsnorm", "huber", "m
 
 
 @dataclass(frozen=True)
+class WindowDual:
+    """The banded dual form of a window loss on a linear memory ``f(u) = u @ W`` updated as
+    ``W <- decay * W - step * grad(loss, W)`` (token-local scalars): with ``delta_r`` the
+    gradient of row r's loss with respect to ``K_r @ W`` at the chunk start, every state of
+    the chunk is ``W_i = P_i W_0 + sum_r N[i, r] K_r^T delta_r`` with ``N = L diag(-step) band``
+    (``L``, ``P`` the decay weights, ``band`` the [C, R] window of each token), so a read
+    ``q_i @ W_i`` is a masked [C, R] product and no per-token state is formed."""
+
+    state: str
+    decay: Expr
+    step: Expr
+
+    def describe(self) -> list[str]:
+        return [f"banded dual form: {self.state} enters the model as a linear layer and steps as {self.state} <- "
+                f"{unparse(self.decay)} * {self.state} - {unparse(self.step)} * grad, so each state of the chunk is a "
+                f"decay- and window-weighted sum of the rows' outer products: reads are masked [C, C + c - 1] "
+                f"products, no per-token state is materialised"]
+
+
+@dataclass(frozen=True)
 class WindowLoss:
     """``caches``: cache -> (the statement index of its append, the appended item);
     ``window``: c, the rows each token's loss reads (its own and the c - 1 before);
@@ -36,6 +56,7 @@ class WindowLoss:
     window: int
     rows: dict
     row_loss: Expr
+    dual: WindowDual | None = None
 
     def describe(self) -> list[str]:
         return [f"window loss: the loss is a sum over the rows of {', '.join(self.caches)} (window "
@@ -161,3 +182,49 @@ class _Rows:
         if isinstance(e, Call) and e.fn in ("sum", "mean", "norm", "softmax") and len(e.args) == 2:
             return Call(e.fn, (self.row(e.args[0]), e.args[1]))
         raise NotAdmitted(f"`{unparse(e)}` does not act on the rows of a cache one by one")
+
+
+def window_dual(alg: Algebra, window: WindowLoss, rec, sites: dict) -> tuple[WindowDual | None, str]:
+    """The banded dual form of ``window`` (None and why not): one learned state W, the model
+    ``u @ W``, read through it, and ``W <- a W - b grad(loss, W)`` with token-local scalars."""
+    spec = alg.spec
+    learned = [s for s in spec.state if s not in window.caches]
+    if len(learned) != 1:
+        return None, f"the memory has {len(learned)} learned states (the banded form takes one)"
+    W = learned[0]
+    m = spec.model
+    if m is None or not (isinstance(m.body, BinOp) and m.body.op == "@" and isinstance(m.body.left, Name)
+                         and m.body.left.id == m.arg and isinstance(m.body.right, Name) and m.body.right.id == W):
+        return None, f"the model is not the linear layer {m.arg if m else 'u'} @ {W}"
+    if not (isinstance(spec.read, Call) and spec.read.fn == m.name) or _names(spec.read) & set(spec.state):
+        return None, f"the read is not {m.name}(x)"
+    if sum(1 for c in window.row_loss.walk() if isinstance(c, Call) and c.fn == m.name) != 1:
+        return None, "the row loss does not apply the model once"
+    if spec.order != "write_read":
+        return None, "the read comes before the write"
+    coeff = rec.coeff.get(W, {})
+    if set(coeff) - {("prev", W)} or rec.inputs.get(W):
+        return None, f"the update of {W} reads other states"
+    decay = coeff.get(("prev", W), Num(0))
+    rest = rec.rest.get(W)
+    step = _step_of(rest, set(sites))
+    if step is None:
+        return None, f"the update of {W} is not {W} <- a * {W} - b * grad(loss, {W})"
+    env = ShapeEnv.from_spec(spec)
+    for e in (decay, step):
+        if env.infer(e) != () or alg.depends(e):
+            return None, f"`{unparse(e)}` is not a token-local scalar"
+    return WindowDual(W, decay, step), ""
+
+
+def _step_of(rest, placeholders: set):
+    """``b`` in ``rest = -(b * g)`` / ``-b * g`` / ``-g`` (g a gradient placeholder), else None."""
+    if isinstance(rest, Neg):
+        inner = rest.operand
+        if isinstance(inner, Name) and inner.id in placeholders:
+            return Num(1)
+        if isinstance(inner, BinOp) and inner.op == "*":
+            for a, g in ((inner.left, inner.right), (inner.right, inner.left)):
+                if isinstance(g, Name) and g.id in placeholders and not (_names(a) & placeholders):
+                    return a
+    return None
