@@ -441,3 +441,25 @@ def test_readme_shows_omeganet_as_five_lines_on_deltanet():
     assert all(line in shipped for line in lines)
     assert [ln.split(":")[0] for ln in shipped if ln and not ln.startswith(" ")] == \
         ["extends", "name", "description", "cite", "state", "loss", "update"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NEW)
+def test_torch_compile_equals_eager(name):
+    """Every schedule of the six modules under torch.compile (static shapes, compiled per-token
+    and per-chunk steps) gives the eager numbers."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _compiled_harness import call, inputs, load, make, small_dims
+
+    spec = load(f"specs/{name}.yaml")
+    dims = small_dims(spec)
+    eager = make(spec, dims, dtype=torch.float32)
+    comp = make(spec, dims, dtype=torch.float32, compile=True)
+    comp.load_state_dict(eager.state_dict())
+    ins = inputs(spec, eager, T=12, dtype=torch.float32)
+    for schedule in eager.SCHEDULES:
+        with torch.no_grad():
+            a, _ = call(eager, spec, ins, None, schedule)
+            b, _ = call(comp, spec, ins, None, schedule)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

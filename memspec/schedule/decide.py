@@ -90,6 +90,7 @@ class ScheduleDecision:
     chunks: dict = field(default_factory=dict, compare=False)  # chunked family -> its chunk size
     normal_form: tuple[str, ...] = ()  # S <- T(S) + W of every state, printed (empty: not linear in the state)
     coupled: bool = False       # the normal form couples several states linearly
+    why: dict = field(default_factory=dict, compare=False)     # admitted family -> its reasons
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -169,7 +170,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
         normal, coupled = (), False
     return ScheduleDecision(fam, BY_NAME[fam].exact, chunks.get(fam), tuple(reasons), plans[fam], admits,
                             plans, tuple(rejected), schedules,
-                            {f: c for f, c in chunks.items() if f in schedules}, normal, coupled)
+                            {f: c for f, c in chunks.items() if f in schedules}, normal, coupled,
+                            {f: tuple(w) for f, w in whys.items()})
 
 
 def explain(spec, decision: ScheduleDecision | None = None) -> str:
@@ -207,6 +209,12 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     if d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
         lines.append("  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
                      "schedules, so ask for it with `schedule: minibatch(N)`")
+        how = [r for r in d.why.get("minibatch", ()) if r.startswith(("window loss", "banded dual form", "no banded",
+                                                                     "dual form", "no dual form"))
+               or "nested chunks" in r]
+        if how:
+            lines.append(f"  mini-batch, when asked for (chunk {d.chunks.get('minibatch')}):")
+            lines += [f"    - {r}" for r in how]
     hints = [f for f in ahead if f in rej and BY_NAME[f].hint and BY_NAME[f].hint_applies(spec)]
     if hints:
         lines.append("  for a faster schedule:")

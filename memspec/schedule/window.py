@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..lang.expr import ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, unparse
 from ..lang.names import fresh
 from ..lang.shapes import ShapeEnv
-from .algebra import Algebra, NotAdmitted, grad_calls
+from .algebra import Algebra, NotAdmitted, grad_calls, is_num
 
 ROWWISE = ELEMENTWISE_FUNCTIONS | {"l2norm", "layernorm", "rmsnorm", "huber", "min", "max", "clamp"}
 
@@ -39,8 +39,9 @@ class WindowDual:
     step: Expr
 
     def describe(self) -> list[str]:
+        keep = self.state if is_num(self.decay, 1) else f"{unparse(self.decay)} * {self.state}"
         return [f"banded dual form: {self.state} enters the model as a linear layer and steps as {self.state} <- "
-                f"{unparse(self.decay)} * {self.state} - {unparse(self.step)} * grad, so each state of the chunk is a "
+                f"{keep} - {unparse(self.step)} * grad, so each state of the chunk is a "
                 f"decay- and window-weighted sum of the rows' outer products: reads are masked [C, C + c - 1] "
                 f"products, no per-token state is materialised"]
 
