@@ -3,10 +3,10 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 2232848f0e27d2a33549a27a39d9863f86869dc421fa7330aa45c9a6c3c8afe1
 # file sha256: 2232848f0e27d2a33549a27a39d9863f86869dc421fa7330aa45c9a6c3c8afe1
-# schedule: online: one token at a time (exact)
+# schedule: momentum delta rule chunked form (two coupled states), chunk 64 (exact)
 # mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
-# derived by memspec.schedule.analyse: online, exact; admits minibatch, online
-# schedules of this module: minibatch, online
+# derived by memspec.schedule.analyse: momentum, exact; admits momentum, minibatch, online
+# schedules of this module: momentum, minibatch, online
 """momentum_deltanet: The delta rule with momentum and forgetting (Titans' memory with a linear
 model): the gradient of 0.5 |k W - v|^2 feeds a momentum state, U = mu U - eta grad, and the memory
 forgets, W = (1 - alpha) W + U, with the gradient taken at the old memory.
@@ -110,6 +110,117 @@ def _decay_matrix(a):
     return L, torch.cumprod(a, dim=-1)
 
 
+def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk):
+    """Exact chunked momentum delta rule (:func:`recurrent_momentum_delta`'s recurrence).
+
+    The joint state ``Z = [S; M]`` (``[2K, V]``) has the transition ``Z_t = (D_t (x) I_K) Z_{t-1}
+    + a_t z_t`` with the 2x2 upper-triangular ``D_t = [[gamma_t, -beta_t mu_t], [0, mu_t]]``, the
+    rank-1 factor ``a_t = [-beta_t eta_t, eta_t] (x) k_t`` and ``z_t = p_t @ S_{t-1} - v_t``: a
+    "2x2 (x) identity plus rank one" transition.  Every interaction of sub-steps s < t then
+    factors as (a scalar from the 2x2 products ``P(t, s) = D_t ... D_{s+1}``) times an inner product
+    of K-vectors, so the chunk's errors come from ONE unit-lower-triangular solve,
+    ``(I - A) z = [e^{La_{t-1}} p | P12(t-1, start) p] [S_0; M_0] - V`` with
+    ``A_ts = (P11(t-1,s) (-beta_s eta_s) + P12(t-1,s) eta_s) (p_t . k_s)``; the products' corner
+    ``P12(t, s) = sum_{s<r<=t} e^{La_t - La_r} (-beta_r mu_r) e^{Lm_{r-1} - Lm_s}`` is one product
+    of two masked decay matrices (entries <= 1: stable).  Then per chunk
+    ``z = W_S S + W_M M + U``, ``S <- e^{La_C} S + P12(C, start) M + K_S^T z``,
+    ``M <- e^{Lm_C} M + K_M^T z``, and the outputs are batched matmuls.
+
+    Args:
+        as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).
+
+    Specialised for this module: inclusive=True.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BH = B * H
+    dt = torch.promote_types(k.dtype, torch.float32)
+    dev = k.device
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
+    M = k.new_zeros(BH, K, V, dtype=dt) if M0 is None else M0.to(dt).reshape(BH, K, V)
+    out_dtype = S0.dtype if S0 is not None else v.dtype
+    if T == 0:
+        o = v.new_zeros(B, 0, H, V) if q is not None else None
+        return o, S.reshape(B, H, K, V).to(out_dtype), M.reshape(B, H, K, V).to(out_dtype)
+    C = max(1, min(int(chunk), T))
+    Np = -(-T // C)
+    # identity tokens (zeros) at the end
+    pad = Np * C - T
+
+    def lay(x):  # [B, T, H(, D)] -> [Np BH, C(, D)], chunk-major, padded with zeros
+        x = x.to(dt)
+        if x.dim() == 3:
+            x = x[..., None]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        x = x.reshape(B, Np, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(Np * BH, C,
+                x.shape[-1])
+        return x
+
+    kc, pc, vc = lay(k), lay(p), lay(v)
+    # [Np BH, C]
+    la, lm = lay(log_gamma.clamp_min(-80.0))[..., 0], lay(log_mu.clamp_min(-80.0))[..., 0]
+    bc, ec = lay(beta)[..., 0], lay(eta)[..., 0]
+    La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
+    Lap, Lmp = La - la, Lm - lm                                      # before token t's decay
+    idx = torch.arange(C, device=dev)
+    incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
+    ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
+
+    def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
+        return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
+
+    Ea, Eap, Emp = dmat(La, La, incl), dmat(Lap, La, strict), dmat(Lmp, Lm, strict)
+    bm = -bc * torch.exp(lm)                                          # -beta_r mu_r
+    bmE = bm[:, :, None] * Emp                                        # diag(-beta mu) E_m
+    Q12, Q12p = torch.bmm(Ea, bmE), torch.bmm(Eap, bmE)              # P12(t, s), P12(t-1, s)
+    start = (bm * torch.exp(Lmp))[:, :, None]                          # -beta_r mu_r e^{Lm_{r-1}}
+    # P12(t, start), P12(t-1, start)
+    h12, h12p = torch.bmm(Ea, start)[..., 0], torch.bmm(Eap, start)[..., 0]
+    be = (-bc * ec)[:, None, :]                                       # -beta_s eta_s
+    Gam = Eap * be + Q12p * ec[:, None, :]                            # [P(t-1, s) a~_s]_1, s < t
+    Om = Ea * be + Q12 * ec[:, None, :]                               # [P(t, s) a~_s]_1, s <= t
+    A = Gam * torch.bmm(pc, kc.transpose(1, 2))                       # strictly lower
+    # [Np BH, C, 2K + V]
+    rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)
+    # (I - A) X = rhs, as X^T (I - A)^T = rhs^T (the fast layout on CPU)
+    X = torch.linalg.solve_triangular((-A).transpose(1, 2), rhs.transpose(1, 2), upper=True,
+            left=False,
+                                      unitriangular=True).transpose(1, 2)
+    WS, WM, U = X.split([K, K, V], dim=-1)
+    kS = kc * Om[:, -1, :, None]                                      # S's end factors
+    kM = kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]           # M's: P22(C, s) eta_s
+    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]
+
+    def per(x):
+        return x.reshape(Np, BH, *x.shape[1:]).unbind(0)
+
+    zs, S_st, M_st = [], [], []
+    for WS_j, WM_j, U_j, kS_j, kM_j, gS_j, gM_j, hM_j in zip(*(per(x) for x in (WS, WM, U, kS, kM,
+            gS, gM, hM))):
+        S_st.append(S)
+        M_st.append(M)
+        z = torch.baddbmm(torch.baddbmm(U_j, WS_j, S), WM_j, M)         # [BH, C, V]
+        S, M = (torch.baddbmm(gS_j[:, None, None] * S + hM_j[:, None, None] * M,
+                kS_j.transpose(1, 2), z),
+                torch.baddbmm(gM_j[:, None, None] * M, kM_j.transpose(1, 2), z))
+        zs.append(z)
+    S_out, M_out = (x.reshape(B, H, K, V).to(out_dtype) for x in (S, M))
+    if q is None:
+        return None, S_out, M_out
+    qc = lay(q)
+    z = torch.stack(zs).reshape(Np * BH, C, V)
+    S_st, M_st = torch.stack(S_st).reshape(Np * BH, K, V), torch.stack(M_st).reshape(Np * BH, K, V)
+    fa, fm, Pm = torch.exp(La), h12, Om
+    P = Pm * torch.bmm(qc, kc.transpose(1, 2))
+    o = torch.bmm(qc * fa[..., None], S_st) + torch.bmm(qc * fm[..., None], M_st) + torch.bmm(P, z)
+    o = o.reshape(Np, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, Np * C, H, V)[:, :T]
+    return o.to(v.dtype), S_out, M_out
+
+
 class MomentumDeltanetMemory(nn.Module):
     """The momentum_deltanet memory: one spec step per token, or a chunked schedule.
 
@@ -124,15 +235,15 @@ class MomentumDeltanetMemory(nn.Module):
         state['U']: [B, H, d_k, d_v]
         output: [B, T, H, d_v]
 
-    Schedules: 'minibatch', 'online'; "auto" is 'online'.
+    Schedules: 'momentum', 'minibatch', 'online'; "auto" is 'momentum'.
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = ('eta', 'mu', 'alpha', )
     STATE = {'W': ('d_k', 'd_v', ), 'U': ('d_k', 'd_v', )}
     LOSS_STATES = ('W', )
-    SCHEDULES = ('minibatch', 'online', )
-    DEFAULT_SCHEDULE = 'online'
+    SCHEDULES = ('momentum', 'minibatch', 'online', )
+    DEFAULT_SCHEDULE = 'momentum'
     STEP_SCHEDULE = 'online'
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
@@ -172,7 +283,7 @@ class MomentumDeltanetMemory(nn.Module):
             mu: [B, T, H] (gate value, after its formula)
             alpha: [B, T, H] (gate value, after its formula)
             state: {name: [B, H, ...]} to continue from (default: init_state).
-            schedule: "auto" (online) or one of minibatch, online.
+            schedule: "auto" (momentum) or one of momentum, minibatch, online.
         Returns: (o [B, T, H, d_v], the final state).
         """
         if unknown:
@@ -185,11 +296,13 @@ class MomentumDeltanetMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by "
-                             'momentum_deltanet: use "auto" or one of minibatch, online')
+                             'momentum_deltanet: use "auto" or one of momentum, minibatch, online')
         if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
             return q.new_zeros(B, 0, q.shape[2], self.d_v), state
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, eta, mu, alpha, state)
+        if schedule == 'momentum':
+            return self._forward_chunk(q, k, v, eta, mu, alpha, state)
         return self._forward_online(q, k, v, eta, mu, alpha, state)
 
     def step(self, q, k, v, *, eta=None, mu=None, alpha=None, state=None, **unknown):
@@ -384,6 +497,23 @@ class MomentumDeltanetMemory(nn.Module):
         U_end = (P_mu[..., -1, None, None] * U + kn.transpose(-2, -1)
                 @ (M_U_W[..., -1, :, None] * err))
         return o, (W_end, U_end)
+
+    def _forward_chunk(self, q, k, v, eta, mu, alpha, state):
+        """The exact momentum chunked form over chunks of self.chunk tokens."""
+        qn = l2norm(q)  # [B, T, H, d_k]
+        kn = l2norm(k)  # [B, T, H, d_k]
+        # momentum chunked schedule (exact), one triangular solve per chunk, U = -M:
+        # M <- mu * M + eta * outer(k, p @ W - v), then W <- gamma * W - beta * M
+        W_gamma = 1 - alpha  # [B, T, H]
+        W_log_gamma = torch.log(W_gamma.clamp(min=1e-30))  # [B, T, H]
+        U_log_mu = torch.log(mu.clamp(min=1e-30))  # [B, T, H]
+        W_beta = torch.full_like(q[..., 0], 1)  # [B, T, H]
+        U_neg = -state["U"]  # the kernel's momentum M = -U, [B, H, d_k, d_v]
+        W_probe_out, W_new, U_neg_new = chunk_momentum_delta(qn, kn, v, kn, W_log_gamma, U_log_mu,
+                W_beta, eta, state["W"], U_neg, self.chunk)
+        U_new = -U_neg_new  # [B, H, d_k, d_v]
+        o = W_probe_out  # [B, T, H, d_v]
+        return o, {'W': W_new, 'U': U_new}
 
 
 class MomentumDeltanetLayer(nn.Module):
