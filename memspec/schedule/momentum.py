@@ -123,9 +123,24 @@ def _split(alg: Algebra, m: Affine, own: str, other: str, memory: str) -> _Parts
             cross_c = t.coef
     if len(rank1) > 1:
         raise NotAdmitted(f"{own}'s transition has {len(rank1)} rank-one terms per token: the momentum form has one")
-    if len(m.incs) > 1:
-        raise NotAdmitted(f"the write of {own} is {len(m.incs)} outer products: the momentum form writes one")
-    return _Parts(own_c, cross_c, rank1[0] if rank1 else None, m.incs[0] if m.incs else None)
+    incs = _merged(alg, m.incs)
+    if len(incs) > 1:
+        raise NotAdmitted(f"the write of {own} is {len(incs)} outer products: the momentum form writes one")
+    return _Parts(own_c, cross_c, rank1[0] if rank1 else None, incs[0] if incs else None)
+
+
+def _merged(alg: Algebra, incs) -> list[tuple[Expr, Expr]]:
+    """Outer products at the same key of the same vector (up to scalars) summed into one."""
+    out: list[tuple[Expr, Expr, Expr]] = []    # (key, scalar, vector)
+    for a, b in incs:
+        c, x = split_scalar(alg, b)
+        for i, (a2, c2, x2) in enumerate(out):
+            if canon(a2) == canon(a) and canon(x2) == canon(x):
+                out[i] = (a2, simplify(BinOp("+", c2, c)), x2)
+                break
+        else:
+            out.append((a, c, x))
+    return [(a, simplify(mul(c, x))) for a, c, x in out]
 
 
 def _match(alg: Algebra, mS: Affine, mU: Affine, S: str, U: str):
