@@ -470,8 +470,8 @@ class DeltanetMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        v_chunks, eta_chunks, qn_chunks, kn_chunks = (x.split(sizes, dim=2) for x in (v, eta, qn,
-                kn))
+        (v_chunks, eta_chunks, qn_chunks,
+                kn_chunks) = (x.split(sizes, dim=2) for x in (v, eta, qn, kn))
         outputs = []
         for n, v_c, eta_c, qn_c, kn_c in zip(sizes, v_chunks, eta_chunks, qn_chunks, kn_chunks):
             if pos == 0:

@@ -462,7 +462,7 @@ class LonghornMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        q_chunks, k_chunks, v_chunks, eps_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eps))
+        (q_chunks, k_chunks, v_chunks, eps_chunks) = (x.split(sizes, dim=2) for x in (q, k, v, eps))
         outputs = []
         for n, q_c, k_c, v_c, eps_c in zip(sizes, q_chunks, k_chunks, v_chunks, eps_chunks):
             if pos == 0:

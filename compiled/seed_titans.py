@@ -355,7 +355,7 @@ class SeedTitansMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        q_chunks, k_chunks, v_chunks = (x.split(sizes, dim=2) for x in (q, k, v))
+        (q_chunks, k_chunks, v_chunks) = (x.split(sizes, dim=2) for x in (q, k, v))
         outputs = []
         for n, q_c, k_c, v_c in zip(sizes, q_chunks, k_chunks, v_chunks):
             if pos == 0:

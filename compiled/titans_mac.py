@@ -545,8 +545,8 @@ class TitansMacMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        eta_chunks, mu_chunks, alpha_chunks, qn_chunks, kn_chunks, vs_chunks = (x.split(sizes,
-                dim=2) for x in (eta, mu, alpha, qn, kn, vs))
+        (eta_chunks, mu_chunks, alpha_chunks, qn_chunks, kn_chunks,
+                vs_chunks) = (x.split(sizes, dim=2) for x in (eta, mu, alpha, qn, kn, vs))
         outputs = []
         for n, eta_c, mu_c, alpha_c, qn_c, kn_c, vs_c in zip(sizes, eta_chunks, mu_chunks,
                 alpha_chunks, qn_chunks, kn_chunks, vs_chunks):

@@ -366,7 +366,7 @@ class TttMlpMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        q_chunks, k_chunks, v_chunks, eta_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eta))
+        (q_chunks, k_chunks, v_chunks, eta_chunks) = (x.split(sizes, dim=2) for x in (q, k, v, eta))
         outputs = []
         for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
             if pos == 0:

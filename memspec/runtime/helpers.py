@@ -87,6 +87,20 @@ def append(cache, item, window=None):
     return out if window is None else out[..., -window:, :]
 
 
+def newton_schulz(X, steps):
+    """Muon's quintic Newton-Schulz iteration on the last two axes: X / (|X|_F + 1e-7), then
+    `steps` times X <- a X + (b A + c A A) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315).
+    Run on the smaller Gram matrix (X^T for a tall X: the same result, transposed back)."""
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.transpose(-2, -1)
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.transpose(-2, -1)
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
+    return X.transpose(-2, -1) if tall else X
+
+
 def _check(name, t, axes, sizes, ref=None):
     """Raise ValueError unless `t` is a floating tensor of shape `sizes` (None: any size),
     with the dtype and device of `ref` = (name, tensor) when given."""
@@ -160,6 +174,20 @@ def _linear_scan(a, x, s0):
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
 
 
+def _window_band(C, R, window, like):
+    """[C, R]: 1 where row r is in the window of token i (rows R - C + i - window + 1 .. R - C + i;
+    the last C rows are the chunk's own tokens), else 0; dtype and device of `like`."""
+    i = torch.arange(C, device=like.device).unsqueeze(1) + (R - C)             # [C, 1]: token i's row
+    r = torch.arange(R, device=like.device).unsqueeze(0)                       # [1, R]
+    return ((i - r >= 0) & (i - r < window)).to(like.dtype)
+
+
+def _window_sums(g, C, window):
+    """Each token's sum over the rows of its window: g [B, R, H, ...] holds one value per row ->
+    [B, C, H, ...], with the [C, R] band of _window_band."""
+    return torch.einsum("ir,br...->bi...", _window_band(C, g.shape[1], window, g), g)
+
+
 def _causal_mask(T, N, window, device):
     """[T, N] boolean: new token i (position N - T + i) may attend to cached position j
     when j <= its position and j > its position - window."""
@@ -192,19 +220,27 @@ def _where_ok(ok, x, fill):
                        device=x.device))
 
 
-def _masked_attention(q, K, V, mask, scale):
+def _masked_attention(q, K, V, mask, scale, window=None):
     """``scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale)`` (q [B, H, T, d],
-    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool) -> [B, H, T, e], with a non-finite
-    query, key or value reaching only the outputs that attend to it: non-finite entries are
-    replaced by zeros before the products (``torch.where``: a masked weight times a future
-    inf would be nan) and the outputs that do attend to one (or whose query is one) are nan,
-    as token by token."""
-    bad_kv = ~(torch.isfinite(K).all(-1) & torch.isfinite(V).all(-1))      # [B, H, N]
-    bad_q = ~torch.isfinite(q).all(-1)                                     # [B, H, T]
+    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool: ``_causal_mask(T, N, window)``) ->
+    [B, H, T, e], with a non-finite query, key or value reaching only the outputs that attend
+    to it: non-finite entries are replaced by zeros before the products (``torch.where``: a
+    masked weight times a future inf would be nan) and the outputs that do attend to one (or
+    whose query is one) are nan, as token by token.  A token is non-finite when the sum of
+    its row is (one reduction per row); which outputs reach one comes from a prefix count of
+    the non-finite keys over the mask's window, O(N) per head."""
+    N, T = K.shape[2], q.shape[2]
+    bad_kv = ~torch.isfinite(K.sum(-1) + V.sum(-1))                       # [B, H, N]
+    bad_q = ~torch.isfinite(q.sum(-1))                                     # [B, H, T]
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(
         torch.where(bad_q.unsqueeze(-1), zero, q), torch.where(bad_kv.unsqueeze(-1), zero, K),
         torch.where(bad_kv.unsqueeze(-1), zero, V), attn_mask=mask, scale=scale)
-    reached = (mask.to(q.dtype) @ bad_kv.to(q.dtype).unsqueeze(-1)).squeeze(-1) > 0   # [B, H, T]
-    return torch.where((reached | bad_q).unsqueeze(-1), torch.full((), float("nan"), dtype=out.dtype,
-                       device=out.device), out)
+    count = torch.cumsum(bad_kv.to(torch.int32), dim=-1)                  # [B, H, N] bad keys in [0, j]
+    pos = torch.arange(N - T, N, device=q.device)                          # [T] positions of the queries
+    reached = count[..., pos]                                              # [B, H, T] bad keys at or before
+    if window is not None:                                                 # minus those out of the window
+        before = pos - window
+        reached = reached - torch.where(before >= 0, count[..., before.clamp_min(0)], 0)
+    nan_value = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    return torch.where(((reached > 0) | bad_q).unsqueeze(-1), nan_value, out)
