@@ -513,12 +513,14 @@ class DeltanetMemory(nn.Module):
         M_W_W = causal * coef.unsqueeze(-2)
         # [B, H, C, C]: weighted scores of the inputs alone
         scores = (qn @ kn.transpose(-2, -1)) * M_W_W
-        return (M_W_W, scores)
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_W_W = M_W_W[..., -1, :, None] * kn
+        return (scores, kn_last_M_W_W)
 
-    def _chunk_step(self, W_start, W, v, qn, kn, M_W_W, scores):
+    def _chunk_step(self, W_start, W, v, qn, kn, scores, kn_last_M_W_W):
         """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], qn [B,
         H, C, d_k], kn [B, H, C, d_k];
-        M_W_W, scores: its state-independent part (`_chunk_pre`);
+        scores, kn_last_M_W_W: its state-independent part (`_chunk_pre`);
         W_start: the chunk-start state the gradients are taken at;
         W: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -530,7 +532,7 @@ class DeltanetMemory(nn.Module):
         y_W = kn @ W_start  # [B, H, C, d_v]: the layer @ W
         err = y_W - v  # [B, H, C, d_v]
         o = qn @ W + scores @ err  # [B, H, C, d_v]: each token's own W applied, in dual form
-        W_end = W + kn.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * err)  # [B, H, d_k, d_v]
+        W_end = W + kn_last_M_W_W.transpose(-2, -1) @ err  # [B, H, d_k, d_v]
         return o, (W_end,)
 
     def _forward_chunk(self, q, k, v, eta, state):

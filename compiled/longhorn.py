@@ -504,12 +504,14 @@ class LonghornMemory(nn.Module):
         M_W_W = causal * coef.unsqueeze(-2)
         # [B, H, C, C]: weighted scores of the inputs alone
         scores = (q @ k.transpose(-2, -1)) * M_W_W
-        return (M_W_W, scores)
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_W_W = M_W_W[..., -1, :, None] * k
+        return (scores, k_last_M_W_W)
 
-    def _chunk_step(self, W_start, W, q, k, v, M_W_W, scores):
+    def _chunk_step(self, W_start, W, q, k, v, scores, k_last_M_W_W):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
         C, d_k], v [B, H, C, d_v];
-        M_W_W, scores: its state-independent part (`_chunk_pre`);
+        scores, k_last_M_W_W: its state-independent part (`_chunk_pre`);
         W_start: the chunk-start state the gradients are taken at;
         W: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -521,7 +523,7 @@ class LonghornMemory(nn.Module):
         y_W = k @ W_start  # [B, H, C, d_v]: the layer @ W
         err = y_W - v  # [B, H, C, d_v]
         o = q @ W + scores @ err  # [B, H, C, d_v]: each token's own W applied, in dual form
-        W_end = W + k.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * err)  # [B, H, d_k, d_v]
+        W_end = W + k_last_M_W_W.transpose(-2, -1) @ err  # [B, H, d_k, d_v]
         return o, (W_end,)
 
     def _forward_chunk(self, q, k, v, eta, state):

@@ -346,7 +346,7 @@ class MomentumDeltanetMemory(nn.Module):
                 fn, pre_c = self._chunk_fn, pre_full[i]
             else:  # a partial chunk: eagerly, with its own state-independent part
                 fn, pre_c = self._chunk_step, self._chunk_pre(eta_c, mu_c, alpha_c, qn_c, kn_c)
-            o_c, (W, U) = fn(W_start, W, U, v_c, qn_c, kn_c, *pre_c)
+            o_c, (W, U) = fn(W_start, W, U, v_c, kn_c, *pre_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
@@ -376,14 +376,22 @@ class MomentumDeltanetMemory(nn.Module):
         a_W_U = (L_W_decay @ P_mu.unsqueeze(-1)).squeeze(-1)
         # [B, H, C, C]: weights of the gradients of W in W after each token
         M_W_W = L_W_decay @ M_U_W
+        qn_W = P_W_decay.unsqueeze(-1) * qn  # [B, H, C, d_k]: qn weighted by the coefficient of W
+        qn_U = a_W_U.unsqueeze(-1) * qn  # [B, H, C, d_k]: qn weighted by the coefficient of U
         # [B, H, C, C]: weighted scores of the inputs alone
         scores = (qn @ kn.transpose(-2, -1)) * M_W_W
-        return (P_mu, M_U_W, P_W_decay, a_W_U, M_W_W, scores)
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_W_W = M_W_W[..., -1, :, None] * kn
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_U_W = M_U_W[..., -1, :, None] * kn
+        return (P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores, kn_last_M_W_W, kn_last_M_U_W)
 
-    def _chunk_step(self, W_start, W, U, v, qn, kn, P_mu, M_U_W, P_W_decay, a_W_U, M_W_W, scores):
-        """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], qn [B,
-        H, C, d_k], kn [B, H, C, d_k];
-        P_mu, M_U_W, P_W_decay, a_W_U, M_W_W, scores: its state-independent part (`_chunk_pre`);
+    def _chunk_step(self, W_start, W, U, v, kn, P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores,
+            kn_last_M_W_W, kn_last_M_U_W):
+        """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], kn [B,
+        H, C, d_k];
+        P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores, kn_last_M_W_W, kn_last_M_U_W: its
+        state-independent part (`_chunk_pre`);
         W_start: the chunk-start state the gradients are taken at;
         W, U: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -395,13 +403,12 @@ class MomentumDeltanetMemory(nn.Module):
         y_W = kn @ W_start  # [B, H, C, d_v]: the layer @ W
         err = y_W - v  # [B, H, C, d_v]
         # [B, H, C, d_v]: each token's own W applied, in dual form
-        o = P_W_decay.unsqueeze(-1) * (qn @ W) + a_W_U.unsqueeze(-1) * (qn @ U) + scores @ err
+        o = qn_W @ W + qn_U @ U + scores @ err
         # [B, H, d_k, d_v]
         W_end = (P_W_decay[..., -1, None, None] * W + a_W_U[..., -1, None, None] * U
-                + kn.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * err))
+                + kn_last_M_W_W.transpose(-2, -1) @ err)
         # [B, H, d_k, d_v]
-        U_end = (P_mu[..., -1, None, None] * U + kn.transpose(-2, -1)
-                @ (M_U_W[..., -1, :, None] * err))
+        U_end = P_mu[..., -1, None, None] * U + kn_last_M_U_W.transpose(-2, -1) @ err
         return o, (W_end, U_end)
 
 

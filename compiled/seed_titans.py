@@ -407,13 +407,17 @@ class SeedTitansMemory(nn.Module):
         M_W1_W1 = causal @ M_U_W1_W1
         # [B, H, C, C]: weighted scores of the inputs alone
         scores = (q @ k.transpose(-2, -1) + 1) * M_W1_W1
-        return (scores,)
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_W1_W1 = M_W1_W1[..., -1, :, None] * k
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_U_W1_W1 = M_U_W1_W1[..., -1, :, None] * k
+        return (scores, k_last_M_W1_W1, k_last_M_U_W1_W1)
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2,
-            U_b2, q, k, v, scores):
+            U_b2, q, k, v, scores, k_last_M_W1_W1, k_last_M_U_W1_W1):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
         C, d_k], v [B, H, C, d_v];
-        scores: its state-independent part (`_chunk_pre`);
+        scores, k_last_M_W1_W1, k_last_M_U_W1_W1: its state-independent part (`_chunk_pre`);
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2: the state before the chunk's first token [B, H,
         ...].
@@ -453,21 +457,23 @@ class SeedTitansMemory(nn.Module):
                 + a_W1_U_W1.unsqueeze(-1) * U_b2.unsqueeze(-2)
                 + ((xq_W2 @ xk_W2.transpose(-2, -1) + 1) * M_W1_W1) @ d_err)
         o = yq_b2  # [B, H, C, d_v]
-        # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
-        last_W1 = M_W1_W1[..., -1, :, None] * delta_b1
         # [B, H, d_k, hidden]
-        W1_end = W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ last_W1
-        b1_end = b1 + a_W1_U_W1[..., -1, None] * U_b1 + last_W1.sum(-2)  # [B, H, hidden]
+        W1_end = (W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + k_last_M_W1_W1.transpose(-2, -1)
+                @ delta_b1)
+        # [B, H, C, hidden]: the gradients of b1 weighted for the state after the chunk
+        last_b1 = M_W1_W1[..., -1, :, None] * delta_b1
+        b1_end = b1 + a_W1_U_W1[..., -1, None] * U_b1 + last_b1.sum(-2)  # [B, H, hidden]
         # [B, H, C, d_v]: the gradients of W2 weighted for the state after the chunk
         last_W2 = M_W1_W1[..., -1, :, None] * d_err
         # [B, H, hidden, d_v]
         W2_end = W2 + a_W1_U_W1[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ last_W2
         b2_end = b2 + a_W1_U_W1[..., -1, None] * U_b2 + last_W2.sum(-2)  # [B, H, d_v]
-        # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
-        last_W1_2 = M_U_W1_W1[..., -1, :, None] * delta_b1
         # [B, H, d_k, hidden]
-        U_W1_end = P_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ last_W1_2
-        U_b1_end = P_U_W1[..., -1, None] * U_b1 + last_W1_2.sum(-2)  # [B, H, hidden]
+        U_W1_end = (P_U_W1[..., -1, None, None] * U_W1 + k_last_M_U_W1_W1.transpose(-2, -1)
+                @ delta_b1)
+        # [B, H, C, hidden]: the gradients of b1 weighted for the state after the chunk
+        last_b1_2 = M_U_W1_W1[..., -1, :, None] * delta_b1
+        U_b1_end = P_U_W1[..., -1, None] * U_b1 + last_b1_2.sum(-2)  # [B, H, hidden]
         # [B, H, C, d_v]: the gradients of W2 weighted for the state after the chunk
         last_W2_2 = M_U_W1_W1[..., -1, :, None] * d_err
         # [B, H, hidden, d_v]

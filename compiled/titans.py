@@ -382,7 +382,7 @@ class TitansMemory(nn.Module):
                 fn, pre_c = self._chunk_fn, pre_full[i]
             else:  # a partial chunk: eagerly, with its own state-independent part
                 fn, pre_c = self._chunk_step, self._chunk_pre(eta_c, mu_c, alpha_c, qn_c, kn_c)
-            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, qn_c, kn_c, vs_c, *pre_c)
+            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, kn_c, vs_c, *pre_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
@@ -415,16 +415,24 @@ class TitansMemory(nn.Module):
         a_W1_U1 = (L_W1_decay @ P_mu.unsqueeze(-1)).squeeze(-1)
         # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
         M_W1_W1 = L_W1_decay @ M_U1_W1
+        # [B, H, C, d_k]: qn weighted by the coefficient of W1
+        qn_W1 = P_W1_decay.unsqueeze(-1) * qn
+        qn_U1 = a_W1_U1.unsqueeze(-1) * qn  # [B, H, C, d_k]: qn weighted by the coefficient of U1
         # [B, H, C, C]: weighted scores of the inputs alone
         scores = (qn @ kn.transpose(-2, -1)) * M_W1_W1
-        return (P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, scores)
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_W1_W1 = M_W1_W1[..., -1, :, None] * kn
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_U1_W1 = M_U1_W1[..., -1, :, None] * kn
+        return (P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1,
+                kn_last_M_U1_W1)
 
-    def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, qn, kn, vs, P_mu, M_U1_W1, P_W1_decay,
-            a_W1_U1, M_W1_W1, scores):
-        """One mini-batch chunk of C tokens in the dual form, head-major: qn [B, H, C, d_k], kn [B,
-        H, C, d_k], vs [B, H, C, d_v];
-        P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, scores: its state-independent part
-        (`_chunk_pre`);
+    def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, kn, vs, P_mu, M_U1_W1, P_W1_decay,
+            a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1, kn_last_M_U1_W1):
+        """One mini-batch chunk of C tokens in the dual form, head-major: kn [B, H, C, d_k], vs [B,
+        H, C, d_v];
+        P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1,
+        kn_last_M_U1_W1: its state-independent part (`_chunk_pre`);
         W1_start, W2_start: the chunk-start state the gradients are taken at;
         W1, W2, U1, U2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -442,21 +450,19 @@ class TitansMemory(nn.Module):
         # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
         delta_W1 = _gelu_backward(d_xk_W2, y_W1)
         # [B, H, C, hidden]: each token's own W1 applied, in dual form
-        yq_W1 = (P_W1_decay.unsqueeze(-1) * (qn @ W1) + a_W1_U1.unsqueeze(-1) * (qn @ U1) + scores
-                @ delta_W1)
+        yq_W1 = qn_W1 @ W1 + qn_U1 @ U1 + scores @ delta_W1
         xq_W2 = F.gelu(yq_W1)  # [B, H, C, hidden]: the input of the layer @ W2
         # [B, H, C, d_v]: each token's own W2 applied, in dual form
         o = (P_W1_decay.unsqueeze(-1) * (xq_W2 @ W2) + a_W1_U1.unsqueeze(-1) * (xq_W2 @ U2)
                 + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1) @ err)
         # [B, H, d_k, hidden]
         W1_end = (P_W1_decay[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1
-                + kn.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * delta_W1))
+                + kn_last_M_W1_W1.transpose(-2, -1) @ delta_W1)
         # [B, H, hidden, d_v]
         W2_end = (P_W1_decay[..., -1, None, None] * W2 + a_W1_U1[..., -1, None, None] * U2
                 + xk_W2.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * err))
         # [B, H, d_k, hidden]
-        U1_end = (P_mu[..., -1, None, None] * U1 + kn.transpose(-2, -1)
-                @ (M_U1_W1[..., -1, :, None] * delta_W1))
+        U1_end = P_mu[..., -1, None, None] * U1 + kn_last_M_U1_W1.transpose(-2, -1) @ delta_W1
         # [B, H, hidden, d_v]
         U2_end = (P_mu[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1)
                 @ (M_U1_W1[..., -1, :, None] * err))

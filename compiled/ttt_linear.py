@@ -369,12 +369,14 @@ class TttLinearMemory(nn.Module):
         M_W_W = causal * coef.unsqueeze(-2)
         # [B, H, C, C]: weighted scores of the inputs alone
         scores = (q @ k.transpose(-2, -1) + 1) * M_W_W
-        return (M_W_W, scores)
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_W_W = M_W_W[..., -1, :, None] * k
+        return (M_W_W, scores, k_last_M_W_W)
 
-    def _chunk_step(self, W_start, b_start, W, b, q, k, v, M_W_W, scores):
+    def _chunk_step(self, W_start, b_start, W, b, q, k, v, M_W_W, scores, k_last_M_W_W):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
         C, d_k], v [B, H, C, d_k];
-        M_W_W, scores: its state-independent part (`_chunk_pre`);
+        M_W_W, scores, k_last_M_W_W: its state-independent part (`_chunk_pre`);
         W_start, b_start: the chunk-start state the gradients are taken at;
         W, b: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -392,10 +394,10 @@ class TttLinearMemory(nn.Module):
         # [B, H, C, d_k]: each token's own layer and b, in dual form
         yq_b = q @ W + b.unsqueeze(-2) + scores @ delta_b
         o = q + layernorm(yq_b, ln_w, ln_b)  # [B, H, C, d_k]
-        # [B, H, C, d_k]: the gradients of W weighted for the state after the chunk
-        last_W = M_W_W[..., -1, :, None] * delta_b
-        W_end = W + k.transpose(-2, -1) @ last_W  # [B, H, d_k, d_k]
-        b_end = b + last_W.sum(-2)  # [B, H, d_k]
+        W_end = W + k_last_M_W_W.transpose(-2, -1) @ delta_b  # [B, H, d_k, d_k]
+        # [B, H, C, d_k]: the gradients of b weighted for the state after the chunk
+        last_b = M_W_W[..., -1, :, None] * delta_b
+        b_end = b + last_b.sum(-2)  # [B, H, d_k]
         return o, (W_end, b_end)
 
 

@@ -414,13 +414,15 @@ class TttMlpMemory(nn.Module):
         M_W1_W1 = causal * coef.unsqueeze(-2)
         # [B, H, C, C]: weighted scores of the inputs alone
         scores = (q @ k.transpose(-2, -1) + 1) * M_W1_W1
-        return (M_W1_W1, scores)
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_W1_W1 = M_W1_W1[..., -1, :, None] * k
+        return (M_W1_W1, scores, k_last_M_W1_W1)
 
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, M_W1_W1,
-            scores):
+            scores, k_last_M_W1_W1):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
         C, d_k], v [B, H, C, d_k];
-        M_W1_W1, scores: its state-independent part (`_chunk_pre`);
+        M_W1_W1, scores, k_last_M_W1_W1: its state-independent part (`_chunk_pre`);
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -450,10 +452,10 @@ class TttMlpMemory(nn.Module):
         yq_b2 = (xq_W2 @ W2 + b2.unsqueeze(-2) + ((xq_W2 @ xk_W2.transpose(-2, -1) + 1) * M_W1_W1)
                 @ delta_b2)
         o = q + layernorm(yq_b2, ln_w, ln_b)  # [B, H, C, d_k]
-        # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
-        last_W1 = M_W1_W1[..., -1, :, None] * delta_b1
-        W1_end = W1 + k.transpose(-2, -1) @ last_W1  # [B, H, d_k, hidden]
-        b1_end = b1 + last_W1.sum(-2)  # [B, H, hidden]
+        W1_end = W1 + k_last_M_W1_W1.transpose(-2, -1) @ delta_b1  # [B, H, d_k, hidden]
+        # [B, H, C, hidden]: the gradients of b1 weighted for the state after the chunk
+        last_b1 = M_W1_W1[..., -1, :, None] * delta_b1
+        b1_end = b1 + last_b1.sum(-2)  # [B, H, hidden]
         # [B, H, C, d_k]: the gradients of W2 weighted for the state after the chunk
         last_W2 = M_W1_W1[..., -1, :, None] * delta_b2
         W2_end = W2 + xk_W2.transpose(-2, -1) @ last_W2  # [B, H, hidden, d_k]

@@ -387,12 +387,13 @@ class DualWriter:
                            for r0, v in rep.vec.items()]
                     mat = {(m, dd[g]): f"{x.id} @ {xk[g]}.transpose(-2, -1)" for g, m in rep.mat.items()}
                     # held back one step: a bias added next folds its gradient terms into these
-                    pending[y] = (vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form")
+                    pending[y] = (vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form",
+                                  (x.id, list(rep.vec.items())))
                 else:
                     vec = [f"{r0}.unsqueeze(-2)" if v == "1" else f"{v}.unsqueeze(-1) * {r0}.unsqueeze(-2)"
                            for r0, v in rep.vec.items()]
                     if isinstance(a, Name) and a.id in pending:   # (x @ W + b): one product per gradient
-                        avec, amat, _ = pending.pop(a.id)
+                        avec, amat, _, _ = pending.pop(a.id)
                         scores = dict(amat)
                         for g, m in rep.mat.items():
                             key = (m, dd[g])
@@ -419,9 +420,20 @@ class DualWriter:
                 return f"({text})"
 
             def flush(rename=None):
-                for y, (vec, mat, comment) in list(pending.items()):
+                for y, (vec, mat, comment, (x, xvec)) in list(pending.items()):
+                    target = (rename or {}).get(y, y)
+                    if x in inputs:
+                        # the layer's input is an input: its rows scaled by the coefficients read no
+                        # state (_chunk_pre computes them once), and the scale is on the narrower side
+                        terms = [f"{x} @ {r0}" if v == "1" else
+                                 assign(fresh(f"{x}_{r0}", taken), f"{v}.unsqueeze(-1) * {x}",
+                                        shape_text("B, H, C", self.w.shape(Name(x)))
+                                        + f": {x} weighted by the coefficient of {r0}") + f" @ {r0}"
+                                 for r0, v in xvec] + [f"{weighted(sc, m)} @ {d}" for (m, d), sc in mat.items()]
+                        L(f"{target} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
+                        continue
                     terms = vec + [f"{weighted(sc, m)} @ {d}" for (m, d), sc in mat.items()]
-                    L(f"{(rename or {}).get(y, y)} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
+                    L(f"{target} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
                 pending.clear()
 
             def Lf(*args, **kw):   # every other line of the read comes after the held-back products
@@ -443,6 +455,11 @@ class DualWriter:
                 lift = "[..., -1" + ", None" * rank + "]"
                 terms = [r0 if v == "1" else f"{v}{lift} * {r0}" for r0, v in rep.vec.items()]
                 for g, m in rep.mat.items():
+                    if xk.get(g) in inputs:   # the layer's input weighted (no state: by _chunk_pre)
+                        kw = assign(fresh(f"{xk[g]}_last_{m}", taken), f"{m}[..., -1, :, None] * {xk[g]}",
+                                    shape_text("B, H, C", w.shape(Name(xk[g]))) + f": {xk[g]} weighted for the state after the chunk")
+                        terms.append(f"{kw}.transpose(-2, -1) @ {dd[g]}")
+                        continue
                     key = (m, dd[g])
                     if key not in last_rows:
                         uses = sum(1 for r in w.states for g2, m2 in reps[r].mat.items() if (m2, dd[g2]) == key)
