@@ -33,7 +33,8 @@ def append(cache, item, window=None):
 
 
 def attend(q, K, V, scale):
-    """softmax(scale * K q) V over a cache: q [..., d], K [..., n, d], V [..., n, e] -> [..., e]."""
+    """softmax(scale * K q) V over a cache: q [..., d], K [..., n, d], V [..., n, e] -> [..., e];
+    scale a number or [..., 1]."""
     scores = (K @ q.unsqueeze(-1)).squeeze(-1) * scale
     return (torch.softmax(scores, dim=-1).unsqueeze(-2) @ V).squeeze(-2)
 

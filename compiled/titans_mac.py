@@ -7,7 +7,8 @@
 # mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads
 # derived by memspec.schedule.analyse: minibatch, approximate (mini-batch); admits minibatch, online
 # schedules of this module: minibatch, online
-# wiring: mac(segment=128, persistent=16, window=64)
+# wiring: mac(segment=128, persistent=16, window=64); options: qk_norm=True, write='attention',
+# output='gated'
 # built here: TitansMacLayer is MAC around TitansMacMemoryLayer
 """titans_mac: Titans MAC (memory as a context): the Titans neural memory wired per segment of 128
 tokens; the segment's queries first retrieve from the memory left by earlier segments, attention
@@ -22,7 +23,8 @@ TitansMacMemoryLayer: projections of x [B, T, d_model] into views and gates, the
 projection.
 TitansMacLayer: the spec's wiring, MAC, memory as context: per segment, retrieve, attend over
 [persistent | retrieved | segment],
-    write the attention output y into the memory, output y * sigmoid(memory(y)).
+    write the attention output y into the memory, output y * sigmoid(memory(y));
+    attention on l2-normalised queries and keys with a learned temperature.
 """
 import time
 import warnings
@@ -130,37 +132,55 @@ class Attention(nn.Module):
     ``[B, heads, n, d_head]``; ``forward(x_q, k, v, mask)`` attends from the queries of
     ``x_q`` ``[B, T, d_model]`` to ``[persistent | k]`` with ``mask`` ``[T, n]`` (bool,
     True = may attend) for the non-persistent keys, and returns ``[B, T, d_model]``.
+
+    ``qk_norm=True`` (the default) l2-normalises queries and keys and scales their
+    cosine by a learned per-head gain times ``sqrt(d_head)`` (``qk_gain`` ``[heads]``,
+    initialised to 1): at initialisation the scores of RMS-normalised queries and keys
+    under the usual ``1 / sqrt(d_head)``, with the temperature learned (query-key
+    normalisation: Henry et al. 2020; RMSNorm on q and k in OLMo 2 and Gemma 3).
+    ``qk_norm=False`` is plain scaled dot-product attention, ``softmax(q k^T /
+    sqrt(d_head)) v`` (Vaswani et al. 2017).
     """
 
-    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0):
+    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0, qk_norm: bool = True):
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
         self.d_model, self.heads, self.n_persistent = d_model, heads, persistent
+        self.qk_norm = qk_norm
         self.wq = nn.Linear(d_model, d_model, bias=False)
         self.wk = nn.Linear(d_model, d_model, bias=False)
         self.wv = nn.Linear(d_model, d_model, bias=False)
         self.wo = nn.Linear(d_model, d_model, bias=False)
         self.persistent = nn.Parameter(torch.randn(persistent, d_model) * 0.02)  # [P, d_model]
+        if qk_norm:
+            self.qk_gain = nn.Parameter(torch.ones(heads))                          # [heads]
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         B, n, _ = x.shape
         return x.view(B, n, self.heads, self.d_model // self.heads).transpose(1, 2)  # [B, h, n, dh]
 
     def project_kv(self, x: torch.Tensor):
-        return self.split(self.wk(x)), self.split(self.wv(x))
+        k = self.split(self.wk(x))                                    # [B, h, n, dh]
+        if self.qk_norm:
+            k = F.normalize(k, dim=-1)
+        return k, self.split(self.wv(x))
 
     def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
+        scale = None                                                  # SDPA's default, 1 / sqrt(dh)
+        if self.qk_norm:
+            q = F.normalize(q, dim=-1) * self.qk_gain.view(-1, 1, 1)  # the learned temperature
+            scale = (self.d_model // self.heads) ** 0.5               # cosine * gain * sqrt(dh)
         if self.n_persistent:
             pk, pv = self.project_kv(self.persistent.unsqueeze(0))    # [1, h, P, dh]
             k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
             always = torch.ones(T, self.n_persistent, dtype=torch.bool, device=mask.device)
             mask = torch.cat([always, mask], dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, T, dh]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, T, dh]
         return self.wo(o.transpose(1, 2).reshape(B, T, self.d_model))
 
 
@@ -183,19 +203,30 @@ class MAC(nn.Module):
        and the state handed to the next segment;
     4. output ``y * sigmoid(m)``.
 
+    Options (the paper's form is the default): ``write="input"`` writes the segment's
+    tokens S instead of ``y`` in step 3 (``m = M(S)``); ``output="additive"`` returns
+    ``y + m`` instead of ``y * sigmoid(m)`` in step 4.  ``qk_norm`` is the attention's
+    (:class:`Attention`).
+
     ``forward(x, state=None, return_state=False)``; the state carries the memory
     state now (``mem``), at the segment start (``start``), and the keys/values of the
     current segment's tokens so far (``hk, hv, xk, xv`` ``[B, heads, n, d_head]``).
     """
 
     def __init__(self, layer: nn.Module, d_model: int, *, segment: int = 64, persistent: int = 4,
-                 heads: int = 1):
+                 heads: int = 1, qk_norm: bool = True, write: str = "attention",
+                 output: str = "gated"):
         super().__init__()
         if segment < 1:
             raise ValueError("segment must be >= 1")
+        if write not in ("attention", "input"):
+            raise ValueError(f"write must be 'attention' or 'input', got {write!r}")
+        if output not in ("gated", "additive"):
+            raise ValueError(f"output must be 'gated' or 'additive', got {output!r}")
         self.layer = layer
         self.segment = segment
-        self.attn = Attention(d_model, heads, persistent)
+        self.write, self.output = write, output
+        self.attn = Attention(d_model, heads, persistent, qk_norm)
 
     @staticmethod
     def _repeat_state(state, times: int):
@@ -224,14 +255,13 @@ class MAC(nn.Module):
         return h.reshape(B, L, D)
 
     def update(self, y: torch.Tensor, mem):
-        """Write the attention outputs into the memory; returns (reads ``[B, L, D]``, new state)."""
+        """Write ``y`` ``[B, L, D]`` into the memory; returns (reads ``[B, L, D]``, new state)."""
         return self.layer(y, state=mem, return_state=True)
 
     def _segment_piece(self, x: torch.Tensor, st: dict):
-        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier
-        ones)."""
+        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier)."""
         L = x.shape[1]
-        h = self.retrieve(x, st["start"])                  # 1. retrieve (pre-segment state)
+        h = self.retrieve(x, st["start"])                              # 1. retrieve (segment start)
         hk, hv = self.attn.project_kv(h)                               # [B, h, L, dh]
         xk, xv = self.attn.project_kv(x)
         if st["hk"] is not None:
@@ -242,8 +272,8 @@ class MAC(nn.Module):
         past = torch.ones(L, n, dtype=torch.bool, device=x.device)
         mask = torch.cat([past, causal, past, causal], dim=1)          # [L, 2 (n + L)]
         y = self.attn(x, torch.cat([hk, xk], 2), torch.cat([hv, xv], 2), mask)  # 2. attend
-        m, mem = self.update(y, st["mem"])                             # 3. update with y
-        out = y * torch.sigmoid(m)                                     # 4. y ⊗ M(y)
+        m, mem = self.update(y if self.write == "attention" else x, st["mem"])  # 3. update
+        out = y * torch.sigmoid(m) if self.output == "gated" else y + m          # 4. y ⊗ M(y)
         if n + L == self.segment:                                      # segment complete
             st = {"mem": mem, "start": mem, "hk": None, "hv": None, "xk": None, "xv": None}
         else:
@@ -685,7 +715,8 @@ class TitansMacLayer(MAC):
     """x [B, T, d_model] -> y [B, T, d_model]: MAC around TitansMacMemoryLayer.
 
     MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],
-    write the attention output y into the memory, output y * sigmoid(memory(y)).
+    write the attention output y into the memory, output y * sigmoid(memory(y));
+    attention on l2-normalised queries and keys with a learned temperature.
 
     TitansMacMemoryLayer (projections, TitansMacMemory, output projection) is ``self.layer``;
     ``self.memory`` is its TitansMacMemory.  Attention: ``attn_heads`` heads (default: ``heads``
@@ -695,12 +726,14 @@ class TitansMacLayer(MAC):
     """
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64, compile=False,
-                 segment=128, persistent=16, attn_heads=None):
+                 segment=128, persistent=16, attn_heads=None,
+                 qk_norm=True, write='attention', output='gated'):
         layer = TitansMacMemoryLayer(d_model=d_model, heads=heads, d_k=d_k, d_v=d_v, hidden=hidden,
                 chunk=chunk, compile=compile)
         if attn_heads is None:
             attn_heads = heads if d_model % heads == 0 else 1
-        super().__init__(layer, d_model, segment=segment, persistent=persistent, heads=attn_heads)
+        super().__init__(layer, d_model, segment=segment, persistent=persistent, heads=attn_heads,
+                         qk_norm=qk_norm, write=write, output=output)
         self.d_model = d_model
         self.heads = heads
 

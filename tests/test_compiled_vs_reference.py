@@ -76,6 +76,7 @@ def test_gradients_match_reference(path, schedule):
 
 
 GRADCHECK = ["deltanet", "gated_deltanet", "linear_attention", "softmax_attention", "sliding_window_attention",
+             "softmax_attention_qknorm", "sliding_window_attention_qknorm",
              "mesa", "titans", "ttt_linear", "ttt_mlp", "moneta", "yaad", "longhorn",
              "gla", "rwkv6", "hgrn2", "retention", "mamba2", "kda", "gdn2", "comba", "rwkv7", "gated_deltaproduct",
              "momentum_deltanet", "deltanet_textbook"]
@@ -174,3 +175,53 @@ def test_T_equals_1_and_single_batch():
                 ro, rs = reference_run(spec, m, dims, schedule, st, ins)
             assert o.shape == (1, 1, 2, 5)
             assert rel_err(o, ro) <= 1e-12
+
+
+GATED_SCALE = """
+name: gated_scale_attention
+dims: {d_model: 8, heads: 3, d_k: 4, d_v: 5}
+views: {q: d_k, k: d_k, v: d_v}
+gates: {beta: 4 * sigmoid(logit)}
+state:
+  K: {shape: [d_k], cache: true, window: 6}
+  V: {shape: [d_v], cache: true, window: 6}
+update:
+  - K = append(K, k)
+  - V = append(V, v)
+read: attend(q, K, V, beta)
+"""
+
+
+@pytest.mark.parametrize("which", ["softmax_attention_qknorm", "sliding_window_attention_qknorm", "gated"])
+def test_cache_family_with_a_tensor_scale_is_exact(which):
+    """A learned per-head temperature (the q/k-normalised specs) or a per-token gate as
+    the scale of attend: the compiled module keeps the exact cache family (the scale
+    multiplies the query before scaled_dot_product_attention), equal to its own online
+    step and to the reference, across heads with very different temperatures and with
+    a carried cache."""
+    import memspec
+    spec = memspec.loads(GATED_SCALE) if which == "gated" else load(f"specs/{which}.yaml")
+    dims = {"d_model": 8, "heads": 3, "d_k": 4, "d_v": 5}
+    m = make(spec, dims)
+    assert m.DEFAULT_SCHEDULE == "cache" and set(m.SCHEDULES) == {"cache", "online"}
+    if which != "gated":
+        with torch.no_grad():
+            m.tau.copy_(torch.tensor([0.25, 1.0, 6.0], dtype=torch.float64))
+    ins = inputs(spec, m, T=9)
+    first = {n: t[:, :4] for n, t in ins.items()}
+    rest = {n: t[:, 4:] for n, t in ins.items()}
+    st = initial_state(spec, m)
+    with torch.no_grad():
+        o1, s1 = call(m, spec, first, dict(st), "cache")
+        o2, s2 = call(m, spec, rest, s1, "cache")
+        online, s_on = call(m, spec, ins, dict(st), "online")
+        ro, rs = reference_run(spec, m, dims, "online", st, ins)
+    o = torch.cat([o1, o2], 1)
+    assert rel_err(o, ro) <= 1e-12 and rel_err(online, ro) <= 1e-12
+    for n in spec.state:
+        assert rel_err(s2[n], rs[n]) <= 1e-12 and rel_err(s_on[n], rs[n]) <= 1e-12
+    # the heads' temperatures matter: one shared scale gives other outputs
+    if which != "gated":
+        with torch.no_grad():
+            m.tau.fill_(1.0)
+            assert rel_err(call(m, spec, ins, dict(st), "cache")[0], ro) > 1e-3

@@ -146,13 +146,13 @@ def test_ttt_mlp_to_titans():
         Added("update", ("update", 1), None, "U2 = mu * U2 - eta * grad(loss, W2)"),
         Changed("update", ("update", 2), "W1 = W1 - eta * grad(loss, W1)", "W1 = (1 - alpha) * W1 + U1"),
         Changed("update", ("update", 3), "W2 = W2 - eta * grad(loss, W2)", "W2 = (1 - alpha) * W2 + U2"),
-        Changed("wiring", ("wiring",), "none", "mac(segment = 64, persistent = 4)"),
+        Changed("wiring", ("wiring",), "none", "mac(segment = 64, persistent = 4, qk_norm = true, write = attention, output = gated)"),
     ]
 
 
 def test_titans_mac_to_mag_is_wiring_only():
     assert diff(D / "titans.yaml", D / "titans_mag.yaml") == [
-        Changed("wiring", ("wiring",), "mac(segment = 64, persistent = 4)", "mag(window = 64, persistent = 4)"),
+        Changed("wiring", ("wiring",), "mac(segment = 64, persistent = 4, qk_norm = true, write = attention, output = gated)", "mag(window = 64, persistent = 4, qk_norm = true, gate = normalized)"),
     ]
 
 
@@ -308,7 +308,7 @@ def test_render_text_shows_both_sides():
     edits = diff(D / "titans.yaml", D / "titans_mag.yaml")
     assert render_text(edits) == (
         "wiring\n"
-        "  ~ wiring: mac(segment = 64, persistent = 4) -> mag(window = 64, persistent = 4)\n"
+        "  ~ wiring: mac(segment = 64, persistent = 4, qk_norm = true, write = attention, output = gated) -> mag(window = 64, persistent = 4, qk_norm = true, gate = normalized)\n"
         "      - tests/diff_specs/titans.yaml:23: wiring: {kind: mac, segment: 64, persistent: 4, window: 64}\n"
         "      + tests/diff_specs/titans_mag.yaml:3: wiring: {kind: mag}\n"
     )
@@ -320,13 +320,13 @@ def test_render_markdown_and_json():
     assert md.splitlines() == [
         "| | component | path | old | new | where |",
         "|---|---|---|---|---|---|",
-        "| ~ | wiring | `wiring` | `mac(segment = 64, persistent = 4)` | `mag(window = 64, persistent = 4)` | tests/diff_specs/titans.yaml:23 → tests/diff_specs/titans_mag.yaml:3 |",
+        "| ~ | wiring | `wiring` | `mac(segment = 64, persistent = 4, qk_norm = true, write = attention, output = gated)` | `mag(window = 64, persistent = 4, qk_norm = true, gate = normalized)` | tests/diff_specs/titans.yaml:23 → tests/diff_specs/titans_mag.yaml:3 |",
     ]
     assert render_markdown([]) == "No differences.\n"
     doc = json.loads(render_json(edits))
     assert doc == {"equal": False, "edits": [{
         "kind": "changed", "component": "wiring", "path": ["wiring"],
-        "old": "mac(segment = 64, persistent = 4)", "new": "mag(window = 64, persistent = 4)",
+        "old": "mac(segment = 64, persistent = 4, qk_norm = true, write = attention, output = gated)", "new": "mag(window = 64, persistent = 4, qk_norm = true, gate = normalized)",
         "old_span": {"file": "tests/diff_specs/titans.yaml", "line": 23, "col": 10},
         "new_span": {"file": "tests/diff_specs/titans_mag.yaml", "line": 3, "col": 10}}]}
 
@@ -471,7 +471,7 @@ def test_shipped_ttt_mlp_to_titans():
 def test_shipped_titans_mac_to_mag_is_wiring_only():
     edits = diff(SPECS / "titans_mac.yaml", SPECS / "titans_mag.yaml")
     assert edits == _meta("titans_mac", "titans_mag") + [
-        Changed("wiring", ("wiring",), "mac(segment = 128, persistent = 16)", "mag(window = 128, persistent = 16)"),
+        Changed("wiring", ("wiring",), "mac(segment = 128, persistent = 16, qk_norm = true, write = attention, output = gated)", "mag(window = 128, persistent = 16, qk_norm = true, gate = normalized)"),
     ]
     assert {e.component for e in edits} == {"meta", "wiring"}
     assert graph_diff(SPECS / "titans_mac.yaml", SPECS / "titans_mag.yaml") == []
@@ -582,3 +582,20 @@ def test_diff_with_graph_appends_graph_edits():
     assert {e.component for e in both[len(sem):]} == {"graph"}
     detail = graph_diff(D / "deltanet.yaml", D / "gated_deltanet.yaml", detail=True)
     assert len(detail) > len(both) - len(sem)   # every operation node, not only owners
+
+
+def test_wiring_option_change_is_one_edit_per_option():
+    """A change of a wiring option (same kind) is a value edit at wiring.<option>, located
+    on both sides; text shows flags as the spec languages write them."""
+    edits = diff(D / "titans.yaml", D / "titans_mac_input.yaml")
+    assert edits == [
+        Changed("wiring", ("wiring", "qk_norm"), True, False),
+        Changed("wiring", ("wiring", "write"), "attention", "input"),
+        Changed("wiring", ("wiring", "output"), "gated", "additive"),
+    ]
+    assert [(e.new_span.line, e.new_span.col) for e in edits] == [(3, 42), (3, 10), (3, 24)]
+    text = render_text(edits)
+    assert "  ~ wiring.qk_norm: true -> false\n" in text
+    assert "  ~ wiring.write: attention -> input\n" in text
+    assert "  ~ wiring.output: gated -> additive\n" in text
+    assert graph_diff(D / "titans.yaml", D / "titans_mac_input.yaml") == []

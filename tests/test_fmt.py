@@ -15,6 +15,7 @@ from memspec.tools.cli import main
 from memspec.lang.errors import SpecError
 from memspec.lang.expr import BinOp, Call, Name, Neg, Num, Transpose, parse_expr, unparse
 from memspec.lang.fmt import to_mem, to_yaml, yaml_float, yaml_str, yaml_text
+from memspec.lang.spec import Wiring
 
 TRICKY = '# comments and flow style are not kept: fmt prints the canonical form\nname: tricky\ndescription: "Quoting: a \': \' and a \' #\' need quotes"\ndims: {d_k: 4, d_v: 3}\nconstants: {eps: 1e-6, neg: -0.25, big: 1.0e+20, p: 3}\nviews: {q: d_k, k: d_k, v: d_v}\ngates:\n  eta: sigmoid(logit)\n  alpha: {formula: sigmoid(logit), bias: -4}\n  mu: -logit\n  beta: {formula: "1 - exp(-softplus(logit))", bias: 2}\nstate:\n  W: {shape: [d_k, d_v], init: learned}\n  U: {shape: [d_k, d_v], init: normal(1)}\nlet:\n  kn: ((l2norm(k)))\n  s: -(kn @ kn)\n  t: (-s)^2\n  u: -s^2\n  w: 2^3^s\n  x2: (2^3)^s\n  y: s - (s - 1)\n  z: (s - s) - 1\n  r: d_k^(-0.5) * -s\nmodel: f(a) = a @ W\nloss: 0.5 * sum((f(kn) - v)^2)\nupdate:\n  - U = mu * U - eta * grad(loss, W)\n  - W = (1 - alpha) * W + U\nread: (f(q) * r + t + u + w + x2 + y + z) * beta\norder: read_write\nschedule: minibatch( 8 )\nwiring: {kind: mag, window: 16}\n'
 
@@ -358,3 +359,26 @@ def test_gate_shape_is_part_of_the_spec():
     b = memspec.loads(VECTOR_GATES_YAML.replace("    shape: [d_v]\n", ""), "yaml")
     assert a != b
     assert b.gates["eta"].shape == []
+
+
+WIRED = {
+    "mac": ("wiring:\n  kind: mac\n  segment: 16\n  qk_norm: false\n  write: input\n  output: additive\n",
+            "wiring mac(segment = 16, qk_norm = false, write = input, output = additive)\n"),
+    "mag": ("wiring:\n  kind: mag\n  window: 8\n  gate: convex\n", "wiring mag(window = 8, gate = convex)\n"),
+    "mal": ("wiring:\n  kind: mal\n  residual: false\n", "wiring mal(residual = false)\n"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WIRED))
+def test_wiring_options_round_trip_in_both_formats(kind):
+    """The options print in Wiring field order, only when they differ from the paper's
+    default; YAML -> spec -> YAML, .mem -> spec -> .mem and YAML <-> .mem all agree."""
+    y_wiring, m_wiring = WIRED[kind]
+    head = "name: w\nviews:\n  k: d\nstate:\n  W:\n    shape: [d]\nread: W\n"
+    spec = memspec.loads(head + y_wiring, "yaml")
+    assert to_yaml(spec) == head + y_wiring
+    assert to_mem(spec).endswith("read = W\n" + m_wiring)
+    again = memspec.loads(to_mem(spec), "mem")
+    assert again == spec and to_yaml(again) == head + y_wiring
+    defaults = spec.wiring.model_copy(update={k: v for k, v in Wiring().model_dump().items() if k != "kind"})
+    assert to_yaml(spec.model_copy(update={"wiring": defaults})).endswith(f"read: W\nwiring: {kind}\n")

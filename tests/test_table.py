@@ -55,7 +55,7 @@ def test_wired_titans_reaches_the_seed_row():
     r = row(load("titans_mac"))
     assert r.problem == "Manage continuing writes and combine history with local context"
     assert r.mechanism == "Momentum, decay, memory-attention wiring (MAC)"
-    assert r.wiring == "MAC (segment 128, persistent 16)"
+    assert r.wiring == "MAC (segment 128, persistent 16, qk_norm true, write attention, output gated)"
 
 
 def test_rows_never_read_the_name():
@@ -213,8 +213,19 @@ def test_formats(capsys):
     assert cli.main(["table", *files, "--format", "text"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("deltanet\n  problem reached  Correct an existing association instead of only adding\n")
-    assert "\n\ntitans_mac\n" in text and "  wiring           MAC (segment 128, persistent 16)\n" in text
+    assert "\n\ntitans_mac\n" in text and "  wiring           MAC (segment 128, persistent 16, qk_norm true, write attention, output gated)\n" in text
     assert cli.main(["table", "specs/nope.yaml"]) == 1
     assert "no such spec file" in capsys.readouterr().err
     with pytest.raises(ValueError):
         render_table([], "html")
+
+
+def test_wiring_options_are_reported():
+    base = memspec.load(str(SPECS / "titans_mal.yaml"))
+    assert row(base).wiring == "MAL (window 128, persistent 16, qk_norm true, residual true)"
+    bare = base.model_copy(update={"wiring": base.wiring.model_copy(update={"residual": False, "qk_norm": False})})
+    assert row(bare).wiring == "MAL (window 128, persistent 16, qk_norm false, residual false)"
+    mag = memspec.load(str(SPECS / "titans_mag.yaml"))
+    convex = mag.model_copy(update={"wiring": mag.wiring.model_copy(update={"gate": "convex"})})
+    assert row(mag).wiring == "MAG (window 128, persistent 16, qk_norm true, gate normalized)"
+    assert row(convex).wiring == "MAG (window 128, persistent 16, qk_norm true, gate convex)"

@@ -15,7 +15,8 @@ import memspec
 from memspec.tools.cli import main
 from memspec.tools.nn import MemoryLM
 from memspec.tools.tasks import MQAR, accuracy
-from memspec.tools.train import TrainConfig, compare, lr_at, markdown_table, train
+from memspec.tools.train import (TrainConfig, compare, json_table, lr_at, markdown_table, summarize, train,
+                                 train_or_diverge)
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTANET = str(ROOT / "specs" / "deltanet.yaml")
@@ -44,6 +45,39 @@ def test_mqar_layout_and_determinism():
         assert len({row[i] for i in asked}) == 4                  # each key asked once
         rest = [row[i] for i in range(8, 24) if i not in asked and i - 1 not in asked]
         assert rest == [0] * len(rest)
+
+
+def test_mqar_gap_puts_every_query_after_the_pad_gap():
+    task = MQAR(seq_len=40, pairs=3, vocab_size=16, gap=20)
+    assert task.n_queries == 3 and task.max_queries == 3
+    x, y = task.batch(32, seed=3)
+    assert (x[:, 6:26] == 0).all()                                # the gap is pads
+    asked = (y != -100).nonzero()[:, 1]
+    assert asked.min() >= 26 and (asked - 26).remainder(2).eq(0).all()
+    # with no gap the layout (and the random stream) is the original one
+    assert torch.equal(MQAR(seq_len=24, pairs=4, vocab_size=21, gap=0).batch(4, 7)[0],
+                       MQAR(seq_len=24, pairs=4, vocab_size=21).batch(4, 7)[0])
+    with pytest.raises(ValueError, match="no room for a query after 3 pairs and a gap of 33"):
+        MQAR(seq_len=40, pairs=3, gap=33)
+
+
+def test_seeds_of_runs_give_different_data():
+    """torch's CPU generator keeps only a seed's low 32 bits; the run's seed sits in the
+    high bits of the batch seeds, so it is folded in: two runs' batches and held-out sets
+    differ, and a seed below 2^32 (every batch of run seed 0) draws what it always did."""
+    from memspec.tools.tasks import seed32
+    from memspec.tools.train import eval_seed, train_seed
+
+    task = MQAR(seq_len=24, pairs=4, vocab_size=21)
+    run0, run1 = TrainConfig(seed=0), TrainConfig(seed=1)
+    assert not torch.equal(task.batch(8, train_seed(run0, 3))[0], task.batch(8, train_seed(run1, 3))[0])
+    assert not torch.equal(task.batch(8, eval_seed(run0))[0], task.batch(8, eval_seed(run1))[0])
+    assert seed32(train_seed(run0, 3)) == 3 and seed32(eval_seed(run0)) == 1 << 31
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(task.batch(8, 3)[0][:, 0], (torch.rand(8, task.n_keys, generator=g).argsort(1)[:, 0] + 1))
+    for r in range(4):                                           # a run's held-out set is no training batch
+        cfg = TrainConfig(seed=r)
+        assert seed32(eval_seed(cfg)) not in {seed32(train_seed(cfg, s)) for s in range(10_000)}
 
 
 def test_mqar_rejects_bad_sizes():
@@ -124,6 +158,61 @@ def test_compare_table_and_write_disabled_control():
     assert lines[-1] == f"chance accuracy: {results[0].chance:.3f}"
 
 
+class _NaNLayer(torch.nn.Module):
+    """A stand-in memory whose output is NaN: every run with it diverges at step 0."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.w = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x, state=None, return_state=False):
+        y = self.w(x) * float("nan")
+        return (y, state) if return_state else y
+
+
+def test_compare_seeds_same_batches_per_seed_and_summary(monkeypatch):
+    """Seed-major runs; for each seed every spec sees exactly the same batches (the seeds
+    the task is drawn with are recorded per run); mean / min / max over the seeds."""
+    drawn = []
+    original = MQAR.batch
+
+    def spy(self, n, seed):
+        drawn.append(seed)
+        return original(self, n, seed)
+
+    monkeypatch.setattr(MQAR, "batch", spy)
+    cfg = replace(TINY, steps=3, seed=5)
+    results = compare([DELTANET, NO_WRITE], cfg, seeds=2)
+    assert [(r.spec, r.seed) for r in results] == [("deltanet", 5), ("deltanet_no_write", 5),
+                                                   ("deltanet", 6), ("deltanet_no_write", 6)]
+    per_run = [drawn[i * 4:(i + 1) * 4] for i in range(4)]          # 3 steps + 1 evaluation per run
+    assert per_run[0] == per_run[1] and per_run[2] == per_run[3] and per_run[0] != per_run[2]
+    assert all(r.wall_seconds >= r.seconds > 0 and r.tokens_per_s > 0 for r in results)
+    (d, nw) = summarize(results)
+    accs = [r.accuracy for r in results if r.spec == "deltanet"]
+    assert d.mean == pytest.approx(sum(accs) / 2) and (d.min, d.max) == (min(accs), max(accs))
+    table = markdown_table(results).splitlines()
+    assert table[0] == "| spec | schedule | parameters | mean accuracy | min | max | per seed | tokens/s | s / run |"
+    assert table[2].startswith(f"| deltanet | delta(64) | {d.parameters:,} | {d.mean:.3f} | {d.min:.3f} | "
+                               f"{d.max:.3f} | {accs[0]:.3f} / {accs[1]:.3f} |")
+    assert table[-1] == f"chance accuracy: {d.chance:.3f}; seeds 5, 6"
+    record = json.loads(json_table(results, cfg))
+    assert record["seeds"] == [5, 6] and record["config"]["steps"] == 3
+    row = record["rows"][0]
+    assert row["spec"] == "deltanet" and row["accuracy"]["mean"] == pytest.approx(d.mean)
+    assert [r["seed"] for r in row["runs"]] == [5, 6] and [r["accuracy"] for r in row["runs"]] == accs
+
+
+def test_diverged_run_is_recorded_not_fatal():
+    r = train_or_diverge(DELTANET, TINY, make_layer=lambda spec, d: _NaNLayer(d), name="nan")
+    assert r.diverged == "loss is nan at step 0" and r.accuracy != r.accuracy
+    ok = train(DELTANET, TINY)
+    table = markdown_table([r, ok, replace(r, seed=1), replace(ok, seed=1)])
+    assert "| nan | delta(64) | 0 | NaN | NaN | NaN | NaN / NaN (seed 0 diverged: loss is nan at step 0; " \
+           "seed 1 diverged: loss is nan at step 0) |" in table
+    assert json.loads(json_table([r]))["rows"][0]["runs"][0]["diverged"] == "loss is nan at step 0"
+
+
 # ------------------------------------------------------------------ command line
 def test_cli_train_writes_log(tmp_path, capsys):
     out = tmp_path / "cli"
@@ -132,7 +221,30 @@ def test_cli_train_writes_log(tmp_path, capsys):
                "--no-progress", "--out", str(out)])
     assert rc == 0
     assert "deltanet: schedule delta(64)" in capsys.readouterr().out
-    assert len(json.loads((out / "log.json").read_text())["log"]) == 2
+    log = json.loads((out / "log.json").read_text())
+    assert len(log["log"]) == 2 and log["seed"] == 0
+    assert log["wall_seconds"] >= log["seconds"] > 0 and log["tokens_per_s"] > 0
+
+
+def test_cli_compare_seeds_writes_markdown_json_and_run_logs(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = main(["compare", DELTANET, NO_WRITE, "--seeds", "2", "--seed", "3", "--steps", "2", "--batch", "4",
+               "--seq-len", "16", "--pairs", "2", "--gap", "4", "--vocab", "12", "--d-model", "8", "--layers", "1",
+               "--heads", "2", "--eval-size", "4", "--no-progress", "--out", str(out),
+               "--json", str(tmp_path / "t.json")])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert printed == (out / "table.md").read_text() and "seeds 3, 4" in printed
+    record = json.loads((out / "table.json").read_text())
+    assert record == json.loads((tmp_path / "t.json").read_text())
+    assert record["config"]["gap"] == 4 and [r["spec"] for r in record["rows"]] == ["deltanet", "deltanet_no_write"]
+    lines = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(x["spec"], x["seed"]) for x in lines] == [("deltanet", 3), ("deltanet_no_write", 3),
+                                                       ("deltanet", 4), ("deltanet_no_write", 4)]
+    log = json.loads((out / "deltanet" / "seed4" / "log.json").read_text())
+    assert log["seed"] == 4 and log["config"]["gap"] == 4 and log["wall_seconds"] > 0
+    assert main(["compare", DELTANET, "--seeds", "0"]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
 
 
 def test_cli_bad_input_no_traceback(tmp_path, capsys):

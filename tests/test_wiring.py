@@ -1,14 +1,16 @@
 """Wiring (MAC / MAG / MAL): order retrieve -> attend -> update, causality by perturbation,
-streaming equality, sliding-window attention against an explicit softmax."""
+streaming equality (every option), sliding-window attention against an explicit softmax,
+the normalisation-off attention equal to plain SDPA, each option computing its formula."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from memspec.runtime.wiring import MAC, MAG, MAL, SlidingWindowAttention, source, wrap
+from memspec.runtime.wiring import MAC, MAG, MAL, Attention, SlidingWindowAttention, source, wrap
 
 
 class TinyDeltaLayer(nn.Module):
@@ -44,16 +46,26 @@ class TinyDeltaLayer(nn.Module):
 D = 8
 
 
-def make(kind, seed=0, **kw):
+def make(kind, seed=0, segment=4, window=3, **options):
     torch.manual_seed(seed)
     layer = TinyDeltaLayer(D)
     if kind == "mac":
-        m = MAC(layer, D, segment=kw.get("segment", 4), persistent=2, heads=2)
+        m = MAC(layer, D, segment=segment, persistent=2, heads=2, **options)
     elif kind == "mag":
-        m = MAG(layer, D, window=kw.get("window", 3), persistent=2, heads=2)
+        m = MAG(layer, D, window=window, persistent=2, heads=2, **options)
     else:
-        m = MAL(layer, D, window=kw.get("window", 3), persistent=2, heads=2)
+        m = MAL(layer, D, window=window, persistent=2, heads=2, **options)
     return m.double()
+
+
+# every wiring with every value of each of its options (the first of each kind: the defaults)
+VARIANTS = [
+    ("mac", {}), ("mac", {"write": "input"}), ("mac", {"output": "additive"}),
+    ("mac", {"write": "input", "output": "additive", "qk_norm": False}),
+    ("mag", {}), ("mag", {"gate": "convex"}), ("mag", {"gate": "convex", "qk_norm": False}),
+    ("mal", {}), ("mal", {"residual": False}), ("mal", {"residual": False, "qk_norm": False}),
+]
+VARIANT_IDS = [k + "".join(f"-{o}={v}" for o, v in opts.items()) for k, opts in VARIANTS]
 
 
 def x_of(B=2, T=13, seed=1):
@@ -61,9 +73,9 @@ def x_of(B=2, T=13, seed=1):
     return torch.randn(B, T, D, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("kind", ["mac", "mag", "mal"])
-def test_causality_by_perturbation(kind):
-    m = make(kind)
+@pytest.mark.parametrize("kind,options", VARIANTS, ids=VARIANT_IDS)
+def test_causality_by_perturbation(kind, options):
+    m = make(kind, **options)
     x = x_of()
     y = m(x)
     for t in range(x.shape[1]):
@@ -74,10 +86,10 @@ def test_causality_by_perturbation(kind):
         assert not torch.allclose(y[:, t], y2[:, t])
 
 
-@pytest.mark.parametrize("kind", ["mac", "mag", "mal"])
+@pytest.mark.parametrize("kind,options", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("splits", [[13], [1] * 13, [3, 7, 3], [5, 1, 2, 5], [4, 4, 4, 1]])
-def test_streaming_equals_one_call(kind, splits):
-    m = make(kind)
+def test_streaming_equals_one_call(kind, options, splits):
+    m = make(kind, **options)
     x = x_of()
     full = m(x)
     state, outs, t = None, [], 0
@@ -156,28 +168,146 @@ def test_mac_memory_carries_earlier_segments():
 
 
 def naive_window_attention(att, x, window):
+    """Token by token: scores q . k / sqrt(dh), or with qk_norm the cosine of q and k times
+    gain * sqrt(dh), softmax over [persistent | the last `window` tokens]."""
     B, T, Dm = x.shape
-    h = att.heads
+    h, dh = att.heads, Dm // att.heads
     q, k, v = att.split(att.wq(x)), att.split(att.wk(x)), att.split(att.wv(x))
     pk, pv = att.split(att.wk(att.persistent[None])), att.split(att.wv(att.persistent[None]))
-    out = torch.zeros(B, h, T, Dm // h, dtype=x.dtype)
+    if att.qk_norm:
+        unit = lambda t: t / t.norm(dim=-1, keepdim=True)  # noqa: E731
+        q, k, pk = unit(q), unit(k), unit(pk)
+        temperature = att.qk_gain.view(1, h, 1) * math.sqrt(dh)
+    else:
+        temperature = 1 / math.sqrt(dh)
+    out = torch.zeros(B, h, T, dh, dtype=x.dtype)
     for t in range(T):
         lo = max(0, t - window + 1)
         K = torch.cat([pk.expand(B, -1, -1, -1), k[:, :, lo:t + 1]], 2)
         V = torch.cat([pv.expand(B, -1, -1, -1), v[:, :, lo:t + 1]], 2)
-        w = torch.softmax(torch.einsum("bhd,bhnd->bhn", q[:, :, t], K) / math.sqrt(Dm // h), -1)
+        w = torch.softmax(torch.einsum("bhd,bhnd->bhn", q[:, :, t], K) * temperature, -1)
         out[:, :, t] = torch.einsum("bhn,bhnd->bhd", w, V)
     return att.wo(out.transpose(1, 2).reshape(B, T, Dm))
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("window,persistent", [(1, 0), (3, 2), (20, 1)])
-def test_sliding_window_matches_explicit_softmax(window, persistent):
+def test_sliding_window_matches_explicit_softmax(window, persistent, qk_norm):
     torch.manual_seed(0)
-    att = SlidingWindowAttention(D, 2, window, persistent).double()
+    att = SlidingWindowAttention(D, 2, window, persistent, qk_norm=qk_norm).double()
+    if qk_norm:
+        with torch.no_grad():
+            att.qk_gain.copy_(torch.tensor([0.7, 2.5]))   # a learned temperature per head
     x = x_of(T=9)
     y, st = att(x)
     torch.testing.assert_close(y, naive_window_attention(att, x, window), rtol=1e-10, atol=1e-12)
     assert st["k"].shape[2] == min(window - 1, 9)
+
+
+def test_qk_norm_off_is_plain_sdpa_exactly():
+    """Normalisation off: the attention is F.scaled_dot_product_attention of the raw
+    projections with its default scale, bit for bit, and has no temperature parameter."""
+    torch.manual_seed(0)
+    att = Attention(D, heads=2, persistent=3, qk_norm=False).double()
+    assert not hasattr(att, "qk_gain") and {n for n, _ in att.named_parameters()} == {
+        "wq.weight", "wk.weight", "wv.weight", "wo.weight", "persistent"}
+    x = x_of(T=7)
+    k, v = att.project_kv(x)
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
+    y = att(x, k, v, mask)
+
+    def heads(t):
+        return t.view(t.shape[0], t.shape[1], 2, D // 2).transpose(1, 2)
+
+    P = att.persistent.unsqueeze(0).expand(2, -1, -1)
+    K = torch.cat([heads(P @ att.wk.weight.T), heads(x @ att.wk.weight.T)], 2)
+    V = torch.cat([heads(P @ att.wv.weight.T), heads(x @ att.wv.weight.T)], 2)
+    full_mask = torch.cat([torch.ones(7, 3, dtype=torch.bool), mask], 1)
+    o = F.scaled_dot_product_attention(heads(x @ att.wq.weight.T), K, V, attn_mask=full_mask)
+    expected = o.transpose(1, 2).reshape(2, 7, D) @ att.wo.weight.T
+    assert torch.equal(y, expected)
+    # and the normalised attention is a different function of the same weights
+    on = Attention(D, heads=2, persistent=3, qk_norm=True).double()
+    on.load_state_dict({**att.state_dict(), "qk_gain": torch.ones(2, dtype=torch.float64)})
+    assert (on(x, *on.project_kv(x), mask) - y).abs().max() > 1e-3
+
+
+def test_qk_norm_temperature_is_learned():
+    torch.manual_seed(0)
+    att = SlidingWindowAttention(D, 2, window=4, persistent=1).double()
+    assert att.qk_norm and torch.equal(att.qk_gain, torch.ones(2, dtype=torch.float64))
+    y, _ = att(x_of(T=6))
+    y.square().sum().backward()
+    assert att.qk_gain.grad is not None and (att.qk_gain.grad.abs() > 0).all()
+
+
+def _pieces(m, x):
+    """The memory's reads and the attention's output, computed apart from the wiring."""
+    mem, mem_state = m.layer(x, return_state=True)
+    attn, _ = m.attn(mem if isinstance(m, MAL) else x)
+    return mem, attn
+
+
+def test_mal_residual_is_memory_plus_attention_of_memory():
+    x = x_of()
+    m = make("mal")
+    mem, attn = _pieces(m, x)
+    torch.testing.assert_close(m(x), mem + attn, rtol=0, atol=0)
+    bare = make("mal", residual=False)
+    torch.testing.assert_close(bare(x), _pieces(bare, x)[1], rtol=0, atol=0)
+
+
+def test_mag_gate_forms():
+    x = x_of()
+    m = make("mag")                                  # the paper's normalised product
+    with torch.no_grad():                            # learned vector weights, not all ones
+        m.norm_attn.weight.uniform_(0.5, 1.5)
+        m.norm_mem.weight.uniform_(0.5, 1.5)
+    mem, attn = _pieces(m, x)
+
+    def rms(t, w):
+        return t / torch.sqrt(t.square().mean(-1, keepdim=True) + torch.finfo(t.dtype).eps) * w
+
+    expected = rms(attn, m.norm_attn.weight) * torch.sigmoid(rms(mem, m.norm_mem.weight))
+    torch.testing.assert_close(m(x), expected, rtol=1e-12, atol=1e-12)
+    assert not hasattr(m, "gate")
+    c = make("mag", gate="convex")
+    mem, attn = _pieces(c, x)
+    g = torch.sigmoid(c.gate(x))
+    torch.testing.assert_close(c(x), g * attn + (1 - g) * mem, rtol=0, atol=0)
+    assert not hasattr(c, "norm_attn")
+
+
+def test_mac_write_and_output_options():
+    """One segment (T <= segment): the memory starts empty, so with write="input" the
+    memory's reads and final state are the bare layer's over x; with write="attention"
+    over the attention output y; output gated is y * sigmoid(m), additive y + m."""
+    x = x_of(T=4)
+    for write in ("attention", "input"):
+        for output in ("gated", "additive"):
+            m = make("mac", segment=4, write=write, output=output)
+            h = m.retrieve(x, None)
+            keys = torch.cat([m.attn.project_kv(h)[0], m.attn.project_kv(x)[0]], 2)
+            vals = torch.cat([m.attn.project_kv(h)[1], m.attn.project_kv(x)[1]], 2)
+            causal = torch.ones(4, 4, dtype=torch.bool).tril()
+            y = m.attn(x, keys, vals, torch.cat([causal, causal], 1))
+            mem, mem_state = m.layer(y if write == "attention" else x, return_state=True)
+            out, st = m(x, return_state=True)
+            torch.testing.assert_close(out, y * torch.sigmoid(mem) if output == "gated" else y + mem,
+                                       rtol=0, atol=0)
+            torch.testing.assert_close(st["mem"]["S"], mem_state["S"], rtol=0, atol=0)
+
+
+def test_bad_options_are_refused():
+    layer = TinyDeltaLayer(D)
+    with pytest.raises(ValueError, match="write must be"):
+        MAC(layer, D, write="output")
+    with pytest.raises(ValueError, match="output must be"):
+        MAC(layer, D, output="gate")
+    with pytest.raises(ValueError, match="gate must be"):
+        MAG(layer, D, gate="product")
+    with pytest.raises(ValueError, match="mal has no option write"):
+        wrap(layer, "mal", D, write="input")
 
 
 def test_wrap_and_source():
@@ -185,6 +315,10 @@ def test_wrap_and_source():
     assert wrap(layer, "none", D) is layer
     assert isinstance(wrap(layer, "mac", D, segment=8), MAC)
     assert isinstance(wrap(layer, "mal", D, window=8), MAL)
+    w = wrap(layer, "mac", D, segment=8, qk_norm=False, write="input", output="additive")
+    assert (w.write, w.output, w.attn.qk_norm) == ("input", "additive", False)
+    assert wrap(layer, "mag", D, gate="convex").gate_form == "convex"
+    assert wrap(layer, "mal", D, residual=False).residual is False
     with pytest.raises(ValueError, match="unknown wiring"):
         wrap(layer, "max", D)
     src = source()
@@ -192,3 +326,12 @@ def test_wrap_and_source():
     ns = {}
     exec("import torch\nfrom torch import nn\nimport torch.nn.functional as F\n" + src, ns)
     assert {"MAC", "MAG", "MAL", "SlidingWindowAttention"} <= set(ns)
+
+
+def test_runtime_options_are_the_specs():
+    """The runtime (torch only) keeps its own table of each kind's options; it must be the
+    spec language's."""
+    from memspec.lang.spec import WIRING_OPTIONS
+    from memspec.runtime.wiring import OPTIONS
+
+    assert OPTIONS == WIRING_OPTIONS

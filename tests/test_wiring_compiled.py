@@ -28,9 +28,16 @@ def small_spec(name):
     return spec.model_copy(update={"wiring": w})
 
 
-def wired(name, seed=0):
+def wired(name, seed=0, **options):
     torch.manual_seed(seed)
-    return build(small_spec(name), compile=False, **DIMS).double()
+    return build(small_spec(name), compile=False, **DIMS, **options).double()
+
+
+# the spec's options (the paper's forms) and the other value of each, passed to build
+OPTIONED = [("titans_mac", {}), ("titans_mac", {"write": "input", "output": "additive", "qk_norm": False}),
+            ("titans_mag", {}), ("titans_mag", {"gate": "convex", "qk_norm": False}),
+            ("titans_mal", {}), ("titans_mal", {"residual": False, "qk_norm": False})]
+OPTIONED_IDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in OPTIONED]
 
 
 def x_of(B=2, T=11, seed=1):
@@ -68,9 +75,24 @@ def test_build_takes_the_wiring_sizes():
         build("specs/titans.yaml", compile=False, segment=7, **DIMS)
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
-def test_wired_layer_is_causal_by_perturbation(name):
-    layer = wired(name)
+def test_build_takes_the_wiring_options():
+    mac = build("specs/titans_mac.yaml", compile=False, write="input", output="additive", qk_norm=False, **DIMS)
+    assert (mac.write, mac.output, mac.attn.qk_norm) == ("input", "additive", False)
+    spec_default = build("specs/titans_mac.yaml", compile=False, **DIMS)
+    assert (spec_default.write, spec_default.output, spec_default.attn.qk_norm) == ("attention", "gated", True)
+    assert build("specs/titans_mag.yaml", compile=False, gate="convex", **DIMS).gate_form == "convex"
+    assert build("specs/titans_mal.yaml", compile=False, residual=False, **DIMS).residual is False
+    with pytest.raises(ValueError, match="unknown dims gate"):
+        build("specs/titans_mal.yaml", compile=False, gate="convex", **DIMS)
+    with pytest.raises(ValueError, match="wiring option write: Input should be 'attention' or 'input'"):
+        build("specs/titans_mac.yaml", compile=False, write="both", **DIMS)
+    with pytest.raises(ValueError, match="wiring option residual: expected true or false"):
+        build("specs/titans_mal.yaml", compile=False, residual="no", **DIMS)
+
+
+@pytest.mark.parametrize("name,options", OPTIONED, ids=OPTIONED_IDS)
+def test_wired_layer_is_causal_by_perturbation(name, options):
+    layer = wired(name, **options)
     x = x_of()
     y = layer(x)
     assert y.shape == x.shape
@@ -82,10 +104,10 @@ def test_wired_layer_is_causal_by_perturbation(name):
         assert (y2[:, t:] - y[:, t:]).abs().max() > 1e-6                 # the perturbation reaches later outputs
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name,options", OPTIONED, ids=OPTIONED_IDS)
 @pytest.mark.parametrize("split", [5, 1, 7])
-def test_wired_layer_streams_exactly(name, split):
-    layer = wired(name)
+def test_wired_layer_streams_exactly(name, options, split):
+    layer = wired(name, **options)
     x = x_of()
     full = layer(x)
     a, st = layer(x[:, :split], return_state=True)

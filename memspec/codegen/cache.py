@@ -1,13 +1,14 @@
 """Emitter of the ``cache`` family: ``_forward_cache``, softmax attention over [cached | new]
 keys and values at once through ``scaled_dot_product_attention`` with a causal
 (windowed) mask (``_masked_attention``: a non-finite key or value reaches only the outputs
-that attend to it); the new state is the cache trimmed to its window."""
+that attend to it); the new state is the cache trimmed to its window.  A scale that is not a
+number (a learned per-head temperature, a gate) multiplies the query, and SDPA's scale is 1."""
 from __future__ import annotations
 
 from ..lang.expr import Call, unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _causal_mask, _masked_attention
-from .exprs import P_ATOM, ExprEmitter
+from .exprs import P_ATOM, P_MUL, ExprEmitter
 from .text import dims_text, shape_text
 
 
@@ -38,8 +39,13 @@ def emit(ctx, L) -> None:
                 mask = fresh("mask", taken)
                 L(f"{mask} = _causal_mask({T}, {full[K.id]}.shape[2], {win}, {ctx.first}.device)", "[T, n + T]")
                 name = fresh("attended", taken)
-                L(f"{name} = _masked_attention({em._emit(q).at(P_ATOM)}.transpose(1, 2), {full[K.id]}, "
-                  f"{full[V.id]}, {mask}, {em.emit(scale)}).transpose(1, 2)",
+                sc = em._emit(scale)
+                if sc.number:
+                    query, sdpa_scale = em._emit(q).at(P_ATOM), sc.text
+                else:                                  # softmax(s K q) = softmax(K (s q)): s into the query
+                    query, sdpa_scale = f"({em._emit(q).at(P_MUL)} * {sc.at(P_ATOM)}.unsqueeze(-1))", "1.0"
+                L(f"{name} = _masked_attention({query}.transpose(1, 2), {full[K.id]}, "
+                  f"{full[V.id]}, {mask}, {sdpa_scale}).transpose(1, 2)",
                   shape_text("B, T, H", ctx.shape(c)))
                 pre[unparse(c)] = name
         ctx.need(_causal_mask)

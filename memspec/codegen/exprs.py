@@ -294,7 +294,10 @@ class ExprEmitter:
         if fn == "attend":
             xs = [self._emit(a) for a in args]
             self.helpers.add(fn)
-            return Code(f"attend({', '.join(x.text for x in xs)})", P_ATOM, len(self.shape(e)))
+            texts = [x.text for x in xs[:3]]
+            scale = xs[3]                    # a number, or a tensor [..., H] (a param, a gate)
+            texts.append(scale.text if scale.number else f"{scale.at(P_ATOM)}.unsqueeze(-1)")
+            return Code(f"attend({', '.join(texts)})", P_ATOM, len(self.shape(e)))
         if fn == "append":
             raise CodegenError("append(K, k) is only allowed as a statement `K = append(K, k)`")
         raise CodegenError(f"unknown function {fn!r}")

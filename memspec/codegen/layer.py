@@ -9,13 +9,22 @@ from ..lang.names import fresh
 from .exprs import ExprEmitter
 from .text import inert, shape_text
 
-WIRING_TEXT = {
-    "mac": "MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],\n"
-           "write the attention output y into the memory, output y * sigmoid(memory(y))",
-    "mag": "MAG, memory as gate: sliding-window attention and the memory on the same input,\n"
-           "mixed by a learned gate",
-    "mal": "MAL, memory as layer: the memory layer, then sliding-window attention",
-}
+def wiring_text(w) -> str:
+    """What the spec's wiring computes, in words (lines for the generated docstrings)."""
+    att = ("attention on l2-normalised queries and keys with a learned temperature" if w.qk_norm
+           else "plain scaled dot-product attention")
+    if w.kind == "mac":
+        wrote = "the attention output y" if w.write == "attention" else "the segment input x"
+        read = "memory(y)" if w.write == "attention" else "memory(x)"
+        out = f"y * sigmoid({read})" if w.output == "gated" else f"y + {read}"
+        return ("MAC, memory as context: per segment, retrieve, attend over [persistent | retrieved | segment],\n"
+                f"write {wrote} into the memory, output {out};\n{att}")
+    if w.kind == "mag":
+        mix = ("RMSNorm(attention) * sigmoid(RMSNorm(memory))" if w.gate == "normalized"
+               else "g * attention + (1 - g) * memory with a learned gate g")
+        return f"MAG, memory as gate: sliding-window attention and the memory on the same input,\nmixed as {mix};\n{att}"
+    form = "memory(x) + attention(memory(x))" if w.residual else "attention(memory(x))"
+    return f"MAL, memory as layer: the memory layer, then sliding-window attention,\n{form};\n{att}"
 
 
 def layer_class(ctx, L):
@@ -117,7 +126,7 @@ def wired_layer_class(ctx, L):
     with L.indent():
         L('"""' + f"x [B, T, d_model] -> y [B, T, d_model]: {base} around {n}MemoryLayer.")
         L()
-        for line in f"{WIRING_TEXT[w.kind]}.".split("\n"):
+        for line in f"{wiring_text(w)}.".split("\n"):
             L(line)
         L()
         L(f"{n}MemoryLayer (projections, {n}Memory, output projection) is ``self.layer``;")
@@ -127,14 +136,17 @@ def wired_layer_class(ctx, L):
         L("the attention's keys/values (see the wiring class above).")
         L('"""')
         L()
+        opts = w.options()
         L(f"def __init__(self, *, {', '.join(sig)}, chunk={ctx.default_chunk}, compile=False,")
-        L(f"             {extent}, persistent={w.persistent}, attn_heads=None):")
+        L(f"             {extent}, persistent={w.persistent}, attn_heads=None,")
+        L(f"             {', '.join(f'{k}={inert(v)}' for k, v in opts.items())}):")
         with L.indent():
             L(f"layer = {n}MemoryLayer({inner}, chunk=chunk, compile=compile)")
             L("if attn_heads is None:")
             L("    attn_heads = heads if d_model % heads == 0 else 1")
             L(f"super().__init__(layer, d_model, {extent.split('=')[0]}={extent.split('=')[0]}, "
-              "persistent=persistent, heads=attn_heads)")
+              "persistent=persistent, heads=attn_heads,")
+            L(f"                 {', '.join(f'{k}={k}' for k in opts)})")
             L("self.d_model = d_model")
             L("self.heads = heads")
         L()

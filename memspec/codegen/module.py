@@ -105,7 +105,8 @@ def header(ctx, L):
     L(f"# schedules of this module: {', '.join(ctx.schedules)}")
     if spec.wiring.kind != "none":
         w = spec.wiring
-        L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window})")
+        L(f"# wiring: {w.kind}(segment={w.segment}, persistent={w.persistent}, window={w.window}); options: "
+          + ", ".join(f"{k}={inert(v)}" for k, v in w.options().items()))
         L(f"# built here: {ctx.name}Layer is {w.kind.upper()} around {ctx.name}MemoryLayer")
     summary = spec.description.split(". ")[0].strip().rstrip(".") + "." if spec.description else "a memspec memory."
     L('"""' + inert(f"{spec.name}: {summary}", "doc"))
@@ -120,7 +121,7 @@ def header(ctx, L):
     else:
         L(f"{ctx.name}MemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, "
           "the output projection.")
-        for i, line in enumerate(f"{layer.WIRING_TEXT[spec.wiring.kind]}.".split("\n")):
+        for i, line in enumerate(f"{layer.wiring_text(spec.wiring)}.".split("\n")):
             L(f"{ctx.name}Layer: the spec's wiring, {line}" if i == 0 else f"    {line}")
     L('"""')
 

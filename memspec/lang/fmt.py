@@ -13,7 +13,7 @@ Rules of the canonical form:
   (a gate always shows its formula; its shape when it has one, its bias only when it is not 0);
 * expressions printed with :func:`memspec.expr.unparse` (minimal parentheses);
 * shorthand where the language has one: a view as ``q: d_k``, a gate with the
-  default bias as ``eta: sigmoid(logit)``, a wiring with default sizes as ``wiring: mac``;
+  default bias as ``eta: sigmoid(logit)``, a wiring with default sizes and options as ``wiring: mac``;
 * YAML: block mappings, shapes as flow lists ``[d_k, d_v]``, floats always with a
   ``.`` (``1.0e-06``) so that YAML reads them back as numbers, a string quoted only
   when it would not read back as the same string plain (single quotes, or double
@@ -45,7 +45,8 @@ __all__ = ["to_yaml", "to_mem"]
 
 _DEFAULT_GATE = Gate()
 _DEFAULT_WIRING = Wiring()
-_WIRING_SIZES = ("segment", "window", "persistent")  # Wiring field order, after kind
+_WIRING_FIELDS = ("segment", "window", "persistent", "qk_norm", "write", "output", "gate",
+                  "residual")  # Wiring field order, after kind
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -168,8 +169,15 @@ def _gate_is_short(g: Gate) -> bool:
     return g.bias == _DEFAULT_GATE.bias and not g.shape
 
 
-def _wiring_sizes(w: Wiring) -> list[tuple[str, int]]:
-    return [(f, getattr(w, f)) for f in _WIRING_SIZES if getattr(w, f) != getattr(_DEFAULT_WIRING, f)]
+def _wiring_fields(w: Wiring) -> list[tuple[str, str]]:
+    """The wiring's fields that differ from their defaults, printed (``true`` / ``false``
+    for flags; the option values are plain names, the sizes integers)."""
+    out = []
+    for f in _WIRING_FIELDS:
+        val = getattr(w, f)
+        if val != getattr(_DEFAULT_WIRING, f):
+            out.append((f, str(val).lower() if isinstance(val, bool) else str(val)))
+    return out
 
 
 def to_yaml(spec: Spec) -> str:
@@ -241,14 +249,14 @@ def to_yaml(spec: Spec) -> str:
     if spec.schedule != "auto":
         out.append(f"schedule: {v(spec.schedule)}")
     w = spec.wiring
-    if w.kind != "none" or _wiring_sizes(w):
-        sizes = _wiring_sizes(w)
-        if not sizes:
+    if w.kind != "none" or _wiring_fields(w):
+        fields = _wiring_fields(w)
+        if not fields:
             out.append(f"wiring: {v(w.kind)}")
         else:
             out.append("wiring:")
             out.append(f"  kind: {v(w.kind)}")
-            out += [f"  {f}: {n}" for f, n in sizes]
+            out += [f"  {f}: {n}" for f, n in fields]
     return "\n".join(out) + "\n"
 
 
@@ -371,9 +379,9 @@ def to_mem(spec: Spec) -> str:
     if spec.schedule != "auto":
         b.append(f"schedule {spec.schedule}")
     w = spec.wiring
-    sizes = _wiring_sizes(w)
-    if w.kind != "none" or sizes:
-        args = ", ".join(f"{f} = {n}" for f, n in sizes)
+    fields = _wiring_fields(w)
+    if w.kind != "none" or fields:
+        args = ", ".join(f"{f} = {n}" for f, n in fields)
         b.append(f"wiring {w.kind}" + (f"({args})" if args else ""))
     blocks.append(b)
 

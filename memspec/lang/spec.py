@@ -212,13 +212,46 @@ class State(Node):
         return isinstance(self.init, str) and self.init.startswith("learned")
 
 
+WIRING_OPTIONS = {"mac": ("write", "output"), "mag": ("gate",), "mal": ("residual",)}
+"""Each wiring kind's own options (``qk_norm`` belongs to every kind's attention)."""
+
+
+def _strict_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        return v
+    raise ValueError(f"expected true or false, got {v!r}")
+
+
+StrictFlag = Annotated[bool, BeforeValidator(_strict_bool)]
+
+
 class Wiring(Node):
-    """How the memory is wired into a network (Titans §4): none, mac, mag or mal."""
+    """How the memory is wired into a network (Titans §4): none, mac, mag or mal.
+
+    Sizes: ``segment`` (MAC), ``window`` (MAG, MAL), ``persistent`` tokens.  Options,
+    each defaulting to the paper's form (``memspec.runtime.wiring``):
+
+    * ``qk_norm`` (every kind): l2-normalised queries and keys with a learned per-head
+      temperature in the wiring's attention (true), or plain scaled dot-product (false);
+    * ``write`` (MAC): what the memory writes, the ``attention`` output (Titans Eq. 24)
+      or the segment ``input``;
+    * ``output`` (MAC): ``gated``, ``y * sigmoid(M(y))`` (Eq. 25), or ``additive``, ``y + M(.)``;
+    * ``gate`` (MAG): ``normalized``, ``RMSNorm(y) * sigmoid(RMSNorm(M(x)))`` (Eq. 28), or
+      ``convex``, ``g * y + (1 - g) * M(x)`` with a learned gate g;
+    * ``residual`` (MAL): ``M(x) + SWA(M(x))`` (true) or ``SWA(M(x))`` (false).
+
+    An option of another kind (``write`` on a MAG wiring) is an error.
+    """
 
     kind: Literal["none", "mac", "mag", "mal"] = "none"
     segment: Size = 64
     window: Size = 64
     persistent: Size = 4
+    qk_norm: StrictFlag = True
+    write: Literal["attention", "input"] = "attention"
+    output: Literal["gated", "additive"] = "gated"
+    gate: Literal["normalized", "convex"] = "normalized"
+    residual: StrictFlag = True
 
     @field_validator("segment", "window")
     @classmethod
@@ -233,6 +266,31 @@ class Wiring(Node):
         if v < 0:
             raise ValueError("must be >= 0")
         return v
+
+    @field_validator("qk_norm")
+    @classmethod
+    def _attention_option(cls, v, info):
+        if info.data.get("kind") == "none":        # (no kind in data: the kind itself was invalid)
+            raise ValueError("qk_norm sets the wiring's attention; an unwired memory (kind none) has none")
+        return v
+
+    @field_validator("write", "output", "gate", "residual")
+    @classmethod
+    def _own_option(cls, v, info):
+        kind = info.data.get("kind")
+        owner = next(k for k, names in WIRING_OPTIONS.items() if info.field_name in names)
+        if kind is not None and kind != owner:
+            own = ", ".join(("qk_norm",) + WIRING_OPTIONS.get(kind, ()))
+            raise ValueError(f"{info.field_name} is an option of {owner} wirings, not of {kind} "
+                             f"(whose options are {own})" if kind != "none" else
+                             f"{info.field_name} is an option of {owner} wirings; this memory is not wired")
+        return v
+
+    def options(self) -> dict:
+        """The options this kind uses, e.g. ``{"qk_norm": True, "write": "attention", "output": "gated"}``."""
+        if self.kind == "none":
+            return {}
+        return {"qk_norm": self.qk_norm, **{f: getattr(self, f) for f in WIRING_OPTIONS[self.kind]}}
 
 
 def _as_wiring(v: Any) -> Any:

@@ -145,7 +145,8 @@ def build(spec_or_path: SpecLike | Checked, *, compile: bool = True, **dims):  #
 
     ``dims`` override the spec's dims (and ``chunk=`` the chunk size); for a wired spec
     also the wiring's sizes (MAC: ``segment``, ``persistent``; MAG / MAL: ``window``,
-    ``persistent``; all: ``attn_heads``).  ``compile=True`` torch.compiles the
+    ``persistent``; all: ``attn_heads``) and options (all: ``qk_norm``; MAC: ``write``,
+    ``output``; MAG: ``gate``; MAL: ``residual``).  ``compile=True`` torch.compiles the
     per-token / per-chunk step functions (static shapes)."""
     spec, mod = _module(spec_or_path)
     _check_dims(spec, dims, wiring=True)
@@ -166,12 +167,19 @@ WIRING_SIZES = {"none": (), "mac": ("segment", "persistent", "attn_heads"),
 
 def _check_dims(spec: Spec, dims: dict, wiring: bool = False) -> None:
     extra = WIRING_SIZES[spec.wiring.kind] if wiring else ()
-    allowed = set(spec.dims) | {"chunk", "heads", "d_model"} | set(extra)
+    options = tuple(spec.wiring.options()) if wiring else ()
+    allowed = set(spec.dims) | {"chunk", "heads", "d_model"} | set(extra) | set(options)
     unknown = sorted(set(dims) - allowed)
     if unknown:
         raise ValueError(f"unknown dims {', '.join(unknown)}; {spec.name} has dims "
-                         f"{', '.join(spec.dims)} (and chunk{''.join(', ' + w for w in extra)})")
-    for k, v in dims.items():
+                         f"{', '.join(spec.dims)} (and chunk{''.join(', ' + w for w in extra + options)})")
+    for k in [k for k in dims if k in options]:
+        try:                                                  # the spec's own rules for the option
+            spec.wiring.model_validate({**spec.wiring.model_dump(exclude_defaults=True), k: dims[k]})
+        except ValueError as err:
+            msg = err.errors()[0]["msg"] if hasattr(err, "errors") else str(err)
+            raise ValueError(f"wiring option {k}: {msg.removeprefix('Value error, ')}") from None
+    for k, v in ((k, v) for k, v in dims.items() if k not in options):
         if k == "persistent" and isinstance(v, int) and not isinstance(v, bool) and v == 0:
             continue   # no persistent tokens
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:

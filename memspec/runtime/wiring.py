@@ -9,16 +9,23 @@ Three wirings wrap any *Layer-like* module ``layer(x, state=None, return_state=T
   ``[persistent | retrieved | segment]`` (causal inside the segment), the attention
   output ``y`` is what the memory then **writes**, and the output is
   ``y * sigmoid(M(y))`` (Titans Eq. 25, ``o = y ⊗ M*(y)``).  Order: retrieve ->
-  attend -> update.
+  attend -> update.  Options: write the segment input instead, add instead of gate.
 * :class:`MAG` (memory as gate): sliding-window attention and the memory read the
-  same input; a learned gate mixes them, ``o = g * attn + (1 - g) * memory``.
-* :class:`MAL` (memory as layer): the memory layer, then sliding-window attention.
+  same input and are mixed: ``o = RMSNorm(y) * sigmoid(RMSNorm(m))`` (Titans Eq. 28,
+  the default) or the convex ``o = g * y + (1 - g) * m`` with a learned gate ``g``.
+* :class:`MAL` (memory as layer): the memory layer, then sliding-window attention,
+  with a residual around the attention, ``o = M(x) + SWA(M(x))`` (the default), or
+  without, ``o = SWA(M(x))``.
+
+Every option's default is the paper's form (for MAL: the paper's layers with their
+residual connection); ``OPTIONS`` lists each kind's own.
 
 Persistent memory is ``P`` learned tokens ``[P, d_model]`` shared across sequences;
 their keys and values are visible to every query (they never leave the window).
 Attention is ``torch.nn.functional.scaled_dot_product_attention`` with an explicit
-boolean mask (True = may attend).  There are no positional encodings: order comes
-from the causal masks and from the memory.
+boolean mask (True = may attend), by default on l2-normalised queries and keys with a
+learned per-head temperature (``qk_norm``, :class:`Attention`).  There are no
+positional encodings: order comes from the causal masks and from the memory.
 
 Streaming: every wiring's ``forward(x, state=None, return_state=False)`` carries the
 memory state and the attention's keys/values (the last ``window - 1`` tokens for
@@ -44,37 +51,55 @@ class Attention(nn.Module):
     ``[B, heads, n, d_head]``; ``forward(x_q, k, v, mask)`` attends from the queries of
     ``x_q`` ``[B, T, d_model]`` to ``[persistent | k]`` with ``mask`` ``[T, n]`` (bool,
     True = may attend) for the non-persistent keys, and returns ``[B, T, d_model]``.
+
+    ``qk_norm=True`` (the default) l2-normalises queries and keys and scales their
+    cosine by a learned per-head gain times ``sqrt(d_head)`` (``qk_gain`` ``[heads]``,
+    initialised to 1): at initialisation the scores of RMS-normalised queries and keys
+    under the usual ``1 / sqrt(d_head)``, with the temperature learned (query-key
+    normalisation: Henry et al. 2020; RMSNorm on q and k in OLMo 2 and Gemma 3).
+    ``qk_norm=False`` is plain scaled dot-product attention, ``softmax(q k^T /
+    sqrt(d_head)) v`` (Vaswani et al. 2017).
     """
 
-    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0):
+    def __init__(self, d_model: int, heads: int = 1, persistent: int = 0, qk_norm: bool = True):
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
         self.d_model, self.heads, self.n_persistent = d_model, heads, persistent
+        self.qk_norm = qk_norm
         self.wq = nn.Linear(d_model, d_model, bias=False)
         self.wk = nn.Linear(d_model, d_model, bias=False)
         self.wv = nn.Linear(d_model, d_model, bias=False)
         self.wo = nn.Linear(d_model, d_model, bias=False)
         self.persistent = nn.Parameter(torch.randn(persistent, d_model) * 0.02)  # [P, d_model]
+        if qk_norm:
+            self.qk_gain = nn.Parameter(torch.ones(heads))                          # [heads]
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         B, n, _ = x.shape
         return x.view(B, n, self.heads, self.d_model // self.heads).transpose(1, 2)  # [B, h, n, dh]
 
     def project_kv(self, x: torch.Tensor):
-        return self.split(self.wk(x)), self.split(self.wv(x))
+        k = self.split(self.wk(x))                                    # [B, h, n, dh]
+        if self.qk_norm:
+            k = F.normalize(k, dim=-1)
+        return k, self.split(self.wv(x))
 
     def forward(self, x_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_q.shape
         q = self.split(self.wq(x_q))                                  # [B, h, T, dh]
+        scale = None                                                  # SDPA's default, 1 / sqrt(dh)
+        if self.qk_norm:
+            q = F.normalize(q, dim=-1) * self.qk_gain.view(-1, 1, 1)  # the learned temperature
+            scale = (self.d_model // self.heads) ** 0.5               # cosine * gain * sqrt(dh)
         if self.n_persistent:
             pk, pv = self.project_kv(self.persistent.unsqueeze(0))    # [1, h, P, dh]
             k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
             always = torch.ones(T, self.n_persistent, dtype=torch.bool, device=mask.device)
             mask = torch.cat([always, mask], dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, T, dh]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, T, dh]
         return self.wo(o.transpose(1, 2).reshape(B, T, self.d_model))
 
 
@@ -86,8 +111,9 @@ class SlidingWindowAttention(Attention):
     ``min(window - 1, seen)`` tokens.
     """
 
-    def __init__(self, d_model: int, heads: int = 1, window: int = 64, persistent: int = 0):
-        super().__init__(d_model, heads, persistent)
+    def __init__(self, d_model: int, heads: int = 1, window: int = 64, persistent: int = 0,
+                 qk_norm: bool = True):
+        super().__init__(d_model, heads, persistent, qk_norm)
         if window < 1:
             raise ValueError("window must be >= 1")
         self.window = window
@@ -128,19 +154,30 @@ class MAC(nn.Module):
        and the state handed to the next segment;
     4. output ``y * sigmoid(m)``.
 
+    Options (the paper's form is the default): ``write="input"`` writes the segment's
+    tokens S instead of ``y`` in step 3 (``m = M(S)``); ``output="additive"`` returns
+    ``y + m`` instead of ``y * sigmoid(m)`` in step 4.  ``qk_norm`` is the attention's
+    (:class:`Attention`).
+
     ``forward(x, state=None, return_state=False)``; the state carries the memory
     state now (``mem``), at the segment start (``start``), and the keys/values of the
     current segment's tokens so far (``hk, hv, xk, xv`` ``[B, heads, n, d_head]``).
     """
 
     def __init__(self, layer: nn.Module, d_model: int, *, segment: int = 64, persistent: int = 4,
-                 heads: int = 1):
+                 heads: int = 1, qk_norm: bool = True, write: str = "attention",
+                 output: str = "gated"):
         super().__init__()
         if segment < 1:
             raise ValueError("segment must be >= 1")
+        if write not in ("attention", "input"):
+            raise ValueError(f"write must be 'attention' or 'input', got {write!r}")
+        if output not in ("gated", "additive"):
+            raise ValueError(f"output must be 'gated' or 'additive', got {output!r}")
         self.layer = layer
         self.segment = segment
-        self.attn = Attention(d_model, heads, persistent)
+        self.write, self.output = write, output
+        self.attn = Attention(d_model, heads, persistent, qk_norm)
 
     @staticmethod
     def _repeat_state(state, times: int):
@@ -169,14 +206,13 @@ class MAC(nn.Module):
         return h.reshape(B, L, D)
 
     def update(self, y: torch.Tensor, mem):
-        """Write the attention outputs into the memory; returns (reads ``[B, L, D]``, new state)."""
+        """Write ``y`` ``[B, L, D]`` into the memory; returns (reads ``[B, L, D]``, new state)."""
         return self.layer(y, state=mem, return_state=True)
 
     def _segment_piece(self, x: torch.Tensor, st: dict):
-        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier
-        ones)."""
+        """Tokens x ``[B, L, D]`` that all fall in the current segment (after ``n`` earlier)."""
         L = x.shape[1]
-        h = self.retrieve(x, st["start"])                  # 1. retrieve (pre-segment state)
+        h = self.retrieve(x, st["start"])                              # 1. retrieve (segment start)
         hk, hv = self.attn.project_kv(h)                               # [B, h, L, dh]
         xk, xv = self.attn.project_kv(x)
         if st["hk"] is not None:
@@ -187,8 +223,8 @@ class MAC(nn.Module):
         past = torch.ones(L, n, dtype=torch.bool, device=x.device)
         mask = torch.cat([past, causal, past, causal], dim=1)          # [L, 2 (n + L)]
         y = self.attn(x, torch.cat([hk, xk], 2), torch.cat([hv, xv], 2), mask)  # 2. attend
-        m, mem = self.update(y, st["mem"])                             # 3. update with y
-        out = y * torch.sigmoid(m)                                     # 4. y ⊗ M(y)
+        m, mem = self.update(y if self.write == "attention" else x, st["mem"])  # 3. update
+        out = y * torch.sigmoid(m) if self.output == "gated" else y + m          # 4. y ⊗ M(y)
         if n + L == self.segment:                                      # segment complete
             st = {"mem": mem, "start": mem, "hk": None, "hv": None, "xk": None, "xv": None}
         else:
@@ -211,62 +247,96 @@ class MAC(nn.Module):
 
 
 class MAG(nn.Module):
-    """Memory as gate (Titans §4.2): ``o = g * SWA(x) + (1 - g) * M(x)``,
-    ``g = sigmoid(x W_g + b)``.
+    """Memory as gate (Titans §4.2): sliding-window attention ``y = SWA(x)`` and the memory
+    ``m = M(x)`` read the same input and are mixed.
+
+    ``gate="normalized"`` (the paper's Eq. 28, ``o = y ⊗ M(x)``, with "the outputs y and
+    M(x) normalised using learnable vector-valued weights, followed by a non-linearity"):
+    ``o = RMSNorm(y) * sigmoid(RMSNorm(m))``, two RMSNorms with learned weights
+    ``[d_model]``, the non-linear gate the same as MAC's ``y * sigmoid(m)``.
+    ``gate="convex"``: ``o = g * y + (1 - g) * m`` with ``g = sigmoid(x W_g + b)`` per channel.
 
     ``forward(x, state=None, return_state=False)``; state ``{"mem", "attn"}``.
     """
 
     def __init__(self, layer: nn.Module, d_model: int, *, window: int = 64, persistent: int = 4,
-                 heads: int = 1):
+                 heads: int = 1, qk_norm: bool = True, gate: str = "normalized"):
         super().__init__()
+        if gate not in ("normalized", "convex"):
+            raise ValueError(f"gate must be 'normalized' or 'convex', got {gate!r}")
         self.layer = layer
-        self.attn = SlidingWindowAttention(d_model, heads, window, persistent)
-        self.gate = nn.Linear(d_model, d_model)
+        self.attn = SlidingWindowAttention(d_model, heads, window, persistent, qk_norm)
+        self.gate_form = gate
+        if gate == "normalized":
+            self.norm_attn = nn.RMSNorm(d_model)
+            self.norm_mem = nn.RMSNorm(d_model)
+        else:
+            self.gate = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
         st = state if state is not None else {"mem": None, "attn": None}
         y, attn_state = self.attn(x, st["attn"])
         m, mem = self.layer(x, state=st["mem"], return_state=True)
-        g = torch.sigmoid(self.gate(x))
-        out = g * y + (1 - g) * m
+        if self.gate_form == "normalized":
+            out = self.norm_attn(y) * torch.sigmoid(self.norm_mem(m))
+        else:
+            g = torch.sigmoid(self.gate(x))
+            out = g * y + (1 - g) * m
         new = {"mem": mem, "attn": attn_state}
         return (out, new) if return_state else out
 
 
 class MAL(nn.Module):
-    """Memory as layer (Titans §4.3): ``o = SWA(M(x))``.
+    """Memory as layer (Titans §4.3): the memory layer, then sliding-window attention.
+
+    ``residual=True`` (the default): ``o = M(x) + SWA(M(x))``, the residual connection
+    around the attention layer that the paper's stacked layers have (its MAL follows
+    Samba, where every layer sits in a residual block); ``residual=False``: the bare
+    composition ``o = SWA(M(x))``, in which the memory's read reaches the output only
+    through an attention that starts out uniform over its window.
 
     ``forward(x, state=None, return_state=False)``; state ``{"mem", "attn"}``.
     """
 
     def __init__(self, layer: nn.Module, d_model: int, *, window: int = 64, persistent: int = 4,
-                 heads: int = 1):
+                 heads: int = 1, qk_norm: bool = True, residual: bool = True):
         super().__init__()
         self.layer = layer
-        self.attn = SlidingWindowAttention(d_model, heads, window, persistent)
+        self.attn = SlidingWindowAttention(d_model, heads, window, persistent, qk_norm)
+        self.residual = residual
 
     def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
         st = state if state is not None else {"mem": None, "attn": None}
         m, mem = self.layer(x, state=st["mem"], return_state=True)
         y, attn_state = self.attn(m, st["attn"])
+        out = m + y if self.residual else y
         new = {"mem": mem, "attn": attn_state}
-        return (y, new) if return_state else y
+        return (out, new) if return_state else out
 
 
 WIRINGS = {"mac": MAC, "mag": MAG, "mal": MAL}
 
 
+OPTIONS = {"mac": ("write", "output"), "mag": ("gate",), "mal": ("residual",)}
+
+
 def wrap(layer: nn.Module, kind: str, d_model: int, *, segment: int = 64, window: int = 64,
-         persistent: int = 4, heads: int = 1) -> nn.Module:
-    """``layer`` wired by ``kind`` (``"none"`` returns it unchanged)."""
+         persistent: int = 4, heads: int = 1, qk_norm: bool = True, **options) -> nn.Module:
+    """``layer`` wired by ``kind`` (``"none"`` returns it unchanged); ``options`` are the
+    kind's own (:data:`OPTIONS`: MAC ``write``, ``output``; MAG ``gate``; MAL ``residual``)."""
     if kind == "none":
         return layer
+    if kind not in WIRINGS:
+        raise ValueError(f"unknown wiring {kind!r}: use none, mac, mag or mal")
+    unknown = sorted(set(options) - set(OPTIONS[kind]))
+    if unknown:
+        raise ValueError(f"{kind} has no option {', '.join(unknown)}: its options are "
+                         f"{', '.join(OPTIONS[kind])} (and qk_norm)")
     if kind == "mac":
-        return MAC(layer, d_model, segment=segment, persistent=persistent, heads=heads)
-    if kind in ("mag", "mal"):
-        return WIRINGS[kind](layer, d_model, window=window, persistent=persistent, heads=heads)
-    raise ValueError(f"unknown wiring {kind!r}: use none, mac, mag or mal")
+        return MAC(layer, d_model, segment=segment, persistent=persistent, heads=heads,
+                   qk_norm=qk_norm, **options)
+    return WIRINGS[kind](layer, d_model, window=window, persistent=persistent, heads=heads,
+                         qk_norm=qk_norm, **options)
 
 
 def source(kind: str | None = None) -> str:
@@ -277,7 +347,8 @@ def source(kind: str | None = None) -> str:
     import inspect
 
     needs = {None: (Attention, SlidingWindowAttention, MAC, MAG, MAL), "mac": (Attention, MAC),
-             "mag": (Attention, SlidingWindowAttention, MAG), "mal": (Attention, SlidingWindowAttention, MAL)}
+             "mag": (Attention, SlidingWindowAttention, MAG),
+             "mal": (Attention, SlidingWindowAttention, MAL)}
     if kind not in needs:
         raise ValueError(f"unknown wiring {kind!r}: use mac, mag or mal")
     return "\n\n".join(inspect.getsource(c) for c in needs[kind])

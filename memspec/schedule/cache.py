@@ -3,7 +3,9 @@
 
 Admitted when every state is a cache written only by ``K = append(K, x)`` of a
 token-local vector (once per token), the read attends over the caches with a token-local
-query and a constant scale, and the write comes before the read.
+query and a token-local scalar scale (a number, or e.g. a learned per-head temperature:
+``softmax(s K q) = softmax(K (s q))``, so the scale can multiply the query), and the write
+comes before the read.
 """
 from __future__ import annotations
 
@@ -53,10 +55,6 @@ def analyse_cache(alg: Algebra) -> tuple[CachePlan, list[str]]:
                 raise NotAdmitted("attend(...) must read two caches directly")
             if alg.depends(q) or alg.depends(scale):
                 raise NotAdmitted("the query and scale of attend(...) must be token-local")
-            if any(isinstance(n, Name) and n.id not in spec.dims and n.id not in spec.constants
-                   for n in scale.walk()):
-                raise NotAdmitted(f"the scale {txt(scale)} of attend(...) is not a number "
-                                  "(scaled_dot_product_attention takes a constant scale)")
             if alg.states[K.id].window != alg.states[V.id].window:
                 raise NotAdmitted(f"caches {K.id} and {V.id} have different windows")
             name = f"_a{len(attends)}"

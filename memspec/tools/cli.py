@@ -249,6 +249,7 @@ def _train_arguments(s, compare: bool) -> None:
     for flag, kind, dest, help_ in [
         ("--steps", int, "steps", "optimizer steps"), ("--batch", int, "batch", "global batch (sequences)"),
         ("--seq-len", int, "seq_len", "tokens per sequence"), ("--pairs", int, "pairs", "key-value pairs"),
+        ("--gap", int, "gap", "pad tokens between the pairs and the queries (default 0)"),
         ("--vocab", int, "vocab", "vocabulary size"), ("--d-model", int, "d_model", "model width"),
         ("--layers", int, "layers", "blocks"), ("--heads", int, "heads", "memory heads"),
         ("--lr", float, "lr", "peak learning rate"), ("--seed", int, "seed", "seed (model and data)"),
@@ -260,6 +261,10 @@ def _train_arguments(s, compare: bool) -> None:
     s.add_argument("--compile", action="store_true", help="torch.compile the memory steps")
     s.add_argument("--out", help="folder for log.json and checkpoint.pt" + (" (one subfolder per spec)" if compare else ""))
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    if compare:
+        s.add_argument("--seeds", type=int, default=3,
+                       help="seeds per spec (default 3: seed, seed + 1, ...; the same batches for every spec)")
+        s.add_argument("--json", metavar="PATH", help="also write the table as JSON here (--out writes table.json)")
     s.set_defaults(compare=compare)
 
 
@@ -349,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     _train_arguments(s, compare=False)
     s.set_defaults(func=cmd_train)
 
-    s = sub.add_parser("compare", help="train each spec under the same budget and seed (Markdown table)")
+    s = sub.add_parser("compare", help="train each spec under the same budget for several seeds "
+                                       "(mean / min / max accuracy; Markdown and JSON)")
     _train_arguments(s, compare=True)
     s.set_defaults(func=cmd_train)
 

@@ -97,9 +97,11 @@ def _jsonable(v: Any) -> Any:
 
 # ------------------------------------------------------------ describing
 # the wiring parameters each kind uses (memspec.wiring): MAC cuts segments, MAG and
-# MAL run sliding-window attention; all have persistent tokens
-WIRING_FIELDS = {"none": (), "mac": ("segment", "persistent"), "mag": ("window", "persistent"),
-                 "mal": ("window", "persistent")}
+# MAL run sliding-window attention; all have persistent tokens and the attention's
+# qk_norm; then each kind's own options (memspec.lang.spec.WIRING_OPTIONS)
+WIRING_FIELDS = {"none": (), "mac": ("segment", "persistent", "qk_norm", "write", "output"),
+                 "mag": ("window", "persistent", "qk_norm", "gate"),
+                 "mal": ("window", "persistent", "qk_norm", "residual")}
 
 
 def shape_text(shape: Iterable[str]) -> str:
@@ -125,7 +127,7 @@ def describe(entry: Any) -> Any:
     if isinstance(entry, Wiring):
         if entry.kind == "none":
             return "none"
-        args = ", ".join(f"{f} = {getattr(entry, f)}" for f in WIRING_FIELDS[entry.kind])
+        args = ", ".join(f"{f} = {_value(getattr(entry, f))}" for f in WIRING_FIELDS[entry.kind])
         return f"{entry.kind}({args})"
     if isinstance(entry, (Expr, FunDef)):
         return str(entry)
@@ -478,6 +480,8 @@ def source_line(span: Span | None) -> str | None:
 
 
 def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"       # as the spec languages write flags
     return "" if v is None else str(v)
 
 

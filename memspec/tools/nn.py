@@ -139,7 +139,7 @@ class MemoryLM(nn.Module):
                 mixer = _default_layer(self.spec, d_model, compile, dims)   # wired in the generated code
             else:
                 mixer = wrap(make_layer(self.spec, d_model), w.kind, d_model, segment=w.segment,
-                             window=w.window, persistent=w.persistent, heads=heads)
+                             window=w.window, persistent=w.persistent, heads=heads, **w.options())
             blocks.append(Block(mixer, d_model, mlp_ratio, conv))
         self.embed = nn.Embedding(vocab_size, d_model)
         nn.init.normal_(self.embed.weight, std=0.02)

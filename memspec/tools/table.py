@@ -451,7 +451,10 @@ def _wiring_text(spec: Spec) -> str:
     w = spec.wiring
     if w.kind == "none":
         return "none"
-    return w.kind.upper() + " (" + ", ".join(f"{f} {getattr(w, f)}" for f in WIRING_FIELDS[w.kind]) + ")"
+    def text(v):
+        return ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+    return w.kind.upper() + " (" + ", ".join(f"{f} {text(getattr(w, f))}" for f in WIRING_FIELDS[w.kind]) + ")"
 
 
 def _cite_text(spec: Spec) -> str:

@@ -6,9 +6,11 @@ through the chain of inner updates (seed text §4.4-4.5).
 
 ``train(spec, cfg)`` returns a :class:`RunResult`; with ``cfg.out`` it writes
 ``log.json`` (config, loss per step, held-out accuracy, throughput) and
-``checkpoint.pt`` (state dict + the spec text + the config).  ``compare(specs, cfg)``
-trains each spec under the same budget and seed; :func:`markdown_table` prints the
-result.
+``checkpoint.pt`` (state dict + the spec text + the config).  ``compare(specs, cfg,
+seeds=N)`` trains each spec under the same budget for each of N seeds (seed s: the same
+initialisation seed and the same batches for every spec); :func:`summarize` gathers the
+runs per spec (mean, min and max accuracy), :func:`markdown_table` and
+:func:`json_table` print them.
 
 Distributed: launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment), the
 run joins a ``torch.distributed`` group (gloo on CPU, nccl on CUDA), wraps the model
@@ -25,7 +27,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +44,7 @@ class TrainConfig:
     batch: int = 32                 # global batch (split across ranks)
     seq_len: int = 64
     pairs: int = 8
+    gap: int = 0                    # pad tokens between the pairs and the queries
     vocab: int = 64
     d_model: int = 64
     layers: int = 2
@@ -61,7 +64,7 @@ class TrainConfig:
     def task_(self) -> MQAR:
         if self.task != "mqar":
             raise ValueError(f"unknown task {self.task!r}: the only task is mqar")
-        return MQAR(seq_len=self.seq_len, pairs=self.pairs, vocab_size=self.vocab)
+        return MQAR(seq_len=self.seq_len, pairs=self.pairs, vocab_size=self.vocab, gap=self.gap)
 
 
 @dataclass
@@ -69,12 +72,15 @@ class RunResult:
     spec: str
     schedule: str
     parameters: int
-    accuracy: float
+    accuracy: float                 # NaN when the run diverged
     chance: float
-    tokens_per_s: float
-    seconds: float
+    tokens_per_s: float             # training tokens / training seconds
+    seconds: float                  # training steps only
     losses: list[float] = field(default_factory=list)
     out: str | None = None
+    seed: int = 0
+    wall_seconds: float = 0.0       # the whole run: build, steps, evaluation
+    diverged: str | None = None     # e.g. "loss is nan at step 25"
 
 
 # ------------------------------------------------------------------ helpers
@@ -213,6 +219,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     main_process = rank == 0
     label = name or spec.name
+    t_wall = time.perf_counter()
 
     torch.manual_seed(cfg.seed)
     model = MemoryLM(spec, vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.layers,
@@ -262,47 +269,193 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
     acc = evaluate(model, task, cfg, device)
     result = RunResult(spec=label, schedule=schedule_name(spec, cfg.dims.get("chunk")), parameters=n_params, accuracy=acc,
                        chance=task.chance, tokens_per_s=tokens / max(t_train, 1e-9), seconds=t_train,
-                       losses=losses, out=cfg.out)
+                       losses=losses, out=cfg.out, seed=cfg.seed, wall_seconds=time.perf_counter() - t_wall)
     if cfg.out and main_process:
         from ..pipeline.write import write_atomic
 
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         text = spec_text(spec, path)
-        record = {"spec": label, "spec_path": path, "config": asdict(cfg), "world_size": world,
+        record = {"spec": label, "spec_path": path, "seed": cfg.seed, "config": asdict(cfg), "world_size": world,
                   "parameters": n_params, "schedule": result.schedule, "accuracy": acc, "chance": task.chance,
-                  "tokens_per_s": result.tokens_per_s, "seconds": t_train, "log": log_steps}
+                  "tokens_per_s": result.tokens_per_s, "seconds": t_train, "wall_seconds": result.wall_seconds,
+                  "threads": torch.get_num_threads(), "load_average": _load_average(), "log": log_steps}
         write_atomic(out / "log.json", json.dumps(record, indent=1) + "\n")
         _save_checkpoint(out / "checkpoint.pt", {"state_dict": model.state_dict(), "spec_text": text,
                                                  "spec_name": spec.name, "config": asdict(cfg)})
     return result
 
 
-def compare(specs: list, cfg: TrainConfig, *, make_layer: Callable | None = None) -> list[RunResult]:
-    """Train each spec under the same config (budget, seed, data) and return the results."""
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):       # not on every platform
+        return None
+
+
+def seeds_of(cfg: TrainConfig, seeds: int) -> list[int]:
+    """The seeds of a comparison: ``cfg.seed, cfg.seed + 1, ...`` (``seeds`` of them)."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    return [cfg.seed + i for i in range(seeds)]
+
+
+def train_or_diverge(spec, cfg: TrainConfig, *, make_layer: Callable | None = None,
+                     name: str | None = None) -> RunResult:
+    """:func:`train`, with a diverged run (a non-finite loss) returned as a result with
+    accuracy NaN and ``diverged`` saying where, so that a sweep goes on."""
+    t0 = time.perf_counter()
+    try:
+        return train(spec, cfg, make_layer=make_layer, name=name)
+    except FloatingPointError as err:
+        if isinstance(spec, (str, Path)):
+            spec = load_spec(str(spec))
+        label = name or spec.name
+        return RunResult(spec=label, schedule=schedule_name(spec, cfg.dims.get("chunk")), parameters=0,
+                         accuracy=float("nan"), chance=cfg.task_().chance, tokens_per_s=float("nan"),
+                         seconds=float("nan"), out=cfg.out, seed=cfg.seed, wall_seconds=time.perf_counter() - t0,
+                         diverged=str(err).split(": ", 1)[-1])
+
+
+def compare(specs: list, cfg: TrainConfig, *, seeds: int = 1, make_layer: Callable | None = None,
+            names: list[str] | None = None, on_result: Callable | None = None) -> list[RunResult]:
+    """Train each spec under the same config for each seed of :func:`seeds_of` and return
+    the results (seed-major: every spec under the first seed, then the next), so that
+    for a given seed every spec starts from the same initialisation seed and sees the
+    same batches.  With ``cfg.out`` each run writes ``out/<spec>[/seed<s>]``.
+    ``on_result(result)`` is called after each run (e.g. to log it)."""
     results = []
-    for s in specs:
-        sub = cfg
-        if cfg.out:
-            stem = Path(s).stem if isinstance(s, (str, Path)) else s.name
-            sub = TrainConfig(**{**asdict(cfg), "out": str(Path(cfg.out) / stem)})
-        results.append(train(s, sub, make_layer=make_layer))
+    labels = names or [Path(s).stem if isinstance(s, (str, Path)) else s.name for s in specs]
+    for seed in seeds_of(cfg, seeds):
+        for s, label in zip(specs, labels):
+            sub = replace(cfg, seed=seed)
+            if cfg.out:
+                folder = Path(cfg.out) / label
+                sub = replace(sub, out=str(folder / f"seed{seed}" if seeds > 1 else folder))
+            r = train_or_diverge(s, sub, make_layer=make_layer, name=label)
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
     return results
 
 
-def markdown_table(results: list[RunResult]) -> str:
-    lines = ["| spec | schedule | parameters | accuracy | tokens/s |",
-             "|---|---|---:|---:|---:|"]
+@dataclass
+class Summary:
+    """One spec's runs across seeds."""
+
+    spec: str
+    schedule: str
+    parameters: int
+    chance: float
+    runs: list[RunResult]
+
+    @property
+    def finished(self) -> list[RunResult]:
+        return [r for r in self.runs if r.diverged is None]
+
+    def _acc(self, fn):
+        accs = [r.accuracy for r in self.finished]
+        return fn(accs) if accs else float("nan")
+
+    @property
+    def mean(self) -> float:
+        return self._acc(lambda a: sum(a) / len(a))
+
+    @property
+    def min(self) -> float:
+        return self._acc(min)
+
+    @property
+    def max(self) -> float:
+        return self._acc(max)
+
+    @property
+    def tokens_per_s(self) -> float:
+        done = self.finished
+        return sum(r.tokens_per_s for r in done) / len(done) if done else float("nan")
+
+    @property
+    def wall_seconds(self) -> float:
+        """The longest run's wall time (each run is one process on the shared machine)."""
+        return max(r.wall_seconds for r in self.runs)
+
+
+def summarize(results: list[RunResult]) -> list[Summary]:
+    """The runs grouped per spec, in first-seen order."""
+    out: dict[str, Summary] = {}
     for r in results:
-        lines.append(f"| {r.spec} | {r.schedule} | {r.parameters:,} | {r.accuracy:.3f} | {r.tokens_per_s:,.0f} |")
-    if results:
+        if r.spec not in out:
+            out[r.spec] = Summary(r.spec, r.schedule, r.parameters, r.chance, [])
+        s = out[r.spec]
+        s.runs.append(r)
+        if not s.parameters and r.parameters:
+            s.parameters = r.parameters
+    return list(out.values())
+
+
+def _acc_text(v: float) -> str:
+    return "NaN" if math.isnan(v) else f"{v:.3f}"
+
+
+def markdown_table(results: list[RunResult]) -> str:
+    """One row per spec.  One seed: its accuracy; several: mean, min and max over the
+    seeds, the per-seed accuracies, and the diverged runs (excluded from the mean)."""
+    groups = summarize(results)
+    several = any(len(g.runs) > 1 for g in groups)
+    if not several:
+        lines = ["| spec | schedule | parameters | accuracy | tokens/s |",
+                 "|---|---|---:|---:|---:|"]
+        for g in groups:
+            r = g.runs[0]
+            acc = _acc_text(r.accuracy) + (f" (diverged: {r.diverged})" if r.diverged else "")
+            lines.append(f"| {g.spec} | {g.schedule} | {g.parameters:,} | {acc} | {_rate(r.tokens_per_s)} |")
+    else:
+        lines = ["| spec | schedule | parameters | mean accuracy | min | max | per seed | tokens/s | s / run |",
+                 "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+        for g in groups:
+            per = " / ".join(_acc_text(r.accuracy) for r in g.runs)
+            bad = [r for r in g.runs if r.diverged]
+            if bad:
+                per += " (" + "; ".join(f"seed {r.seed} diverged: {r.diverged}" for r in bad) + ")"
+            lines.append(f"| {g.spec} | {g.schedule} | {g.parameters:,} | {_acc_text(g.mean)} | {_acc_text(g.min)} | "
+                         f"{_acc_text(g.max)} | {per} | {_rate(g.tokens_per_s)} | {g.wall_seconds:.0f} |")
+    if groups:
         lines.append("")
-        lines.append(f"chance accuracy: {results[0].chance:.3f}")
+        seeds = sorted({r.seed for g in groups for r in g.runs})
+        lines.append(f"chance accuracy: {groups[0].chance:.3f}" + (f"; seeds {', '.join(map(str, seeds))}"
+                                                                    if several else ""))
     return "\n".join(lines) + "\n"
 
 
+def _rate(v: float) -> str:
+    return "—" if math.isnan(v) else f"{v:,.0f}"
+
+
+def _num(v: float):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def json_table(results: list[RunResult], cfg: TrainConfig | None = None) -> str:
+    """The comparison as JSON: the config, then per spec the summary and every run
+    (seed, accuracy, tokens/s, training and wall seconds, final loss, divergence)."""
+    rows = []
+    for g in summarize(results):
+        rows.append({
+            "spec": g.spec, "schedule": g.schedule, "parameters": g.parameters, "chance": g.chance,
+            "accuracy": {"mean": _num(g.mean), "min": _num(g.min), "max": _num(g.max)},
+            "tokens_per_s": _num(g.tokens_per_s),
+            "runs": [{"seed": r.seed, "accuracy": _num(r.accuracy), "tokens_per_s": _num(r.tokens_per_s),
+                      "seconds": _num(r.seconds), "wall_seconds": r.wall_seconds,
+                      "final_loss": _num(r.losses[-1]) if r.losses else None, "diverged": r.diverged}
+                     for r in g.runs],
+        })
+    record = {"config": {k: v for k, v in asdict(cfg).items() if k not in ("out", "progress")} if cfg else None,
+              "seeds": sorted({r.seed for r in results}), "rows": rows}
+    return json.dumps(record, indent=1) + "\n"
+
+
 # ------------------------------------------------------------------ command line
-_OPTIONS = ("steps", "batch", "seq_len", "pairs", "vocab", "d_model", "layers", "heads", "lr", "seed",
+_OPTIONS = ("steps", "batch", "seq_len", "pairs", "gap", "vocab", "d_model", "layers", "heads", "lr", "seed",
             "eval_size", "lr_schedule")
 
 
@@ -314,6 +467,11 @@ def config_from_args(args, usage_error=ValueError) -> TrainConfig:
             raise usage_error(f"--{k.replace('_', '-')} must be >= 1, got {over[k]}")
     if "lr" in over and not over["lr"] > 0:
         raise usage_error(f"--lr must be > 0, got {over['lr']}")
+    for k in ("gap", "seed"):
+        if k in over and over[k] < 0:
+            raise usage_error(f"--{k} must be >= 0, got {over[k]}")
+    if getattr(args, "seeds", 1) < 1:
+        raise usage_error(f"--seeds must be >= 1, got {args.seeds}")
     dims = {}
     for item in getattr(args, "dim", None) or []:
         name, _, value = item.partition("=")
@@ -340,17 +498,28 @@ def run_cli(args, usage_error) -> int:
     specs = [load_spec(f) for f in args.files]          # every spec checked before any training
     try:
         if args.compare:
-            results = []
-            for path, spec in zip(args.files, specs):
-                sub = cfg if not cfg.out else TrainConfig(**{**asdict(cfg), "out": str(Path(cfg.out) / Path(path).stem)})
-                results.append(train(spec, sub, name=Path(path).stem))
+            from ..pipeline.write import write_atomic
+
+            def log_run(r: RunResult) -> None:           # one JSON line per finished run, as they finish
+                if rank == 0 and cfg.out:
+                    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+                    line = {"spec": r.spec, "seed": r.seed, "accuracy": _num(r.accuracy),
+                            "tokens_per_s": _num(r.tokens_per_s), "seconds": _num(r.seconds),
+                            "wall_seconds": r.wall_seconds, "diverged": r.diverged, "load_average": _load_average()}
+                    with open(Path(cfg.out) / "runs.jsonl", "a", encoding="utf-8") as f:
+                        f.write(json.dumps(line) + "\n")
+
+            results = compare(specs, cfg, seeds=args.seeds, names=[Path(p).stem for p in args.files],
+                              on_result=log_run)
             table = markdown_table(results)
+            as_json = json_table(results, cfg)
             if rank == 0:
                 sys.stdout.write(table)
                 if cfg.out:
-                    from ..pipeline.write import write_atomic
-
                     write_atomic(Path(cfg.out) / "table.md", table)
+                    write_atomic(Path(cfg.out) / "table.json", as_json)
+                if args.json:
+                    write_atomic(Path(args.json), as_json)
         else:
             r = train(specs[0], cfg, name=Path(args.files[0]).stem)
             if rank == 0:

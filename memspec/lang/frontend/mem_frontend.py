@@ -237,8 +237,11 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
             for a in ch[1:]:
                 if a is None:
                     continue
-                k = str(a.children[0])
-                w[k] = int(str(a.children[1]))
+                k, value = str(a.children[0]), a.children[1]
+                if value.type == "INT":
+                    w[k] = int(str(value))
+                else:                                   # an option: true / false, or a name
+                    w[k] = {"true": True, "false": False}.get(str(value), str(value))
                 raw.spans[("wiring", k)] = pos.of_token(a.children[1])
                 raw.key_spans[("wiring", k)] = pos.of_token(a.children[0])
             put(("wiring",), w, span)
