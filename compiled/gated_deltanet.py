@@ -543,8 +543,8 @@ class GatedDeltanetMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        q_chunks, k_chunks, v_chunks, eta_chunks, alpha_chunks = (x.split(sizes, dim=1) for x in (q,
-                k, v, eta, alpha))
+        (q_chunks, k_chunks, v_chunks, eta_chunks,
+                alpha_chunks) = (x.split(sizes, dim=1) for x in (q, k, v, eta, alpha))
         outputs = []
         for n, q_c, k_c, v_c, eta_c, alpha_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks,
                 alpha_chunks):

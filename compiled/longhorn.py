@@ -462,7 +462,7 @@ class LonghornMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        q_chunks, k_chunks, v_chunks, eps_chunks = (x.split(sizes, dim=2) for x in (q, k, v, eps))
+        (q_chunks, k_chunks, v_chunks, eps_chunks) = (x.split(sizes, dim=2) for x in (q, k, v, eps))
         full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
         # what reads no state, for every full chunk at once (stacked on the batch axis)
         pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (q_chunks, k_chunks,

@@ -329,8 +329,8 @@ class MomentumDeltanetMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        v_chunks, eta_chunks, mu_chunks, alpha_chunks, qn_chunks, kn_chunks = (x.split(sizes,
-                dim=2) for x in (v, eta, mu, alpha, qn, kn))
+        (v_chunks, eta_chunks, mu_chunks, alpha_chunks, qn_chunks,
+                kn_chunks) = (x.split(sizes, dim=2) for x in (v, eta, mu, alpha, qn, kn))
         full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
         # what reads no state, for every full chunk at once (stacked on the batch axis)
         pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (eta_chunks, mu_chunks,

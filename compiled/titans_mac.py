@@ -545,8 +545,8 @@ class TitansMacMemory(nn.Module):
             sizes.append(min(C - (pos + t) % C, T - t))
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
-        eta_chunks, mu_chunks, alpha_chunks, qn_chunks, kn_chunks, vs_chunks = (x.split(sizes,
-                dim=2) for x in (eta, mu, alpha, qn, kn, vs))
+        (eta_chunks, mu_chunks, alpha_chunks, qn_chunks, kn_chunks,
+                vs_chunks) = (x.split(sizes, dim=2) for x in (eta, mu, alpha, qn, kn, vs))
         full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
         # what reads no state, for every full chunk at once (stacked on the batch axis)
         pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (eta_chunks, mu_chunks,

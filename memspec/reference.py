@@ -41,14 +41,43 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .lang.errors import did_you_mean
+from .lang.blocks import block_statements
+from .lang.errors import Collector, did_you_mean
 from .lang.expr import Assign, BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from .lang.shapes import ShapeEnv
 from .lang.spec import Spec, parse_init
 
 LAYERNORM_EPS = 1e-5   # layernorm(x[, w, b]): over the last axis
 NORM_EPS = 1e-6        # rmsnorm / l2norm: inside the square root
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # newton_schulz: Muon's quintic iteration
+NS_EPS = 1e-7          # newton_schulz: X / (|X|_F + NS_EPS)
 
-__all__ = ["run", "init_state", "apply_model", "LAYERNORM_EPS", "NORM_EPS"]
+__all__ = ["run", "init_state", "apply_model", "newton_schulz", "LAYERNORM_EPS", "NORM_EPS",
+           "NS_COEFFICIENTS", "NS_EPS"]
+
+
+def newton_schulz(X: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration of Muon on the last two axes of ``X``:
+    ``X_0 = X / (|X|_F + 1e-7)``, then ``steps`` times ``A = X X^T``,
+    ``X <- a X + (b A + c A A) X`` with ``(a, b, c) = (3.4445, -4.7750, 2.0315)``.
+
+    On ``X = U S V^T`` it maps each singular value ``s`` (of ``X_0``) through
+    ``p(s) = a s + b s^3 + c s^5`` ``steps`` times and keeps ``U`` and ``V``: an approximate
+    orthogonalisation ``~ U V^T`` (the singular values end up near 1, not at 1).
+
+    A tall ``X`` (more rows than columns) is iterated as ``X^T`` and transposed back: the same
+    map (``X X^T X = X (X^T X)``), on the smaller Gram matrix, as the compiled helper does --
+    the iteration multiplies tiny singular values by up to 3.4 a step, so the two must
+    round alike to agree in float32."""
+    a, b, c = NS_COEFFICIENTS
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.transpose(-1, -2)
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + NS_EPS)
+    for _ in range(steps):
+        A = X @ X.transpose(-1, -2)
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.transpose(-1, -2) if tall else X
 
 
 # ===================================================================== shapes
@@ -105,6 +134,9 @@ def _init_tensor(init: Any, shape: tuple[int, ...], lead: tuple[int, ...], *, wh
             f"{what} has a random init ({init}); pass its value explicitly "
             f"(params={{'{what.split()[-1]}': tensor}})"
         )
+    if kind == "uniform":
+        out = torch.rand((*lead, *shape), dtype=dtype, device=device, generator=generator)
+        return d["lo"] + (d["hi"] - d["lo"]) * out
     out = torch.randn((*lead, *shape), dtype=dtype, device=device, generator=generator)
     return out * d["std"]
 
@@ -234,23 +266,77 @@ def _check_inputs(spec: Spec, inputs: dict) -> tuple[int, int, int, torch.dtype,
     return B, T, H, t0.dtype, t0.device
 
 
-def _chunk_size(schedule: Any, spec: Spec) -> int | None:
-    """``None`` for online learning, ``C`` for mini-batch(C)."""
+def _mode(schedule: Any, spec: Spec) -> tuple[str, int | None]:
+    """``("online", None)``, ``("minibatch", C)`` or ``("apply_update", C)``."""
     if schedule == "spec":
-        return spec.schedule_size if spec.schedule_kind == "minibatch" else None
-    if isinstance(schedule, (tuple, list)) and len(schedule) == 2 and schedule[0] == "minibatch":
+        kind = spec.schedule_kind
+        if kind in ("minibatch", "apply_update"):
+            return kind, spec.schedule_size
+        return "online", None
+    if isinstance(schedule, (tuple, list)) and len(schedule) == 2 and schedule[0] in ("minibatch", "apply_update"):
         c = schedule[1]
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"mini-batch size must be a positive integer, got {c!r}")
-        return c
+            raise ValueError(f"{schedule[0]} chunk size must be a positive integer, got {c!r}")
+        return schedule[0], c
     if isinstance(schedule, str):
         s = schedule.replace(" ", "")
         if s in ("online", "auto") or re.fullmatch(r"chunk\(\d+\)", s):
-            return None  # chunked forms of exact schedules compute online learning
-        m = re.fullmatch(r"minibatch\((\d+)\)", s)
-        if m and int(m.group(1)) >= 1:
-            return int(m.group(1))
-    raise ValueError(f"unknown schedule {schedule!r}: use 'online', ('minibatch', C) or 'spec'")
+            return "online", None  # chunked forms of exact schedules compute online learning
+        m = re.fullmatch(r"(minibatch|apply_update)\((\d+)\)", s)
+        if m and int(m.group(2)) >= 1:
+            return m.group(1), int(m.group(2))
+    raise ValueError(f"unknown schedule {schedule!r}: use 'online', ('minibatch', C), ('apply_update', C) "
+                     f"or 'spec'")
+
+
+def _frequencies(spec: Spec, mode: tuple[str, int | None]) -> dict[str, int]:
+    """Each learned state's update frequency: its ``every`` (1: every token); under
+    ``apply_update(C)`` every state updates once per chunk of C tokens."""
+    own = {n: st.every or 1 for n, st in spec.state.items() if not st.cache}
+    if mode[0] != "apply_update":
+        return own
+    clash = {n: c for n, c in own.items() if c not in (1, mode[1])}
+    if clash:
+        raise ValueError(f"apply_update({mode[1]}) updates every state once per chunk, but "
+                         + ", ".join(f"{n} updates every {c} tokens" for n, c in clash.items()))
+    return {n: mode[1] for n in own}
+
+
+def _named_axes(spec: Spec) -> tuple[dict[int, int], set[int]]:
+    """From the shape rules: ``id(call) -> axis`` (a negative dim) of every ``softmax(x, d)`` and
+    ``sum``/``mean``/``norm(x, d)``, and the ids of the model applications to a cache (row-wise)."""
+    env = ShapeEnv.from_spec(spec)
+    rec: dict = {}
+    diags = Collector()
+    exprs = [*spec.let.values(), spec.read] + ([spec.loss] if spec.loss is not None else [])
+    for e in exprs:
+        env.infer(e, record=rec, diags=diags)
+    for i, st in enumerate(spec.update):
+        env.infer(st.value, scope=env.temp_scope(i), record=rec, diags=diags)
+        exprs.append(st.value)
+    rowwise: set = set()
+    model = spec.model
+    if model is not None:
+        arg = None
+        for e in exprs:
+            for c in e.walk():
+                if isinstance(c, Call) and c.fn == model.name and c.args and rec.get(id(c.args[0])) is not None:
+                    a = tuple(rec[id(c.args[0])])
+                    if len(a) >= 2 and a[0] == env.cache_axis:
+                        rowwise.add(id(c))
+                        a = a[1:]
+                    arg = arg if arg is not None else a
+        if arg is not None:
+            env.infer(model.body, scope={model.arg: arg}, record=rec, diags=diags)
+            exprs.append(model.body)
+    axes: dict = {}
+    for e in exprs:
+        for c in e.walk():
+            if isinstance(c, Call) and len(c.args) == 2 and c.fn in ("softmax", "sum", "mean", "norm"):
+                x, a = rec.get(id(c.args[0])), c.args[1]
+                if x is not None and isinstance(a, Name) and list(x).count(a.id) == 1:
+                    axes[id(c)] = list(x).index(a.id) - len(x)
+    return axes, rowwise
 
 
 # ================================================================ interpreter
@@ -263,6 +349,7 @@ class _Scope:
     grad_memo: dict[int, torch.Tensor] | None = None  # mini-batch: grads taken on the shadow
     local: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's argument
     temp: dict[str, torch.Tensor] = field(default_factory=dict)   # this token's temporaries so far
+    terms: dict[int, torch.Tensor] | None = None   # a block update: id(gradient term) -> its block sum
 
 
 class _EvalError(ValueError):
@@ -314,12 +401,16 @@ class _Interpreter:
         self.params = {n: p.unsqueeze(0) for n, p in params.items() if n in spec.params}
         self.constants = {n: self.number(v) for n, v in spec.constants.items()}
         self.dims = {n: self.number(v) for n, v in spec.dims.items()}
+        self.axes, self.rowwise = _named_axes(spec)
+        self.terms: dict = {}   # statement index -> its gradient terms (block updates; set by run)
 
     def number(self, v: float) -> torch.Tensor:
         return torch.tensor(float(v), dtype=self.dtype, device=self.device).reshape(1, 1)
 
     # ------------------------------------------------------------ dispatch
     def eval(self, e: Expr, scope: _Scope) -> torch.Tensor:
+        if scope.terms is not None and id(e) in scope.terms:   # a gradient term's block sum
+            return scope.terms[id(e)]
         method = getattr(self, "eval_" + type(e).__name__, None)
         if method is None:
             raise _EvalError(f"{_where(e)}cannot evaluate {e!r}")
@@ -404,7 +495,7 @@ class _Interpreter:
         if model is not None and e.fn == model.name:
             if len(e.args) != 1:
                 raise _EvalError(f"{_where(e)}{model.name} takes one argument")
-            return self.apply_model(self.eval(e.args[0], scope), scope)
+            return self.apply_model(self.eval(e.args[0], scope), scope, rows=id(e) in self.rowwise)
         method = getattr(self, "fn_" + e.fn, None)
         if method is not None:
             return method(e, scope)
@@ -412,9 +503,15 @@ class _Interpreter:
             return _ELEMENTWISE[e.fn](self.eval(e.args[0], scope))
         raise _EvalError(f"{_where(e)}unknown function {e.fn!r}")
 
-    def apply_model(self, u: torch.Tensor, scope: _Scope) -> torch.Tensor:
-        """``f(u)`` with the scope's current state."""
+    def apply_model(self, u: torch.Tensor, scope: _Scope, rows: bool = False) -> torch.Tensor:
+        """``f(u)`` with the scope's current state; ``rows``: ``u`` is a cache ``[n, d]`` and
+        ``f`` is applied to each of its rows (an empty cache gives an empty result)."""
         model = self.spec.model
+        if rows:
+            if u.shape[2] == 0:
+                one = self.apply_model(u.new_zeros(u.shape[:2] + u.shape[3:]), scope)
+                return one.new_zeros(one.shape[:2] + (0,) + one.shape[2:])
+            return torch.stack([self.apply_model(u[:, :, r], scope) for r in range(u.shape[2])], dim=2)
         inner = replace(scope, local={model.arg: u}, temp={})
         return self.eval(model.body, inner)
 
@@ -422,17 +519,39 @@ class _Interpreter:
         return [self.eval(a, scope) for a in e.args]
 
     # ------------------------------------------------------- reductions
+    def axis(self, e: Call) -> int:
+        """The axis named by ``e``'s second argument, as a negative dim (from the shape rules)."""
+        if id(e) not in self.axes:
+            raise _EvalError(f"{_where(e)}cannot resolve the axis of `{unparse(e)}`")
+        return self.axes[id(e)]
+
     def fn_sum(self, e, scope):
         x = self.eval(e.args[0], scope)
+        if len(e.args) == 2:
+            return x.sum(dim=self.axis(e))
         return x.sum(dim=_reduce_dims(x)) if x.dim() > 2 else x
 
     def fn_mean(self, e, scope):
         x = self.eval(e.args[0], scope)
+        if len(e.args) == 2:
+            return x.mean(dim=self.axis(e))
         return x.mean(dim=_reduce_dims(x)) if x.dim() > 2 else x
 
     def fn_norm(self, e, scope):
         x = self.eval(e.args[0], scope)
+        if len(e.args) == 2:
+            return torch.linalg.vector_norm(x, dim=self.axis(e))
         return torch.linalg.vector_norm(x, dim=_reduce_dims(x)) if x.dim() > 2 else x.abs()
+
+    def fn_softmax(self, e, scope):
+        """``softmax(x, d)``: ``exp(x) / sum(exp(x), d)`` over the axis named ``d``."""
+        return torch.softmax(self.eval(e.args[0], scope), dim=self.axis(e))
+
+    def fn_newton_schulz(self, e, scope):
+        x = self.eval(e.args[0], scope)
+        if len(_named(x)) != 2:
+            raise _EvalError(f"{_where(e)}newton_schulz needs a matrix, got shape {list(_named(x))}")
+        return newton_schulz(x, self.int_arg(e.args[1]))
 
     # ------------------------------------------------------ normalisers
     def fn_layernorm(self, e, scope):
@@ -571,6 +690,30 @@ class _Interpreter:
         return torch.zeros_like(w) if g is None else g
 
     # ------------------------------------------------------- statements
+    def step_statement(self, i: int, stmt: Assign, scope: _Scope, block: "Block | None",
+                       commit: bool = True) -> None:
+        """Statement ``i`` of this token: :meth:`assign`, or for a state updated every C > 1 tokens
+        its gradient terms added to the open block's sums (kept when ``commit``) and, at the
+        block's last token, the assignment with each term replaced by its sum."""
+        every = block.every.get(stmt.target, 1) if block is not None else 1
+        if every == 1:
+            self.assign(stmt, scope)
+            return
+        terms = self.terms[i]
+        sums = []
+        for k, t in enumerate(terms):
+            v = self.eval(t, scope)
+            sums.append(v if (i, k) not in block.acc else block.acc[(i, k)] + v)
+        last = (block.pos + 1) % every == 0
+        if commit:
+            for k, v in enumerate(sums):
+                if last:
+                    block.acc.pop((i, k), None)
+                else:
+                    block.acc[(i, k)] = v
+        if last:
+            self.assign(stmt, replace(scope, terms={id(t): v for t, v in zip(terms, sums)}))
+
     def assign(self, stmt: Assign, scope: _Scope) -> None:
         """Run one update statement; it sees (and changes) ``scope.state``, or binds a
         temporary in ``scope.temp`` (a target that is no state)."""
@@ -619,32 +762,44 @@ def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
         state: ``{name: [B, H, *shape]}`` initial state (missing entries from
             :func:`init_state`; a cache is ``[B, H, n, *shape]``).
         schedule: ``"online"`` (also ``"auto"``, ``"chunk(N)"``: the same numbers),
-            ``("minibatch", C)`` / ``"minibatch(C)"``, or ``"spec"`` (the spec's own).
+            ``("minibatch", C)`` / ``"minibatch(C)"``, ``("apply_update", C)`` /
+            ``"apply_update(C)"``, or ``"spec"`` (the spec's own).
         dims: overrides of the spec's dims.
         params: learned params ``{name: [H, *shape]}`` and learned initial states.
         views_and_gates: each view ``[B, T, H, D]``, each gate ``[B, T, H]`` (``[B, T, H, d]``
             for a gate declared with a shape).
 
+    The sequence starts at position 0 (blocks of ``every C`` states and ``apply_update(C)``
+    chunks end at positions C - 1, 2C - 1, ...); the returned state holds each state's
+    value, without the updates of a block not yet complete.
+
     Returns:
         ``(outputs [B, T, H, *read_shape], final_state {name: [B, H, *shape]})``.
     """
     spec = _with_dims(spec, dims)
-    chunk = _chunk_size(schedule, spec)
+    mode = _mode(schedule, spec)
+    chunk = mode[1] if mode[0] == "minibatch" else None
+    every = _frequencies(spec, mode)
     B, T, H, dtype, device = _check_inputs(spec, views_and_gates)
     params = _params(spec, params, H, dtype, device)
     cur = _full_state(spec, state, B, H, dtype, device, params)
     tensors = [*views_and_gates.values(), *params.values(), *cur.values()]
     needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     interp = _Interpreter(spec, params, dtype, device, needs_graph)
+    interp.terms = {b.index: list(b.terms) for b in block_statements(spec, every)}
+    caches = [n for n, st in spec.state.items() if st.cache]
 
     outputs: list[torch.Tensor] = []
     chunk_start: dict[str, torch.Tensor] = {}
+    acc: dict = {}   # block updates: (statement, term) -> the sum so far of the open block
     for t in range(T):
         if chunk is not None and t % chunk == 0:
             chunk_start = dict(cur)
         token = _token_inputs(spec, views_and_gates, t)
-        shadow = dict(chunk_start) if chunk is not None else None
-        outputs.append(_step(interp, token, cur, shadow, B, H))
+        # mini-batch: gradients at the chunk-start values of the learned states; the caches
+        # (the recent keys and values a window loss reads) are always up to date
+        shadow = {**chunk_start, **{c: cur[c] for c in caches}} if chunk is not None else None
+        outputs.append(_step(interp, token, cur, shadow, B, H, Block(t, every, acc)))
     return torch.stack(outputs, dim=1), dict(cur)
 
 
@@ -653,8 +808,18 @@ def _token_inputs(spec: Spec, inputs: dict, t: int) -> dict[str, torch.Tensor]:
     return {n: inputs[n][:, t] for n in (*spec.views, *spec.gates)}
 
 
+@dataclass
+class Block:
+    """Where a token sits in the blocks of the block updates: its position, each learned
+    state's frequency and the running sums of the open blocks' gradient terms."""
+
+    pos: int
+    every: dict
+    acc: dict
+
+
 def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
-          B: int, H: int) -> torch.Tensor:
+          B: int, H: int, block: Block | None = None) -> torch.Tensor:
     """One token: lets, (read), update statements in order, (read).  Mutates ``state``.
 
     A statement whose target is no state binds a temporary of this token, visible to
@@ -666,6 +831,10 @@ def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
     chunk-start values, carried through this token's own earlier statements, e.g.
     a decay written before the gradient) and reused by the real statement.  With
     C = 1 the shadow equals the state, so mini-batch(1) is online learning exactly.
+
+    A statement of a state updated every C > 1 tokens (``block``) adds its gradient terms to
+    the block's sums and assigns only at the block's last token, with each term replaced by
+    its sum (:mod:`memspec.lang.blocks`).
     """
     spec = interp.spec
     scope = _Scope(token=token, state=state)
@@ -681,8 +850,9 @@ def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
         memo = None
         if shadow is not None and i <= last_grad:
             memo = {}
-            interp.assign(stmt, _Scope(token=token, state=shadow, grad_memo=memo, temp=shadow_temps))
-        interp.assign(stmt, _Scope(token=token, state=state, grad_memo=memo, temp=temps))
+            interp.step_statement(i, stmt, _Scope(token=token, state=shadow, grad_memo=memo, temp=shadow_temps),
+                                  block, commit=False)
+        interp.step_statement(i, stmt, _Scope(token=token, state=state, grad_memo=memo, temp=temps), block)
     if spec.order == "write_read":
         out = interp.eval(spec.read, scope)
     return out.expand(B, H, *out.shape[2:])

@@ -69,7 +69,7 @@ def ref_params(spec, m) -> dict:
 
 
 def reference_run(spec, m, dims, schedule, state, ins):
-    sched = ("minibatch", m.chunk) if schedule == "minibatch" else "online"
+    sched = (schedule, m.chunk) if schedule in ("minibatch", "apply_update") else "online"
     return reference.run(spec, state=dict(state), schedule=sched, dims=dims, params=ref_params(spec, m), **ins)
 
 

@@ -46,7 +46,7 @@ def test_base_is_clean():
     ("eta * grad", "etaa * grad", "E-unknown-name", "unknown name 'etaa'", (10, 13)),
     ("read: f(q)", "read: f(q) + k", "E-shape", "shape mismatch in '+': [d_v] and [d_k]", None),
     ("sigmoid(logit)", "sigmod(logit)", "E-unknown-function", "unknown function 'sigmod'", (4, 14)),
-    ("read: f(q)", "read: sum(f(q), 2)", "E-arity", "sum takes 1 argument, got 2", (11, 7)),
+    ("read: f(q)", "read: sum(f(q), d_v, 2)", "E-arity", "sum takes 1 to 2 arguments, got 3", (11, 7)),
     ("grad(loss, W)", "grad(loss, q)", "E-grad", "'q' is a view", (10, 30)),
     ("0.5 * sum((f(k) - v)^2)", "0.5 * (f(k) - v)^2", "E-grad", "grad needs a scalar loss; the loss has shape [d_v]",
      (8, 7)),

@@ -87,6 +87,11 @@ def test_declared_shapes(env):
     ("rmsnorm(v, ln_w)", ("d_v",)), ("l2norm(W1)", ("d_k", "hidden")),
     ("clamp(k, 0, 1)", ("d_k",)), ("max(k, 0)", ("d_k",)), ("huber(v - 1, 0.5)", ("d_v",)),
     ("d_k^(-0.5)", ()),
+    # axes by name, Newton-Schulz, the model applied to each row of a cache
+    ("sum(W1, d_k)", ("hidden",)), ("mean(W1, hidden)", ("d_k",)), ("norm(W2, hidden)", ("d_v",)),
+    ("softmax(W1, hidden)", ("d_k", "hidden")), ("softmax(k, d_k)", ("d_k",)),
+    ("newton_schulz(W1, 5)", ("d_k", "hidden")), ("newton_schulz(outer(k, v), 1)", ("d_k", "d_v")),
+    ("f(K)", ("n", "d_v")), ("sum((f(K) - V)^2)", ()),
 ])
 def test_infer(env, text, shape):
     assert env.infer(parse_expr(text)) == shape
@@ -116,7 +121,15 @@ def test_infer(env, text, shape):
     ("loss", "'loss' can only be used as grad(loss, W)"),
     ("sofplus(k)", "unknown function 'sofplus'"),
     ("W1(k)", "'W1' is a state, not a function"),
-    ("sum(k, v)", "sum takes 1 argument, got 2"),
+    ("sum(k, v, q)", "sum takes 1 to 2 arguments, got 3"),
+    ("sum(k, v)", "the axis of sum(x, d) is the name of a dim, got 'v'"),
+    ("softmax(k, d_v)", "softmax(k, d_v): [d_k] has no axis d_v"),
+    ("newton_schulz(k, 5)", "newton_schulz(X, steps) orthogonalises a matrix, got [d_k]"),
+    ("newton_schulz(W1, 0)", "takes a number of steps (an integer from 1 to 20), got '0'"),
+    ("newton_schulz(W1, eta)", "takes a number of steps (an integer from 1 to 20), got 'eta'"),
+    ("softmax(W1)", "softmax takes 2 arguments, got 1"),
+    ("sum(outer(k, k), d_k)", "sum(outer(k, k), d_k) is ambiguous: [d_k, d_k] has 2 axes named d_k"),
+    ("softmax(W1, d_kk)", "unknown name 'd_kk'"),
     ("f(k, v)", "the model f takes 1 argument, got 2"),
 ])
 def test_infer_errors(env, text, message):

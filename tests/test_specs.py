@@ -26,6 +26,8 @@ PAPER_SPECS = [
     # tests/test_peer_references.py
     "gla", "rwkv6", "hgrn2", "retention", "mamba2", "kda", "gdn2", "comba", "rwkv7", "gated_deltaproduct",
     "momentum_deltanet", "deltanet_textbook",
+    # the 2025-26 frontier (issue 14): each also matched against its paper's equations in tests/test_frontier.py
+    "atlas", "omeganet", "lact", "memora", "hope_cms", "titans_muon",
 ]
 ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))
 
@@ -83,8 +85,9 @@ def test_metadata_and_gate_names(name):
     spec = memspec.load(SPECS / f"{name}.yaml")
     assert len(spec.description) > 80 and spec.cite
     # eta (step), mu (momentum), alpha (forget: keeps 1 - alpha); a spec with several step sizes
-    # numbers or subscripts them (DeltaProduct's eta1, eta2; GDN-2's erase / write gates eta_k, eta_v)
-    assert all(re.fullmatch(r"(eta|mu|alpha)(\d|_[kv])?", g) for g in spec.gates), sorted(spec.gates)
+    # numbers or subscripts them (DeltaProduct's eta1, eta2; GDN-2's erase / write gates eta_k, eta_v);
+    # Atlas' window weights are its gamma
+    assert all(re.fullmatch(r"(eta|mu|alpha|gamma)(\d|_[kv])?", g) for g in spec.gates), sorted(spec.gates)
     assert spec.dims["d_model"] == 256 and spec.dims["heads"] == 4 and spec.dims["d_k"] == 64
 
 

@@ -11,8 +11,10 @@ import pytest
 import memspec
 from memspec.tools import cli
 from memspec.lang.expr import parse_expr
-from memspec.tools.table import (Coster, cost_text, features, ladder, loss_kind, render, render_table, row, rows,
-                           terms)
+from memspec.tools.costs import Coster, cost_text
+from memspec.tools.features import features, loss_kind, terms
+from memspec.tools.mathtext import render
+from memspec.tools.table import ladder, render_table, row, rows
 
 HERE = Path(__file__).resolve().parent
 SPECS = HERE.parent / "specs"
@@ -212,8 +214,8 @@ def test_formats(capsys):
     assert got[1][4] == "W ← W − η ∇ℓ(W)"
     assert cli.main(["table", *files, "--format", "text"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("deltanet\n  problem reached  Correct an existing association instead of only adding\n")
-    assert "\n\ntitans_mac\n" in text and "  wiring           MAC (segment 128, persistent 16, qk_norm true, write attention, output gated)\n" in text
+    assert text.startswith("deltanet\n  problem reached   Correct an existing association instead of only adding\n")
+    assert "\n\ntitans_mac\n" in text and "  wiring            MAC (segment 128, persistent 16, qk_norm true, write attention, output gated)\n" in text
     assert cli.main(["table", "specs/nope.yaml"]) == 1
     assert "no such spec file" in capsys.readouterr().err
     with pytest.raises(ValueError):
@@ -229,3 +231,40 @@ def test_wiring_options_are_reported():
     convex = mag.model_copy(update={"wiring": mag.wiring.model_copy(update={"gate": "convex"})})
     assert row(mag).wiring == "MAG (window 128, persistent 16, qk_norm true, gate normalized)"
     assert row(convex).wiring == "MAG (window 128, persistent 16, qk_norm true, gate convex)"
+
+
+# ------------------------------------------------------------------ the 2025-26 frontier (issue 14)
+FRONTIER = {   # spec -> (optimizer, loss window, update frequency)
+    "atlas": ("Muon (on momentum)", "last 8 tokens, weighted", "every token"),
+    "omeganet": ("SGD", "last 8 tokens", "every token"),
+    "lact": ("SGD, renormalised", "1 token", "once per chunk of 64 (apply, then update)"),
+    "memora": ("mirror", "1 token", "every token"),
+    "hope_cms": ("SGD", "1 token", "W₂ every 4, W₃ every 8; others every token"),
+    "titans_muon": ("Muon (on momentum)", "1 token", "every token"),
+    "titans": ("momentum", "1 token", "every token"),
+    "deltanet": ("SGD", "1 token", "every token"),
+    "linear_attention": ("—", "—", "every token"),
+    "softmax_attention": ("—", "—", "every token"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRONTIER))
+def test_optimizer_window_and_frequency_columns(name):
+    r = row(load(name))
+    assert (r.optimizer, r.window, r.frequency) == FRONTIER[name]
+
+
+def test_frontier_rows_read_like_the_papers():
+    rs = {r.spec: r for r in rows(load(n) for n in ("atlas", "lact", "memora", "titans_muon"))}
+    assert rs["atlas"].write.endswith("W₁ ← (1 − α) W₁ − η NS₅(S₁); W₂ ← (1 − α) W₂ − η NS₅(S₂)")
+    assert rs["atlas"].loss == "weighted squared error: ½ Σ(G · (f(K) − V)²)"
+    assert rs["atlas"].step == "η, per token" and rs["titans_muon"].step == "η₁, per token"
+    assert rs["atlas"].mechanism == "Momentum, decay, window loss"
+    assert "W₁ ← c₁ softmax_hidden((1 − α) log(W₁) − η g₁)" in rs["memora"].write
+    assert "W₀ ← l2norm((W₀ − η₀ g₀)ᵀ)ᵀ ‖W₀‖_d_k" in rs["lact"].write
+    assert rs["lact"].loss.startswith("dot product") and rs["lact"].step == "η₀, per token"
+    assert rs["lact"].schedule == "apply_update chunk 64, approximate"
+    # a window of cached rows costs n times the model; Newton-Schulz a cube of the smaller side
+    assert "n·d_k·hidden" in rs["atlas"].write_cost and "d_k³" in rs["titans_muon"].write_cost
+    muon = row(memspec.load(SPECS / "variants" / "lact_muon.yaml"))
+    assert muon.optimizer == "Muon, renormalised"

@@ -42,6 +42,11 @@ at the offending span and carries its own code:
                        that nothing uses
 ``W-grad-zero``        (warning) grad(loss, W) where the loss does not depend on W
 ``W-temp-unused``      (warning) a temporary no later update statement uses
+``E-every``            a state updated ``every C`` tokens reads a temporary that mixes a
+                       state with a gradient (a block sums gradient terms, see
+                       :mod:`memspec.lang.blocks`)
+``W-log-state``        (warning) ``log(S)`` of a state whose init has zeros or negative
+                       entries (``log`` gives -inf / NaN at the first token)
 =====================  =========================================================
 """
 from __future__ import annotations
@@ -53,6 +58,7 @@ from typing import Iterable, Optional
 
 import networkx as nx
 
+from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.errors import Collector, Diagnostic, Span, did_you_mean, sorted_diagnostics
 from ..lang.limits import MAX_NAME_CHARS, MAX_QUOTED_CHARS, quote
 from ..lang.expr import FUNCTIONS, Call, Expr, Name
@@ -473,6 +479,38 @@ class _Checker:
             self.d.error(message, self.span(*path) or self.span("dims"),
                          hint="lower the dims (memspec.build(spec, d_k=...) sets them at build time)", code="E-size")
 
+    def blocks(self) -> None:
+        """Block updates (``every C``): each gradient they sum must be written in the statement."""
+        spec = self.spec
+        every = frequencies(spec)
+        if all(c == 1 for c in every.values()):
+            return
+        try:
+            block_statements(spec, every)
+        except NotBlockwise as err:
+            target = next((n for n, c in every.items() if c > 1 and str(err).startswith(n + " ")), None)
+            sp = self.span("state", target, "every") if target else None
+            self.d.error(str(err).split(":")[0], sp or self.span("update"),
+                         hint=str(err).split(": ", 1)[1] if ": " in str(err) else None, code="E-every")
+
+    def log_states(self) -> None:
+        """``log(S)`` needs S > 0 from the first token on."""
+        spec = self.spec
+        for e in self.all_exprs():
+            for c in e.walk():
+                if isinstance(c, Call) and c.fn == "log" and c.args and isinstance(c.args[0], Name) \
+                        and c.args[0].id in spec.state:
+                    st = spec.state[c.args[0].id]
+                    init = st.init if isinstance(st.init, str) else str(st.init)
+                    base = init[len("learned("):-1] if init.startswith("learned(") else init
+                    if base in ("zeros", "eye") or base.startswith("normal(") or (
+                            not isinstance(st.init, str) and float(st.init) <= 0):
+                        self.d.warning(f"log({c.args[0].id}) of a state initialised with {init}, which has zero or "
+                                       "negative entries: log gives -inf or NaN at the first token",
+                                       c.span or self.span("state", c.args[0].id),
+                                       hint="start it positive, e.g. init: ones or learned(uniform(0.5, 1.5))",
+                                       code="W-log-state")
+
     def all_exprs(self) -> Iterable[Expr]:
         for _, e in self.other_exprs():
             yield e
@@ -494,10 +532,12 @@ class _Checker:
         self.loss_scalar()
         self.states()
         self.sizes()
+        self.blocks()
         # warnings only for an otherwise valid spec: with errors they are mostly echoes
         if not self.d.errors:
             self.grad_dependence()
             self.unused()
+            self.log_states()
         return _dedupe(sorted_diagnostics(self.d.items))
 
 

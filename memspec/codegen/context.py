@@ -10,6 +10,8 @@ emitter writes at the top of the file.
 from __future__ import annotations
 
 import inspect
+import math
+from dataclasses import dataclass
 
 import torch.nn as nn
 
@@ -22,7 +24,7 @@ from .exprs import ExprEmitter
 from .text import class_name, inert, shape_text
 
 # the language's functions the emitted code may call, as module-level helpers
-HELPER_FUNCTIONS = ("layernorm", "rmsnorm", "l2norm", "huber", "attend", "append")
+HELPER_FUNCTIONS = ("layernorm", "rmsnorm", "l2norm", "huber", "attend", "append", "newton_schulz")
 
 # attributes and methods of the generated Memory module besides nn.Module's own
 OWN_ATTRS = ("chunk", "compile", "forward", "step", "init_state", "inner_loss",
@@ -33,6 +35,19 @@ OWN_ATTRS = ("chunk", "compile", "forward", "step", "init_state", "inner_loss",
 def runtime_source(obj) -> str:
     """The source of a :mod:`memspec.runtime` function or class, as the module carries it."""
     return inspect.getsource(obj)
+
+
+@dataclass(frozen=True)
+class BlockAcc:
+    """The running sum of one gradient term of a block update: its state key, its local name,
+    the statement and term it sums, the term's shape and the state the statement assigns."""
+
+    key: str
+    name: str
+    index: int
+    term: object
+    shape: tuple
+    target: str
 
 
 class Context:
@@ -76,8 +91,8 @@ class Context:
         self.plans = d.plans
         self.schedules = list(d.schedules)
         self.default = d.family
-        self.step_schedule = "minibatch" if self.default == "minibatch" else "online"
-        self.default_chunk = d.chunk or d.chunks.get("minibatch") or DEFAULT_CHUNK
+        self.step_schedule = self.default if self.default in ("minibatch", "apply_update") else "online"
+        self.default_chunk = d.chunk or d.chunks.get("minibatch") or d.chunks.get("apply_update") or DEFAULT_CHUNK
         online = d.plans["online"]
         self.loss_states = list(online.loss_states)
         self.grad_groups = online.grad_groups
@@ -85,6 +100,34 @@ class Context:
         self.closed_grads = {tuple(unparse(c) for c in g): cg for g, cg in zip(online.grad_groups, online.closed)
                              if cg is not None}
         self.loss_args = self.loss_states + self.loss_inputs() if spec.loss is not None else []
+        # block updates of the online step (states with `every C`)
+        self.blocks = tuple(online.blocks)
+        self.accs = self.block_accs(self.blocks)
+        taken = self.taken()
+        self.flags = {}
+        for c in sorted({b.every for b in self.blocks}):
+            self.flags[c] = fresh(f"last_{c}", taken)
+            taken.add(self.flags[c])
+        self.spec_names |= set(self.flags.values())
+        self.block_period = math.lcm(*self.flags) if self.flags else 1
+
+    def block_accs(self, blocks) -> list:
+        """One running sum per gradient term of the block statements ``blocks``
+        (:class:`memspec.lang.blocks.BlockStatement`), carried in the state as ``every.<state>.<k>``;
+        their locals are reserved in ``spec_names``."""
+        taken = self.taken()
+        accs: list = []
+        count: dict = {}
+        for b in blocks:
+            for t in b.terms:
+                k = count.get(b.target, 0)
+                count[b.target] = k + 1
+                name = fresh(f"acc_{b.target}_{k}", taken)
+                taken.add(name)
+                shape = tuple(self.env.infer(t, scope=self.env.temp_scope(b.index)))
+                accs.append(BlockAcc(f"every.{b.target}.{k}", name, b.index, t, shape, b.target))
+        self.spec_names |= {a.name for a in accs}
+        return accs
 
     # ------------------------------------------------------------ runtime pieces
     def need(self, obj) -> None:
@@ -135,7 +178,10 @@ class Context:
         for e in exprs:
             for c in e.walk():
                 if isinstance(c, Call) and c.fn == spec.model.name:
-                    return self.shape(c.args[0])
+                    arg = self.shape(c.args[0])
+                    if len(arg) >= 2 and arg[0] == self.env.cache_axis:   # f(K) of a cache: row-wise
+                        arg = arg[1:]
+                    return arg
         return (spec.dims and next(iter(spec.views.values())).dim,) if spec.views else ()
 
     def has_grads(self) -> bool:

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
-from ..lang.shapes import ShapeEnv
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
+from ..lang.shapes import ShapeEnv, steps_value
 from .text import inert
 
 # Python precedence levels of emitted code (higher binds tighter).
@@ -230,6 +230,19 @@ class ExprEmitter:
                     return Code(f"{_MATH_ELEMENTWISE[fn]}({x.text})", P_ATOM, 0, number=True)
                 return Code(f"{_TORCH_ELEMENTWISE[fn]}(torch.tensor({x.text})).item()", P_ATOM, 0, number=True)
             return Code(f"{_TORCH_ELEMENTWISE[fn]}({x.text})", P_ATOM, x.rank)
+        if fn in ("sum", "mean", "norm") and len(args) == 2:
+            x = self._emit(args[0])
+            dim = self._axis(e)
+            if fn == "norm":
+                return Code(f"torch.linalg.vector_norm({x.text}, dim={dim})", P_ATOM, x.rank - 1)
+            return Code(f"{x.at(P_ATOM)}.{fn}({dim})", P_ATOM, x.rank - 1)
+        if fn == "softmax":
+            x = self._emit(args[0])
+            return Code(f"torch.softmax({x.text}, dim={self._axis(e)})", P_ATOM, x.rank)
+        if fn == "newton_schulz":
+            x = self._emit(args[0])
+            self.helpers.add(fn)
+            return Code(f"newton_schulz({x.text}, {steps_value(args[1])})", P_ATOM, 2)
         if fn in ("sum", "mean", "norm"):
             x = self._emit(args[0])
             if x.rank == 0:
@@ -302,10 +315,27 @@ class ExprEmitter:
             raise CodegenError("append(K, k) is only allowed as a statement `K = append(K, k)`")
         raise CodegenError(f"unknown function {fn!r}")
 
+    def _axis(self, e: Call) -> int:
+        """The axis named by ``e``'s second argument, as a negative dim of its first argument."""
+        x = self.shape(e.args[0])
+        return list(x).index(e.args[1].id) - len(x)
+
     def _model_call(self, e: Call) -> Code:
         spec = self.spec
         u = self._emit(e.args[0])
-        states = ", ".join(self.names.get(s, s) for s in spec.model_states())
+        arg = self.shape(e.args[0])
+        shape = self.shape(e)
+        states = [self.names.get(s, s) for s in spec.model_states()]
+        rows = len(arg) >= 2 and arg[0] == self.env.cache_axis
+        text_u = u.text
+        if rows:   # f of each row of a cache [.., H, n, *row]: the rows become a prefix axis before H
+            r = len(arg) - 1
+            text_u = f"{u.at(P_ATOM)}.transpose({-r - 2}, {-r - 1})"
+            states = [f"{st}.unsqueeze({-len(spec.state[s].shape) - 2})"
+                      for st, s in zip(states, spec.model_states())]
         fmt = self.model or (self.self_name + ".{fn}({u}, {states})")
-        text = fmt.format(fn=self.attr.get(spec.model.name, spec.model.name), u=u.text, states=states)
-        return Code(text, P_ATOM, len(self.shape(e)))
+        text = fmt.format(fn=self.attr.get(spec.model.name, spec.model.name), u=text_u, states=", ".join(states))
+        if rows:
+            r = len(shape) - 1
+            text = f"{text}.transpose({-r - 2}, {-r - 1})"
+        return Code(text, P_ATOM, len(shape))

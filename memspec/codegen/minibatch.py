@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import Name, substitute, unparse
+from ..lang.expr import Name, rewrite, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _decay_matrix, _finite_prefix, _linear_scan, _where_ok
+from ..runtime.helpers import _decay_matrix, _finite_prefix, _linear_scan, _where_ok, _window_band, _window_sums
 from ..schedule.algebra import is_num
-from ..schedule.recurrence import term_add, term_mul
+from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
+from .window import emit_dual as emit_window_dual
 from .exprs import ExprEmitter
+from .online import block_sums_in, block_sums_out
 from .program import emit_updates, shadow_plan
 from .text import Lines, shape_text, tuple_text
 
@@ -39,7 +41,7 @@ class TokenGrads:
 def emit(ctx, L) -> None:
     taken = ctx.taken()
     sv = ctx.views + ctx.gates
-    starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(ctx)[1]}
+    starts = {s: fresh(f"{s}_start", taken) for s in chunk_starts(ctx)}
     cur = ctx.states
     c = fresh("C", taken)
     t = fresh("t", taken)
@@ -80,6 +82,14 @@ def emit(ctx, L) -> None:
             seq = dual.sequence_inputs(ctx, L)   # the lets once over the whole sequence
         L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}].contiguous()' for s in cur)}",
           "(an expanded initial state would compile a second graph)")
+        carried = cur + [a.name for a in ctx.accs]
+        bpos = fresh("bpos", taken)
+        if ctx.accs:   # block updates (states with `every`): nested chunks
+            blocks = tuple(ctx.flags)
+            L(f"if any(b % {c} for b in {blocks!r}):")
+            L(f"    raise ValueError(f\"the chunk {{{c}}} must divide the blocks {blocks!r} of the block updates \"")
+            L("                     \"(nested chunks)\")")
+            block_sums_in(ctx, L, bpos, ctx.accs)
         L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
         if starts:
             L(f"{', '.join(starts.values())} = "
@@ -93,7 +103,7 @@ def emit(ctx, L) -> None:
             L(f"{sizes}.append(min({c} - ({pos} + {t}) % {c}, {T} - {t}))")
             L(f"{t} += {sizes}[-1]")
         pieces = {x: fresh(f"{x}_chunks", taken) for x in seq}
-        L(f"{', '.join(pieces.values())}{',' if len(seq) == 1 else ''} = "
+        L(f"({', '.join(pieces.values())}{',' if len(seq) == 1 else ''}) = "
           f"(x.split({sizes}, dim={axis}) for x in ({', '.join(seq)}{',' if len(seq) == 1 else ''}))",
           "views, not copies (one concatenation of their gradients when training)")
         chunk_args = {x: fresh(f"{x}_c", taken) for x in seq}
@@ -106,6 +116,8 @@ def emit(ctx, L) -> None:
               "what reads no state, for every full chunk at once (stacked on the batch axis)")
             L(f"{per_full} = dict(zip({full}, zip(*(x.unflatten(0, (len({full}), -1)).unbind(0) for x in {batched}))))")
         L(f"{outs} = []")
+        if ctx.flags:
+            L(f"{t} = 0")
         if pre is not None:
             L(f"for {i}, ({n}, {', '.join(chunk_args.values())}) in enumerate(zip({sizes}, {', '.join(pieces.values())})):")
         else:
@@ -119,16 +131,21 @@ def emit(ctx, L) -> None:
                 L(f"    fn, {pre_c} = self._chunk_fn, {per_full}[{i}]")
                 L("else:", "a partial chunk: eagerly, with its own state-independent part")
                 L(f"    fn, {pre_c} = self._chunk_step, self._chunk_pre({', '.join(chunk_args[x] for x in pre_in)})")
-                args = list(starts.values()) + cur + [chunk_args[x] for x in core_in] + [f"*{pre_c}"]
+                args = list(starts.values()) + carried + [chunk_args[x] for x in core_in] + [f"*{pre_c}"]
             else:
                 L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-                args = list(starts.values()) + cur + list(chunk_args.values())
-            L(f"{o_c}, {tuple_text(cur)} = fn({', '.join(args)})")
+                args = list(starts.values()) + carried + list(chunk_args.values())
+                args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]
+            L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
             L(f"{pos} = ({pos} + {n}) % {c}")
+            if ctx.flags:
+                L(f"{t} += {n}", "the next chunk's offset in this call")
         L(f"{', '.join(cur)} = {', '.join(f'_where_ok({ok}[:, -1], {x}, {nan})' for x in cur)}",
           "after a non-finite input the state is not finite, as token by token")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
+        if ctx.accs:
+            block_sums_out(ctx, L, f"({bpos} + {T})", ctx.accs, ctx.block_period)
         L(f"if {pos}:")
         with L.indent():
             L(f"state[\"minibatch.pos\"] = {pos}")
@@ -142,8 +159,97 @@ def emit(ctx, L) -> None:
     if head_major:
         L.lines.extend(methods.lines)
         return
-    grads = token_grads(ctx, L)
+    if plan.window is not None and plan.window.dual is not None:
+        emit_window_dual(ctx, L, plan)
+        return
+    grads = window_grads(ctx, L, plan.window) if plan.window is not None else token_grads(ctx, L)
     chunk_step(ctx, L, plan, grads)
+
+
+def chunk_starts(ctx) -> list:
+    """The states whose chunk-start values the gradients are taken at (with a window loss, the
+    learned states the loss reads: its caches are always up to date)."""
+    plan = ctx.plans["minibatch"]
+    if plan.window is not None:
+        return [s for s in ctx.loss_states if s not in plan.window.caches]
+    return shadow_plan(ctx)[1]
+
+
+def window_grads(ctx, L, window) -> TokenGrads:
+    """``_row_loss``: the loss of one row of the window (the chunk step takes each row's gradient
+    once and sums the rows of every token's window)."""
+    spec = ctx.spec
+    starts = chunk_starts(ctx)
+    rows = [window.rows[c] for c in window.caches]
+    scope = {window.rows[c]: tuple(spec.state[c].shape) for c in window.caches}
+    em = ctx.emitter().with_scope(**scope)
+    L(f"def _row_loss(self, {', '.join(starts + rows)}):")
+    with L.indent():
+        L('"""' + f"The loss of one row of the window, {unparse(window.row_loss)}, summed over batch and heads:")
+        L("the states [B, H, ...] and one row of each cache (" + ", ".join(
+            f"{r} [B, H{''.join(', ' + d for d in scope[r])}]" for r in rows) + ") -> a scalar.")
+        L('"""')
+        L(f"return {em._emit(window.row_loss).at(9)}.sum()")
+    L()
+    targets = []
+    for st in spec.update:
+        for c in st.value.walk():
+            if c.__class__.__name__ == "Call" and c.fn == "grad":
+                t = c.args[1].id if len(c.args) == 2 else spec.model_states()[0]
+                if t not in targets:
+                    targets.append(t)
+    targets = [s for s in ctx.states if s in targets]
+    locals_ = [f"grad_{t}" for t in targets]
+    maps = []
+    for st in spec.update:
+        mp = {}
+        for c in st.value.walk():
+            if c.__class__.__name__ == "Call" and c.fn == "grad":
+                t = c.args[1].id if len(c.args) == 2 else spec.model_states()[0]
+                mp[unparse(c)] = f"grad_{t}"
+        maps.append(mp)
+    cumulative = {}
+    out = []
+    for mp in maps:
+        cumulative.update(mp)
+        out.append(dict(cumulative))
+    return TokenGrads(targets, starts, locals_, out)
+
+
+def window_rows(ctx, L, em, plan, grads: TokenGrads, starts: dict, locals_: list, taken: set) -> dict:
+    """Every token's gradients from the rows of its window; returns cache -> its new value."""
+    spec, window = ctx.spec, plan.window
+    c = window.window
+    rows, items = {}, {}
+    for cache, (i, item) in window.caches.items():
+        items[cache] = fresh(f"{cache}_new", taken)
+        code = em._emit(item)
+        text = code.text if code.rank == len(spec.state[cache].shape) else em._lift(code, len(spec.state[cache].shape))
+        L(f"{items[cache]} = {text}", shape_text("B, C, H", tuple(spec.state[cache].shape)) + f": appended to {cache}")
+        rows[cache] = fresh(f"{cache}_rows", taken)
+        if c == 1:
+            L(f"{rows[cache]} = {items[cache]}", f"[B, R, H, ...]: the rows of the windows (window 1)")
+        else:
+            L(f"{rows[cache]} = torch.cat([{cache}.transpose(1, 2)[:, -{c - 1}:], {items[cache]}], dim=1)",
+              f"[B, R, H, ...]: the {c - 1} rows before the chunk and its own")
+    argnums = tuple(grads.starts.index(t) for t in grads.inputs)
+    an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
+    row_g = [fresh(f"{g}_rows", taken) for g in grads.inputs]
+    in_dims = ["None"] * len(grads.starts) + ["1"] * len(window.caches)
+    L(f"{', '.join(row_g)}{',' if len(row_g) == 1 else ''} = torch.func.vmap(torch.func.grad(self._row_loss, "
+      f"argnums={an}), in_dims=({', '.join(in_dims)}), out_dims=1)("
+      f"{', '.join([starts[s] for s in grads.starts] + [rows[k] for k in window.caches])})",
+      "[B, R, H, ...]: each row's gradient at the chunk start")
+    ctx.need(_window_band)
+    ctx.need(_window_sums)
+    for g, loc in zip(row_g, locals_):
+        L(f"{loc} = _window_sums({g}, {ctx.first}.shape[1], {c})", "[B, C, H, ...]: each token sums its window")
+    new = {}
+    for cache in window.caches:
+        new[cache] = fresh(f"{cache}_after", taken)
+        L(f"{new[cache]} = torch.cat([{cache}, {items[cache]}.transpose(1, 2)], dim=2)[:, :, -{c}:]",
+          f"[B, H, n, ...]: the cache after the chunk (at most {c} entries)")
+    return new
 
 
 def token_grads(ctx, L) -> TokenGrads:
@@ -177,25 +283,34 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
     spec = ctx.spec
     taken = ctx.taken()
     starts = {s: fresh(f"{s}_start", taken) for s in grads.starts}
-    L(f"def _chunk_step(self, {', '.join(list(starts.values()) + ctx.states + ctx.views + ctx.gates)}):")
+    carried = ctx.states + [a.name for a in ctx.accs]
+    L(f"def _chunk_step(self, {', '.join(list(starts.values()) + carried + ctx.views + ctx.gates + list(ctx.flags.values()))}):")
     with L.indent():
         L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
           + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates) + ";")
         if starts:
             L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
         L(", ".join(ctx.states) + ": the state before the chunk's first token [B, H, ...].")
-        L("Returns (o " + shape_text("B, C, H", ctx.read_shape()) + ", the state after the chunk).")
+        if ctx.accs:
+            L(", ".join(a.name for a in ctx.accs) + ": the open blocks' sums; "
+              + ", ".join(f"{f}: does this chunk end a block of {b}" for b, f in ctx.flags.items()) + ".")
+        L("Returns (o " + shape_text("B, C, H", ctx.read_shape()) + ", the state after the chunk"
+          + (" and the block sums)." if ctx.accs else ")."))
         L('"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, C, H")
         # every token's gradients at once: vmap over the chunk's tokens
         locals_ = [fresh(g, taken) for g in grads.locals]
         ren = dict(zip(grads.locals, locals_))
-        in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
-        in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
-        L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
-          f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
-          "[B, C, H, ...]: every token's gradients")
+        caches_after = {}
+        if plan.window is not None:   # a window loss: the rows' gradients, summed over each window
+            caches_after = window_rows(ctx, L, em, plan, grads, starts, locals_, taken)
+        else:
+            in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
+            in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
+            L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
+              f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
+              "[B, C, H, ...]: every token's gradients")
         # the plan's recurrences, each statement's gradient placeholders named by their per-token values
         calls = {unparse(c): c for group in ctx.grad_groups for c in group}
         scope = {ren[local]: ctx.shape(calls[key]) for mp in grads.maps for key, local in mp.items()}
@@ -203,19 +318,31 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
         rec = plan.recurrence
         seq = {s: fresh(f"{s}_seq", taken) for s in ctx.states}
         prev: dict = {}
+        def before(r: str) -> str:
+            if r not in prev:
+                prev[r] = fresh(f"{r}_before", taken)
+                L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
+                  shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
+            return prev[r]
+
+        held = {b.target for b in ctx.blocks} | set(caches_after)
         for s in rec.order:
+            if s in held:
+                continue
             coeffs = {k: substitute(cf, names) for k, cf in rec.coeff[s].items()}
             shape = tuple(spec.state[s].shape)
             terms = substitute(rec.rest[s], names) if rec.rest[s] is not None else None
             sc = dict(scope)
             sub_names = {}
+            for when, r in rec.inputs.get(s, ()):   # functions of sequences solved before s
+                ph = input_name(when, r)
+                sc[ph] = tuple(spec.state[r].shape)
+                sub_names[ph] = before(r) if when == "prev" else seq[r]
             for (when, r), cf in coeffs.items():
                 if when == "prev" and r == s:
                     continue
-                if when == "prev" and r not in prev:
-                    prev[r] = fresh(f"{r}_before", taken)
-                    L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
-                      shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
+                if when == "prev":
+                    before(r)
                 ph = f"{r}__{when}"
                 sc[ph] = tuple(spec.state[r].shape)
                 sub_names[ph] = prev[r] if when == "prev" else seq[r]
@@ -233,17 +360,32 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
                 else:
                     x = xc.text
             comment = shape_text("B, C, H", shape)
+            mirror = rec.mirror.get(s)
+            out, start = seq[s], s
+            if mirror is not None:   # a mirror-descent step: the recurrence of its logits
+                out, start = fresh(f"Z_{s}", taken), fresh(f"log_{s}", taken)
+                L(f"{start} = torch.log({s})", shape_text("B, H", shape) + f": the logits of {s} before the chunk")
+                comment += f": the logits Z of {s}"
             if decay is None:
-                L(f"{seq[s]} = {x}", comment)
+                L(f"{out} = {x}", comment)
             elif is_num(decay, 1):
                 xs = x if x.isidentifier() else f"({x})"
-                L(f"{seq[s]} = {s}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
+                L(f"{out} = {start}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
             else:
                 ctx.need(_decay_matrix)
                 ctx.need(_linear_scan)
                 a = sub._emit(decay)
-                L(f"{seq[s]} = _linear_scan({a.text}, {x}, {s})",
+                L(f"{out} = _linear_scan({a.text}, {x}, {start})",
                   comment + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
+            if mirror is not None:
+                c, axis = mirror
+                dim = list(shape).index(axis) - len(shape)
+                cc = sub._emit(substitute(c, names))
+                one = is_num(c, 1) or (cc.number and float(cc.text) == 1.0)
+                scale = "" if one else f"{cc.text if cc.number else sub._lift(cc, len(shape))} * "
+                L(f"{seq[s]} = {scale}torch.softmax({out}, dim={dim})",
+                  shape_text("B, C, H", shape) + f": {s} = {unparse(c)} * softmax(Z, {axis})")
+        block_chunk(ctx, L, grads, ren, seq, taken)
         # the read of every token with its own state
         if spec.order == "write_read":
             read_names = {s: seq[s] for s in ctx.states}
@@ -256,6 +398,42 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
             read_names = {s: prev[s] for s in ctx.states}
         rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
         L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
-        L(f"return o, {tuple_text([seq[s] + '[:, -1]' for s in ctx.states])}")
+        after = [caches_after[s] if s in caches_after else seq[s] + '[:, -1]' for s in ctx.states]
+        L(f"return o, {tuple_text(after + [a.name for a in ctx.accs])}")
     L()
+
+
+def block_chunk(ctx, L, grads: TokenGrads, ren: dict, seq: dict, taken: set) -> None:
+    """The block updates in a chunk (a whole number of chunks per block): the state holds; the
+    chunk adds its tokens' gradient terms to the block's sums; a chunk that ends a block
+    applies the statement with the sums at its last token, which (write_read) reads the result."""
+    spec = ctx.spec
+    temps = {st.target: st.value for st in spec.update if st.target not in spec.state}
+    lastnames = {n: f"{n}[:, -1]" for n in ctx.views + ctx.gates + ctx.let_order()}
+    for b in ctx.blocks:
+        mine = [a for a in ctx.accs if a.index == b.index]
+        # the gradients in effect at the statement (after the last gradient: all of them)
+        gmap = {key: ren[local] for key, local in grads.maps[min(b.index, len(grads.maps) - 1)].items()}
+        em = ctx.emitter(grads=gmap)
+        for a in mine:
+            term = substitute(a.term, {t: v for t, v in temps.items() if t in {n.id for n in a.term.walk()
+                                                                                 if isinstance(n, Name)}})
+            L(f"{a.name} = {a.name} + ({em.emit(term)}).sum(1)",
+              shape_text("B, H", a.shape) + f": the chunk's sum of {unparse(a.term)}")
+        end = fresh(f"{b.target}_end", taken)
+        L(f"{end} = {b.target}", f"{b.target} holds through the chunk ...")
+        L(f"if {ctx.flags[b.every]}:", f"... and a chunk that ends a block of {b.every} applies its update")
+        with L.indent():
+            by_term = {unparse(a.term): a.name for a in mine}
+            value = rewrite(spec.update[b.index].value,
+                            lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None)
+            sub = ctx.emitter(names=dict(lastnames)).with_scope(**{a.name: a.shape for a in mine})
+            code = sub._emit(value)
+            L(f"{end} = {code.text}", shape_text("B, H", spec.state[b.target].shape))
+            for a in mine:
+                L(f"{a.name} = torch.zeros_like({a.name})")
+        first = ctx.first
+        L(f"{seq[b.target]} = torch.cat([{b.target}.unsqueeze(1).expand(-1, {first}.shape[1] - 1, "
+          f"*{b.target}.shape[1:]), {end}.unsqueeze(1)], dim=1)",
+          shape_text("B, C, H", spec.state[b.target].shape) + f": {b.target} seen by each token")
 

@@ -14,11 +14,12 @@ import re
 
 from ..lang.expr import Name, unparse
 from ..lang.fmt import to_yaml
+from ..lang.spec import parse_init
 from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled
 from ..runtime.wiring import source as wiring_source
 from ..schedule.decide import ScheduleDecision
-from . import additive, cache, delta, layer, minibatch, online
+from . import additive, apply_update, cache, delta, layer, minibatch, online
 from .context import Context, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
@@ -26,17 +27,20 @@ from .specialise import specialise_calls
 from .text import Lines, dims_text, inert, shape_text, string_pieces
 
 # one emitter per schedule family (the rows of memspec.schedule.decide.FAMILIES)
-EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "minibatch": minibatch, "online": online}
+EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "minibatch": minibatch, "online": online,
+            "apply_update": apply_update}
 # the order the families' methods appear in the generated class
-EMIT_ORDER = ("online", "minibatch", "cache", "additive", "delta")
+EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta")
 FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
-                  "additive": "_forward_chunk", "delta": "_forward_chunk"}
+                  "additive": "_forward_chunk", "delta": "_forward_chunk", "apply_update": "_forward_apply_update"}
 SCHEDULE_TEXT = {
     "online": "online: one token at a time (exact)",
     "cache": "cache: scaled_dot_product_attention over [past cache | new tokens] with a causal{window} mask (exact)",
     "minibatch": "minibatch({chunk}): each chunk's gradients at its start state (approximate; chunk 1 = online)",
     "additive": "additive chunked form, chunk {chunk} (exact)",
     "delta": "delta rule chunked form (WY / UT), chunk {chunk} (exact)",
+    "apply_update": "apply_update({chunk}): each chunk reads the state the previous chunk left, then every state "
+                    "updates once with the chunk's summed gradient terms (approximate; chunk 1 equals online)",
 }
 
 
@@ -100,7 +104,7 @@ def header(ctx, L):
     L(f"# schedule: {text}")
     if "minibatch" in ctx.schedules and ctx.plans["minibatch"].dual is not None:
         L("# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads")
-    exact = "exact" if d.exact else "approximate (mini-batch)"
+    exact = "exact" if d.exact else f"approximate ({'mini-batch' if d.family == 'minibatch' else 'apply-then-update'})"
     L(f"# derived by memspec.schedule.analyse: {d.family}, {exact}; admits {', '.join(d.admits)}")
     L(f"# schedules of this module: {', '.join(ctx.schedules)}")
     if spec.wiring.kind != "none":
@@ -245,7 +249,7 @@ def memory_init(ctx, L):
         has_cache = any(st.cache for st in spec.state.values())
         tok = "compile and not self.CACHES" if has_cache else "compile"
         L(f"self._token_fn = _Compiled(self._token_step) if {tok} else self._token_step")
-        if "minibatch" in ctx.schedules:
+        if "minibatch" in ctx.schedules or "apply_update" in ctx.schedules:
             L("self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step")
     L()
 
@@ -260,9 +264,11 @@ def init_code(init, lead: list, dims: list, kw: str = "", generator: str = "") -
     if init == "eye":
         d = dims[-1]
         return f"torch.eye({d}{kw}).expand({', '.join(lead)}, {d}, {d}).clone()"
-    if init.startswith("normal("):
-        std = float(init[len("normal("):-1])
-        return f"torch.randn({sizes}{kw}{generator}) * {inert(std)}"
+    d = parse_init(init)
+    if d["kind"] == "normal":
+        return f"torch.randn({sizes}{kw}{generator}) * {inert(d['std'])}"
+    if d["kind"] == "uniform":
+        return f"{inert(d['lo'])} + {inert(d['hi'] - d['lo'])} * torch.rand({sizes}{kw}{generator})"
     raise CodegenError(f"unknown init {init!r}")
 
 
@@ -278,7 +284,7 @@ def init_state(ctx, L):
         for s, st in spec.state.items():
             dims = [f"self.{ctx.attr.get(x, x)}" for x in st.shape]
             if st.cache:
-                code = f"torch.zeros(batch, {H}, 0, {', '.join(dims)}, device=device, dtype=dtype)"
+                code = f"torch.zeros(batch, {H}, 0{''.join(', ' + d for d in dims)}, device=device, dtype=dtype)"
             elif st.learned:
                 code = f"self.{ctx.init_attr[s]}.to(device=device, dtype=dtype).expand(batch, {H}{''.join(', ' + x for x in dims)})"
             else:
@@ -329,7 +335,7 @@ def forward(ctx, L):
         L(f"if {T} == 0:", "no tokens: every schedule returns an empty output and the state as it was")
         L(f"    return {ctx.first}.new_zeros({B}, 0, {ctx.first}.shape[2]{out_dims}), state")
         args = ", ".join(ctx.views + ctx.gates + ["state"])
-        for fam in ("minibatch", "cache", "additive", "delta"):
+        for fam in ("minibatch", "apply_update", "cache", "additive", "delta"):
             if fam in ctx.schedules:
                 L(f"if schedule == {fam!r}:")
                 L(f"    return self.{FORWARD_METHOD[fam]}({args})")
@@ -395,7 +401,11 @@ def validation(ctx, L):
         L("if not isinstance(state, dict):")
         L("    raise ValueError(\"state: expected a dict of tensors {name: [B, H, ...]}, \"")
         L("                     f\"got {type(state).__name__}\")")
-        L("extra = [k for k in state if k not in self.STATE and not str(k).startswith(\"minibatch.\")]")
+        if ctx.accs or "apply_update" in ctx.schedules:   # block sums ride along in the state
+            L("extra = [k for k in state if k not in self.STATE")
+            L("         and not str(k).startswith((\"minibatch.\", \"every.\"))]")
+        else:
+            L("extra = [k for k in state if k not in self.STATE and not str(k).startswith(\"minibatch.\")]")
         L("missing = [k for k in self.STATE if k not in state]")
         L("if extra or missing:")
         L("    raise ValueError(f\"state: expected the entries {', '.join(self.STATE)}\"")
@@ -419,7 +429,7 @@ def model_method(ctx, L):
     m = spec.model
     states = spec.model_states()
     arg = ctx.model_arg_shape()
-    em = ctx.emitter().with_scope(**{m.arg: arg})
+    em = ctx.emitter(like=m.arg).with_scope(**{m.arg: arg})
     out = tuple(ctx.env.model_output(arg) or ())
     L(f"def {ctx.attr[m.name]}(self, {m.arg}, {', '.join(states)}):")
     with L.indent():

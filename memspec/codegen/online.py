@@ -3,6 +3,7 @@
 never a compiled loop over T)."""
 from __future__ import annotations
 
+from ..lang.expr import unparse
 from ..lang.names import fresh
 from .program import emit_updates
 from .text import shape_text, tuple_text
@@ -11,37 +12,90 @@ from .text import shape_text, tuple_text
 def emit(ctx, L) -> None:
     taken = ctx.taken()
     sv = ctx.views + ctx.gates
+    carried = ctx.states + [a.name for a in ctx.accs]
     L(f"def _forward_online(self, {', '.join(sv + ['state'])}):")
     with L.indent():
-        L('"""' + "Token by token: the per-token step (compiled once when compile=True) in a Python loop." + '"""')
+        if ctx.accs:
+            L('"""' + "Token by token: the per-token step (compiled once when compile=True) in a Python loop.")
+            L()
+            L("Block updates: the running sums of the open blocks and the position come in and go out")
+            L("as state['every.<state>.<k>'] and state['every.pos'] (an int), so that streaming in")
+            L("pieces gives the same numbers as one call.")
+            L('"""')
+        else:
+            L('"""' + "Token by token: the per-token step (compiled once when compile=True) in a Python loop." + '"""')
         L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}].contiguous()' for s in ctx.states)}",
           "(an expanded initial state would compile a second graph)")
+        pos = fresh("pos", taken)
+        if ctx.accs:
+            block_sums_in(ctx, L, pos, ctx.accs)
         outs = fresh("outputs", taken)
         o_t = fresh("o_t", taken)
         L(f"{outs} = []")
         per_token = {x: fresh(f"{x}_t", taken) for x in sv}
-        L(f"for {', '.join(per_token.values())} in zip({', '.join(f'{x}.unbind(1)' for x in sv)}):",
-          "views (one stack of their gradients when training)")
+        tokens = (f"{sv[0]}.unbind(1)" if len(sv) == 1
+                  else f"zip({', '.join(f'{x}.unbind(1)' for x in sv)})")
+        names = ", ".join(per_token.values())
+        if ctx.flags:
+            t = fresh("t", taken)
+            L(f"for {t}, {names if len(sv) == 1 else f'({names})'} in enumerate({tokens}):",
+              "views (one stack of their gradients when training)")
+        else:
+            L(f"for {names} in {tokens}:", "views (one stack of their gradients when training)")
         with L.indent():
-            args = ctx.states + list(per_token.values())
-            L(f"{o_t}, {tuple_text(ctx.states)} = self._token_fn({', '.join(args)})")
+            args = carried + list(per_token.values())
+            args += [f"({pos} + {t} + 1) % {c} == 0" for c in ctx.flags]
+            L(f"{o_t}, {tuple_text(carried)} = self._token_fn({', '.join(args)})")
             L(f"{outs}.append({o_t})")
         o = "o"   # a reserved local name (lang.names)
         L(f"{o} = {outs}[0].unsqueeze(1) if len({outs}) == 1 else torch.stack({outs}, dim=1)", "(decoding: no copy)")
-        L(f"return {o}, {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
+        if ctx.accs:
+            L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
+            block_sums_out(ctx, L, f"({pos} + {ctx.first}.shape[1])", ctx.accs, ctx.block_period)
+            L(f"return {o}, state")
+        else:
+            L(f"return {o}, {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
     L()
     token_step(ctx, L)
+
+
+def block_sums_in(ctx, L, pos: str, accs) -> None:
+    """Read the position and the block sums ``accs`` from ``state`` (zeros when a block starts)."""
+    L(f"{pos} = state.get(\"every.pos\", 0)", "a Python int: the position in the blocks")
+    for a in accs:
+        if tuple(a.shape) == tuple(ctx.spec.state[a.target].shape):
+            zero = f"torch.zeros_like({a.target})"
+        else:
+            sizes = ", ".join([f"{ctx.first}.shape[0]", f"{ctx.first}.shape[2]"]
+                              + [f"self.{ctx.attr.get(d, d)}" for d in a.shape])
+            zero = f"{ctx.first}.new_zeros({sizes})"
+        L(f"{a.name} = state[{a.key!r}] if {a.key!r} in state else {zero}",
+          f"the block's sum of {unparse(a.term)}")
+
+
+def block_sums_out(ctx, L, end: str, accs, period) -> None:
+    """Write the position and the open blocks' sums into ``state`` (none at a block boundary)."""
+    L(f"if {end} % {period}:")
+    with L.indent():
+        L(f"state[\"every.pos\"] = {end} % {period}")
+        for a in accs:
+            L(f"state[{a.key!r}] = {a.name}")
 
 
 def token_step(ctx, L) -> None:
     spec = ctx.spec
     taken = ctx.taken()
-    L(f"def _token_step(self, {', '.join(ctx.states + ctx.views + ctx.gates)}):")
+    carried = ctx.states + [a.name for a in ctx.accs]
+    flags = list(ctx.flags.values())
+    L(f"def _token_step(self, {', '.join(carried + ctx.views + ctx.gates + flags)}):")
     with L.indent():
         L('"""' + "One token: " + ", ".join(f"{v} [B, H, {spec.views[v].dim}]" for v in ctx.views)
           + "".join(f", {g} {ctx.gate_text(g, 'B, H')}" for g in ctx.gates) + ";")
+        if ctx.accs:
+            L("the block sums " + ", ".join(a.name for a in ctx.accs) + "; "
+              + ", ".join(f"{f}: is this the last token of a block of {c}" for c, f in ctx.flags.items()) + ";")
         L("the state tensors [B, H, ...] -> (o " + shape_text("B, H", ctx.read_shape())
-          + ", the new state tensors).")
+          + ", the new state tensors" + (" and block sums)." if ctx.accs else ")."))
         L('"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, H")
@@ -51,5 +105,5 @@ def token_step(ctx, L) -> None:
         emit_updates(ctx, L, em, taken, "at the current state")
         if spec.order == "write_read":
             L(f"{o} = {em.emit(spec.read)}", shape_text("B, H", ctx.read_shape()))
-        L(f"return {o}, {tuple_text(ctx.states)}")
+        L(f"return {o}, {tuple_text(carried)}")
     L()

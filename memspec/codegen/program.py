@@ -7,7 +7,7 @@ gradients are computed together before which statement is the online plan's
 """
 from __future__ import annotations
 
-from ..lang.expr import BinOp, Call, Name, Transpose, unparse
+from ..lang.expr import BinOp, Call, Name, Transpose, rewrite, unparse
 from ..lang.names import fresh
 from .text import shape_text
 
@@ -74,13 +74,16 @@ def closed_grad_lines(ctx, L, em, cg, targets, taken: set, where: str) -> dict:
     return outs
 
 
-def emit_updates(ctx, L, em, taken, where, keep=None, stop=None) -> list:
+def emit_updates(ctx, L, em, taken, where, keep=None, stop=None, blocks=True) -> list:
     """Emit the update statements [0, stop) in order, each preceded by the gradients it
     needs (computed jointly at the same state values).  Assignments only for the
-    statement indices in ``keep`` (None: all).  Returns, per statement, the map
-    ``unparse(grad call) -> local`` in effect at that statement."""
+    statement indices in ``keep`` (None: all).  A block statement (``ctx.blocks``, when
+    ``blocks``) adds its gradient terms to their running sums and assigns under its
+    block's last-token flag.  Returns, per statement, the map ``unparse(grad call) -> local``
+    in effect at that statement."""
     spec = ctx.spec
     maps = []
+    block_of = {b.index: b for b in ctx.blocks} if blocks else {}
     for i, (stmt, group) in enumerate(zip(spec.update, ctx.grad_groups)):
         if stop is not None and i >= stop:
             break
@@ -95,6 +98,13 @@ def emit_updates(ctx, L, em, taken, where, keep=None, stop=None) -> list:
             L(f"{stmt.target} = {em.emit(v)}",
               shape_text("B, H", ctx.env.names.get(stmt.target) or ()) + ": a temporary of this token")
             continue
+        if isinstance(v, Call) and v.fn == "append" and not st.shape:   # a cache of scalars [B, H, n]
+            item = em._emit(v.args[1])
+            item = f"{stmt.target}.new_full({stmt.target}.shape[:-1], {item.text})" if item.number else item.at(9)
+            win = f"[..., -{st.window}:]" if st.window else ""
+            L(f"{stmt.target} = torch.cat([{stmt.target}, {item}.unsqueeze(-1)], dim=-1){win}",
+              shape_text("B, H", ("n",)))
+            continue
         if isinstance(v, Call) and v.fn == "append":
             ctx.helpers.add("append")
             item = em.emit(v.args[1])
@@ -102,14 +112,41 @@ def emit_updates(ctx, L, em, taken, where, keep=None, stop=None) -> list:
             L(f"{stmt.target} = append({stmt.target}, {item}{win})",
               shape_text("B, H", ("n",) + tuple(st.shape)))
             continue
-        code = em._emit(v)
-        text = code.text
-        if code.number:
-            text = f"({text}) * torch.ones_like({stmt.target})"
-        elif code.rank < len(st.shape):
-            text = f"{em._lift(code, len(st.shape))}.expand_as({stmt.target})"
-        L(f"{stmt.target} = {text}", shape_text("B, H", st.shape))
+        if i in block_of:
+            block_update(ctx, L, em, block_of[i], stmt)
+            continue
+        assign_line(L, em, stmt.target, st, v)
     return maps
+
+
+def assign_line(L, em, target: str, st, value, prefix: str = "B, H") -> None:
+    """``target = <value>``, broadcast to the state's shape."""
+    code = em._emit(value)
+    text = code.text
+    if code.number:
+        text = f"({text}) * torch.ones_like({target})"
+    elif code.rank < len(st.shape):
+        text = f"{em._lift(code, len(st.shape))}.expand_as({target})"
+    L(f"{target} = {text}", shape_text(prefix, st.shape))
+
+
+def block_update(ctx, L, em, b, stmt, prefix: str = "B, H") -> None:
+    """A statement of a state updated every C tokens: its gradient terms added to their
+    running sums; at the block's last token the statement with each term replaced by its
+    sum, and the sums reset."""
+    accs = [a for a in ctx.accs if a.index == b.index]
+    for a in accs:
+        term = em._emit(a.term)
+        text = em._lift(term, len(a.shape)) if term.rank < len(a.shape) else term.text
+        L(f"{a.name} = {a.name} + {text}", shape_text(prefix, a.shape) + f": the block's sum of {unparse(a.term)}")
+    by_term = {unparse(a.term): a.name for a in accs}
+    value = rewrite(stmt.value, lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None)
+    sub = em.with_scope(**{a.name: a.shape for a in accs})
+    L(f"if {ctx.flags[b.every]}:", f"the last token of a block of {b.every}: {stmt.target} takes the block's update")
+    with L.indent():
+        assign_line(L, sub, stmt.target, ctx.spec.state[stmt.target], value, prefix)
+        for a in accs:
+            L(f"{a.name} = torch.zeros_like({a.name})")
 
 
 def shadow_plan(ctx):

@@ -26,8 +26,8 @@ package (``memspec/lang/memspec.lark``) and shipped in the wheel (pyproject's pa
 
 # name -> (min args, max args, description).  The fixed whitelist of functions.
 FUNCTIONS: dict[str, tuple[int, int, str]] = {
-    "sum": (1, 1, "sum of all entries -> scalar"),
-    "mean": (1, 1, "mean of all entries -> scalar"),
+    "sum": (1, 2, "sum(x): of all entries -> scalar; sum(x, d): over the axis named d"),
+    "mean": (1, 2, "mean(x): of all entries -> scalar; mean(x, d): over the axis named d"),
     "sqrt": (1, 1, "elementwise square root"),
     "exp": (1, 1, "elementwise exponential"),
     "log": (1, 1, "elementwise natural logarithm"),
@@ -44,7 +44,10 @@ FUNCTIONS: dict[str, tuple[int, int, str]] = {
     "rmsnorm": (1, 2, "rmsnorm(x[, weight]) over the last axis"),
     "l2norm": (1, 1, "x / ||x|| over the last axis"),
     "outer": (2, 2, "outer(a, b): [m] x [n] -> [m, n]"),
-    "norm": (1, 1, "Euclidean norm of all entries -> scalar"),
+    "norm": (1, 2, "norm(x): Euclidean norm of all entries -> scalar; norm(x, d): over the axis named d"),
+    "softmax": (2, 2, "softmax(x, d): exp(x) normalised over the axis named d"),
+    "newton_schulz": (2, 2, "newton_schulz(X, steps): the quintic Newton-Schulz iteration on X / |X|_F "
+                            "(Muon's orthogonalisation, ~ U V^T of X = U S V^T)"),
     "clamp": (3, 3, "clamp(x, lo, hi) elementwise"),
     "min": (2, 2, "elementwise minimum"),
     "max": (2, 2, "elementwise maximum"),

@@ -233,6 +233,8 @@ def to_yaml(spec: Spec) -> str:
                 out.append("    cache: true")
             if s.window is not None:
                 out.append(f"    window: {s.window}")
+            if s.every is not None:
+                out.append(f"    every: {s.every}")
     if spec.let:
         out.append("let:")
         out += [f"  {k(n)}: {v(unparse(e))}" for n, e in spec.let.items()]
@@ -360,6 +362,8 @@ def to_mem(spec: Spec) -> str:
                 line += f" window {s.window}"
         else:
             line = f"state {n} : [{', '.join(s.shape)}] = {_mem_init(s.init)}"
+            if s.every is not None:
+                line += f" every {s.every}"
         b.append(line)
     blocks.append(b)
     blocks.append([f"let {n} = {unparse(e)}" for n, e in spec.let.items()])

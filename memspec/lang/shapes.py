@@ -19,8 +19,10 @@ and returns ``None`` for the parts it could not type.  The rules are those of
 ``docs/language.md``: numpy trailing broadcasting on named dims for elementwise
 operators, the ``@`` table (row-vector convention), ``.T`` on rank 2 only, reductions
 to ``()``, ``grad(loss, W)`` -> shape of ``W``, ``attend``/``append`` over caches,
-``eye(d)`` with a dim name, and model application ``f(x)`` typed by substituting
-the argument's shape into the model body.
+``eye(d)`` with a dim name, ``softmax(x, d)`` and ``sum``/``mean``/``norm(x, d)`` over the
+axis named ``d``, ``newton_schulz(X, steps)`` on a matrix, and model application ``f(x)``
+typed by substituting the argument's shape into the model body (``f(K)`` of a cache
+``[n, d]`` applies the model to each row: ``[n, *out]``).
 
 Context-dependent names: ``logit`` exists only in gate formulas, the model's
 argument only inside the model, ``loss`` only as the first argument of ``grad``.
@@ -45,6 +47,16 @@ CACHE_AXIS = "n"
 """The leading axis of a cache state (its current length), as printed in shapes."""
 
 REDUCTIONS = frozenset({"sum", "mean", "norm"})
+
+MAX_NS_STEPS = 20
+"""The most Newton-Schulz steps ``newton_schulz(X, steps)`` takes."""
+
+
+def steps_value(e: Expr) -> Optional[int]:
+    """The number of steps of ``newton_schulz(X, steps)``: an integer literal in 1..MAX_NS_STEPS."""
+    if isinstance(e, Num) and float(e.value).is_integer() and 1 <= float(e.value) <= MAX_NS_STEPS:
+        return int(e.value)
+    return None
 
 
 def fmt_shape(shape: Optional[Shape]) -> str:
@@ -494,6 +506,68 @@ class ShapeEnv:
     _fn_layernorm = _norm_weights
     _fn_rmsnorm = _norm_weights
 
+    def axis_of(self, e: Call, x: Shape, ctx: _Ctx) -> Optional[int]:
+        """The position in ``x`` of the axis named by ``e``'s second argument (a dim name that
+        occurs once in ``x``), or None after a located error."""
+        a = e.args[1]
+        if isinstance(a, Name) and self.kinds.get(a.id) == "dim":
+            hits = [i for i, d in enumerate(x) if d == a.id]
+            if len(hits) == 1:
+                return hits[0]
+            if not hits:
+                ctx.diags.error(f"{e.fn}({unparse(e.args[0])}, {a.id}): {fmt_shape(x)} has no axis {a.id}",
+                                a.span or e.span, hint=f"the axes of {unparse(e.args[0])} are "
+                                + (", ".join(x) if x else "none (it is a scalar)"), code="E-shape")
+            else:
+                ctx.diags.error(f"{e.fn}({unparse(e.args[0])}, {a.id}) is ambiguous: {fmt_shape(x)} has "
+                                f"{len(hits)} axes named {a.id}", a.span or e.span,
+                                hint="give the two axes their own dims (e.g. d_in and d_out of equal size)",
+                                code="E-shape")
+            return None
+        if isinstance(a, Name) and a.id not in self.kinds and a.id not in ctx.scope:
+            self._infer(a, ctx)  # unknown name, with a did-you-mean
+            return None
+        ctx.diags.error(f"the axis of {e.fn}(x, d) is the name of a dim, got '{unparse(a)}'", a.span or e.span,
+                        hint=f"e.g. {e.fn}({unparse(e.args[0])}, {x[-1] if x else 'd_k'})" +
+                             (f"; dims: {', '.join(self.spec.dims)}" if self.spec.dims else ""),
+                        code="E-shape")
+        return None
+
+    def _reduction(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
+        x = self._infer(e.args[0], ctx)
+        if len(e.args) == 1:
+            return () if x is not None else None
+        if x is None:
+            return None
+        i = self.axis_of(e, x, ctx)
+        return None if i is None else tuple(x[:i]) + tuple(x[i + 1:])
+
+    _fn_sum = _reduction
+    _fn_mean = _reduction
+    _fn_norm = _reduction
+
+    def _fn_softmax(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
+        x = self._infer(e.args[0], ctx)
+        if x is None:
+            return None
+        return x if self.axis_of(e, x, ctx) is not None else None
+
+    def _fn_newton_schulz(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
+        x = self._infer(e.args[0], ctx)
+        steps = e.args[1]
+        ok = True
+        if steps_value(steps) is None:
+            ctx.diags.error(f"newton_schulz(X, steps) takes a number of steps (an integer from 1 to "
+                            f"{MAX_NS_STEPS}), got '{unparse(steps)}'", steps.span or e.span,
+                            hint="Muon uses 5: newton_schulz(X, 5)", code="E-shape")
+            ok = False
+        if x is not None and len(x) != 2:
+            ctx.diags.error(f"newton_schulz(X, steps) orthogonalises a matrix, got {fmt_shape(x)}",
+                            e.args[0].span or e.span, hint="X is [m, n] (a state or a gradient of one)",
+                            code="E-shape")
+            return None
+        return x if ok else None
+
     def _fn_l2norm(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
         x = self._infer(e.args[0], ctx)
         return x if self._last_axis(e, ctx, x) else None
@@ -673,11 +747,16 @@ class ShapeEnv:
         a = self._infer(e.args[0], ctx)
         if a is None:
             return None
+        rows = len(a) >= 2 and a[0] == self.cache_axis   # f(K) over a cache [n, d]: f of each row
+        if rows:
+            a = tuple(a[1:])
         sub = Collector()
         outer = {k: v for k, v in ctx.scope.items() if self.kinds.get(k) != "temp"}
         inner = _Ctx("model", {**outer, m.arg: a}, sub, None,
                      ctx.model_stack + (m.name,))
         out = self._infer(m.body, inner)
+        if rows and out is not None:
+            out = (self.cache_axis,) + tuple(out)
         for d in sub.items:
             if d.code == "E-shape":
                 ctx.diags.error(f"applying {m.name} to {unparse(e.args[0])} {fmt_shape(a)}: {d.message}", e.span,
@@ -688,7 +767,10 @@ class ShapeEnv:
 
 
 _FUNCTION_HINTS = {
-    "softmax": "softmax attention over a cache is attend(q, K, V, scale)",
+    "msign": "the matrix sign (Muon's orthogonalisation) is newton_schulz(X, 5)",
+    "muon": "Muon's orthogonalisation of an update is newton_schulz(X, 5)",
+    "orthogonalize": "write newton_schulz(X, 5)",
+    "logsumexp": "write log(sum(exp(x), d))",
     "transpose": "write A.T",
     "matmul": "write a @ b",
     "dot": "write a @ b for vectors",

@@ -92,19 +92,22 @@ def _number(v: Any) -> Any:
 Size = Annotated[int, BeforeValidator(_size)]
 Number = Annotated[float, BeforeValidator(_number)]
 
+_NUM = r"[0-9.eE+-]+"
 INIT_RE = re.compile(
-    r"^(?:(?P<kind>zeros|ones|eye)|normal\((?P<std>[0-9.eE+-]+)\)"
-    r"|learned(?:\((?P<inner>zeros|ones|eye|normal\([0-9.eE+-]+\))\))?)$"
+    rf"^(?:(?P<kind>zeros|ones|eye)|normal\((?P<std>{_NUM})\)|uniform\((?P<lo>{_NUM}),(?P<hi>{_NUM})\)"
+    rf"|learned(?:\((?P<inner>zeros|ones|eye|normal\({_NUM}\)|uniform\({_NUM},{_NUM}\))\))?)$"
 )
 
 
 def parse_init(text: str) -> dict:
-    """``"learned(normal(0.02))"`` -> ``{"learned": True, "kind": "normal", "std": 0.02}``."""
+    """``"learned(normal(0.02))"`` -> ``{"learned": True, "kind": "normal", "std": 0.02}``;
+    ``"uniform(0.5, 1.5)"`` -> ``{"learned": False, "kind": "uniform", "std": None, "lo": 0.5, "hi": 1.5}``."""
     s = text.replace(" ", "")
     m = INIT_RE.match(s)
     if not m:
         raise ValueError(
-            f"unknown init {quote(text)}: use zeros, ones, eye, normal(std), learned or learned(<init>)"
+            f"unknown init {quote(text)}: use zeros, ones, eye, normal(std), uniform(lo, hi), learned or "
+            f"learned(<init>)"
         )
     if s.startswith("learned"):
         inner = m.group("inner") or "normal(0.02)"
@@ -113,6 +116,12 @@ def parse_init(text: str) -> dict:
         return out
     if m.group("kind"):
         return {"learned": False, "kind": m.group("kind"), "std": None}
+    if m.group("lo") is not None:
+        lo, hi = (float(x) if len(x) <= MAX_NUMBER_CHARS else math.nan for x in (m.group("lo"), m.group("hi")))
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"uniform(lo, hi) needs finite lo < hi, got {quote(m.group('lo'))} and "
+                             f"{quote(m.group('hi'))}")
+        return {"learned": False, "kind": "uniform", "std": None, "lo": lo, "hi": hi}
     try:
         std = float(m.group("std")) if len(m.group("std")) <= MAX_NUMBER_CHARS else math.nan
     except ValueError:
@@ -122,19 +131,28 @@ def parse_init(text: str) -> dict:
     return {"learned": False, "kind": "normal", "std": std}
 
 
+def init_text(d: dict) -> str:
+    """The canonical text of a parsed init (the inverse of :func:`parse_init`)."""
+    if d["kind"] == "normal":
+        base = f"normal({d['std']!r})"
+    elif d["kind"] == "uniform":
+        base = f"uniform({d['lo']!r}, {d['hi']!r})"
+    else:
+        base = d["kind"]
+    return f"learned({base})" if d["learned"] else base
+
+
 def _canonical_init(v: Any) -> Any:
     if isinstance(v, bool):
         raise ValueError(f"expected an init (zeros, ones, eye, normal(std), learned), got {_what(v)}")
     if isinstance(v, (int, float)):
         return v
     if isinstance(v, str):
-        d = parse_init(v)
-        base = d["kind"] if d["kind"] != "normal" else f"normal({d['std']!r})"
-        return f"learned({base})" if d["learned"] else base
+        return init_text(parse_init(v))
     return v
 
 
-SCHEDULE_RE = re.compile(r"^(auto|online|chunk\((\d+)\)|minibatch\((\d+)\))$")
+SCHEDULE_RE = re.compile(r"^(auto|online|chunk\((\d+)\)|minibatch\((\d+)\)|apply_update\((\d+)\))$")
 
 
 class Node(BaseModel):
@@ -186,6 +204,7 @@ class State(Node):
     init: str = "zeros"
     cache: bool = False
     window: Optional[Size] = None
+    every: Optional[Size] = None     # update frequency: one block update every `every` tokens
 
     @field_validator("init", mode="before")
     @classmethod
@@ -199,10 +218,19 @@ class State(Node):
             raise ValueError("window must be a positive number of tokens")
         return v
 
+    @field_validator("every")
+    @classmethod
+    def _every_positive(cls, v):
+        if v is not None and v < 1:
+            raise ValueError("every must be a positive number of tokens")
+        return v
+
     @model_validator(mode="after")
     def _cache_rules(self):
         if self.window is not None and not self.cache:
             raise ValueError("window is only meaningful for a cache state (cache: true)")
+        if self.every is not None and self.cache:
+            raise ValueError("a cache is appended to on every token; every is for learned states")
         if self.cache and self.init != "zeros":
             raise ValueError("a cache starts empty; remove its init")
         return self
@@ -356,8 +384,9 @@ class Spec(Node):
             v = v.replace(" ", "")
             m = SCHEDULE_RE.match(v)
             if not m:
-                raise ValueError(f"unknown schedule {quote(v)}: use auto, online, chunk(N) or minibatch(N)")
-            n = m.group(2) or m.group(3)
+                raise ValueError(f"unknown schedule {quote(v)}: use auto, online, chunk(N), minibatch(N) or "
+                                 f"apply_update(N)")
+            n = m.group(2) or m.group(3) or m.group(4)
             if n is not None and int(n) < 1:
                 raise ValueError("a chunk size must be >= 1")
             if n is not None and (len(n) > 10 or int(n) > MAX_SIZE):
@@ -392,7 +421,7 @@ class Spec(Node):
     @property
     def schedule_size(self) -> int | None:
         m = SCHEDULE_RE.match(self.schedule)
-        n = m.group(2) or m.group(3) if m else None
+        n = (m.group(2) or m.group(3) or m.group(4)) if m else None
         return int(n) if n else None
 
     def span(self, *path) -> Any:

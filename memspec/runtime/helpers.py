@@ -87,6 +87,20 @@ def append(cache, item, window=None):
     return out if window is None else out[..., -window:, :]
 
 
+def newton_schulz(X, steps):
+    """Muon's quintic Newton-Schulz iteration on the last two axes: X / (|X|_F + 1e-7), then
+    `steps` times X <- a X + (b A + c A A) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315).
+    Run on the smaller Gram matrix (X^T for a tall X: the same result, transposed back)."""
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.transpose(-2, -1)
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.transpose(-2, -1)
+        X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
+    return X.transpose(-2, -1) if tall else X
+
+
 def _check(name, t, axes, sizes, ref=None):
     """Raise ValueError unless `t` is a floating tensor of shape `sizes` (None: any size),
     with the dtype and device of `ref` = (name, tensor) when given."""
@@ -158,6 +172,20 @@ def _linear_scan(a, x, s0):
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
+
+
+def _window_band(C, R, window, like):
+    """[C, R]: 1 where row r is in the window of token i (rows R - C + i - window + 1 .. R - C + i;
+    the last C rows are the chunk's own tokens), else 0; dtype and device of `like`."""
+    i = torch.arange(C, device=like.device).unsqueeze(1) + (R - C)             # [C, 1]: token i's row
+    r = torch.arange(R, device=like.device).unsqueeze(0)                       # [1, R]
+    return ((i - r >= 0) & (i - r < window)).to(like.dtype)
+
+
+def _window_sums(g, C, window):
+    """Each token's sum over the rows of its window: g [B, R, H, ...] holds one value per row ->
+    [B, C, H, ...], with the [C, R] band of _window_band."""
+    return torch.einsum("ir,br...->bi...", _window_band(C, g.shape[1], window, g), g)
 
 
 def _causal_mask(T, N, window, device):

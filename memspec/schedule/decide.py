@@ -13,12 +13,13 @@ only when the spec asks for them (``schedule: minibatch(N)``).  An exception oth
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, cache, delta, minibatch, online, transition
+from . import additive, apply_update, cache, delta, minibatch, online, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -42,6 +43,12 @@ def _has_grads(spec) -> bool:
     return any(grad_calls(s.value) for s in spec.update)
 
 
+def _requested_apply_update(alg, chunk):
+    if alg.spec.schedule_kind != "apply_update":
+        raise NotAdmitted("asked for with schedule: apply_update(C)")
+    return apply_update.analyse_apply_update(alg, chunk)
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("cache", lambda alg, chunk: cache.analyse_cache(alg), exact=True, chunked=False, carried=True,
            text="cache (softmax attention over the cache, exact, scaled_dot_product_attention)"),
@@ -61,6 +68,9 @@ FAMILIES: tuple[Family, ...] = (
            hint_applies=_has_grads),
     Family("online", lambda alg, chunk: online.analyse_online(alg), exact=True, chunked=False, carried=True,
            text="online (token by token, exact)"),
+    # only when a spec asks for it (LaCT's large chunks): after online, so never in "not faster"
+    Family("apply_update", _requested_apply_update, exact=False, chunked=True, carried=False,
+           text="apply-then-update chunks (approximate: every state updates once per chunk)"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 NAMES = tuple(f.name for f in FAMILIES)
@@ -81,6 +91,7 @@ class ScheduleDecision:
     let_forms: tuple = ()       # (inlined value, let name) of every let, as the analysis read them
     normal_form: tuple[str, ...] = ()  # S <- T(S) + W of every state, printed (empty: not linear in the state)
     coupled: str | None = None  # how the normal form couples several states (None: independent)
+    why: dict = field(default_factory=dict, compare=False)     # admitted family -> its reasons
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -96,7 +107,11 @@ def analyse(spec) -> ScheduleDecision:
 
 def _decide(spec, alg: Algebra) -> ScheduleDecision:
     kind = spec.schedule_kind
-    chunks = {"minibatch": spec.schedule_size if kind == "minibatch" else DEFAULT_CHUNK}
+    # a spec with block updates (every C) runs mini-batches nested in its blocks by default
+    blocks = [st.every for st in spec.state.values() if st.every and st.every > 1]
+    mb_default = math.gcd(*blocks) if blocks else DEFAULT_CHUNK
+    chunks = {"minibatch": spec.schedule_size if kind == "minibatch" else mb_default,
+              "apply_update": spec.schedule_size if kind == "apply_update" else DEFAULT_CHUNK}
     for f in FAMILIES:
         if f.chunked and f.exact:
             chunks[f.name] = spec.schedule_size if kind == "chunk" else DEFAULT_CHUNK
@@ -128,6 +143,13 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
                 spec.span("schedule"), hint=rej["minibatch"] + "; use auto, chunk(N) or online",
                 code="E-schedule")])
         fam = "minibatch"
+    elif kind == "apply_update":
+        if "apply_update" not in plans:
+            raise SpecError([Diagnostic(
+                "error", f"schedule {spec.schedule} needs gradient writes whose chunk sums it can take",
+                spec.span("schedule"), hint=rej["apply_update"] + "; use auto, minibatch(N) or online",
+                code="E-schedule")])
+        fam = "apply_update"
     elif kind == "online":
         fam = "online"
     else:   # auto: the first admitted exact family
@@ -149,7 +171,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
     return ScheduleDecision(fam, BY_NAME[fam].exact, chunks.get(fam), tuple(reasons), plans[fam], admits,
                             plans, tuple(rejected), schedules,
                             {f: c for f, c in chunks.items() if f in schedules},
-                            tuple((inl, n) for n, inl in alg.lets.items()), normal, coupled)
+                            tuple((inl, n) for n, inl in alg.lets.items()), normal, coupled,
+                            {f: tuple(w) for f, w in whys.items()})
 
 
 def explain(spec, decision: ScheduleDecision | None = None) -> str:
@@ -159,7 +182,8 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     lines = [f"{spec.name}: {fam.text}"]
     lines.append(f"  exact: {'yes' if d.exact else 'no (an approximation of online learning)'}")
     if d.chunk is not None:
-        lines.append(f"  chunk: {d.chunk}" + ("  (chunk 1 equals online)" if d.family == "minibatch" else ""))
+        lines.append(f"  chunk: {d.chunk}" + ("  (chunk 1 equals online)" if d.family in ("minibatch", "apply_update")
+                                              else ""))
     lines.append(f"  admits: {', '.join(d.admits)}")
     if d.normal_form:
         lines.append("  normal form (S_t = T_t(S_{t-1}) + W_t, in the states before the token):")
@@ -176,12 +200,22 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     if d.family == "minibatch":
         lines.append("  note: mini-batch evaluates every grad(...) of a chunk at the chunk-start state;"
                      " it approximates online learning and equals it at chunk 1 (schedule minibatch(1))")
+    elif d.family == "apply_update":
+        lines.append("  note: apply-then-update reads every token of a chunk at the state the previous chunk left"
+                     " and updates once per chunk; it approximates online learning and equals it at chunk 1"
+                     " (schedule apply_update(1))")
     if d.coupled and d.family == "online":
         lines.append(f"  note: {d.coupled}; no exact chunked form of coupled states is derived, so the exact "
                      f"schedule is online")
     if d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
         lines.append("  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
                      "schedules, so ask for it with `schedule: minibatch(N)`")
+        how = [r for r in d.why.get("minibatch", ()) if r.startswith(("window loss", "banded dual form", "no banded",
+                                                                     "dual form", "no dual form"))
+               or "nested chunks" in r]
+        if how:
+            lines.append(f"  mini-batch, when asked for (chunk {d.chunks.get('minibatch')}):")
+            lines += [f"    - {r}" for r in how]
     hints = [f for f in ahead if f in rej and BY_NAME[f].hint and BY_NAME[f].hint_applies(spec)]
     if hints:
         lines.append("  for a faster schedule:")

@@ -5,13 +5,16 @@ online learning (chunk 1 equals it), used only when a spec asks for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
-from .algebra import ZERO, Algebra, NotAdmitted, all_updates, compose_all, is_num, replace_grads, simplify
+from .algebra import ZERO, Algebra, NotAdmitted, all_updates, compose_all, grad_calls, is_num, replace_grads, simplify
 from .dual import DualForm, NotDual, analyse_dual
+from .online import loss_states
 from .polynomial import linear_form
-from .recurrence import NotRecurrence, Recurrence, minibatch_recurrence
+from .recurrence import NotRecurrence, Recurrence, input_name, minibatch_recurrence
+from .window import WindowLoss, analyse_window, window_dual
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,8 @@ class MinibatchPlan:
     same program statement by statement (:class:`.recurrence.Recurrence`, each statement's
     gradients the placeholders of ``grad_sites``: name -> (statement index, call)), which the
     materialising chunk step solves; ``dual`` is the dual form when the spec admits it
-    (:mod:`.dual`), else ``no_dual`` says why not."""
+    (:mod:`.dual`), else ``no_dual`` says why not; ``window``: a window loss over caches, its
+    row-by-row form (:mod:`.window`), whose per-row gradients make every token's."""
 
     coef: dict
     rest: dict
@@ -33,6 +37,7 @@ class MinibatchPlan:
     grad_sites: dict
     dual: DualForm | None
     no_dual: str | None
+    window: WindowLoss | None = None
 
 
 def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str]]:
@@ -40,8 +45,72 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     updates = [(t, replace_grads(e, alg, table)) for t, e in all_updates(alg)]
     if not table:
         raise NotAdmitted("the update takes no gradient (mini-batch learning needs gradient writes)")
-    if alg.caches:
-        raise NotAdmitted(f"state {', '.join(sorted(alg.caches))} is a cache")
+    window = analyse_window(alg) if alg.caches else None
+    if window is not None:
+        _window_gradients_at_start(alg)
+    blocks = _blocks(alg, chunk)
+    grads = {name: call for name, call in table.values()}
+    reasons = []
+    try:
+        if blocks or window is not None:
+            raise NotAdmitted("block updates or a window loss")
+        coef, rest = _linear_program(alg, updates)
+    except NotAdmitted as err:   # inputs that are functions of solved states, mirror steps, blocks
+        held = {b.index for b in blocks} | ({i for i, _ in window.caches.values()} if window else set())
+        recurrence, sites = _statement_recurrence(alg, None if blocks or window else err, held)
+        coef, rest = {}, {}
+        reasons += _recurrence_reasons(alg, recurrence, sites, {b.target for b in blocks})
+        for b in blocks:
+            reasons.append(f"{b.target} updates every {b.every} tokens, a multiple of the chunk {chunk} (nested "
+                           f"chunks): it holds through each chunk, the chunk adds its tokens' "
+                           + ", ".join(unparse(t) for t in b.terms) + " to the block's sums, and the chunk that "
+                           f"ends a block applies `{unparse(alg.spec.update[b.index].value)}` with them")
+    else:
+        for n in alg.states:
+            total: Expr = ZERO
+            for k, v in coef[n].items():
+                total = BinOp("+", total, BinOp("*", v, Name(k)))
+            txt = gtxt(simplify(BinOp("+", total, rest[n])), grads)
+            reasons.append(f"update of {n} is a linear recurrence with token-local scalar coefficients "
+                           f"when each grad(...) is held fixed: {n} <- {txt}")
+        recurrence, sites = _statement_recurrence(alg)
+    reasons.append("mini-batch: inside a chunk every grad(...) is taken at the chunk-start state, "
+                   "the recurrences run token by token (an approximation of online learning; "
+                   "chunk 1 equals online)")
+    if window is not None:
+        wdual, why_not = window_dual(alg, window, recurrence, sites)
+        window = replace(window, dual=wdual)
+        reasons += window.describe() + (wdual.describe() if wdual is not None else
+                                        [f"no banded dual form ({why_not}): each chunk materialises every token's "
+                                         "state"])
+    try:
+        if blocks:
+            raise NotDual(f"{', '.join(b.target for b in blocks)} update once per block")
+        if window is not None:
+            raise NotDual("the loss reads caches")
+        dual, no_dual = analyse_dual(alg.spec), None
+        reasons += dual.describe()
+    except NotDual as err:
+        dual, no_dual = None, str(err)
+        if window is None:   # (a window loss said above how its chunks run)
+            reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
+    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual, window), reasons
+
+
+def _window_gradients_at_start(alg: Algebra) -> None:
+    """With a window loss every gradient of a chunk is at the chunk-start learned states: no
+    statement before a gradient may change a learned state the loss reads."""
+    spec = alg.spec
+    last = max(i for i, st in enumerate(spec.update) if grad_calls(st.value))
+    reads = set(loss_states(spec)) - alg.caches
+    for j in range(last):
+        if spec.update[j].target in reads:
+            raise NotAdmitted(f"{spec.update[j].target} changes before a gradient of the window loss is taken")
+
+
+def _linear_program(alg: Algebra, updates) -> tuple[dict, dict]:
+    """The whole token's update as ``new[S] = sum_R coef[S][R] old[R] + rest[S]`` (each grad held
+    fixed), solvable one state after another; raises NotAdmitted."""
     final = compose_all(alg, updates)
     coef, rest = {}, {}
     for n in alg.states:
@@ -61,29 +130,70 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
                               f"(a coupled system, not a chain of scalar recurrences)")
         done.append(ready[0])
         pending.remove(ready[0])
-    grads = {name: call for name, call in table.values()}
-    reasons = []
-    for n in alg.states:
-        total: Expr = ZERO
-        for k, v in coef[n].items():
-            total = BinOp("+", total, BinOp("*", v, Name(k)))
-        txt = gtxt(simplify(BinOp("+", total, rest[n])), grads)
-        reasons.append(f"update of {n} is a linear recurrence with token-local scalar coefficients "
-                       f"when each grad(...) is held fixed: {n} <- {txt}")
-    reasons.append("mini-batch: inside a chunk every grad(...) is taken at the chunk-start state, "
-                   "the recurrences run token by token (an approximation of online learning; "
-                   "chunk 1 equals online)")
-    recurrence, sites = _statement_recurrence(alg)
+    return coef, rest
+
+
+def _blocks(alg: Algebra, chunk: int) -> tuple:
+    """The block statements (states with ``every C``) the chunk step can run: C a multiple of the
+    chunk, gradients taken before any block statement that changes what the loss reads, and no
+    other state's statement reading a block state."""
+    spec = alg.spec
     try:
-        dual, no_dual = analyse_dual(alg.spec), None
-        reasons += dual.describe()
-    except NotDual as err:
-        dual, no_dual = None, str(err)
-        reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
-    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual), reasons
+        blocks = block_statements(spec, frequencies(spec))
+    except NotBlockwise as err:
+        raise NotAdmitted(str(err)) from None
+    if not blocks:
+        return ()
+    off = sorted({b.every for b in blocks if b.every % chunk})
+    if off:
+        raise NotAdmitted(f"a block of {', '.join(map(str, off))} tokens is not a whole number of chunks of {chunk}")
+    last = max(i for i, st in enumerate(spec.update) if grad_calls(st.value))
+    reads = set(loss_states(spec))
+    slow = {b.target for b in blocks}
+    for b in blocks:
+        if b.index < last and b.target in reads:
+            raise NotAdmitted(f"a gradient is taken after {b.target}'s block update in the token (take the gradients "
+                              "first)")
+    for i, st in enumerate(spec.update):
+        if i in {b.index for b in blocks}:
+            continue
+        no_grads = rewrite(st.value, lambda n: ZERO if isinstance(n, Call) and n.fn == "grad" else None)
+        used = {n.id for n in no_grads.walk() if isinstance(n, Name)} & slow
+        if used:
+            raise NotAdmitted(f"`{st}` reads {', '.join(sorted(used))}, which updates once per block")
+    return blocks
 
 
-def _statement_recurrence(alg: Algebra) -> tuple[Recurrence, dict]:
+def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict, held: set = frozenset()) -> list[str]:
+    """explain lines for a program solved statement by statement (inputs, mirror steps)."""
+    calls = {ph: c for ph, (_, c) in sites.items()}
+    out = []
+    for s in rec.order:
+        if s in alg.caches or s in held:
+            continue
+        total: Expr = ZERO
+        for (when, r), c in rec.coeff[s].items():
+            total = BinOp("+", total, BinOp("*", c, Name(r)))
+        if rec.rest[s] is not None:
+            back = {input_name(w, n): Name(n) for n in alg.states for w in ("prev", "cur")}
+            total = BinOp("+", total, substitute(rec.rest[s], {**calls, **back}))
+        body = unparse(simplify(total))
+        ins = rec.inputs.get(s, ())
+        via = (" with " + ", ".join(f"{r} ({'after' if w == 'cur' else 'before'} the token)" for w, r in ins)
+               + " read from its solved sequence") if ins else ""
+        if s in rec.mirror:
+            c, axis = rec.mirror[s]
+            body = unparse(simplify(substitute(total, {s: Name("Z")})))
+            out.append(f"update of {s} is a mirror-descent step {s} = {unparse(c)} * softmax(Z, {axis}): its logits "
+                       f"follow the linear recurrence Z <- {body}{via} (log {s} differs from Z by a shift along "
+                       f"{axis}, which softmax ignores)")
+        else:
+            out.append(f"update of {s}, statement by statement with each grad(...) held fixed: {s} <- {body}{via}")
+    return out
+
+
+def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = None,
+                          held: set = frozenset()) -> tuple[Recurrence, dict]:
     """The :class:`Recurrence` the materialising chunk step solves: every ``grad(...)`` of
     statement i replaced by a placeholder ``_g<i>_<k>`` (token-local, the gradient's shape),
     so that the same call in two statements (taken at different values) stays two inputs.
@@ -93,6 +203,9 @@ def _statement_recurrence(alg: Algebra) -> tuple[Recurrence, dict]:
     values = []
     for i, stmt in enumerate(spec.update):
         names: dict = {}
+        if i in held:   # a block update: the state holds through the chunk (the chunk step adds the block)
+            values.append(Name(stmt.target))
+            continue
 
         def placeholder(c: Expr, i=i, names=names) -> Expr | None:
             if not (isinstance(c, Call) and c.fn == "grad"):
@@ -105,10 +218,13 @@ def _statement_recurrence(alg: Algebra) -> tuple[Recurrence, dict]:
 
         values.append(rewrite(stmt.value, placeholder))
     scope = {ph: tuple(spec.state[alg.grad_target(c)].shape) for ph, (_, c) in sites.items()}
+    for n, st in spec.state.items():
+        for when in ("prev", "cur"):
+            scope[input_name(when, n)] = tuple(st.shape)
     try:
-        return minibatch_recurrence(spec, values, scope), sites
+        return minibatch_recurrence(spec, values, scope, inputs=True), sites
     except NotRecurrence as err:
-        raise NotAdmitted(str(err)) from None
+        raise (linear_failure or NotAdmitted(str(err))) from None
 
 
 def gtxt(e: Expr, grads: dict) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..lang.blocks import block_statements, frequencies
 from ..lang.expr import Call, Name, unparse
 from .algebra import Algebra
 from .backprop import NoClosedForm, closed_grad, spec_names
@@ -20,11 +21,14 @@ class OnlinePlan:
     """``loss_states``: the states the loss reads, in state order; ``grad_groups``: for each
     update statement, the ``grad(...)`` calls to compute just before it (empty: none);
     ``closed``: for each group, its :class:`.backprop.ClosedGrad` (None: no group, or no
-    closed form, and the step calls ``torch.func.grad``)."""
+    closed form, and the step calls ``torch.func.grad``).
+    ``blocks``: the statements of states updated once every C > 1 tokens
+    (:class:`memspec.lang.blocks.BlockStatement`), whose gradient terms the step sums."""
 
     loss_states: tuple
     grad_groups: tuple
     closed: tuple = ()
+    blocks: tuple = ()
 
 
 def loss_states(spec) -> tuple:
@@ -86,7 +90,14 @@ def closed_grads(spec, groups: tuple) -> tuple[tuple, list[str]]:
 
 
 def analyse_online(alg: Algebra) -> tuple[OnlinePlan, list[str]]:
-    reads = loss_states(alg.spec)
-    groups = grad_groups(alg.spec, reads)
-    closed, reasons = closed_grads(alg.spec, groups)
-    return OnlinePlan(reads, groups, closed), ["online: one token at a time, always exact"] + reasons
+    spec = alg.spec
+    reads = loss_states(spec)
+    groups = grad_groups(spec, reads)
+    closed, reasons = closed_grads(spec, groups)
+    blocks = block_statements(spec, frequencies(spec))
+    why = ["online: one token at a time, always exact"] + reasons
+    for b in blocks:
+        why.append(f"{b.target} updates every {b.every} tokens: the step adds "
+                   + ", ".join(unparse(t) for t in b.terms) + f" to a running sum and applies "
+                   f"`{unparse(spec.update[b.index].value)}` with the sum at each block's last token")
+    return OnlinePlan(reads, groups, closed, blocks), why

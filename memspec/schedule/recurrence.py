@@ -10,10 +10,10 @@ The ``term_*`` helpers build coefficient expressions where ``None`` means zero.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, substitute, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, rewrite, substitute, unparse
 from ..lang.shapes import ShapeEnv
 from .algebra import is_num
 
@@ -90,15 +90,36 @@ class Recurrence:
     coeff: dict
     rest: dict
     grads: tuple
+    inputs: dict = field(default_factory=dict)
+    mirror: dict = field(default_factory=dict)
 
 
-def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
+def input_name(when: str, state: str) -> str:
+    """The placeholder, in a :class:`Recurrence`'s ``rest``, of ``state``'s value before (``prev``)
+    or after (``cur``) the token: a sequence the chunk step has already solved."""
+    return f"_{when}_{state}"
+
+
+def minibatch_recurrence(spec, values=None, scope=None, inputs: bool = False) -> Recurrence:
     """Extract the :class:`Recurrence` of ``spec``'s update program, or raise
     :class:`NotRecurrence` (then the spec does not admit the mini-batch schedule).
 
     ``values`` (optional) replaces the right-hand sides of the update statements, e.g.
     with each ``grad(...)`` already replaced by a placeholder name whose shape is in
-    ``scope``; the placeholders are token-local inputs."""
+    ``scope``; the placeholders are token-local inputs.
+
+    With ``inputs``, the materialising chunk step's extensions are admitted too:
+
+    * a term that is a non-linear function of *other* states, e.g. Atlas' Muon step
+      ``newton_schulz(S, 5)`` of a momentum ``S`` finished earlier in the token, is an input
+      of the recurrence (a function of a sequence solved before): in ``rest`` each such state
+      is the placeholder :func:`input_name` (``_cur_S``, or ``_prev_S`` for its value before
+      the token), and ``inputs[target]`` lists ``(when, S)``;
+    * a mirror-descent step ``S = c * softmax(a * log(S) + X, d)`` (a, c token-local scalars,
+      X not reading S) is a linear recurrence of its logits ``Z = a Z + X`` with
+      ``S = c * softmax(Z, d)`` (softmax ignores the shift a log c - a logsumexp(Z, d) that
+      log S adds to Z along d): ``coeff``/``rest`` hold the recurrence of Z, ``mirror[S]`` is
+      ``(c, d)``."""
     env = ShapeEnv.from_spec(spec)
     values = [st.value for st in spec.update] if values is None else list(values)
     states = list(spec.state)
@@ -106,6 +127,8 @@ def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
     grads: dict = {}
     last = {stmt.target: i for i, stmt in enumerate(spec.update)}
     temps: dict = {}   # temporary -> its _Affine (a token-local input when it has no coefficients)
+    used_inputs: dict = {s: set() for s in states}
+    mirror: dict = {}
 
     def local(e: Expr) -> bool:
         """Token-local: no state, no model application outside grad(...)."""
@@ -156,7 +179,64 @@ def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
         if isinstance(e, BinOp) and e.op == "/" and local(e.right) and scalar(e.right):
             v = walk(e.left, cur, i)
             return _Affine({k: term_div(c, e.right) for k, c in v.coeffs.items()}, term_div(v.rest, e.right))
+        if inputs:
+            tin = token_input(e, cur, i)
+            if tin is not None:
+                return tin
         raise NotRecurrence(f"`{unparse(e)}` is not a token-local scalar times a state")
+
+    def token_input(e: Expr, cur: dict, i: int) -> Optional[_Affine]:
+        """``e`` as an input of the recurrence: a function of token-local values and of states
+        other than the statement's target, each read as a solved sequence (None if not)."""
+        target = spec.update[i].target
+        subst: dict = {}
+        for n in e.walk():
+            if isinstance(n, Call) and (n.fn == model or n.fn == "append"):
+                return None
+            if isinstance(n, Name) and n.id in temps and temps[n.id].coeffs:
+                return None
+            if isinstance(n, Name) and n.id in spec.state:
+                if n.id == target or spec.state[n.id].cache:
+                    return None
+                finished = last.get(n.id, -1) < i and n.id in last
+                if not finished and cur[n.id].coeffs != {("prev", n.id): Num(1)}:
+                    return None   # written earlier in this token, not finished: not one sequence
+                when = "cur" if finished else "prev"
+                subst[n.id] = Name(input_name(when, n.id))
+                used_inputs[target].add((when, n.id))
+        if target not in spec.state:
+            return None
+        for c in e.walk():
+            if isinstance(c, Call) and c.fn == "grad":
+                grads.setdefault(unparse(c), c)
+        pure = {t: v.rest if v.rest is not None else Num(0) for t, v in temps.items() if not v.coeffs}
+        return _Affine({}, substitute(e, {**pure, **subst}))
+
+    def mirror_step(e: Expr, target: str, cur: dict, i: int) -> Optional[_Affine]:
+        """``c * softmax(a * log(S) + X, d)``: the recurrence of the logits (None if not)."""
+        c, sm = Num(1), e
+        if isinstance(e, BinOp) and e.op == "*":
+            for s_, t_ in ((e.left, e.right), (e.right, e.left)):
+                if isinstance(t_, Call) and t_.fn == "softmax" and local(s_) and scalar(s_):
+                    c, sm = s_, t_
+        if not (isinstance(sm, Call) and sm.fn == "softmax" and len(sm.args) == 2):
+            return None
+        if last.get(target) != i or cur[target].coeffs != {("prev", target): Num(1)}:
+            return None   # the mirror step must be the state's only statement
+        logs = [n for n in sm.args[0].walk() if isinstance(n, Call) and n.fn == "log"
+                and n.args and isinstance(n.args[0], Name) and n.args[0].id == target]
+        if not logs:
+            return None
+        arg = rewrite(sm.args[0], lambda n: Name(target) if isinstance(n, Call) and n.fn == "log" and n.args
+                      and isinstance(n.args[0], Name) and n.args[0].id == target else None)
+        try:
+            z = walk(arg, cur, i)
+        except NotRecurrence:
+            return None
+        if set(z.coeffs) != {("prev", target)}:
+            return None
+        mirror[target] = (c, sm.args[1].id)
+        return z
 
     cur = {s: _Affine({("prev", s): Num(1)}, None) for s in states}
     for i, stmt in enumerate(spec.update):
@@ -165,17 +245,22 @@ def minibatch_recurrence(spec, values=None, scope=None) -> Recurrence:
                 temps[stmt.target] = walk(values[i], cur, i)
             continue
         if spec.state[stmt.target].cache:
+            if inputs:   # the window of a window loss: the chunk step appends, no recurrence
+                continue
             raise NotRecurrence(f"state {stmt.target} is a cache")
-        cur[stmt.target] = walk(values[i], cur, i)
+        z = mirror_step(values[i], stmt.target, cur, i) if inputs else None
+        cur[stmt.target] = z if z is not None else walk(values[i], cur, i)
     if not grads and scope is None:
         raise NotRecurrence("the update takes no gradient")
     coeff = {s: {k: c for k, c in cur[s].coeffs.items() if c is not None} for s in states}
     order: list = []
     pending = list(states)
     while pending:
-        ready = [s for s in pending if all(r == s or r in order for _, r in coeff[s])]
+        ready = [s for s in pending if all(r == s or r in order for _, r in coeff[s])
+                 and all(r in order for _, r in used_inputs[s])]
         if not ready:
             raise NotRecurrence(f"states {', '.join(pending)} feed each other within a token")
         order.append(ready[0])
         pending.remove(ready[0])
-    return Recurrence(tuple(order), coeff, {s: cur[s].rest for s in states}, tuple(grads.values()))
+    return Recurrence(tuple(order), coeff, {s: cur[s].rest for s in states}, tuple(grads.values()),
+                      {s: tuple(sorted(v)) for s, v in used_inputs.items() if v}, mirror)

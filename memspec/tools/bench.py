@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+APPROXIMATE = ("minibatch", "apply_update")   # schedules that approximate online learning
 
 
 def _sync(device: str) -> None:
@@ -118,7 +119,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
         try:
             run(schedule)
         except Exception as err:  # a broken schedule is reported, the others still run
-            records.append({"spec": spec.name, "schedule": schedule, "exact": schedule != "minibatch",
+            records.append({"spec": spec.name, "schedule": schedule, "exact": schedule not in APPROXIMATE,
                             "error": f"{type(err).__name__}: {err}", "build_s": build_s})
             continue
         _sync(device)
@@ -141,8 +142,8 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
         rec = {
             "spec": spec.name,
             "schedule": schedule,
-            "exact": schedule != "minibatch",
-            "chunk": memory.chunk if schedule in ("additive", "delta", "minibatch") else None,
+            "exact": schedule not in APPROXIMATE,
+            "chunk": memory.chunk if schedule in ("additive", "delta", "minibatch", "apply_update") else None,
             "median_ms": med * 1e3,
             "runs": n,
             "tokens_per_s": B * T / med,
@@ -153,6 +154,9 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             "peak_mem_kind": "cuda_max_allocated" if device == "cuda" else "process_peak_rss",
             "build_s": build_s,
             "first_call_s": first,
+            # with compile: the first (compiling) call of each compiled step function
+            "compile_s": {name: getattr(memory, name).seconds for name in ("_token_fn", "_chunk_fn")
+                          if getattr(getattr(memory, name, None), "seconds", None) is not None} or None,
         }
         records.append(rec)
     online = next((r for r in records if r["schedule"] == "online" and "error" not in r), None)

@@ -70,8 +70,12 @@ class Coster:
             return _size((n, n, n)) + _size((n, n) + m)
         if e.fn == "attend" and len(arg) == 4 and arg[1] and arg[2]:
             return _size(arg[1]) + _size(arg[2])
-        if e.fn in ("sum", "mean", "norm", "layernorm", "rmsnorm", "l2norm"):
+        if e.fn in ("sum", "mean", "norm", "layernorm", "rmsnorm", "l2norm", "softmax"):
             return _size(arg[0])
+        if e.fn == "newton_schulz" and arg[0] and len(arg[0]) == 2:
+            # each step: X X^T (m n m), (A A) (m^3), (.) X (m m n) on the smaller side m
+            m, n = arg[0]
+            return Counter({tuple(sorted((m, m, n))): 2, tuple(sorted((m, m, m))): 1})
         if e.fn in ("eye", "diag"):   # never formed (diag is the operand of a scaling)
             return Counter()
         if e.fn == "append":  # pushing one vector

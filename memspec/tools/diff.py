@@ -123,7 +123,7 @@ def describe(entry: Any) -> Any:
     if isinstance(entry, State):
         if entry.cache:
             return f"cache {shape_text(entry.shape)}" + (f" window {entry.window}" if entry.window else "")
-        return f"{shape_text(entry.shape)} = {entry.init}"
+        return f"{shape_text(entry.shape)} = {entry.init}" + (f" every {entry.every}" if entry.every else "")
     if isinstance(entry, Wiring):
         if entry.kind == "none":
             return "none"
@@ -273,6 +273,7 @@ class _Differ:
         self.value("state", p + ("shape",), shape_text(x.shape), shape_text(y.shape))
         self.value("state", p + ("init",), x.init, y.init)
         self.value("state", p + ("window",), x.window, y.window)
+        self.value("state", p + ("every",), x.every, y.every)
 
     def _model(self):
         ma, mb = self.a.model, self.b.model

@@ -56,6 +56,14 @@ def render(e: Expr) -> str:
             return "∇ℓ" + (f"({render(a[1])})" if len(a) > 1 else "")
         if e.fn == "outer":
             return f"{_wrap(a[0], 3)} ⊗ {_wrap(a[1], 3)}"
+        if e.fn in ("sum", "mean", "norm", "softmax") and len(a) == 2:   # over a named axis
+            axis = a[1].id if isinstance(a[1], Name) else render(a[1])
+            if e.fn == "norm":
+                return f"‖{render(a[0])}‖_{axis}"
+            return {"sum": "Σ", "mean": "mean", "softmax": "softmax"}[e.fn] + f"_{axis}({render(a[0])})"
+        if e.fn == "newton_schulz":
+            steps = format_number(a[1].value) if isinstance(a[1], Num) else render(a[1])
+            return f"NS{steps.translate(SUBSCRIPT)}({render(a[0])})"
         if e.fn == "sum" and isinstance(a[0], BinOp) and a[0].op == "^" and a[0].right == Num(2):
             return f"‖{render(a[0].left)}‖²"
         if e.fn == "norm":

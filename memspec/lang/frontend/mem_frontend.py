@@ -200,7 +200,11 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
         elif kind == "state_tensor":
             name = str(ch[0])
             shape = [str(t) for t in ch[1].children if t is not None]
-            put(("state", name), {"shape": shape, "init": _init_text(ch[2])}, span, pos.of_token(ch[0]))
+            entry = {"shape": shape, "init": _init_text(ch[2])}
+            if ch[3] is not None:
+                entry["every"] = int(str(ch[3].children[0]))
+                raw.spans[("state", name, "every")] = pos.of_meta(ch[3].meta) or span
+            put(("state", name), entry, span, pos.of_token(ch[0]))
             raw.spans[("state", name, "shape")] = pos.of_meta(ch[1].meta) or span
             raw.spans[("state", name, "init")] = pos.of_meta(ch[2].meta) or span
             for i, t in enumerate(x for x in ch[1].children if x is not None):

@@ -1,0 +1,144 @@
+"""Emitter of the ``apply_update`` family (:mod:`memspec.schedule.apply_update`): LaCT's chunks.
+
+``_forward_apply_update`` cuts the stream into chunks of ``self.chunk`` tokens at positions
+0, C, 2C, ... (the compiled ``_chunk_step`` for a whole chunk, eagerly for a piece of one);
+a call that ends inside a chunk returns its position and the chunk's running gradient sums
+as ``state['every.pos']`` and ``state['every.<state>.<k>']``.  ``_chunk_step`` reads every
+token at the held state (apply), adds the chunk's weighted gradients, one
+``torch.func.grad`` of ``_chunk_loss`` per weight, to the sums, and at the chunk's last token
+runs the update statements once with the sums (update).
+"""
+from __future__ import annotations
+
+from ..lang.expr import Name, rewrite, unparse
+from ..lang.names import fresh
+from .online import block_sums_in, block_sums_out
+from .program import assign_line
+from .text import shape_text, tuple_text
+
+
+def emit(ctx, L) -> None:
+    plan = ctx.plans["apply_update"]
+    accs = ctx.block_accs(plan.blocks)
+    forward(ctx, L, accs)
+    chunk_loss(ctx, L)
+    chunk_step(ctx, L, plan, accs)
+
+
+def forward(ctx, L, accs) -> None:
+    taken = ctx.taken()
+    sv = ctx.views + ctx.gates
+    carried = ctx.states + [a.name for a in accs]
+    c, T, t, n, pos = (fresh(x, taken) for x in ("C", "T", "t", "n", "pos"))
+    outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
+    L(f"def _forward_apply_update(self, {', '.join(sv + ['state'])}):")
+    with L.indent():
+        L('"""' + "Apply, then update: chunks of `self.chunk` tokens at positions 0, C, 2C, ... of the stream.")
+        L()
+        L("Every token of a chunk reads the state the previous chunk left; the state updates once, at")
+        L("the chunk's last token, with the chunk's summed gradient terms.  A call that ends inside a")
+        L("chunk returns its position and running sums as state['every.pos'] (an int) and")
+        L("state['every.<state>.<k>'], so that streaming in pieces gives the same numbers as one call.")
+        L('"""')
+        L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
+        L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}]' for s in ctx.states)}")
+        block_sums_in(ctx, L, pos, accs)
+        L(f"{outs} = []")
+        L(f"{t} = 0")
+        L(f"while {t} < {T}:")
+        with L.indent():
+            L(f"{n} = min({c} - {pos}, {T} - {t})")
+            L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
+            args = carried + [f"{x}[:, {t}:{t} + {n}]" for x in sv] + [f"{pos} + {n} == {c}"]
+            L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
+            L(f"{outs}.append({o_c})")
+            L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
+        L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
+        block_sums_out(ctx, L, pos, accs, c)
+        L(f"return torch.cat({outs}, dim=1), state")
+    L()
+
+
+def chunk_loss(ctx, L) -> None:
+    spec = ctx.spec
+    em = ctx.emitter()
+    L(f"def _chunk_loss(self, weight, {', '.join(ctx.loss_args)}):")
+    with L.indent():
+        L('"""' + f"sum_t weight_t * loss_t over the tokens of a chunk, loss = {unparse(spec.loss)}: the held")
+        L("state " + ", ".join(f"{s} [B, 1, H, ...]" for s in ctx.loss_states) + ", the tokens' inputs [B, C, H, ...], "
+          "weight [B, C, H]; its")
+        L("gradient with respect to a state is the chunk's sum of weight_t grad(loss, state)_t.")
+        L('"""')
+        code = em._emit(spec.loss)
+        L(f"return (weight * {code.at(9)}).sum()")
+    L()
+
+
+def chunk_step(ctx, L, plan, accs) -> None:
+    spec = ctx.spec
+    taken = ctx.taken()
+    carried = ctx.states + [a.name for a in accs]
+    last = fresh("last", taken)
+    L(f"def _chunk_step(self, {', '.join(carried + ctx.views + ctx.gates + [last])}):")
+    with L.indent():
+        L('"""' + "A chunk (or a piece of one) of C tokens: " + ", ".join(
+            f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
+          + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates) + ";")
+        L(", ".join(ctx.states) + ": the state every token of the chunk reads [B, H, ...]; "
+          + ", ".join(a.name for a in accs) + ": the chunk's gradient sums so far;")
+        L(f"{last}: does this piece end the chunk.  Returns (o " + shape_text("B, C, H", ctx.read_shape())
+          + ", the state and sums after it).")
+        L('"""')
+        em = ctx.emitter()
+        ctx.lets(L, em, "B, C, H")
+        held = {s: fresh(f"{s}_held", taken) for s in ctx.states}
+        for s in ctx.states:
+            L(f"{held[s]} = {s}.unsqueeze(1)", shape_text("B, 1, H", spec.state[s].shape) + f": {s} for every token")
+        rd = ctx.emitter(names=dict(held))
+        L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": apply: each token reads the held state")
+        # the chunk's sums of weighted gradients: one backward pass of the weighted chunk loss each
+        args = [held.get(a, a) for a in ctx.loss_args]
+        sums: dict = {}
+        for i, wg in enumerate(plan.weights):
+            argnums = tuple(1 + ctx.loss_args.index(s) for s in wg.targets)
+            outs = [fresh(f"sum_{s}", taken) for s in wg.targets]
+            for s, o in zip(wg.targets, outs):
+                sums[(i, s)] = o
+            an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
+            lhs = ", ".join(outs) + ("," if len(outs) == 1 else "")
+            w = em._emit(wg.weight)
+            L(f"{lhs} = torch.func.grad(self._chunk_loss, argnums={an})({w.text}, {', '.join(args)})",
+              f"sum_t {unparse(wg.weight)} grad(loss, {', '.join(wg.targets)})_t")
+        for a in accs:
+            k = [x for x in accs if x.index == a.index].index(a)
+            refs = [(sign, f"{sums[(i, s)]}.squeeze(1)") for sign, i, s in plan.terms[(a.index, k)]]
+            L(f"{a.name} = {a.name} {_signed(refs)}", shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
+        # update: once, at the chunk's last token, with the sums
+        L(f"if {last}:", "update: the statements once, with the chunk's sums (other values: the last token's)")
+        with L.indent():
+            lastnames = {n: f"{n}[:, -1]" for n in ctx.views + ctx.gates + ctx.let_order()}
+            for b in plan.blocks:
+                mine = [a for a in accs if a.index == b.index]
+                by_term = {unparse(a.term): a.name for a in mine}
+                value = rewrite(spec.update[b.index].value,
+                                lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None)
+                sub = ctx.emitter(names=dict(lastnames)).with_scope(**{a.name: a.shape for a in mine})
+                assign_line(L, sub, b.target, spec.state[b.target], value)
+            for a in accs:
+                L(f"{a.name} = torch.zeros_like({a.name})")
+            if spec.order == "write_read":   # the chunk's last token reads after the update
+                lastin = {n: f"{n}[:, -1:]" for n in ctx.views + ctx.gates + ctx.let_order()}
+                new = {s: f"{s}.unsqueeze(1)" for s in ctx.states}
+                ol = ctx.emitter(names={**lastin, **new})
+                L(f"o = torch.cat([o[:, :-1], {ol.emit(spec.read)}], dim=1)", "the last token reads the new state")
+        L(f"return o, {tuple_text(carried)}")
+    L()
+
+
+def _signed(refs: list) -> str:
+    """``+ a``, ``- a``, ``+ (a - b)``: the signed sum of ``refs`` [(sign, text)] to add to a local."""
+    if len(refs) == 1:
+        sign, ref = refs[0]
+        return ("+ " if sign > 0 else "- ") + ref
+    text = " ".join(("+ " if sign > 0 else "- ") + ref for sign, ref in refs)
+    return "+ (" + (text[2:] if text.startswith("+ ") else "-" + text[2:]) + ")"
