@@ -457,7 +457,8 @@ class DualWriter:
                 for g, m in rep.mat.items():
                     if xk.get(g) in inputs:   # the layer's input weighted (no state: by _chunk_pre)
                         kw = assign(fresh(f"{xk[g]}_last_{m}", taken), f"{m}[..., -1, :, None] * {xk[g]}",
-                                    shape_text("B, H, C", w.shape(Name(xk[g]))) + f": {xk[g]} weighted for the state after the chunk")
+                                    shape_text("B, H, C", w.shape(Name(xk[g])))
+                                    + f": {xk[g]} weighted for the state after the chunk")
                         terms.append(f"{kw}.transpose(-2, -1) @ {dd[g]}")
                         continue
                     key = (m, dd[g])
