@@ -500,10 +500,10 @@ class DeltanetMemory(nn.Module):
 
     def _chunk_pre(self, v, eta, qn, kn):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
-        matrices, products of the inputs alone), from the inputs v [B, H, C, d_v], eta [B, H, C], qn
-        [B, H, C, d_k], kn [B, H, C, d_k] of
-        one chunk or of any number of chunks stacked on the batch axis (every line is local to
-        a batch row).  Returns the locals `_chunk_step` takes after its inputs.
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): v [B, H, C, d_v], eta [B, H, C], qn [B,
+        H, C, d_k], kn [B, H, C, d_k].
+        Returns the locals `_chunk_step` takes after its inputs.
         """
         C = v.shape[2]
         coef = -eta  # [B, H, C]: -eta

@@ -392,10 +392,9 @@ class SeedTitansMemory(nn.Module):
 
     def _chunk_pre(self, q, k):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
-        matrices, products of the inputs alone), from the inputs q [B, H, C, d_k], k [B, H, C, d_k]
-        of
-        one chunk or of any number of chunks stacked on the batch axis (every line is local to
-        a batch row).  Returns the locals `_chunk_step` takes after its inputs.
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): q [B, H, C, d_k], k [B, H, C, d_k].
+        Returns the locals `_chunk_step` takes after its inputs.
         """
         C = q.shape[2]
         L_U_W1, P_U_W1 = _decay_matrix(q.new_full((C,), 0.5))  # [C, C], [C]: decay weights of mu

@@ -526,10 +526,10 @@ class TitansMalMemory(nn.Module):
 
     def _chunk_pre(self, eta, mu, alpha, qn, kn):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
-        matrices, products of the inputs alone), from the inputs eta [B, H, C], mu [B, H, C], alpha
-        [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k] of
-        one chunk or of any number of chunks stacked on the batch axis (every line is local to
-        a batch row).  Returns the locals `_chunk_step` takes after its inputs.
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): eta [B, H, C], mu [B, H, C], alpha [B,
+        H, C], qn [B, H, C, d_k], kn [B, H, C, d_k].
+        Returns the locals `_chunk_step` takes after its inputs.
         """
         coef = -eta  # [B, H, C]: -eta
         L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu

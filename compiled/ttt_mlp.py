@@ -401,10 +401,10 @@ class TttMlpMemory(nn.Module):
 
     def _chunk_pre(self, q, k, eta):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
-        matrices, products of the inputs alone), from the inputs q [B, H, C, d_k], k [B, H, C, d_k],
-        eta [B, H, C] of
-        one chunk or of any number of chunks stacked on the batch axis (every line is local to
-        a batch row).  Returns the locals `_chunk_step` takes after its inputs.
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): q [B, H, C, d_k], k [B, H, C, d_k], eta
+        [B, H, C].
+        Returns the locals `_chunk_step` takes after its inputs.
         """
         C = q.shape[2]
         coef = -eta  # [B, H, C]: -eta

@@ -84,9 +84,9 @@ def split_pre(w, free: set, L, lines: list, carried: list, inputs: list):
     L(f"def _chunk_pre(self, {', '.join(pre_in)}):")
     with L.indent():
         L('"""' + "What the dual-form chunk step reads that depends on no state (gate weights, decay")
-        L("matrices, products of the inputs alone), from the inputs " + shapes(pre_in) + " of")
-        L("one chunk or of any number of chunks stacked on the batch axis (every line is local to")
-        L("a batch row).  Returns the locals `_chunk_step` takes after its inputs.")
+        L("matrices, products of the inputs alone), for one chunk or any number of chunks stacked on")
+        L("the batch axis (every line is local to a batch row): " + shapes(pre_in) + ".")
+        L("Returns the locals `_chunk_step` takes after its inputs.")
         L('"""')
     L.lines.extend(ln for st in pre for ln in st[0])
     with L.indent():
