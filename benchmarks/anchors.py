@@ -600,13 +600,15 @@ def dplr_rows(x, C, Cc):
     # momentum delta rule: M = mu M + eta k (p^T S - v)^T, S = alpha S - beta M (fla's
     # chunk_momentum_delta_rule_ref does not match its recurrent reference: timed, not compared)
     mom = fla_peer("momentum_delta_rule")
-    margs = lambda: (q, k, v, p, gs, gs * 0.5, beta, x["iclr"][..., 0], None, None)  # noqa: E731  log mu, eta
+    # p = k and eta in [0, 0.2] (momentum_deltanet's regime): with p != k or eta near 1 the recurrence
+    # itself grows past 1e13 over 2048 tokens, and no kernel can be compared to another there
+    margs = lambda: (q, k, v, k, gs, gs * 0.5, beta, 0.2 * x["iclr"][..., 0], None, None)  # noqa: E731
     two = lambda f: (lambda: (lambda o, S, M: (o, torch.stack([S, M])))(*f()))  # noqa: E731  (o, [S; M])
     rows["momentum delta"] = (
         two(lambda: chunk_momentum_delta(*margs(), C)), two(lambda: recurrent_momentum_delta(*margs())),
         (lambda: mom.chunk_momentum_delta_rule_ref(*margs()[:8], scale=1.0, output_final_state=True,
                                                    chunk_size=C)) if mom else None,
-        ["q", "k", "v", "p", "gs", "beta", "iclr"], "fla's chunked reference != its recurrent one")
+        ["q", "k", "v", "gs", "beta", "iclr"], "fla's chunked reference != its recurrent one")
     return rows
 
 

@@ -290,9 +290,11 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk):
                 scores = scores.tril_(d)
             # the triangular product with v: its non-finite entries go around it, from their row on
             v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)               # [nBH, c, V]
-            # [nBH, c, 1] 0, or non-finite from s on
-            v_bad = torch.cumsum((vg - v_ok).sum(-1, keepdim=True), dim=1)
-            og = torch.baddbmm(torch.baddbmm(v_bad, qg, S_starts), scores, v_ok)   # [nBH, c, V]
+            # [nBH, c, 1] non-finite iff the row is
+            v_sum = vg.sum(-1, keepdim=True)
+            # [nBH, c, 1] 0, or nan from s on
+            v_bad = torch.cumsum(v_sum - v_sum, dim=1)
+            og = torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad)   # [nBH, c, V]
         outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))  # [B, n, c, H, V] (a view)
     S_out = S.view(B, H, K, V).to(out_dtype)
     if q is None:

@@ -95,23 +95,34 @@ def _causal_mask(T, N, window, device):
     return allowed
 
 
-def _masked_attention(q, K, V, mask, scale):
+def _masked_attention(q, K, V, mask, scale, window=None):
     """``scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale)`` (q [B, H, T, d],
-    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool) -> [B, H, T, e], with a non-finite
-    query, key or value reaching only the outputs that attend to it: non-finite entries are
-    replaced by zeros before the products (``torch.where``: a masked weight times a future
-    inf would be nan) and the outputs that do attend to one (or whose query is one) are nan,
-    as token by token."""
-    bad_kv = ~(torch.isfinite(K).all(-1) & torch.isfinite(V).all(-1))      # [B, H, N]
-    bad_q = ~torch.isfinite(q).all(-1)                                     # [B, H, T]
+    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool: ``_causal_mask(T, N, window)``) ->
+    [B, H, T, e], with a non-finite query, key or value reaching only the outputs that attend
+    to it: non-finite entries are replaced by zeros before the products (``torch.where``: a
+    masked weight times a future inf would be nan) and the outputs that do attend to one (or
+    whose query is one) are nan, as token by token.  A token is non-finite when the sum of
+    its row is (one reduction per row); which outputs reach one comes from a prefix count of
+    the non-finite keys over the mask's window, O(N) per head."""
+    N, T = K.shape[2], q.shape[2]
+    bad_kv = ~torch.isfinite(K.sum(-1) + V.sum(-1))                       # [B, H, N]
+    bad_q = ~torch.isfinite(q.sum(-1))                                     # [B, H, T]
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(
         torch.where(bad_q.unsqueeze(-1), zero, q), torch.where(bad_kv.unsqueeze(-1), zero, K),
         torch.where(bad_kv.unsqueeze(-1), zero, V), attn_mask=mask, scale=scale)
-    reached = (mask.to(q.dtype) @ bad_kv.to(q.dtype).unsqueeze(-1)).squeeze(-1) > 0   # [B, H, T]
-    return torch.where((reached | bad_q).unsqueeze(-1),
-            torch.full((), float("nan"), dtype=out.dtype,
-                       device=out.device), out)
+    # [B, H, N] bad keys in [0, j]
+    count = torch.cumsum(bad_kv.to(torch.int32), dim=-1)
+    # [T] positions of the queries
+    pos = torch.arange(N - T, N, device=q.device)
+    # [B, H, T] bad keys at or before
+    reached = count[..., pos]
+    # minus those out of the window
+    if window is not None:
+        before = pos - window
+        reached = reached - torch.where(before >= 0, count[..., before.clamp_min(0)], 0)
+    nan_value = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    return torch.where(((reached > 0) | bad_q).unsqueeze(-1), nan_value, out)
 
 
 class SlidingWindowAttentionMemory(nn.Module):
@@ -265,8 +276,8 @@ class SlidingWindowAttentionMemory(nn.Module):
         V_all = torch.cat([state['V'], v.transpose(1, 2)], dim=2)  # [B, H, n + T, d_v]
         mask = _causal_mask(T, K_all.shape[2], 512, q.device)  # [T, n + T]
         # [B, T, H, d_v]
-        attended = _masked_attention(q.transpose(1, 2), K_all, V_all, mask,
-                self.d_k ** -0.5).transpose(1, 2)
+        attended = _masked_attention(q.transpose(1, 2), K_all, V_all, mask, self.d_k ** -0.5,
+                512).transpose(1, 2)
         o = attended  # [B, T, H, d_v]
         return o, {'K': K_all[:, :, -512:], 'V': V_all[:, :, -512:]}
 

@@ -36,7 +36,7 @@ PAPER_FAMILIES = {
     "retention": "additive",
     "mamba2": "additive",
     "deltanet_textbook": "delta",
-    "momentum_deltanet": "online",      # two states coupled linearly: auto takes the exact online schedule
+    "momentum_deltanet": "momentum",    # two states coupled linearly, triangularly: the exact chunked form
 }
 
 
@@ -511,15 +511,19 @@ def test_decay_must_be_provably_nonnegative():
 
 
 def test_coupled_recurrences_are_not_minibatch():
-    d = analyse(mem(DELTA_HEAD.replace("state W : [d_k, d_v] = zeros",
-                                       "state W : [d_k, d_v] = zeros\nstate U : [d_k, d_v] = zeros") + """
+    spec = mem(DELTA_HEAD.replace("state W : [d_k, d_v] = zeros",
+                                  "state W : [d_k, d_v] = zeros\nstate U : [d_k, d_v] = zeros") + """
         loss = 0.5 * sum((f(k) - v)^2)
         update { U = 0.5 * U + 0.1 * W - eta * grad(loss, W)
                  W = W + 0.5 * U }
         read = f(q)
-    """))
+    """)
+    d = analyse(spec)
     assert d.family == "online"
     assert "feed each other's previous values" in dict(d.rejected)["minibatch"]
+    assert "U reads W through a scalar (0.1 W): the block decay is not triangular" in dict(d.rejected)["momentum"]
+    assert dict(d.rejected)["momentum"].startswith("U reads W")   # the read names the memory: W
+    assert "the momentum chunked form does not apply (see momentum above)" in explain(spec, d)
 
 
 def test_the_textbook_delta_rule_gets_deltanets_schedule_and_numbers():
@@ -545,6 +549,9 @@ def test_explain_prints_the_normal_form_in_the_specs_names():
     assert ("  normal form (S_t = T_t(S_{t-1}) + W_t, in the states before the token):\n"
             "    W <- T(W) + A with T = (1 - alpha) I - eta * (1 - alpha) kn knᵀ; A = eta kn vᵀ\n") in text
     text = explain(memspec.load(SPECS / "momentum_deltanet.yaml"))
-    assert text.startswith("momentum_deltanet: online")
-    assert "T[W <- U] = mu I" in text and "schedule: minibatch(N)" in text
+    assert text.startswith("momentum_deltanet: momentum")
+    assert "T[W <- U] = mu I" in text and "admits: momentum, minibatch, online" in text
     assert "one joint transition [[1 - alpha, mu], [0, mu]] ⊗ I plus rank-one terms" in text
+    assert "but triangular (the momentum feeds the memory, never back)" in text
+    assert "momentum delta rule with M = -U: M <- mu * M + outer(k, eta * (p @ W - v)); W <- (1 - alpha) * W - M" \
+        in text

@@ -45,7 +45,7 @@ def emit(ctx, L) -> None:
                 else:                                  # softmax(s K q) = softmax(K (s q)): s into the query
                     query, sdpa_scale = f"({em._emit(q).at(P_MUL)} * {sc.at(P_ATOM)}.unsqueeze(-1))", "1.0"
                 L(f"{name} = _masked_attention({query}.transpose(1, 2), {full[K.id]}, "
-                  f"{full[V.id]}, {mask}, {sdpa_scale}).transpose(1, 2)",
+                  f"{full[V.id]}, {mask}, {sdpa_scale}, {win}).transpose(1, 2)",
                   shape_text("B, T, H", ctx.shape(c)))
                 pre[unparse(c)] = name
         ctx.need(_causal_mask)

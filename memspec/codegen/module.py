@@ -19,7 +19,7 @@ from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled
 from ..runtime.wiring import source as wiring_source
 from ..schedule.decide import ScheduleDecision
-from . import additive, apply_update, cache, delta, layer, minibatch, online
+from . import additive, apply_update, cache, delta, layer, minibatch, momentum, online
 from .context import Context, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
@@ -28,17 +28,19 @@ from .text import Lines, dims_text, inert, shape_text, string_pieces
 
 # one emitter per schedule family (the rows of memspec.schedule.decide.FAMILIES)
 EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "minibatch": minibatch, "online": online,
-            "apply_update": apply_update}
+            "momentum": momentum, "apply_update": apply_update}
 # the order the families' methods appear in the generated class
-EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta")
+EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta", "momentum")
 FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
-                  "additive": "_forward_chunk", "delta": "_forward_chunk", "apply_update": "_forward_apply_update"}
+                  "additive": "_forward_chunk", "delta": "_forward_chunk", "momentum": "_forward_chunk",
+                  "apply_update": "_forward_apply_update"}
 SCHEDULE_TEXT = {
     "online": "online: one token at a time (exact)",
     "cache": "cache: scaled_dot_product_attention over [past cache | new tokens] with a causal{window} mask (exact)",
     "minibatch": "minibatch({chunk}): each chunk's gradients at its start state (approximate; chunk 1 = online)",
     "additive": "additive chunked form, chunk {chunk} (exact)",
     "delta": "delta rule chunked form (WY / UT), chunk {chunk} (exact)",
+    "momentum": "momentum delta rule chunked form (two coupled states), chunk {chunk} (exact)",
     "apply_update": "apply_update({chunk}): each chunk reads the state the previous chunk left, then every state "
                     "updates once with the chunk's summed gradient terms (approximate; chunk 1 equals online)",
 }
@@ -335,7 +337,7 @@ def forward(ctx, L):
         L(f"if {T} == 0:", "no tokens: every schedule returns an empty output and the state as it was")
         L(f"    return {ctx.first}.new_zeros({B}, 0, {ctx.first}.shape[2]{out_dims}), state")
         args = ", ".join(ctx.views + ctx.gates + ["state"])
-        for fam in ("minibatch", "apply_update", "cache", "additive", "delta"):
+        for fam in ("minibatch", "apply_update", "cache", "additive", "delta", "momentum"):
             if fam in ctx.schedules:
                 L(f"if schedule == {fam!r}:")
                 L(f"    return self.{FORWARD_METHOD[fam]}({args})")

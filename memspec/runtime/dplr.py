@@ -518,9 +518,10 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     ``(I - A) z = [e^{La_{t-1}} p | P12(t-1, start) p] [S_0; M_0] - V`` with
     ``A_ts = (P11(t-1,s) (-beta_s eta_s) + P12(t-1,s) eta_s) (p_t . k_s)``; the products' corner
     ``P12(t, s) = sum_{s<r<=t} e^{La_t - La_r} (-beta_r mu_r) e^{Lm_{r-1} - Lm_s}`` is one product
-    of two masked decay matrices (entries <= 1: stable).  Then per chunk
-    ``z = W_S S + W_M M + U``, ``S <- e^{La_C} S + P12(C, start) M + K_S^T z``,
-    ``M <- e^{Lm_C} M + K_M^T z``, and the outputs are batched matmuls.
+    of two masked decay matrices (entries <= 1: stable); the products at ``t - 1`` are those at
+    ``t`` shifted by one row.  Then per chunk, on the stacked ``Z = [S; M]``: ``z = W_Z Z + U``,
+    ``Z <- [e^{La_C} S + P12(C, start) M; e^{Lm_C} M] + K_Z^T z`` (two products per chunk), and
+    the outputs are batched matmuls (the reads of ``S`` and ``M`` at the chunk start in one).
 
     Args:
         as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
@@ -564,47 +565,50 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
         return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
 
-    Ea, Eap, Emp = dmat(La, La, incl), dmat(Lap, La, strict), dmat(Lmp, Lm, strict)
+    def shift(x):  # row t <- row t - 1 within the chunk (row 0: zeros): a product at t - 1
+        return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0) if x.dim() == 3 else (1, 0))
+
+    Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
     bm = -bc * torch.exp(lm)                                          # -beta_r mu_r
-    bmE = bm[:, :, None] * Emp                                        # diag(-beta mu) E_m
-    Q12, Q12p = torch.bmm(Ea, bmE), torch.bmm(Eap, bmE)              # P12(t, s), P12(t-1, s)
-    start = (bm * torch.exp(Lmp))[:, :, None]                          # -beta_r mu_r e^{Lm_{r-1}}
-    h12, h12p = torch.bmm(Ea, start)[..., 0], torch.bmm(Eap, start)[..., 0]   # P12(t, start), P12(t-1, start)
+    Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                         # P12(t, s)
+    h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]    # P12(t, start)
     be = (-bc * ec)[:, None, :]                                       # -beta_s eta_s
-    Gam = Eap * be + Q12p * ec[:, None, :]                            # [P(t-1, s) a~_s]_1, s < t
     Om = Ea * be + Q12 * ec[:, None, :]                               # [P(t, s) a~_s]_1, s <= t
+    Gam = shift(Om)                                                   # [P(t-1, s) a~_s]_1, s < t
+    h12p = shift(h12)                                                 # P12(t-1, start)
     A = Gam * torch.bmm(pc, kc.transpose(1, 2))                       # strictly lower
     rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [Np BH, C, 2K + V]
     # (I - A) X = rhs, as X^T (I - A)^T = rhs^T (the fast layout on CPU)
     X = torch.linalg.solve_triangular((-A).transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
-                                      unitriangular=True).transpose(1, 2)
-    WS, WM, U = X.split([K, K, V], dim=-1)
-    kS = kc * Om[:, -1, :, None]                                      # S's end factors
-    kM = kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]           # M's: P22(C, s) eta_s
-    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]
+                                      unitriangular=True).transpose(1, 2).contiguous()
+    WZ, U = X.split([2 * K, V], dim=-1)                               # z = WZ [S; M] + U
+    kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]], dim=-1)
+    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]   # S's, M's: P11, P22, P12 (C, start)
 
     def per(x):
         return x.reshape(Np, BH, *x.shape[1:]).unbind(0)
 
-    zs, S_st, M_st = [], [], []
-    for WS_j, WM_j, U_j, kS_j, kM_j, gS_j, gM_j, hM_j in zip(*(per(x) for x in (WS, WM, U, kS, kM, gS, gM, hM))):
-        S_st.append(S)
-        M_st.append(M)
-        z = torch.baddbmm(torch.baddbmm(U_j, WS_j, S), WM_j, M)         # [BH, C, V]
-        S, M = (torch.baddbmm(gS_j[:, None, None] * S + hM_j[:, None, None] * M, kS_j.transpose(1, 2), z),
-                torch.baddbmm(gM_j[:, None, None] * M, kM_j.transpose(1, 2), z))
+    Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
+    zs, Z_st = [], []
+    for WZ_j, U_j, kZ_j, gS_j, gM_j, hM_j in zip(*(per(x) for x in (WZ, U, kZ, gS, gM, hM))):
+        Z_st.append(Z)
+        z = torch.baddbmm(U_j, WZ_j, Z)                                # [BH, C, V]
+        S, M = Z.split(K, dim=1)
+        Zd = torch.cat([gS_j[:, None, None] * S + hM_j[:, None, None] * M, gM_j[:, None, None] * M], dim=1)
+        Z = torch.baddbmm(Zd, kZ_j.transpose(1, 2), z)                 # [S; M] at the chunk's end
         zs.append(z)
-    S_out, M_out = (x.reshape(B, H, K, V).to(out_dtype) for x in (S, M))
+    S_out, M_out = (x.reshape(B, H, K, V).to(out_dtype).contiguous() for x in Z.split(K, dim=1))
     if q is None:
         return None, S_out, M_out
     qc = lay(q)
     z = torch.stack(zs).reshape(Np * BH, C, V)
-    S_st, M_st = torch.stack(S_st).reshape(Np * BH, K, V), torch.stack(M_st).reshape(Np * BH, K, V)
+    Z_st = torch.stack(Z_st).reshape(Np * BH, 2 * K, V)
     if inclusive:
         fa, fm, Pm = torch.exp(La), h12, Om
     else:
         fa, fm, Pm = torch.exp(Lap), h12p, Gam
     P = Pm * torch.bmm(qc, kc.transpose(1, 2))
-    o = torch.bmm(qc * fa[..., None], S_st) + torch.bmm(qc * fm[..., None], M_st) + torch.bmm(P, z)
+    qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)  # [Np BH, C, 2K]: reads of [S; M]
+    o = torch.baddbmm(torch.bmm(P, z), qZ, Z_st)
     o = o.reshape(Np, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, Np * C, H, V)[:, :T]
     return o.to(v.dtype), S_out, M_out

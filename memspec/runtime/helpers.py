@@ -220,19 +220,27 @@ def _where_ok(ok, x, fill):
                        device=x.device))
 
 
-def _masked_attention(q, K, V, mask, scale):
+def _masked_attention(q, K, V, mask, scale, window=None):
     """``scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale)`` (q [B, H, T, d],
-    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool) -> [B, H, T, e], with a non-finite
-    query, key or value reaching only the outputs that attend to it: non-finite entries are
-    replaced by zeros before the products (``torch.where``: a masked weight times a future
-    inf would be nan) and the outputs that do attend to one (or whose query is one) are nan,
-    as token by token."""
-    bad_kv = ~(torch.isfinite(K).all(-1) & torch.isfinite(V).all(-1))      # [B, H, N]
-    bad_q = ~torch.isfinite(q).all(-1)                                     # [B, H, T]
+    K [B, H, N, d], V [B, H, N, e], mask [T, N] bool: ``_causal_mask(T, N, window)``) ->
+    [B, H, T, e], with a non-finite query, key or value reaching only the outputs that attend
+    to it: non-finite entries are replaced by zeros before the products (``torch.where``: a
+    masked weight times a future inf would be nan) and the outputs that do attend to one (or
+    whose query is one) are nan, as token by token.  A token is non-finite when the sum of
+    its row is (one reduction per row); which outputs reach one comes from a prefix count of
+    the non-finite keys over the mask's window, O(N) per head."""
+    N, T = K.shape[2], q.shape[2]
+    bad_kv = ~torch.isfinite(K.sum(-1) + V.sum(-1))                       # [B, H, N]
+    bad_q = ~torch.isfinite(q.sum(-1))                                     # [B, H, T]
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     out = torch.nn.functional.scaled_dot_product_attention(
         torch.where(bad_q.unsqueeze(-1), zero, q), torch.where(bad_kv.unsqueeze(-1), zero, K),
         torch.where(bad_kv.unsqueeze(-1), zero, V), attn_mask=mask, scale=scale)
-    reached = (mask.to(q.dtype) @ bad_kv.to(q.dtype).unsqueeze(-1)).squeeze(-1) > 0   # [B, H, T]
-    return torch.where((reached | bad_q).unsqueeze(-1), torch.full((), float("nan"), dtype=out.dtype,
-                       device=out.device), out)
+    count = torch.cumsum(bad_kv.to(torch.int32), dim=-1)                  # [B, H, N] bad keys in [0, j]
+    pos = torch.arange(N - T, N, device=q.device)                          # [T] positions of the queries
+    reached = count[..., pos]                                              # [B, H, T] bad keys at or before
+    if window is not None:                                                 # minus those out of the window
+        before = pos - window
+        reached = reached - torch.where(before >= 0, count[..., before.clamp_min(0)], 0)
+    nan_value = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    return torch.where(((reached > 0) | bad_q).unsqueeze(-1), nan_value, out)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, apply_update, cache, delta, minibatch, online, transition
+from . import additive, apply_update, cache, delta, minibatch, momentum, online, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -61,6 +61,11 @@ FAMILIES: tuple[Family, ...] = (
            hint="give one matrix state a transition T = gamma I - beta k kᵀ (a scalar decay and the delta "
                 "rule: a gradient step on a loss quadratic in a linear model, or the error written out)",
            hint_applies=lambda spec: len(spec.state) == 1),
+    Family("momentum", lambda alg, chunk: momentum.analyse_momentum(alg), exact=True, chunked=True, carried=False,
+           text="momentum (exact chunked form: two coupled states, one triangular solve per chunk)",
+           hint="give a memory S and a momentum M the momentum delta rule: M = mu M + eta outer(k, p @ S - v) and "
+                "S = gamma S - beta M (the new M), with token-local scalars mu, eta, gamma, beta",
+           hint_applies=lambda spec: len(spec.state) == 2),
     Family("minibatch", minibatch.analyse_minibatch, exact=False, chunked=True, carried=True,
            text="mini-batch (approximate: gradients at the chunk-start state)",
            hint="write the update as linear recurrences with token-local scalar coefficients "
@@ -204,9 +209,12 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
         lines.append("  note: apply-then-update reads every token of a chunk at the state the previous chunk left"
                      " and updates once per chunk; it approximates online learning and equals it at chunk 1"
                      " (schedule apply_update(1))")
-    if d.coupled and d.family == "online":
-        lines.append(f"  note: {d.coupled}; no exact chunked form of coupled states is derived, so the exact "
-                     f"schedule is online")
+    if d.coupled and d.family == "momentum":
+        lines.append(f"  note: {d.coupled}, but triangular (the momentum feeds the memory, never back), which "
+                     f"the momentum chunked form takes exactly")
+    elif d.coupled and d.family == "online" and "momentum" in rej:
+        lines.append(f"  note: {d.coupled}; the momentum chunked form does not apply (see momentum above), so "
+                     f"the exact schedule is online")
     if d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
         lines.append("  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
                      "schedules, so ask for it with `schedule: minibatch(N)`")

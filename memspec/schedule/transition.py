@@ -494,8 +494,7 @@ def coupling(nf: NormalForm, alg: Algebra) -> str | None:
         rank1 += sum(t.left.kind == "outer" for t in nf.maps[n].terms)
     block = "[" + ", ".join(rows) + "]"
     return (f"the states ({', '.join(states)}) have one joint transition {block} ⊗ I"
-            + (" plus rank-one terms" if rank1 else "") + ": a block decay that is not diagonal, which "
-            "no chunk kernel here takes (each decays a state by a diagonal of its own)")
+            + (" plus rank-one terms" if rank1 else "") + ": a block decay that is not diagonal")
 
 
 def describe(nf: NormalForm, alg: Algebra) -> list[str]:

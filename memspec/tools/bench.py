@@ -143,7 +143,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             "spec": spec.name,
             "schedule": schedule,
             "exact": schedule not in APPROXIMATE,
-            "chunk": memory.chunk if schedule in ("additive", "delta", "minibatch", "apply_update") else None,
+            "chunk": memory.chunk if schedule in ("additive", "delta", "momentum", "minibatch", "apply_update") else None,
             "median_ms": med * 1e3,
             "runs": n,
             "tokens_per_s": B * T / med,
