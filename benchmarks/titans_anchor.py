@@ -136,20 +136,23 @@ def peer_rows(a):
         assert torch.isfinite(y).all() and all(torch.isfinite(v).all() for v in st.values())
     print(f"Titans layer, x [1, {a.T}, 256], heads 4 x 64, chunk 64, eager both, float32, "
           f"threads={torch.get_num_threads()}")
-    print(f"{'':24} {'memspec ms':>11} {'peer ms':>10} {'memspec/peer':>13}")
+    print(f"{'':24} {'memspec ms':>11} {'peer ms':>10} {'memspec/peer':>13} {'(process cpu)':>14}")
     for grad in (False, True):
         fns = [ours(grad), theirs(grad)]
-        times = [[], []]
+        times, cpus = [[], []], [[], []]
         with torch.set_grad_enabled(grad):
             for f in fns:
                 f()
             for _ in range(a.repeat):
                 for i, f in enumerate(fns):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     f()
                     times[i].append(time.perf_counter() - t0)
+                    cpus[i].append(time.process_time() - c0)
         m, t = (statistics.median(ts) * 1e3 for ts in times)
-        print(f"{'forward + backward' if grad else 'forward (no grad)':24} {m:11.1f} {t:10.1f} {m / t:13.2f}")
+        mc, tc = (statistics.median(ts) for ts in cpus)
+        print(f"{'forward + backward' if grad else 'forward (no grad)':24} {m:11.1f} {t:10.1f} {m / t:13.2f} "
+              f"{mc / tc:14.2f}")
 
 
 def main():

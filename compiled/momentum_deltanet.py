@@ -75,28 +75,6 @@ class _Compiled:
         return self.fn(*args)
 
 
-def _finite_prefix(*xs):
-    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
-    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
-    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
-    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
-    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
-    ok = None
-    for x in xs:
-        f = torch.isfinite(x)
-        if f.dim() > 3:
-            f = f.flatten(3).all(-1)
-        ok = f if ok is None else ok & f
-    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
-
-
-def _where_ok(ok, x, fill):
-    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
-    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
-            torch.full((), fill, dtype=x.dtype,
-                       device=x.device))
-
-
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -108,6 +86,28 @@ def _decay_matrix(a):
     Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
     L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
     return L, torch.cumprod(a, dim=-1)
+
+
+def _finite_prefix(*xs):
+    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
+    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
+    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
+    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
+    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
+    ok = None
+    for x in xs:
+        if x.dim() > 3:  # the largest magnitude is inf or nan exactly when an entry is
+            x = x.detach().abs().flatten(3).amax(-1)
+        f = torch.isfinite(x)
+        ok = f if ok is None else ok & f
+    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
+
+
+def _where_ok(ok, x, fill):
+    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
+    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
+            torch.full((), fill, dtype=x.dtype,
+                       device=x.device))
 
 
 def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk):
@@ -449,14 +449,22 @@ class MomentumDeltanetMemory(nn.Module):
         # views, not copies (one concatenation of their gradients when training)
         (v_chunks, eta_chunks, mu_chunks, alpha_chunks, qn_chunks,
                 kn_chunks) = (x.split(sizes, dim=2) for x in (v, eta, mu, alpha, qn, kn))
+        full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
+        # what reads no state, for every full chunk at once (stacked on the batch axis)
+        pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (eta_chunks, mu_chunks,
+                alpha_chunks, qn_chunks, kn_chunks))) if full else ())
+        pre_full = dict(zip(full, zip(*(x.unflatten(0, (len(full), -1)).unbind(0) for x in pre))))
         outputs = []
-        for n, v_c, eta_c, mu_c, alpha_c, qn_c, kn_c in zip(sizes, v_chunks, eta_chunks, mu_chunks,
-                alpha_chunks, qn_chunks, kn_chunks):
+        for i, (n, v_c, eta_c, mu_c, alpha_c, qn_c,
+                kn_c) in enumerate(zip(sizes, v_chunks, eta_chunks, mu_chunks, alpha_chunks,
+                qn_chunks, kn_chunks)):
             if pos == 0:
                 W_start = W  # a new chunk starts here
-            # static shapes: one compiled chunk size
-            fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W, U) = fn(W_start, W, U, v_c, eta_c, mu_c, alpha_c, qn_c, kn_c)
+            if n == C:  # static shapes: one compiled chunk size
+                fn, pre_c = self._chunk_fn, pre_full[i]
+            else:  # a partial chunk: eagerly, with its own state-independent part
+                fn, pre_c = self._chunk_step, self._chunk_pre(eta_c, mu_c, alpha_c, qn_c, kn_c)
+            o_c, (W, U) = fn(W_start, W, U, v_c, kn_c, *pre_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
@@ -468,19 +476,13 @@ class MomentumDeltanetMemory(nn.Module):
         o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
         return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
-    def _chunk_step(self, W_start, W, U, v, eta, mu, alpha, qn, kn):
-        """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], eta [B,
-        H, C], mu [B, H, C], alpha [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k];
-        W_start: the chunk-start state the gradients are taken at;
-        W, U: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, H, C, d_v], the state after the chunk).
+    def _chunk_pre(self, eta, mu, alpha, qn, kn):
+        """What the dual-form chunk step reads that depends on no state (gate weights, decay
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): eta [B, H, C], mu [B, H, C], alpha [B,
+        H, C], qn [B, H, C, d_k], kn [B, H, C, d_k].
+        Returns the locals `_chunk_step` takes after its inputs.
         """
-        # every token's gradient at the chunk-start state, in closed form
-        # (memspec.schedule.backprop)
-        y_W = kn @ W_start  # [B, H, C, d_v]: the layer @ W
-        err = y_W - v  # [B, H, C, d_v]
         coef = -eta  # [B, H, C]: -eta
         L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu
         # [B, H, C, C]: weights of the gradients of W in U after each token
@@ -492,15 +494,39 @@ class MomentumDeltanetMemory(nn.Module):
         a_W_U = (L_W_decay @ P_mu.unsqueeze(-1)).squeeze(-1)
         # [B, H, C, C]: weights of the gradients of W in W after each token
         M_W_W = L_W_decay @ M_U_W
+        qn_W = P_W_decay.unsqueeze(-1) * qn  # [B, H, C, d_k]: qn weighted by the coefficient of W
+        qn_U = a_W_U.unsqueeze(-1) * qn  # [B, H, C, d_k]: qn weighted by the coefficient of U
+        # [B, H, C, C]: weighted scores of the inputs alone
+        scores = (qn @ kn.transpose(-2, -1)) * M_W_W
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_W_W = M_W_W[..., -1, :, None] * kn
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_U_W = M_U_W[..., -1, :, None] * kn
+        return (P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores, kn_last_M_W_W, kn_last_M_U_W)
+
+    def _chunk_step(self, W_start, W, U, v, kn, P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores,
+            kn_last_M_W_W, kn_last_M_U_W):
+        """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], kn [B,
+        H, C, d_k];
+        P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores, kn_last_M_W_W, kn_last_M_U_W: its
+        state-independent part (`_chunk_pre`);
+        W_start: the chunk-start state the gradients are taken at;
+        W, U: the state before the chunk's first token [B, H, ...].
+        Each state after token i is a combination of the states before the chunk and the
+        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
+        Returns (o [B, H, C, d_v], the state after the chunk).
+        """
+        # every token's gradient at the chunk-start state, in closed form
+        # (memspec.schedule.backprop)
+        y_W = kn @ W_start  # [B, H, C, d_v]: the layer @ W
+        err = y_W - v  # [B, H, C, d_v]
         # [B, H, C, d_v]: each token's own W applied, in dual form
-        o = (P_W_decay.unsqueeze(-1) * (qn @ W) + a_W_U.unsqueeze(-1) * (qn @ U)
-                + ((qn @ kn.transpose(-2, -1)) * M_W_W) @ err)
+        o = qn_W @ W + qn_U @ U + scores @ err
         # [B, H, d_k, d_v]
         W_end = (P_W_decay[..., -1, None, None] * W + a_W_U[..., -1, None, None] * U
-                + kn.transpose(-2, -1) @ (M_W_W[..., -1, :, None] * err))
+                + kn_last_M_W_W.transpose(-2, -1) @ err)
         # [B, H, d_k, d_v]
-        U_end = (P_mu[..., -1, None, None] * U + kn.transpose(-2, -1)
-                @ (M_U_W[..., -1, :, None] * err))
+        U_end = P_mu[..., -1, None, None] * U + kn_last_M_U_W.transpose(-2, -1) @ err
         return o, (W_end, U_end)
 
     def _forward_chunk(self, q, k, v, eta, mu, alpha, state):

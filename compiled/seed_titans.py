@@ -75,28 +75,6 @@ class _Compiled:
         return self.fn(*args)
 
 
-def _finite_prefix(*xs):
-    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
-    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
-    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
-    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
-    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
-    ok = None
-    for x in xs:
-        f = torch.isfinite(x)
-        if f.dim() > 3:
-            f = f.flatten(3).all(-1)
-        ok = f if ok is None else ok & f
-    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
-
-
-def _where_ok(ok, x, fill):
-    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
-    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
-            torch.full((), fill, dtype=x.dtype,
-                       device=x.device))
-
-
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -108,6 +86,28 @@ def _decay_matrix(a):
     Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
     L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
     return L, torch.cumprod(a, dim=-1)
+
+
+def _finite_prefix(*xs):
+    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
+    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
+    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
+    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
+    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
+    ok = None
+    for x in xs:
+        if x.dim() > 3:  # the largest magnitude is inf or nan exactly when an entry is
+            x = x.detach().abs().flatten(3).amax(-1)
+        f = torch.isfinite(x)
+        ok = f if ok is None else ok & f
+    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
+
+
+def _where_ok(ok, x, fill):
+    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
+    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
+            torch.full((), fill, dtype=x.dtype,
+                       device=x.device))
 
 
 class SeedTitansMemory(nn.Module):
@@ -356,14 +356,21 @@ class SeedTitansMemory(nn.Module):
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
         (q_chunks, k_chunks, v_chunks) = (x.split(sizes, dim=2) for x in (q, k, v))
+        full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
+        # what reads no state, for every full chunk at once (stacked on the batch axis)
+        pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (q_chunks, k_chunks)))
+                if full else ())
+        pre_full = dict(zip(full, zip(*(x.unflatten(0, (len(full), -1)).unbind(0) for x in pre))))
         outputs = []
-        for n, q_c, k_c, v_c in zip(sizes, q_chunks, k_chunks, v_chunks):
+        for i, (n, q_c, k_c, v_c) in enumerate(zip(sizes, q_chunks, k_chunks, v_chunks)):
             if pos == 0:
                 W1_start, b1_start, W2_start, b2_start = W1, b1, W2, b2  # a new chunk starts here
-            # static shapes: one compiled chunk size
-            fn = self._chunk_fn if n == C else self._chunk_step
+            if n == C:  # static shapes: one compiled chunk size
+                fn, pre_c = self._chunk_fn, pre_full[i]
+            else:  # a partial chunk: eagerly, with its own state-independent part
+                fn, pre_c = self._chunk_step, self._chunk_pre(q_c, k_c)
             o_c, (W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2) = fn(W1_start, b1_start, W2_start,
-                    b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q_c, k_c, v_c)
+                    b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2, q_c, k_c, v_c, *pre_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
@@ -383,10 +390,33 @@ class SeedTitansMemory(nn.Module):
         o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
         return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
+    def _chunk_pre(self, q, k):
+        """What the dual-form chunk step reads that depends on no state (gate weights, decay
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): q [B, H, C, d_k], k [B, H, C, d_k].
+        Returns the locals `_chunk_step` takes after its inputs.
+        """
+        C = q.shape[2]
+        L_U_W1, P_U_W1 = _decay_matrix(q.new_full((C,), 0.5))  # [C, C], [C]: decay weights of mu
+        # [B, H, C, C]: weights of the gradients of W1 in U_W1 after each token
+        M_U_W1_W1 = -0.005 * L_U_W1
+        # [C, C]: the weights of a decay of 1 (a running sum)
+        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
+        # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        M_W1_W1 = causal @ M_U_W1_W1
+        # [B, H, C, C]: weighted scores of the inputs alone
+        scores = (q @ k.transpose(-2, -1) + 1) * M_W1_W1
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_W1_W1 = M_W1_W1[..., -1, :, None] * k
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_U_W1_W1 = M_U_W1_W1[..., -1, :, None] * k
+        return (scores, k_last_M_W1_W1, k_last_M_U_W1_W1)
+
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, U_W1, U_b1, U_W2,
-            U_b2, q, k, v):
+            U_b2, q, k, v, scores, k_last_M_W1_W1, k_last_M_U_W1_W1):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
         C, d_k], v [B, H, C, d_v];
+        scores, k_last_M_W1_W1, k_last_M_U_W1_W1: its state-independent part (`_chunk_pre`);
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2, U_W1, U_b1, U_W2, U_b2: the state before the chunk's first token [B, H,
         ...].
@@ -419,29 +449,30 @@ class SeedTitansMemory(nn.Module):
         M_W1_W1 = causal @ M_U_W1_W1
         # [B, H, C, hidden]: each token's own layer and b1, in dual form
         yq_b1 = (q @ W1 + a_W1_U_W1.unsqueeze(-1) * (q @ U_W1) + b1.unsqueeze(-2)
-                + a_W1_U_W1.unsqueeze(-1) * U_b1.unsqueeze(-2)
-                + ((q @ k.transpose(-2, -1) + 1) * M_W1_W1) @ delta_b1)
+                + a_W1_U_W1.unsqueeze(-1) * U_b1.unsqueeze(-2) + scores @ delta_b1)
         xq_W2 = F.gelu(yq_b1)  # [B, H, C, hidden]: the input of the layer @ W2
         # [B, H, C, d_v]: each token's own layer and b2, in dual form
         yq_b2 = (xq_W2 @ W2 + a_W1_U_W1.unsqueeze(-1) * (xq_W2 @ U_W2) + b2.unsqueeze(-2)
                 + a_W1_U_W1.unsqueeze(-1) * U_b2.unsqueeze(-2)
                 + ((xq_W2 @ xk_W2.transpose(-2, -1) + 1) * M_W1_W1) @ d_err)
         o = yq_b2  # [B, H, C, d_v]
-        # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
-        last_W1 = M_W1_W1[..., -1, :, None] * delta_b1
         # [B, H, d_k, hidden]
-        W1_end = W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ last_W1
-        b1_end = b1 + a_W1_U_W1[..., -1, None] * U_b1 + last_W1.sum(-2)  # [B, H, hidden]
+        W1_end = (W1 + a_W1_U_W1[..., -1, None, None] * U_W1 + k_last_M_W1_W1.transpose(-2, -1)
+                @ delta_b1)
+        # [B, H, C, hidden]: the gradients of b1 weighted for the state after the chunk
+        last_b1 = M_W1_W1[..., -1, :, None] * delta_b1
+        b1_end = b1 + a_W1_U_W1[..., -1, None] * U_b1 + last_b1.sum(-2)  # [B, H, hidden]
         # [B, H, C, d_v]: the gradients of W2 weighted for the state after the chunk
         last_W2 = M_W1_W1[..., -1, :, None] * d_err
         # [B, H, hidden, d_v]
         W2_end = W2 + a_W1_U_W1[..., -1, None, None] * U_W2 + xk_W2.transpose(-2, -1) @ last_W2
         b2_end = b2 + a_W1_U_W1[..., -1, None] * U_b2 + last_W2.sum(-2)  # [B, H, d_v]
-        # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
-        last_W1_2 = M_U_W1_W1[..., -1, :, None] * delta_b1
         # [B, H, d_k, hidden]
-        U_W1_end = P_U_W1[..., -1, None, None] * U_W1 + k.transpose(-2, -1) @ last_W1_2
-        U_b1_end = P_U_W1[..., -1, None] * U_b1 + last_W1_2.sum(-2)  # [B, H, hidden]
+        U_W1_end = (P_U_W1[..., -1, None, None] * U_W1 + k_last_M_U_W1_W1.transpose(-2, -1)
+                @ delta_b1)
+        # [B, H, C, hidden]: the gradients of b1 weighted for the state after the chunk
+        last_b1_2 = M_U_W1_W1[..., -1, :, None] * delta_b1
+        U_b1_end = P_U_W1[..., -1, None] * U_b1 + last_b1_2.sum(-2)  # [B, H, hidden]
         # [B, H, C, d_v]: the gradients of W2 weighted for the state after the chunk
         last_W2_2 = M_U_W1_W1[..., -1, :, None] * d_err
         # [B, H, hidden, d_v]

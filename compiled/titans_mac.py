@@ -89,28 +89,6 @@ class _Compiled:
         return self.fn(*args)
 
 
-def _finite_prefix(*xs):
-    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
-    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
-    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
-    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
-    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
-    ok = None
-    for x in xs:
-        f = torch.isfinite(x)
-        if f.dim() > 3:
-            f = f.flatten(3).all(-1)
-        ok = f if ok is None else ok & f
-    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
-
-
-def _where_ok(ok, x, fill):
-    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
-    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
-            torch.full((), fill, dtype=x.dtype,
-                       device=x.device))
-
-
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -122,6 +100,28 @@ def _decay_matrix(a):
     Z = torch.where(later, a.unsqueeze(-2), torch.ones_like(a).unsqueeze(-2))  # [B, H, C(j), C(l)]
     L = torch.cumprod(Z, dim=-1).transpose(-2, -1).tril()                  # [B, H, C(i), C(j)]
     return L, torch.cumprod(a, dim=-1)
+
+
+def _finite_prefix(*xs):
+    """The tokens of a chunk before its first token whose inputs hold a non-finite value:
+    xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
+    from inputs masked with it (``torch.where``, never a product: 0 * inf is nan), so that a
+    nan or inf in token j cannot reach the outputs of tokens before j through the chunk's
+    [C, C] products; from token j on, the state itself is non-finite, as token by token."""
+    ok = None
+    for x in xs:
+        if x.dim() > 3:  # the largest magnitude is inf or nan exactly when an entry is
+            x = x.detach().abs().flatten(3).amax(-1)
+        f = torch.isfinite(x)
+        ok = f if ok is None else ok & f
+    return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
+
+
+def _where_ok(ok, x, fill):
+    """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
+    return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
+            torch.full((), fill, dtype=x.dtype,
+                       device=x.device))
 
 
 # ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----
@@ -547,15 +547,22 @@ class TitansMacMemory(nn.Module):
         # views, not copies (one concatenation of their gradients when training)
         (eta_chunks, mu_chunks, alpha_chunks, qn_chunks, kn_chunks,
                 vs_chunks) = (x.split(sizes, dim=2) for x in (eta, mu, alpha, qn, kn, vs))
+        full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
+        # what reads no state, for every full chunk at once (stacked on the batch axis)
+        pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (eta_chunks, mu_chunks,
+                alpha_chunks, qn_chunks, kn_chunks))) if full else ())
+        pre_full = dict(zip(full, zip(*(x.unflatten(0, (len(full), -1)).unbind(0) for x in pre))))
         outputs = []
-        for n, eta_c, mu_c, alpha_c, qn_c, kn_c, vs_c in zip(sizes, eta_chunks, mu_chunks,
-                alpha_chunks, qn_chunks, kn_chunks, vs_chunks):
+        for i, (n, eta_c, mu_c, alpha_c, qn_c, kn_c,
+                vs_c) in enumerate(zip(sizes, eta_chunks, mu_chunks, alpha_chunks, qn_chunks,
+                kn_chunks, vs_chunks)):
             if pos == 0:
                 W1_start, W2_start = W1, W2  # a new chunk starts here
-            # static shapes: one compiled chunk size
-            fn = self._chunk_fn if n == C else self._chunk_step
-            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, eta_c, mu_c, alpha_c,
-                    qn_c, kn_c, vs_c)
+            if n == C:  # static shapes: one compiled chunk size
+                fn, pre_c = self._chunk_fn, pre_full[i]
+            else:  # a partial chunk: eagerly, with its own state-independent part
+                fn, pre_c = self._chunk_step, self._chunk_pre(eta_c, mu_c, alpha_c, qn_c, kn_c)
+            o_c, (W1, W2, U1, U2) = fn(W1_start, W2_start, W1, W2, U1, U2, kn_c, vs_c, *pre_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
@@ -570,9 +577,42 @@ class TitansMacMemory(nn.Module):
         o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
         return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
-    def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, eta, mu, alpha, qn, kn, vs):
-        """One mini-batch chunk of C tokens in the dual form, head-major: eta [B, H, C], mu [B, H,
-        C], alpha [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k], vs [B, H, C, d_v];
+    def _chunk_pre(self, eta, mu, alpha, qn, kn):
+        """What the dual-form chunk step reads that depends on no state (gate weights, decay
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): eta [B, H, C], mu [B, H, C], alpha [B,
+        H, C], qn [B, H, C, d_k], kn [B, H, C, d_k].
+        Returns the locals `_chunk_step` takes after its inputs.
+        """
+        coef = -eta  # [B, H, C]: -eta
+        L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu
+        # [B, H, C, C]: weights of the gradients of W1 in U1 after each token
+        M_U1_W1 = L_mu * coef.unsqueeze(-2)
+        W1_decay = 1 - alpha  # [B, H, C]: 1 - alpha
+        # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
+        L_W1_decay, P_W1_decay = _decay_matrix(W1_decay)
+        # [B, H, C]: coefficient of U1 (chunk start) in W1 after each token
+        a_W1_U1 = (L_W1_decay @ P_mu.unsqueeze(-1)).squeeze(-1)
+        # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        M_W1_W1 = L_W1_decay @ M_U1_W1
+        # [B, H, C, d_k]: qn weighted by the coefficient of W1
+        qn_W1 = P_W1_decay.unsqueeze(-1) * qn
+        qn_U1 = a_W1_U1.unsqueeze(-1) * qn  # [B, H, C, d_k]: qn weighted by the coefficient of U1
+        # [B, H, C, C]: weighted scores of the inputs alone
+        scores = (qn @ kn.transpose(-2, -1)) * M_W1_W1
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_W1_W1 = M_W1_W1[..., -1, :, None] * kn
+        # [B, H, C, d_k]: kn weighted for the state after the chunk
+        kn_last_M_U1_W1 = M_U1_W1[..., -1, :, None] * kn
+        return (P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1,
+                kn_last_M_U1_W1)
+
+    def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, kn, vs, P_mu, M_U1_W1, P_W1_decay,
+            a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1, kn_last_M_U1_W1):
+        """One mini-batch chunk of C tokens in the dual form, head-major: kn [B, H, C, d_k], vs [B,
+        H, C, d_v];
+        P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1,
+        kn_last_M_U1_W1: its state-independent part (`_chunk_pre`);
         W1_start, W2_start: the chunk-start state the gradients are taken at;
         W1, W2, U1, U2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -589,33 +629,20 @@ class TitansMacMemory(nn.Module):
         d_xk_W2 = err @ W2_start.transpose(-2, -1)
         # [B, H, C, hidden]: the loss's gradient w.r.t. y_W1
         delta_W1 = _gelu_backward(d_xk_W2, y_W1)
-        coef = -eta  # [B, H, C]: -eta
-        L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu
-        # [B, H, C, C]: weights of the gradients of W1 in U1 after each token
-        M_U1_W1 = L_mu * coef.unsqueeze(-2)
-        W1_decay = 1 - alpha  # [B, H, C]: 1 - alpha
-        # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
-        L_W1_decay, P_W1_decay = _decay_matrix(W1_decay)
-        # [B, H, C]: coefficient of U1 (chunk start) in W1 after each token
-        a_W1_U1 = (L_W1_decay @ P_mu.unsqueeze(-1)).squeeze(-1)
-        # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
-        M_W1_W1 = L_W1_decay @ M_U1_W1
         # [B, H, C, hidden]: each token's own W1 applied, in dual form
-        yq_W1 = (P_W1_decay.unsqueeze(-1) * (qn @ W1) + a_W1_U1.unsqueeze(-1) * (qn @ U1)
-                + ((qn @ kn.transpose(-2, -1)) * M_W1_W1) @ delta_W1)
+        yq_W1 = qn_W1 @ W1 + qn_U1 @ U1 + scores @ delta_W1
         xq_W2 = F.gelu(yq_W1)  # [B, H, C, hidden]: the input of the layer @ W2
         # [B, H, C, d_v]: each token's own W2 applied, in dual form
         o = (P_W1_decay.unsqueeze(-1) * (xq_W2 @ W2) + a_W1_U1.unsqueeze(-1) * (xq_W2 @ U2)
                 + ((xq_W2 @ xk_W2.transpose(-2, -1)) * M_W1_W1) @ err)
         # [B, H, d_k, hidden]
         W1_end = (P_W1_decay[..., -1, None, None] * W1 + a_W1_U1[..., -1, None, None] * U1
-                + kn.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * delta_W1))
+                + kn_last_M_W1_W1.transpose(-2, -1) @ delta_W1)
         # [B, H, hidden, d_v]
         W2_end = (P_W1_decay[..., -1, None, None] * W2 + a_W1_U1[..., -1, None, None] * U2
                 + xk_W2.transpose(-2, -1) @ (M_W1_W1[..., -1, :, None] * err))
         # [B, H, d_k, hidden]
-        U1_end = (P_mu[..., -1, None, None] * U1 + kn.transpose(-2, -1)
-                @ (M_U1_W1[..., -1, :, None] * delta_W1))
+        U1_end = P_mu[..., -1, None, None] * U1 + kn_last_M_U1_W1.transpose(-2, -1) @ delta_W1
         # [B, H, hidden, d_v]
         U2_end = (P_mu[..., -1, None, None] * U2 + xk_W2.transpose(-2, -1)
                 @ (M_U1_W1[..., -1, :, None] * err))

@@ -103,9 +103,9 @@ def _finite_prefix(*xs):
     [C, C] products; from token j on, the state itself is non-finite, as token by token."""
     ok = None
     for x in xs:
+        if x.dim() > 3:  # the largest magnitude is inf or nan exactly when an entry is
+            x = x.detach().abs().flatten(3).amax(-1)
         f = torch.isfinite(x)
-        if f.dim() > 3:
-            f = f.flatten(3).all(-1)
         ok = f if ok is None else ok & f
     return torch.cummin(ok.to(torch.int32), dim=1).values.bool()
 
@@ -367,14 +367,22 @@ class TttMlpMemory(nn.Module):
             t += sizes[-1]
         # views, not copies (one concatenation of their gradients when training)
         (q_chunks, k_chunks, v_chunks, eta_chunks) = (x.split(sizes, dim=2) for x in (q, k, v, eta))
+        full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
+        # what reads no state, for every full chunk at once (stacked on the batch axis)
+        pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (q_chunks, k_chunks,
+                eta_chunks))) if full else ())
+        pre_full = dict(zip(full, zip(*(x.unflatten(0, (len(full), -1)).unbind(0) for x in pre))))
         outputs = []
-        for n, q_c, k_c, v_c, eta_c in zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks):
+        for i, (n, q_c, k_c, v_c,
+                eta_c) in enumerate(zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks)):
             if pos == 0:
                 W1_start, b1_start, W2_start, b2_start = W1, b1, W2, b2  # a new chunk starts here
-            # static shapes: one compiled chunk size
-            fn = self._chunk_fn if n == C else self._chunk_step
+            if n == C:  # static shapes: one compiled chunk size
+                fn, pre_c = self._chunk_fn, pre_full[i]
+            else:  # a partial chunk: eagerly, with its own state-independent part
+                fn, pre_c = self._chunk_step, self._chunk_pre(q_c, k_c, eta_c)
             o_c, (W1, b1, W2, b2) = fn(W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q_c,
-                    k_c, v_c, eta_c)
+                    k_c, v_c, *pre_c)
             outputs.append(o_c)
             pos = (pos + n) % C
         # after a non-finite input the state is not finite, as token by token
@@ -391,9 +399,30 @@ class TttMlpMemory(nn.Module):
         o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # (decoding: no copy)
         return _where_ok(ok, o.transpose(1, 2), float("nan")), state
 
-    def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, eta):
+    def _chunk_pre(self, q, k, eta):
+        """What the dual-form chunk step reads that depends on no state (gate weights, decay
+        matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
+        the batch axis (every line is local to a batch row): q [B, H, C, d_k], k [B, H, C, d_k], eta
+        [B, H, C].
+        Returns the locals `_chunk_step` takes after its inputs.
+        """
+        C = q.shape[2]
+        coef = -eta  # [B, H, C]: -eta
+        # [C, C]: the weights of a decay of 1 (a running sum)
+        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
+        # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
+        M_W1_W1 = causal * coef.unsqueeze(-2)
+        # [B, H, C, C]: weighted scores of the inputs alone
+        scores = (q @ k.transpose(-2, -1) + 1) * M_W1_W1
+        # [B, H, C, d_k]: k weighted for the state after the chunk
+        k_last_M_W1_W1 = M_W1_W1[..., -1, :, None] * k
+        return (M_W1_W1, scores, k_last_M_W1_W1)
+
+    def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, M_W1_W1,
+            scores, k_last_M_W1_W1):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
-        C, d_k], v [B, H, C, d_k], eta [B, H, C];
+        C, d_k], v [B, H, C, d_k];
+        M_W1_W1, scores, k_last_M_W1_W1: its state-independent part (`_chunk_pre`);
         W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
         W1, b1, W2, b2: the state before the chunk's first token [B, H, ...].
         Each state after token i is a combination of the states before the chunk and the
@@ -416,23 +445,17 @@ class TttMlpMemory(nn.Module):
         d_xk_W2 = delta_b2 @ W2_start.transpose(-2, -1)
         # [B, H, C, hidden]: the loss's gradient w.r.t. y_b1
         delta_b1 = _gelu_backward(d_xk_W2, y_b1)
-        C = q.shape[2]
-        coef = -eta  # [B, H, C]: -eta
-        # [C, C]: the weights of a decay of 1 (a running sum)
-        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
-        # [B, H, C, C]: weights of the gradients of W1 in W1 after each token
-        M_W1_W1 = causal * coef.unsqueeze(-2)
         # [B, H, C, hidden]: each token's own layer and b1, in dual form
-        yq_b1 = q @ W1 + b1.unsqueeze(-2) + ((q @ k.transpose(-2, -1) + 1) * M_W1_W1) @ delta_b1
+        yq_b1 = q @ W1 + b1.unsqueeze(-2) + scores @ delta_b1
         xq_W2 = F.gelu(yq_b1)  # [B, H, C, hidden]: the input of the layer @ W2
         # [B, H, C, d_k]: each token's own layer and b2, in dual form
         yq_b2 = (xq_W2 @ W2 + b2.unsqueeze(-2) + ((xq_W2 @ xk_W2.transpose(-2, -1) + 1) * M_W1_W1)
                 @ delta_b2)
         o = q + layernorm(yq_b2, ln_w, ln_b)  # [B, H, C, d_k]
-        # [B, H, C, hidden]: the gradients of W1 weighted for the state after the chunk
-        last_W1 = M_W1_W1[..., -1, :, None] * delta_b1
-        W1_end = W1 + k.transpose(-2, -1) @ last_W1  # [B, H, d_k, hidden]
-        b1_end = b1 + last_W1.sum(-2)  # [B, H, hidden]
+        W1_end = W1 + k_last_M_W1_W1.transpose(-2, -1) @ delta_b1  # [B, H, d_k, hidden]
+        # [B, H, C, hidden]: the gradients of b1 weighted for the state after the chunk
+        last_b1 = M_W1_W1[..., -1, :, None] * delta_b1
+        b1_end = b1 + last_b1.sum(-2)  # [B, H, hidden]
         # [B, H, C, d_k]: the gradients of W2 weighted for the state after the chunk
         last_W2 = M_W1_W1[..., -1, :, None] * delta_b2
         W2_end = W2 + xk_W2.transpose(-2, -1) @ last_W2  # [B, H, hidden, d_k]

@@ -6,6 +6,7 @@ the mini-batch schedule of titans, ttt_*, moneta, yaad, deltanet, longhorn); her
 specs admit it and why not, that it never forms a per-token state, and that it agrees
 with the materialising form on specs written to stress the recurrence algebra.
 """
+import inspect
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,26 @@ def test_titans_chunk_never_materialises_per_token_weights():
     with rec:
         mem(q, k, v, **gates, schedule="minibatch")
     assert rec.largest < per_token_weights / 8, rec.largest
+
+
+@pytest.mark.parametrize("name", ["titans", "ttt_mlp", "ttt_linear", "moneta", "yaad", "deltanet"])
+def test_chunk_pre_is_local_to_batch_rows_and_holds_what_reads_no_state(name):
+    """_chunk_pre (what the chunk step reads that depends on no state) runs once for all full
+    chunks stacked on the batch axis: on two chunks stacked it gives each chunk's own numbers,
+    and the sequential _chunk_step builds no decay matrix itself."""
+    spec = memspec.load(ROOT / f"specs/{name}.yaml")
+    dims = {d: n for d, n in {"heads": 2, "d_k": 4, "d_v": 4, "hidden": 8}.items() if d in spec.dims}
+    mem = build_memory(spec, **dims, chunk=4, compile=False).double()
+    src = (ROOT / f"compiled/{name}.py").read_text()
+    step = src[src.index("    def _chunk_step("):]
+    assert "def _chunk_pre(" in src and "_decay_matrix(" not in step.split("\n    def ")[0]
+    names = list(inspect.signature(mem._chunk_pre).parameters)
+    torch.manual_seed(0)
+    dims = {**{v: getattr(mem, d) for v, d in mem.VIEWS.items()}, **{n: None for n in names if n not in mem.VIEWS}}
+    def chunk():   # head-major [B, H, C, ...] inputs (gates in (0, 1), lets as random as the views)
+        return [torch.rand(1, 2, 4, dtype=torch.float64) if n in mem.GATES else
+                torch.randn(1, 2, 4, dims[n] or mem.d_k, dtype=torch.float64) for n in names]
+    a, b = chunk(), chunk()
+    both = mem._chunk_pre(*(torch.cat([x, y]) for x, y in zip(a, b)))
+    for got, pa, pb in zip(both, mem._chunk_pre(*a), mem._chunk_pre(*b)):
+        torch.testing.assert_close(got, torch.cat([pa, pb]), rtol=1e-12, atol=0)

@@ -22,10 +22,13 @@ layout; the [C, C] algebra runs head-major, ``[B, H, C, ...]``.
 """
 from __future__ import annotations
 
+import ast
+
 from ..lang.expr import BinOp, Call, Expr, Name, map_children, substitute, unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _decay_matrix
 from .exprs import P_ATOM, P_MUL, ExprEmitter
+from .prestep import split_pre
 from .program import shadow_plan
 from .text import shape_text, tuple_text
 
@@ -49,6 +52,7 @@ class DualWriter:
     def __init__(self, writer, form):
         self.w = writer
         self.form = form
+        self.free: set = set()   # chunk-step locals with no batch axis (params, C, [C, C] constants)
         self.spec = writer.spec
         self.model = self.spec.model
 
@@ -192,6 +196,7 @@ class DualWriter:
         starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(w)[1]}
         inputs = chunk_inputs(w)
         first = inputs[0]   # a [B, H, C, ...] input: the batch, chunk length, dtype and device
+        head = len(L.lines)
         L(f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + inputs)}):")
         with L.indent():
             L('"""' + "One mini-batch chunk of C tokens in the dual form, head-major: " + ", ".join(
@@ -205,6 +210,7 @@ class DualWriter:
             L('"""')
             used = direct_names(spec)
             names = params_head_major(w, L, used)
+            self.free |= set(names.values())
             em = w.emitter(names=names, like=first)
             states = list(form.sites)
             if form.grad is not None:
@@ -244,6 +250,7 @@ class DualWriter:
                     c = coef(e, f"{s}_decay")
                     if _is_literal(c) and float(c) == 1.0:
                         Ln = fresh("causal", taken)
+                        self.free.add(Ln)
                         L(f"{Ln} = torch.ones({C}, {C}, dtype={first}.dtype, device={first}.device).tril()",
                           "[C, C]: the weights of a decay of 1 (a running sum)")
                         decays[key] = (Ln, "1")
@@ -252,6 +259,7 @@ class DualWriter:
                         base = c if c.isidentifier() else s
                         Ln, Pn = fresh(f"L_{base}", taken), fresh(f"P_{base}", taken)
                         if _is_number(c):
+                            self.free |= {Ln, Pn}
                             L(f"{Ln}, {Pn} = _decay_matrix({first}.new_full(({C},), {c}))",
                               f"[C, C], [C]: decay weights of {key}")
                         else:
@@ -260,6 +268,7 @@ class DualWriter:
                 return decays[key]
 
             if any(_is_number_decay(rec.coeff[s].get(("prev", s)), em) for s in rec.order):
+                self.free.add(C)
                 L(f"{C} = {first}.shape[2]")
             reps: dict = {}
             shifted: dict = {}
@@ -378,17 +387,18 @@ class DualWriter:
                            for r0, v in rep.vec.items()]
                     mat = {(m, dd[g]): f"{x.id} @ {xk[g]}.transpose(-2, -1)" for g, m in rep.mat.items()}
                     # held back one step: a bias added next folds its gradient terms into these
-                    pending[y] = (vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form")
+                    pending[y] = (vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form",
+                                  (x.id, list(rep.vec.items())))
                 else:
                     vec = [f"{r0}.unsqueeze(-2)" if v == "1" else f"{v}.unsqueeze(-1) * {r0}.unsqueeze(-2)"
                            for r0, v in rep.vec.items()]
                     if isinstance(a, Name) and a.id in pending:   # (x @ W + b): one product per gradient
-                        avec, amat, _ = pending.pop(a.id)
+                        avec, amat, _, _ = pending.pop(a.id)
                         scores = dict(amat)
                         for g, m in rep.mat.items():
                             key = (m, dd[g])
                             scores[key] = f"{scores[key]} + 1" if key in scores else None
-                        terms = avec + vec + [f"(({sc}) * {m}) @ {d}" if sc else f"{m} @ {d}"
+                        terms = avec + vec + [f"{weighted(sc, m)} @ {d}" if sc else f"{m} @ {d}"
                                               for (m, d), sc in scores.items()]
                         L(f"{y} = {_sum(terms)}", shape_text("B, H, C", shape) + f": each token's own layer and {s}, in dual form")
                     else:
@@ -401,10 +411,29 @@ class DualWriter:
 
             pending: dict = {}
 
+            def weighted(sc: str, m: str) -> str:
+                """``(sc) * m``; bound to a local when the scores read only the inputs (then
+                ``_chunk_pre`` computes it once for all full chunks)."""
+                text = f"({sc}) * {m}"
+                if {n.id for n in ast.walk(ast.parse(sc)) if isinstance(n, ast.Name)} <= set(inputs):
+                    return assign(fresh("scores", taken), text, "[B, H, C, C]: weighted scores of the inputs alone")
+                return f"({text})"
+
             def flush(rename=None):
-                for y, (vec, mat, comment) in list(pending.items()):
-                    terms = vec + [f"(({sc}) * {m}) @ {d}" for (m, d), sc in mat.items()]
-                    L(f"{(rename or {}).get(y, y)} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
+                for y, (vec, mat, comment, (x, xvec)) in list(pending.items()):
+                    target = (rename or {}).get(y, y)
+                    if x in inputs:
+                        # the layer's input is an input: its rows scaled by the coefficients read no
+                        # state (_chunk_pre computes them once), and the scale is on the narrower side
+                        terms = [f"{x} @ {r0}" if v == "1" else
+                                 assign(fresh(f"{x}_{r0}", taken), f"{v}.unsqueeze(-1) * {x}",
+                                        shape_text("B, H, C", self.w.shape(Name(x)))
+                                        + f": {x} weighted by the coefficient of {r0}") + f" @ {r0}"
+                                 for r0, v in xvec] + [f"{weighted(sc, m)} @ {d}" for (m, d), sc in mat.items()]
+                        L(f"{target} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
+                        continue
+                    terms = vec + [f"{weighted(sc, m)} @ {d}" for (m, d), sc in mat.items()]
+                    L(f"{target} = {_sum(terms) if terms else 'torch.zeros_like(' + first + ')'}", comment)
                 pending.clear()
 
             def Lf(*args, **kw):   # every other line of the read comes after the held-back products
@@ -426,6 +455,12 @@ class DualWriter:
                 lift = "[..., -1" + ", None" * rank + "]"
                 terms = [r0 if v == "1" else f"{v}{lift} * {r0}" for r0, v in rep.vec.items()]
                 for g, m in rep.mat.items():
+                    if xk.get(g) in inputs:   # the layer's input weighted (no state: by _chunk_pre)
+                        kw = assign(fresh(f"{xk[g]}_last_{m}", taken), f"{m}[..., -1, :, None] * {xk[g]}",
+                                    shape_text("B, H, C", w.shape(Name(xk[g])))
+                                    + f": {xk[g]} weighted for the state after the chunk")
+                        terms.append(f"{kw}.transpose(-2, -1) @ {dd[g]}")
+                        continue
                     key = (m, dd[g])
                     if key not in last_rows:
                         uses = sum(1 for r in w.states for g2, m2 in reps[r].mat.items() if (m2, dd[g2]) == key)
@@ -444,6 +479,9 @@ class DualWriter:
                 finals.append(name)
             L(f"return o, {tuple_text(finals)}")
         L()
+        lines = L.lines[head:]
+        del L.lines[head:]
+        self.pre = split_pre(w, self.free, L, lines, list(starts.values()) + w.states, inputs)
 
 
 def params_head_major(ctx, L, used) -> dict:
@@ -509,10 +547,12 @@ def _is_number_decay(d, em) -> bool:
     return d is not None and em._emit(d).number
 
 
-def emit(ctx, form, L) -> None:
-    """Emit the dual-form ``_chunk_step`` of the Memory class (and ``_chunk_loss`` when the
-    plan has no closed-form gradient)."""
+def emit(ctx, form, L) -> DualWriter:
+    """Emit the dual-form ``_chunk_step`` (and ``_chunk_pre``, its state-independent part,
+    when it has one; ``_chunk_loss`` when the plan has no closed-form gradient) of the Memory
+    class; returns the writer (its ``pre``: see :meth:`DualWriter.split`)."""
     d = DualWriter(ctx, form)
     if form.grad is None:
         d.loss_method(L)
     d.chunk_step(L)
+    return d

@@ -24,7 +24,7 @@ from .window import emit_dual as emit_window_dual
 from .exprs import ExprEmitter
 from .online import block_sums_in, block_sums_out
 from .program import emit_updates, shadow_plan
-from .text import shape_text, tuple_text
+from .text import Lines, shape_text, tuple_text
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ def emit(ctx, L) -> None:
     T = fresh("T", taken)
     plan = ctx.plans["minibatch"]
     head_major = plan.dual is not None   # the dual form runs head-major [B, H, C, ...]
+    pre = None
+    if head_major:   # the chunk methods first: the loop calls them as they came out
+        methods = Lines()
+        methods.level = L.level
+        pre = dual.emit(ctx, plan.dual, methods).pre
     L(f"def _forward_minibatch(self, {', '.join(sv + ['state'])}):")
     with L.indent():
         L('"""' + "Mini-batch: chunks of `self.chunk` tokens; every gradient of a chunk at its start state.")
@@ -101,18 +106,36 @@ def emit(ctx, L) -> None:
         L(f"({', '.join(pieces.values())}{',' if len(seq) == 1 else ''}) = "
           f"(x.split({sizes}, dim={axis}) for x in ({', '.join(seq)}{',' if len(seq) == 1 else ''}))",
           "views, not copies (one concatenation of their gradients when training)")
+        chunk_args = {x: fresh(f"{x}_c", taken) for x in seq}
+        if pre is not None:
+            pre_in, pre_out, core_in = pre
+            full, batched, per_full, i, pre_c = (fresh(x, taken) for x in ("full", "pre", "pre_full", "i", "pre_c"))
+            L(f"{full} = [{i} for {i}, {n} in enumerate({sizes}) if {n} == {c}]", "the full chunks")
+            L(f"{batched} = self._chunk_pre(*(torch.cat([x[{i}] for {i} in {full}]) for x in "
+              f"{tuple_text([pieces[x] for x in pre_in])})) if {full} else ()",
+              "what reads no state, for every full chunk at once (stacked on the batch axis)")
+            L(f"{per_full} = dict(zip({full}, zip(*(x.unflatten(0, (len({full}), -1)).unbind(0) for x in {batched}))))")
         L(f"{outs} = []")
         if ctx.flags:
             L(f"{t} = 0")
-        chunk_args = {x: fresh(f"{x}_c", taken) for x in seq}
-        L(f"for {n}, {', '.join(chunk_args.values())} in zip({sizes}, {', '.join(pieces.values())}):")
+        if pre is not None:
+            L(f"for {i}, ({n}, {', '.join(chunk_args.values())}) in enumerate(zip({sizes}, {', '.join(pieces.values())})):")
+        else:
+            L(f"for {n}, {', '.join(chunk_args.values())} in zip({sizes}, {', '.join(pieces.values())}):")
         with L.indent():
             if starts:
                 L(f"if {pos} == 0:")
                 L(f"    {', '.join(starts.values())} = {', '.join(starts)}", "a new chunk starts here")
-            L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-            args = list(starts.values()) + carried + list(chunk_args.values())
-            args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]
+            if pre is not None:
+                L(f"if {n} == {c}:", "static shapes: one compiled chunk size")
+                L(f"    fn, {pre_c} = self._chunk_fn, {per_full}[{i}]")
+                L("else:", "a partial chunk: eagerly, with its own state-independent part")
+                L(f"    fn, {pre_c} = self._chunk_step, self._chunk_pre({', '.join(chunk_args[x] for x in pre_in)})")
+                args = list(starts.values()) + carried + [chunk_args[x] for x in core_in] + [f"*{pre_c}"]
+            else:
+                L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
+                args = list(starts.values()) + carried + list(chunk_args.values())
+                args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]
             L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
             L(f"{pos} = ({pos} + {n}) % {c}")
@@ -133,8 +156,8 @@ def emit(ctx, L) -> None:
         L(f"return _where_ok({ok}, {o}.transpose(1, 2), {nan}), state" if head_major
           else f"return _where_ok({ok}, {o}, {nan}), state")
     L()
-    if plan.dual is not None:
-        dual.emit(ctx, plan.dual, L)
+    if head_major:
+        L.lines.extend(methods.lines)
         return
     if plan.window is not None and plan.window.dual is not None:
         emit_window_dual(ctx, L, plan)
