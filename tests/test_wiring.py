@@ -87,6 +87,22 @@ def test_causality_by_perturbation(kind, options):
 
 
 @pytest.mark.parametrize("kind,options", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_token_changes_no_earlier_output(kind, options, bad):
+    """A nan or inf in token t's input leaves every output before t as it was (the attention's
+    masked weight times a future nan would be nan: keys and values are masked by where)."""
+    m = make(kind, **options)
+    x = x_of()
+    y = m(x)
+    for t in range(x.shape[1]):
+        x2 = x.clone()
+        x2[0, t, 3] = bad
+        y2 = m(x2)
+        assert torch.equal(y[:, :t], y2[:, :t]), f"{kind}: outputs before {t} changed"
+        assert torch.equal(y[1], y2[1]), "another batch row changed"
+
+
+@pytest.mark.parametrize("kind,options", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("splits", [[13], [1] * 13, [3, 7, 3], [5, 1, 2, 5], [4, 4, 4, 1]])
 def test_streaming_equals_one_call(kind, options, splits):
     m = make(kind, **options)

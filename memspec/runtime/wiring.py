@@ -99,7 +99,14 @@ class Attention(nn.Module):
             v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
             always = torch.ones(T, self.n_persistent, dtype=torch.bool, device=mask.device)
             mask = torch.cat([always, mask], dim=1)
+        # a non-finite key or value reaches only the outputs that attend to it (a masked weight
+        # times a future nan would be nan): zeroed by where, and the outputs that see one are nan
+        bad = ~torch.isfinite(k.sum(-1) + v.sum(-1))                  # [B, h, n]
+        zero = torch.zeros((), dtype=v.dtype, device=v.device)
+        k, v = torch.where(bad.unsqueeze(-1), zero, k), torch.where(bad.unsqueeze(-1), zero, v)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, h, T, dh]
+        reached = (bad.to(o.dtype) @ mask.T.to(o.dtype)) > 0           # [B, h, T]
+        o = torch.where(reached.unsqueeze(-1), torch.full_like(zero, float("nan")), o)
         return self.wo(o.transpose(1, 2).reshape(B, T, self.d_model))
 
 
