@@ -3,7 +3,7 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: c195eb6e42ecc9133fd06e8a3febbb2f15709f0a0ca3d2ef42bec6ef5d2ab85d
 # file sha256: c195eb6e42ecc9133fd06e8a3febbb2f15709f0a0ca3d2ef42bec6ef5d2ab85d
-# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 64 (exact)
+# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 16 (exact)
 # derived by memspec.schedule.analyse: dplr, exact; admits dplr, online
 # schedules of this module: dplr, online
 """gdn2: GDN-2: a gated delta rule with channel-wise gates on both axes, S_t = (I - k_t (b_t *
@@ -510,7 +510,7 @@ class Gdn2Memory(nn.Module):
     DEFAULT_SCHEDULE = 'dplr'
     STEP_SCHEDULE = 'online'
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `compile`: torch.compile the per-token and per-chunk step functions (static shapes).
         """
@@ -688,7 +688,7 @@ class Gdn2Layer(nn.Module):
     alpha = 1 - exp(-softplus(logit)) with logit = alpha_proj(x) [B, T, H, d_k] (bias init -4.0)
     """
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
         super().__init__()
         self.d_model = d_model
         self.heads = heads

@@ -3,7 +3,7 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: d22889e14850f6a92612b2425b772263327bf86ae21327633da0f0746644a452
 # file sha256: d22889e14850f6a92612b2425b772263327bf86ae21327633da0f0746644a452
-# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 64 (exact)
+# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 16 (exact)
 # derived by memspec.schedule.analyse: dplr, exact; admits dplr, online
 # schedules of this module: dplr, online
 """kda: Kimi Delta Attention: the gated delta rule with a decay per key channel, S_t = (I - beta_t
@@ -506,7 +506,7 @@ class KdaMemory(nn.Module):
     DEFAULT_SCHEDULE = 'dplr'
     STEP_SCHEDULE = 'online'
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `compile`: torch.compile the per-token and per-chunk step functions (static shapes).
         """
@@ -691,7 +691,7 @@ class KdaLayer(nn.Module):
     -4.0)
     """
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
         super().__init__()
         self.d_model = d_model
         self.heads = heads

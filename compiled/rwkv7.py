@@ -3,7 +3,7 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 9b8a7ce18f2421190f6ae85fc80af2ff43e3c6e54c06dd4431fbf03a9e9890dc
 # file sha256: 9b8a7ce18f2421190f6ae85fc80af2ff43e3c6e54c06dd4431fbf03a9e9890dc
-# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 64 (exact)
+# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 16 (exact)
 # derived by memspec.schedule.analyse: dplr, exact; admits dplr, online
 # schedules of this module: dplr, online
 """rwkv7: RWKV-7 (Goose): a state whose transition is a decay per key channel minus a rank one that
@@ -509,7 +509,7 @@ class Rwkv7Memory(nn.Module):
     DEFAULT_SCHEDULE = 'dplr'
     STEP_SCHEDULE = 'online'
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `compile`: torch.compile the per-token and per-chunk step functions (static shapes).
         """
@@ -677,7 +677,7 @@ class Rwkv7Layer(nn.Module):
     init 0.0)
     """
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
         super().__init__()
         self.d_model = d_model
         self.heads = heads
