@@ -23,9 +23,6 @@ from . import additive, apply_update, cache, delta, dplr, minibatch, momentum, o
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
-# chunk_dplr with per-channel decays splits them in sub-blocks of 16 tokens: a chunk of 16 is one
-# sub-block (measured fastest on CPU: KDA / GDN-2 / RWKV-7 layers 1.2-1.6x faster than at 64)
-DPLR_CHANNEL_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,8 @@ class Family:
     text: str                    # one line for `memspec explain`
     hint: str | None = None      # how to write a spec that this family admits
     hint_applies: Callable = lambda spec: True
+    # (Algebra, plan) -> (chunk, reason) when the plan runs best at another default chunk, or None
+    prefers: Callable = lambda alg, plan: None
 
 
 def _has_grads(spec) -> bool:
@@ -69,7 +68,7 @@ FAMILIES: tuple[Family, ...] = (
            hint="give one matrix state a transition on its key side that is a decay (a scalar or one per key "
                 "channel) on the token's first step and rank-one corrections a (bᵀ S), each step writing an "
                 "outer(k, v) (delta-rule steps with per-channel decays, asymmetric keys, several steps per token)",
-           hint_applies=lambda spec: len(spec.state) == 1),
+           hint_applies=lambda spec: len(spec.state) == 1, prefers=dplr.preferred_chunk),
     Family("momentum", lambda alg, chunk: momentum.analyse_momentum(alg), exact=True, chunked=True, carried=False,
            text="momentum (exact chunked form: two coupled states, one triangular solve per chunk)",
            hint="give a memory S and a momentum M the momentum delta rule: M = mu M + eta outer(k, p @ S - v) and "
@@ -137,11 +136,11 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
             plans[f.name], whys[f.name] = f.analyse(alg, chunks.get(f.name))
         except NotAdmitted as err:
             rejected.append((f.name, str(err)))
-    channel = "dplr" in plans and plans["dplr"].decay is not None and bool(alg.shape(plans["dplr"].decay))
-    if channel and kind != "chunk":
-        chunks["dplr"] = DPLR_CHANNEL_CHUNK
-        whys["dplr"].append(f"the decay is per key channel: chunks of {DPLR_CHANNEL_CHUNK} tokens, one decay "
-                            f"sub-block each (ask for another size with schedule: chunk(N))")
+    for f in FAMILIES:   # a chunk the spec did not ask for: the family's preferred one
+        pref = f.prefers(alg, plans[f.name]) if f.name in plans and kind != "chunk" else None
+        if pref is not None:
+            chunks[f.name] = pref[0]
+            whys[f.name].append(pref[1])
     admits = tuple(f.name for f in FAMILIES if f.name in plans)
     rej = dict(rejected)
     if kind == "chunk":
