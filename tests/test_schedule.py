@@ -484,6 +484,37 @@ def test_bench_record_fields(tmp_path):
     json.dumps(rec)
 
 
+def test_bench_times_the_schedules_round_robin(tmp_path, monkeypatch):
+    """After each schedule's two warm-up calls, every timed round runs each schedule once, in
+    order: a slow spell of the machine falls on all schedules alike (the ratios stay fair)."""
+    import memspec.pipeline.build as build
+    from memspec.tools.bench import bench_spec
+    from memspec.lang.frontend import load
+
+    calls = []
+    real = build.build_memory
+
+    def recording(*args, **kw):
+        memory = real(*args, **kw)
+        forward = memory.forward
+
+        def spy(*a, schedule="auto", **k):
+            calls.append(schedule)
+            return forward(*a, schedule=schedule, **k)
+        memory.forward = spy
+        return memory
+    monkeypatch.setattr(build, "build_memory", recording)
+    path = tmp_path / "g.mem"
+    path.write_text(textwrap.dedent(DELTA_HEAD + GATED_VARIANTS["gated"]))
+    spec = load(path)
+    spec = spec[0] if isinstance(spec, tuple) else spec
+    recs = bench_spec(spec, T=5, B=1, H=1, D=4, repeat=3, schedules={"delta", "online"})
+    assert [r["runs"] for r in recs] == [3, 3]
+    warm, timed = calls[:4], calls[4:4 + 6]
+    assert warm == ["delta", "delta", "online", "online"]
+    assert timed == ["delta", "online"] * 3
+
+
 def test_bench_cli_json(tmp_path, capsys):
     from memspec.tools.cli import main
 

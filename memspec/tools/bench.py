@@ -2,7 +2,8 @@
 
 For each spec the generated ``<Name>Memory`` is built once (``memspec.build.build_memory``)
 and its ``forward`` is timed with ``schedule=<family>`` for every admitted family,
-after warm-up: median wall time, tokens/s, speed-up over the online schedule,
+after warm-up, the schedules alternating round by round (one run of each per round, so that
+a slow spell of a shared machine falls on all of them and the ratios stay fair): median wall time, tokens/s, speed-up over the online schedule,
 achieved GFLOP/s (matrix-multiply FLOPs counted by ``torch.utils.flop_counter``)
 as a fraction of this machine's batched-matmul peak (``torch.bmm`` on 64x64 tiles,
 measured by the same command), peak memory and build / first-call time.
@@ -112,6 +113,10 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
         with torch.no_grad():
             return memory(*views.values(), **gates, schedule=schedule)[0]
 
+    # first (building / compiling) and second (warm-up) call of every schedule, then the timed
+    # runs round-robin: each round times every schedule once, so that a slow spell of a shared,
+    # noisy machine lands on all of them alike and the ratios between them stay fair
+    live = {}                                                 # schedule -> {first, second, mem}
     for schedule in wanted:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -124,21 +129,24 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             continue
         _sync(device)
         first = time.perf_counter() - t1
-        # warm-up (a second run), then as many timed runs as the budget allows (at least one)
         t1 = time.perf_counter()
         run(schedule)
         _sync(device)
         second = time.perf_counter() - t1
-        n = max(1, min(repeat, int(budget_s / max(second, 1e-9))))
-        times = []
-        for _ in range(n):
+        mem = (torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else _peak_rss_mb()
+        live[schedule] = {"first": first, "second": second, "mem": mem}
+    # as many rounds as the budget allows (at least one)
+    n = max(1, min(repeat, int(budget_s / max(sum(x["second"] for x in live.values()), 1e-9))))
+    times = {schedule: [] for schedule in live}
+    for _ in range(n):
+        for schedule in live:
             t1 = time.perf_counter()
             run(schedule)
             _sync(device)
-            times.append(time.perf_counter() - t1)
-        med = statistics.median(times)
+            times[schedule].append(time.perf_counter() - t1)
+    for schedule, x in live.items():
+        med = statistics.median(times[schedule])
         flops = _flops(lambda: run(schedule)) if not compile else None
-        mem = (torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else _peak_rss_mb()
         rec = {
             "spec": spec.name,
             "schedule": schedule,
@@ -151,10 +159,10 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             "gflop": flops / 1e9 if flops is not None else None,
             "gflops": flops / med / 1e9 if flops is not None else None,
             "frac_of_bmm_peak": (flops / med / 1e9 / peak) if flops is not None and peak else None,
-            "peak_mem_mb": mem,
+            "peak_mem_mb": x["mem"],
             "peak_mem_kind": "cuda_max_allocated" if device == "cuda" else "process_peak_rss",
             "build_s": build_s,
-            "first_call_s": first,
+            "first_call_s": x["first"],
             # with compile: the first (compiling) call of each compiled step function
             "compile_s": {name: getattr(memory, name).seconds for name in ("_token_fn", "_chunk_fn")
                           if getattr(getattr(memory, name, None), "seconds", None) is not None} or None,
