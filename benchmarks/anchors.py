@@ -73,7 +73,8 @@ import torch
 from memspec.tools.bench import bmm_peak
 from memspec.runtime.additive import chunk_additive, recurrent_additive
 from memspec.runtime.delta import chunk_delta
-from memspec.runtime.dplr import chunk_dplr, chunk_momentum_delta, recurrent_dplr, recurrent_momentum_delta
+from memspec.runtime.dplr import chunk_dplr, recurrent_dplr
+from memspec.runtime.momentum import chunk_momentum_delta, recurrent_momentum_delta
 
 
 def fla_peer(op):

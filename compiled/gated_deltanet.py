@@ -208,7 +208,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk):
     bad_before = torch.cumsum(bad, dim=1)                            # bad tokens at or before t
     state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1) if T else None
     if qq is not None:
-        read_bad = (bad_before) + (~torch.isfinite(qq.sum(-1))).to(dt)
+        read_bad = bad_before + (~torch.isfinite(qq.sum(-1))).to(dt)
         read_bad = per_chunk(read_bad) > 0                           # [Np, BH, C]
 
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has

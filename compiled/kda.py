@@ -118,12 +118,17 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
             any G >= 1 gives the same numbers.
         sub: tokens per decay sub-block for per-channel decays (default 16, or the largest
             divisor of C below it; at most 16); any value gives the same numbers.
+        a_form, b_form, decay_form: the forms of ``a`` (``"vector"`` or ``"scalar"``), ``b``
+            (``"key"``: None, ``"scalar"``, ``"vector"``) and ``log_decay`` (``"none"``,
+            ``"scalar"``, ``"channel"``), which must agree with the tensors passed; None: read
+            from their ranks.  A generated module passes them, so that its specialised copy of
+            this kernel keeps only the paths it runs.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
     Specialised for this module: b=None, inclusive=True, simultaneous=False, read_after_decay=True,
-    group=None, sub=None.
+    group=None, sub=None, a_form='scalar', b_form='key', decay_form='channel'.
     """
     # b with the sub-step axis (b is never rebound)
     b_r = None
@@ -136,10 +141,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     # the in-block factors of per-channel decays
     wide = torch.float64
     dev = k.device
-    # a given as vectors (else a scalar times k)
-    a_vec = a.dim() == 5
-    b_kind = 'k'
-    decay = None if log_decay is None else ("channel" if log_decay.dim() == 4 else "scalar")
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
     if T == 0:
@@ -149,15 +150,12 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     N, rem = divmod(T, C)
     Np = N + (rem > 0)
     ns = 1                                                           # tokens per decay sub-block
-    if decay == "channel":
-        target = max(1, min(16, 16, C))
-        ns = max(d for d in range(1, target + 1) if C % d == 0)
-    # column factor sets: [-a | k] or [k]
-    w = 2 if a_vec else 1
+    target = max(1, min(16, 16, C))
+    ns = max(d for d in range(1, target + 1) if C % d == 0)
+    w = 1                                            # column factor sets: [-a | k] or [k]
     n_full = C * R
     width = max(K + V, w * n_full)
-    if decay == "channel":
-        width = max(width, w * (C // ns) * K)
+    width = max(width, w * (C // ns) * K)
     if dev.type == "cpu":         # temporaries near 512 KB (float32): no page faults per call
         G = round((1 << 17) / (BH * n_full * width))
     else:                           # caching allocators: fewer, larger launches
@@ -168,7 +166,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
     if rem:
         groups.append((1, rem, -(-rem // ns) * ns))
-    after = decay is not None
 
     # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
@@ -179,13 +176,10 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
 
     # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
     total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
-    total = total + (a.sum((-2, -1), dtype=dt) if a_vec else a.sum(-1, dtype=dt))
-    if b_kind != "k":
-        total = total + (b_r.sum((-2, -1), dtype=dt) if b_kind == "vec" else b_r.sum(-1, dtype=dt))
-    if decay is not None:
-        # (a decay of 0, log -inf, is valid)
-        lg_all = log_decay.to(dt).clamp_min(-40.0)
-        total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
+    total = total + a.sum(-1, dtype=dt)
+    # (a decay of 0, log -inf, is valid)
+    lg_all = log_decay.to(dt).clamp_min(-40.0)
+    total = total + lg_all.sum(-1)
     okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
     # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
     # outputs reading a state at or after a bad token, and the final state, are set to NaN at the
@@ -200,8 +194,7 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         read_bad = per_chunk(bad_before, 1) > 0
         read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
-    a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
-    b_s = torch.where(ok_r, per_chunk(b_r.to(dt), R), zero) if b_kind == "scalar" else None
+    a_s = torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
 
     # ---- masks of a chunk of c tokens (sub-step i = t R + r; token of i = i // R)
     def masks(c):
@@ -213,10 +206,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         return solve, read
 
     mask_cache = {c: masks(c) for c in {cp for _, _, cp in groups}}
-    # which reads see the state before the token's decay: none (read_after_decay), all
-    # (simultaneous,
-    # or R = 1), or sub-step 0 only
-    before = "none" if after else ("all" if (R == 1) else "first")
 
     def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
         return x.split([nc * c for nc, c, _ in groups],
@@ -228,21 +217,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
 
     # ---- decay factors of every chunk at once
     dec = {}
-    if decay == "scalar":
-        g = torch.where(okf, per_chunk(lg_all, 1), zero)             # [Np, BH, C]
-        # cumulative log decay in the chunk
-        L = torch.cumsum(g, dim=-1)
-        Lp = L - g                                                    # before token t's decay
-        # [Np, BH, C R] column log of sub-step j
-        Lr = L.repeat_interleave(R, dim=-1) if R > 1 else L
-        first = torch.arange(C * R, device=dev) % R == 0              # sub-step 0 of each token
-        l_row = Lr if before == "none" else (Lp.repeat_interleave(R, dim=-1) if R > 1 else Lp)
-        if before == "first":
-            l_row = torch.where(first, l_row, Lr)
-        Lq = L                                   # the log decay a probe sees
-        dec = {"L": L, "Lr": Lr, "l_row": l_row, "Lq": Lq, "e_row": torch.exp(l_row),
-               "end": torch.exp(L[..., -1:] - Lr), "g_end": torch.exp(L[..., -1]),
-                       "e_q": torch.exp(Lq)}
 
     def channel_factors(glog):
         """The decay factors of per-channel log decays glog [M, nbk, ns, K] (sub-blocks of ns
@@ -257,9 +231,8 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         e_colend = (e_nlam * torch.exp(tot.to(wide))[:, :, None]).to(dt)   # e^{tot_J - lam_j} <= 1
         f = {"e_nlam": e_nlam}
         # row factors e^{rho_i} <= 1 (float64) per token and row slot: the R reads, then the probe
-        lam_q = None if q is None else ('lam')
-        slots = [("lamp" if before == "all" or (before == "first" and r == 0)
-                else "lam") for r in range(R)]
+        lam_q = None if q is None else 'lam'
+        slots = ['lam' for r in range(R)]
         slots += [lam_q] if lam_q else []
         pick = {"lam": torch.reciprocal(e_nlam) if "lam" in slots else None,
                 "lamp": torch.exp((lam - glog).to(wide)) if "lamp" in slots else None}
@@ -286,9 +259,9 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     dec_p = {key: split_c(x) for key, x in dec.items()}
 
     k_p, v_p, q_p = split_t(k), split_t(v), split_t(q)
-    g_p = split_t(lg_all) if decay == "channel" else None
-    a_p = split_t(a) if a_vec else split_c(a_s)
-    b_p = split_t(b_r) if b_kind == "vec" else split_c(b_s)
+    g_p = split_t(lg_all)
+    a_p = split_c(a_s)
+    b_p = split_c(None)
     ok_p = split_c(okf)
     rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
     q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
@@ -314,105 +287,64 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
                 zero).reshape(nBH, n, K + V)
         # [nBH, n, K], [nBH, n, V] (views)
         kg, vg = kv[:, :, :K], kv[:, :, K:]
-        if b_kind == "vec":
-            bg = torch.where(okg, lay(b_p[gi]).to(dt), zero).reshape(nBH, n, K)
         # solve rows (the reads) and the column factor sets; the signs are folded in:
         # vector a: rows b, columns [-a | k]; scalar a: rows -alpha b, columns k
-        if a_vec:
-            an = torch.where(okg, -lay(a_p[gi]).to(dt), zero).reshape(nBH, n, K)
-            cols = torch.cat([an, kg], dim=1)                       # [nBH, 2 n, K]
-            rows = (bg if b_kind == "vec"
-                    else (kg * scal(b_p[gi])[..., None] if b_kind == "scalar" else kg))
-        else:
-            cols = kg
-            rscale = -scal(a_p[gi])                                  # [nBH, n]
-            if b_kind == "scalar":
-                rscale = rscale * scal(b_p[gi])
-            rows = (bg if b_kind == "vec" else kg) * rscale[..., None]
+        cols = kg
+        rscale = -scal(a_p[gi])                                  # [nBH, n]
+        rows = kg * rscale[..., None]
         qg = None
         if q is not None:
             qkeep = q_ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
             qg = torch.where(qkeep, lay(q_p[gi].unsqueeze(3), 1).to(dt), zero).reshape(nBH, cp, K)
 
-        if decay == "channel":
-            # ---- per-channel decays, sub-blocks of ns tokens (nbk per chunk, m sub-steps each);
-            # the read
-            # rows and the probe rows of a block enter the same products
-            nbk, m = cp // ns, ns * R
-            # [nc, B, H, cp, K]
-            gch = torch.where(okg[..., 0, :], lay(g_p[gi].unsqueeze(3), 1)[..., 0, :].to(dt), zero)
-            dg_ = channel_factors(gch.reshape(nBH, nbk, ns, K))
-            # row slots per token: R reads (+ the probe)
-            sl = R + (q is not None)
-            x = rows.reshape(nBH, nbk, ns, R, K)
-            if q is not None:
-                x = torch.cat([x, qg.reshape(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
-            x64 = (x * dg_["e_row"]).reshape(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
-            mask_d = m_solve[:m, :m].reshape(ns, R, m)
-            if q is not None:
-                mask_d = torch.cat([mask_d, m_read[:ns, None, :m]], dim=1)   # [ns, sl, m]
-            mask_d = mask_d.reshape(ns * sl, 1, 1, m)
-            y = cols.reshape(nBH, w, nbk, ns, R, K)
-            # inside a block: e^{rho_i - lam_j} = e^{rho_i} e^{-lam_j} in float64
-            y64 = (y * dg_["e_nlam"][:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m,
-                    K)
-            dgm = torch.matmul(x64, y64.transpose(-1, -2)).reshape(nBH, nbk, ns * sl, w, 1, m)
-            dgm = torch.where(mask_d, dgm, 0.0).to(dt)
-            x32 = x64.to(dt)
-            if nbk == 1:
-                full = dgm                                            # [nBH, 1, ns sl, w, 1, m]
-            else:
-                # between blocks J < I: e^{rho_i} * e^{seg_IJ} * e^{tot_J - lam_j}, each <= 1
-                e_seg = dg_["e_seg"]
-                yI = (e_seg[:, :, None, :, None, None]
-                        * (y * dg_["e_colend"][:, None, :, :, None])[:, None])
-                off = torch.matmul(x32, yI.reshape(nBH, nbk, w * n, K).transpose(-1, -2))
-                off = off.reshape(nBH, nbk, ns * sl, w, nbk, m)
-                bi = torch.arange(nbk, device=dev)
-                full = torch.where((bi[:, None] > bi[None, :])[:, None, None, :, None], off,
-                                   torch.where((bi[:, None] == bi[None, :])[:, None, None, :, None],
-                                           dgm, zero))
-                x32 = x32 * dg_["e_ref"][:, :, None]             # e^{l_i} rows (the block offset)
-            full = full.reshape(nBH, nbk, ns, sl, w * n)
-            x32 = x32.reshape(nBH, nbk, ns, sl, K)
-            Nmat = full[:, :, :, :R].reshape(nBH, n, w * n)           # [nBH, n, w n]
-            rk = x32[:, :, :, :R].reshape(nBH, n, K)                  # e^{l_i} rows
-            if q is not None:
-                P = full[:, :, :, R].reshape(nBH, cp, w * n)
-                qd = x32[:, :, :, R].reshape(nBH, cp, K)
-            # e^{L_C - L_j}
-            end_fac = dg_["end"][:, :, :, None].expand(-1, -1, -1, R, -1).reshape(nBH, n, K)
-            g_end = dg_["g_end"]
-        elif decay == "scalar":
-            L, Lr, l_row = scal(dg_["L"]), scal(dg_["Lr"]), scal(dg_["l_row"])
-            shared = R == 1 and True and after and True and q is not None
-            # the reads and the probes see the same decays: one matrix, masked at the read
-            if shared:
-                dec_s = torch.exp((L[:, :, None] - L[:, None, :]).tril())
-            else:
-                # [nBH, n, n]
-                dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))
-            Nmat = torch.bmm(rows, cols.transpose(1, 2))              # [nBH, n, w n]
-            Nmat = ((Nmat.reshape(nBH, n, w, n) * dec_s[:, :, None, :]).reshape(nBH, n, w * n)
-                    if a_vec else Nmat * dec_s)
-            rk = rows * scal(dg_["e_row"])[..., None]
-            end_fac = scal(dg_["end"])[..., None]                     # [nBH, n, 1]
-            g_end = dg_["g_end"].reshape(nBH)
+        nbk, m = cp // ns, ns * R
+        # [nc, B, H, cp, K]
+        gch = torch.where(okg[..., 0, :], lay(g_p[gi].unsqueeze(3), 1)[..., 0, :].to(dt), zero)
+        dg_ = channel_factors(gch.reshape(nBH, nbk, ns, K))
+        # row slots per token: R reads (+ the probe)
+        sl = R + (q is not None)
+        x = rows.reshape(nBH, nbk, ns, R, K)
+        if q is not None:
+            x = torch.cat([x, qg.reshape(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
+        x64 = (x * dg_["e_row"]).reshape(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
+        mask_d = m_solve[:m, :m].reshape(ns, R, m)
+        if q is not None:
+            mask_d = torch.cat([mask_d, m_read[:ns, None, :m]], dim=1)   # [ns, sl, m]
+        mask_d = mask_d.reshape(ns * sl, 1, 1, m)
+        y = cols.reshape(nBH, w, nbk, ns, R, K)
+        # inside a block: e^{rho_i - lam_j} = e^{rho_i} e^{-lam_j} in float64
+        y64 = (y * dg_["e_nlam"][:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m, K)
+        dgm = torch.matmul(x64, y64.transpose(-1, -2)).reshape(nBH, nbk, ns * sl, w, 1, m)
+        dgm = torch.where(mask_d, dgm, 0.0).to(dt)
+        x32 = x64.to(dt)
+        if nbk == 1:
+            full = dgm                                            # [nBH, 1, ns sl, w, 1, m]
         else:
-            Nmat = torch.bmm(rows, cols.transpose(1, 2))
-            rk = rows
-        if decay != "channel" and (a_vec):
-            # the solve reads only the strict lower triangle; A^{bk} V and simultaneous steps need
-            # zeros
-            Nmat = torch.where(m_solve.repeat(1, 2) if a_vec else m_solve, Nmat, zero)
+            # between blocks J < I: e^{rho_i} * e^{seg_IJ} * e^{tot_J - lam_j}, each <= 1
+            e_seg = dg_["e_seg"]
+            yI = (e_seg[:, :, None, :, None, None]
+                    * (y * dg_["e_colend"][:, None, :, :, None])[:, None])
+            off = torch.matmul(x32, yI.reshape(nBH, nbk, w * n, K).transpose(-1, -2))
+            off = off.reshape(nBH, nbk, ns * sl, w, nbk, m)
+            bi = torch.arange(nbk, device=dev)
+            full = torch.where((bi[:, None] > bi[None, :])[:, None, None, :, None], off,
+                               torch.where((bi[:, None] == bi[None, :])[:, None, None, :, None],
+                                       dgm, zero))
+            x32 = x32 * dg_["e_ref"][:, :, None]             # e^{l_i} rows (the block offset)
+        full = full.reshape(nBH, nbk, ns, sl, w * n)
+        x32 = x32.reshape(nBH, nbk, ns, sl, K)
+        Nmat = full[:, :, :, :R].reshape(nBH, n, w * n)           # [nBH, n, w n]
+        rk = x32[:, :, :, :R].reshape(nBH, n, K)                  # e^{l_i} rows
+        if q is not None:
+            P = full[:, :, :, R].reshape(nBH, cp, w * n)
+            qd = x32[:, :, :, R].reshape(nBH, cp, K)
+        # e^{L_C - L_j}
+        end_fac = dg_["end"][:, :, :, None].expand(-1, -1, -1, R, -1).reshape(nBH, n, K)
+        g_end = dg_["g_end"]
 
         # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
-        if a_vec:
-            Nba, Nbk = Nmat[:, :, :n], Nmat[:, :, n:]                 # -A^{ba}, A^{bk}
-            rhs = torch.cat([rk, torch.bmm(Nbk, vg)], dim=-1)         # [e^l b | A^{bk} V]
-        else:
-            Nba = Nmat
-            rhs = torch.cat([rk, vg], dim=-1)                         # [-alpha e^l b | V]
+        Nba = Nmat
+        rhs = torch.cat([rk, vg], dim=-1)                         # [-alpha e^l b | V]
         # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
         X = torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True,
                 left=False,
@@ -422,51 +354,23 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         # (vector a: u = W S + U, S <- Diag(g) S + K~^T V - (-A~)^T u; scalar a: z = U - W S (the
         # right
         # side carried -alpha), S <- Diag(g) S + K~^T z)
-        kd = kg if decay is None else kg * end_fac                   # keys decayed to the chunk end
-        if a_vec:
-            ad = an if decay is None else an * end_fac               # -a decayed to the chunk end
-            Dv = torch.bmm(kd.transpose(1, 2), vg).reshape(nc, BH, K, V)   # K~^T V: no state in it
-            ad_j = ad.reshape(nc, BH, n, K).unbind(0)
+        kd = kg * end_fac                   # keys decayed to the chunk end
         kd_j = kd.reshape(nc, BH, n, K).unbind(0)
-        g_j = (g_end.reshape(nc, BH, *g_end.shape[1:]).unbind(0) if decay is not None else [None]
-                * nc)
+        g_j = g_end.reshape(nc, BH, *g_end.shape[1:]).unbind(0)
         zs, starts = [], []
         for j, (W_j,
                 U_j) in enumerate(zip(Wk.reshape(nc, BH, n, K).unbind(0),
                 U.reshape(nc, BH, n, V).unbind(0))):
             starts.append(S)
-            Sg = (S if g_j[j] is None else S
-                    * (g_j[j][:, None, None] if decay == "scalar" else g_j[j][:, :, None]))
-            if a_vec:
-                z = torch.baddbmm(U_j, W_j, S)                        # u = W S + U  [BH, n, V]
-                S = torch.baddbmm(Sg + Dv[j], ad_j[j].transpose(1, 2), z, alpha=-1)
-            else:
-                z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
-                S = torch.baddbmm(Sg, kd_j[j].transpose(1, 2), z)
+            Sg = S if g_j[j] is None else S * g_j[j][:, :, None]
+            z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
+            S = torch.baddbmm(Sg, kd_j[j].transpose(1, 2), z)
             zs.append(z)
         if q is None:
             continue
         S_starts = torch.stack(starts).reshape(nBH, K, V) if nc > 1 else starts[0]
         z = torch.stack(zs).reshape(nBH, n, V) if nc > 1 else zs[0]
-        # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
-        if decay != "channel":
-            P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]
-            qd = qg
-            if decay == "scalar":
-                Lq = scal(dg_["Lq"])
-                dec_q = (dec_s if shared
-                        else torch.exp(torch.where(m_read, Lq[:, :, None] - Lr[:, None, :], zero)))
-                P = ((P.reshape(nBH, cp, w, n) * dec_q[:, :, None, :]).reshape(nBH, cp, w * n)
-                        if a_vec else P * dec_q)
-                qd = qg * scal(dg_["e_q"])[..., None]
-            if R == 1 and not a_vec:
-                P = P.tril_(0)
-            else:
-                P = torch.where((m_read.repeat(1, 2) if a_vec else m_read), P, zero)
-        if a_vec:   # o = Q~ S + P^a u + P^k V, P holding [-P^a | P^k]
-            og = torch.baddbmm(torch.bmm(P, torch.cat([-z, vg], dim=1)), qd, S_starts)
-        else:       # o = Q~ S + P z
-            og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
+        og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
         og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan_value, og)
         # [B, nc, c, H, V] (a view)
         outs.append(og.reshape(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))

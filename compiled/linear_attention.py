@@ -144,7 +144,6 @@ def chunk_additive(q, k, v, S0, chunk):
     if T == 0:
         o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
         return o, S.view(B, H, K, V).to(out_dtype)
-    # one log decay per key channel (decided operands first: the specialiser folds them)
     C = max(1, min(int(chunk), T))
     N, r = divmod(T, C)
     if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call

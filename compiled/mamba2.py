@@ -218,7 +218,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk):
                     # [nb, h, V] second halves
                     o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None
                     # out of place until og depends on q, k, v and the decays: in place after (vmap)
-                    fresh = h <= (1)
+                    fresh = h <= 1
                     if h <= 2:                                       # tiny blocks: column by column
                         scores = ((qt * kt).sum(-1, keepdim=True) if h == 1
                                 else torch.bmm(qt, kt.transpose(1, 2)))

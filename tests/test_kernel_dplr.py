@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from memspec.runtime.dplr import chunk_dplr, chunk_momentum_delta, recurrent_dplr, recurrent_momentum_delta
+from memspec.runtime.dplr import chunk_dplr, recurrent_dplr
+from memspec.runtime.momentum import chunk_momentum_delta, recurrent_momentum_delta
 
 from peers import fla_naive
 

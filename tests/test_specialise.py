@@ -86,17 +86,37 @@ def test_chunk_dplr_specialised_equals_general(decay, a_vec, b_kind, after):
     numbers, bit for bit, as the general kernel (the kernel's elif chain over the decay kinds stays
     a chain when its head is undecided)."""
     x = _dplr_inputs(decay, a_vec, b_kind)
-    consts = {"inclusive": True, "simultaneous": False, "read_after_decay": after, "group": None, "sub": None}
+    consts = {"inclusive": True, "simultaneous": False, "read_after_decay": after, "group": None, "sub": None,
+              "a_form": "vector" if a_vec else "scalar", "b_form": b_kind, "decay_form": decay}
     if b_kind == "key":
         consts["b"] = None
     if decay == "none":
         consts["log_decay"] = None
-    fn = _load(specialise(chunk_dplr, **consts), "chunk_dplr")
+    src = specialise(chunk_dplr, **consts)
+    fn = _load(src, "chunk_dplr")
     want = chunk_dplr(*x, 4, inclusive=True, read_after_decay=after)
     args = [t for t, n in zip(x, ["q", "k", "v", "a", "b", "log_decay", "S0"]) if n not in consts]
     got = fn(*args, 4)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+    # the forms are decided: no test of them is left, and only the paths of this binding
+    body = src.split('"""')[-1]
+    for left in ("a_vec", "b_kind", "decay ==", "decay is", "decay !=", "_form"):
+        assert left not in body, left
+    assert ("channel_factors" in body) == (decay == "channel")
+    assert ("Nbk" in body) == a_vec
+
+
+def test_a_string_local_is_folded_and_its_comment_goes_with_it():
+    src = ("def f(x, kind=None):\n    # the kind, from x unless given\n    k = kind if kind is not None else "
+           "('a' if x > 0 else 'b')\n    if k == 'a':\n        return x + 1\n    y = max(x, (1 if k == 'b' else 2))"
+           "\n    return y, ('p' if k == 'b' else 'q')\n")
+    out = specialise_source(src, {"kind": "b"})
+    assert "the kind" not in out and "k ==" not in out and "k = " not in out
+    assert "y = max(x, 1)" in out and "return y, 'p'" in out      # a call's parentheses stay
+    fn = _load(out, "f")
+    assert fn(-3) == (1, "p") and fn(5) == (5, "p")
+    assert _load(src, "f")(5, "b") == (5, "p")
 
 
 def test_an_undecided_elif_stays_in_its_chain():

@@ -34,6 +34,7 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     w.lines.append(f"# dplr chunked schedule (exact): {R} rank-one sub-step{'s' if R > 1 else ''} per token {how}, "
                    f"{update}, {decay}; WY / UT form, one triangular solve per chunk")
     lg = w.log_decay(plan.decay, f"{S}_log_decay")
+    decay_form = "none" if plan.decay is None else ("channel" if w.em.shape(plan.decay) else "scalar")
     suffix = [f"{r + 1}" if R > 1 else "" for r in range(R)]
     ks = [w.value(st.k, f"{S}_k{suffix[r]}", vector=True) for r, st in enumerate(plan.steps)]
     vs = [w.value(st.v, f"{S}_v{suffix[r]}", vector=True) for r, st in enumerate(plan.steps)]
@@ -60,7 +61,8 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
         s_name = state_out[S] if pi == 0 else "_"
         w.lines.append(f"{o_name}, {s_name} = chunk_dplr({pc}, {kc}, {vc}, {ac}, {bc}, {lg}, {state_in[S]}, "
                        f"{chunk}, inclusive={plan.inclusive}, simultaneous={plan.simultaneous}, "
-                       f"read_after_decay={plan.read_after_decay})")
+                       f"read_after_decay={plan.read_after_decay}, a_form={plan.a_form!r}, "
+                       f"b_form={plan.b_form!r}, decay_form={decay_form!r})")
         if pc != "None":
             probe_names[plan.probes[pi].name] = o_name
             probe_shapes[o_name] = (spec.state[S].shape[1],)

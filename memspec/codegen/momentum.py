@@ -1,10 +1,10 @@
 """Emitter of the ``momentum`` family: ``M <- mu * M + eta * outer(k, p @ S - v)``, ``S <- gamma * S
 - beta * M`` (a memory and its momentum, the kernel's ``M`` the spec's momentum times the plan's
-sign) through :func:`memspec.runtime.dplr.chunk_momentum_delta` (one triangular solve per chunk),
+sign) through :func:`memspec.runtime.momentum.chunk_momentum_delta` (one triangular solve per chunk),
 one kernel call per linear probe of the memory."""
 from __future__ import annotations
 
-from ..runtime.dplr import chunk_momentum_delta
+from ..runtime.momentum import chunk_momentum_delta
 from . import chunked
 
 KERNEL = chunk_momentum_delta

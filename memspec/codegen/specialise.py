@@ -11,7 +11,8 @@ kept line for line, so the specialised kernel reads like the hand-written one wi
 cases this module cannot reach taken out.
 
 Only what is provably decided is folded (constants, ``is None`` / ``is not None``,
-``not``, ``and`` / ``or`` with a decided prefix, ``==`` / ``!=`` between constants); a
+``not``, ``and`` / ``or`` with a decided prefix, ``==`` / ``!=`` between constants, strings
+included); a
 parameter or local that is assigned in a loop, a branch or a nested function is never
 folded.  The tests run every specialisation of every kernel against the general one.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import keyword
 import textwrap
 
 UNKNOWN = object()
@@ -108,6 +110,28 @@ def fold(e: ast.expr, env: dict):
     return UNKNOWN
 
 
+def _atomic(e: ast.expr, env: dict) -> bool:
+    """Does ``e`` fold to a literal, or to one of its branches that needs no parentheses?"""
+    if fold(e, env) is not UNKNOWN:
+        return True
+    if isinstance(e, ast.IfExp) and fold(e.test, env) is not UNKNOWN:
+        inner = e.body if fold(e.test, env) else e.orelse
+        return isinstance(inner, (ast.Name, ast.Constant, ast.Call, ast.Attribute, ast.Subscript)) or _atomic(inner, env)
+    return False
+
+
+def _unwrap(text: str, a: int, b: int, atomic: bool) -> tuple[int, int]:
+    """The span ``text[a:b]`` widened over the parentheses around it when what replaces it is
+    atomic (``("lam" if x else "lamp")`` -> ``'lam'``), unless they are a call's."""
+    if atomic and a >= 1 and b < len(text) and text[a - 1] == "(" and text[b] == ")":
+        before = text[:a - 1].rstrip()
+        word = before.split()[-1] if before.split() else ""
+        call = bool(before) and (before[-1] in "_)]" or before[-1].isalnum()) and not keyword.iskeyword(word)
+        if not call:
+            return a - 1, b + 1
+    return a, b
+
+
 def _is_bool(e: ast.expr) -> bool:
     """Is ``e`` surely a bool (a comparison, a ``not``, a chain of those)?"""
     if isinstance(e, (ast.Compare, ast.UnaryOp)) and not (isinstance(e, ast.UnaryOp) and not isinstance(e.op, ast.Not)):
@@ -133,7 +157,8 @@ class _Writer:
             t = fold(e.test, env)
             if t is not UNKNOWN:
                 inner = e.body if t else e.orelse
-                return self._paren(inner, self._expr(inner, env))
+                text = self._expr(inner, env)
+                return text if fold(inner, env) is not UNKNOWN else self._paren(inner, text)
         if isinstance(e, ast.BoolOp):
             kept = []
             stop = UNKNOWN    # a decided operand that ends the chain (False in an and, True in an or)
@@ -179,6 +204,7 @@ class _Writer:
 
         for sub, rep in sorted(edits, key=lambda x: (x[0].lineno, x[0].col_offset), reverse=True):
             a, b = offset(sub.lineno, sub.col_offset), offset(sub.end_lineno, sub.end_col_offset)
+            a, b = _unwrap(text, a, b, _atomic(sub, env))
             text = text[:a] + rep + text[b:]
         return text
 
@@ -235,9 +261,12 @@ class _Writer:
         prev_end = None
         for i, node in enumerate(stmts):
             start = self._first_line(node)
-            if prev_end is not None:
-                out += [_dedent(ln, dedent) for ln in self.gap(prev_end + 1, start)]
-            out += self.stmt(node, env, dedent, note=drop_docstring_note if i == 0 else None)
+            gap = [_dedent(ln, dedent) for ln in self.gap(prev_end + 1, start)] if prev_end is not None else []
+            lines = self.stmt(node, env, dedent, note=drop_docstring_note if i == 0 else None)
+            if not lines:   # a statement folded away takes the comment written right above it along
+                while gap and gap[-1].lstrip().startswith("#"):
+                    gap.pop()
+            out += gap + lines
             prev_end = node.end_lineno
         return out
 
@@ -262,7 +291,7 @@ class _Writer:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
             v = fold(node.value, env)
-            if v is not UNKNOWN and self.assigned.get(name) == 1 and isinstance(v, (bool, type(None))):
+            if v is not UNKNOWN and self.assigned.get(name) == 1 and isinstance(v, (bool, str, type(None))):
                 env[name] = v      # folded into its uses
                 return []
         if isinstance(node, (ast.For, ast.While, ast.With, ast.FunctionDef, ast.Try)):
@@ -302,6 +331,7 @@ class _Writer:
                 rep = rep[1:-1]
             a = _offset(lines, node.lineno, sub.lineno, sub.col_offset)
             b = _offset(lines, node.lineno, sub.end_lineno, sub.end_col_offset)
+            a, b = _unwrap(text, a, b, _atomic(sub, env))
             text = text[:a] + rep + text[b:]
         return [_dedent(ln, dedent) for ln in text.split("\n")]
 
@@ -405,8 +435,8 @@ def _dedent(line: str, n: int) -> str:
 def specialise_calls(code: str, fn) -> tuple[str, str]:
     """Specialise ``fn`` to the constant arguments every call of it in ``code`` passes.
 
-    A parameter is bound when every call passes the same constant (None, True, False) for
-    it, or none passes it and its default is such a constant.  Returns ``(code, source)``:
+    A parameter is bound when every call passes the same constant (None, True, False, a string)
+    for it, or none passes it and its default is such a constant.  Returns ``(code, source)``:
     the code with those arguments taken out of every call, and the specialised source of
     ``fn`` (its general source when nothing is bound or nothing calls it)."""
     sig = inspect.signature(fn)
@@ -427,13 +457,13 @@ def specialise_calls(code: str, fn) -> tuple[str, str]:
             node = args.get(name, UNKNOWN)
             if node is UNKNOWN:
                 values.add(("default", p.default) if p.default is not inspect.Parameter.empty else ("none",))
-            elif isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, bool)):
+            elif isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (bool, str))):
                 values.add(("const", node.value))
             else:
                 values.add(("expr",))
         if len(values) == 1:
             (kind, *v), = values
-            if kind in ("const", "default") and (v[0] is None or isinstance(v[0], bool)):
+            if kind in ("const", "default") and (v[0] is None or isinstance(v[0], (bool, str))):
                 consts[name] = v[0]
     if not consts:
         return code, textwrap.dedent(inspect.getsource(fn))

@@ -10,8 +10,9 @@ imports and no closures over module state.
 * :mod:`.delta`     -- the delta family's exact chunked kernel;
 * :mod:`.dplr`      -- diagonal-plus-low-rank transitions (``chunk_dplr``: R rank-1 sub-steps per
                        token, scalar or per-key-channel decays; DeltaNet, gated DeltaNet, KDA, GDN-2,
-                       Comba, RWKV-7, gated DeltaProduct) and the momentum delta rule
-                       (``chunk_momentum_delta``: two states coupled linearly);
+                       Comba, RWKV-7, gated DeltaProduct);
+* :mod:`.momentum`  -- the momentum delta rule (``chunk_momentum_delta``: two states coupled
+                       linearly);
 * :mod:`.wiring`    -- MAC / MAG / MAL around a memory layer.
 
 Kernels

@@ -2,7 +2,7 @@
 whose joint transition is a 2x2 upper-triangular block decay (x) I plus one rank one on the
 key side -- the momentum delta rule (Titans' memory with a linear model, flash-linear-
 attention's momentum delta rule), however it is written -- exact in the chunked form of
-:func:`memspec.runtime.dplr.chunk_momentum_delta` (one triangular solve per chunk).
+:func:`memspec.runtime.momentum.chunk_momentum_delta` (one triangular solve per chunk).
 
 The kernel runs ``M_t = mu_t M + eta_t outer(k_t, p_t @ S_{t-1} - v_t)``, ``S_t = gamma_t S -
 beta_t M_t``.  In the states before the token that is

@@ -1,0 +1,155 @@
+"""Exact chunked kernel of the momentum family (two states coupled linearly: the momentum delta
+rule), and its token-loop reference.
+
+See :mod:`memspec.runtime` for the rules every kernel here follows.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, inclusive=True):
+    """Token-loop reference for the momentum delta rule (two states coupled linearly).
+
+    ``M_t = mu_t M_{t-1} + eta_t outer(k_t, p_t @ S_{t-1} - v_t)``,
+    ``S_t = gamma_t S_{t-1} - beta_t M_t``; ``o_t = q_t @ S_t`` (``inclusive``) or ``q_t @ S_{t-1}``.
+    (flash-linear-attention's ``recurrent_momentum_delta_rule_ref``: ``log_alpha = log_gamma``.)
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None.  k, p: ``[B, T, H, K]`` (write key, error read);
+            v: ``[B, T, H, V]``.
+        log_gamma, log_mu: ``[B, T, H]`` log decays (<= 0) of S and of the momentum M.
+        beta, eta: ``[B, T, H]`` the step of S along M, the step of M along the error.
+        S0, M0: ``[B, H, K, V]`` or None (zeros).
+        inclusive: True: o_t reads S_t; False: S_{t-1}.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    S = k.new_zeros(B, H, K, V, dtype=dt) if S0 is None else S0.to(dt)
+    M = k.new_zeros(B, H, K, V, dtype=dt) if M0 is None else M0.to(dt)
+    outs = []
+    for t in range(T):
+        S_before = S
+        err = torch.einsum("bhk,bhkv->bhv", p[:, t].to(dt), S) - v[:, t].to(dt)         # [B, H, V]
+        mu, gam = torch.exp(log_mu[:, t].to(dt)), torch.exp(log_gamma[:, t].to(dt))
+        M = mu[..., None, None] * M + (eta[:, t].to(dt)[..., None] * k[:, t].to(dt))[..., :, None] * err[..., None, :]
+        S = gam[..., None, None] * S - beta[:, t].to(dt)[..., None, None] * M
+        if q is not None:
+            outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dt), S if inclusive else S_before))
+    o = None
+    if q is not None:
+        o = torch.stack(outs, dim=1).to(v.dtype) if outs else v.new_zeros(B, 0, H, V)
+    out_dtype = S0.dtype if S0 is not None else v.dtype
+    return o, S.to(out_dtype), M.to(out_dtype)
+
+
+def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, inclusive=True):
+    """Exact chunked momentum delta rule (:func:`recurrent_momentum_delta`'s recurrence).
+
+    The joint state ``Z = [S; M]`` (``[2K, V]``) has the transition ``Z_t = (D_t (x) I_K) Z_{t-1}
+    + a_t z_t`` with the 2x2 upper-triangular ``D_t = [[gamma_t, -beta_t mu_t], [0, mu_t]]``, the
+    rank-1 factor ``a_t = [-beta_t eta_t, eta_t] (x) k_t`` and ``z_t = p_t @ S_{t-1} - v_t``: a
+    "2x2 (x) identity plus rank one" transition.  Every interaction of sub-steps s < t then
+    factors as (a scalar from the 2x2 products ``P(t, s) = D_t ... D_{s+1}``) times an inner product
+    of K-vectors, so the chunk's errors come from ONE unit-lower-triangular solve,
+    ``(I - A) z = [e^{La_{t-1}} p | P12(t-1, start) p] [S_0; M_0] - V`` with
+    ``A_ts = (P11(t-1,s) (-beta_s eta_s) + P12(t-1,s) eta_s) (p_t . k_s)``; the products' corner
+    ``P12(t, s) = sum_{s<r<=t} e^{La_t - La_r} (-beta_r mu_r) e^{Lm_{r-1} - Lm_s}`` is one product
+    of two masked decay matrices (entries <= 1: stable); the products at ``t - 1`` are those at
+    ``t`` shifted by one row.  Then per chunk, on the stacked ``Z = [S; M]``: ``z = W_Z Z + U``,
+    ``Z <- [e^{La_C} S + P12(C, start) M; e^{Lm_C} M] + K_Z^T z`` (two products per chunk), and
+    the outputs are batched matmuls (the reads of ``S`` and ``M`` at the chunk start in one).
+
+    Args:
+        as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BH = B * H
+    dt = torch.promote_types(k.dtype, torch.float32)
+    dev = k.device
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
+    M = k.new_zeros(BH, K, V, dtype=dt) if M0 is None else M0.to(dt).reshape(BH, K, V)
+    out_dtype = S0.dtype if S0 is not None else v.dtype
+    if T == 0:
+        o = v.new_zeros(B, 0, H, V) if q is not None else None
+        return o, S.reshape(B, H, K, V).to(out_dtype), M.reshape(B, H, K, V).to(out_dtype)
+    C = max(1, min(int(chunk), T))
+    Np = -(-T // C)
+    pad = Np * C - T                                                 # identity tokens (zeros) at the end
+
+    def lay(x):  # [B, T, H(, D)] -> [Np BH, C(, D)], chunk-major, padded with zeros
+        x = x.to(dt)
+        if x.dim() == 3:
+            x = x[..., None]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+        x = x.reshape(B, Np, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(Np * BH, C, x.shape[-1])
+        return x
+
+    kc, pc, vc = lay(k), lay(p), lay(v)
+    la, lm = lay(log_gamma.clamp_min(-80.0))[..., 0], lay(log_mu.clamp_min(-80.0))[..., 0]   # [Np BH, C]
+    bc, ec = lay(beta)[..., 0], lay(eta)[..., 0]
+    La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
+    Lap, Lmp = La - la, Lm - lm                                      # before token t's decay
+    idx = torch.arange(C, device=dev)
+    incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
+    ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
+
+    def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
+        return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
+
+    def shift(x):  # row t <- row t - 1 within the chunk (row 0: zeros): a product at t - 1
+        return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0) if x.dim() == 3 else (1, 0))
+
+    Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
+    bm = -bc * torch.exp(lm)                                          # -beta_r mu_r
+    Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                         # P12(t, s)
+    h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]    # P12(t, start)
+    be = (-bc * ec)[:, None, :]                                       # -beta_s eta_s
+    Om = Ea * be + Q12 * ec[:, None, :]                               # [P(t, s) a~_s]_1, s <= t
+    Gam = shift(Om)                                                   # [P(t-1, s) a~_s]_1, s < t
+    h12p = shift(h12)                                                 # P12(t-1, start)
+    A = Gam * torch.bmm(pc, kc.transpose(1, 2))                       # strictly lower
+    rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [Np BH, C, 2K + V]
+    # (I - A) X = rhs, as X^T (I - A)^T = rhs^T (the fast layout on CPU)
+    X = torch.linalg.solve_triangular((-A).transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
+                                      unitriangular=True).transpose(1, 2).contiguous()
+    WZ, U = X.split([2 * K, V], dim=-1)                               # z = WZ [S; M] + U
+    kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]], dim=-1)
+    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]   # S's, M's: P11, P22, P12 (C, start)
+
+    def per(x):
+        return x.reshape(Np, BH, *x.shape[1:]).unbind(0)
+
+    Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
+    zs, Z_st = [], []
+    for WZ_j, U_j, kZ_j, gS_j, gM_j, hM_j in zip(*(per(x) for x in (WZ, U, kZ, gS, gM, hM))):
+        Z_st.append(Z)
+        z = torch.baddbmm(U_j, WZ_j, Z)                                # [BH, C, V]
+        S, M = Z.split(K, dim=1)
+        Zd = torch.cat([gS_j[:, None, None] * S + hM_j[:, None, None] * M, gM_j[:, None, None] * M], dim=1)
+        Z = torch.baddbmm(Zd, kZ_j.transpose(1, 2), z)                 # [S; M] at the chunk's end
+        zs.append(z)
+    S_out, M_out = (x.reshape(B, H, K, V).to(out_dtype).contiguous() for x in Z.split(K, dim=1))
+    if q is None:
+        return None, S_out, M_out
+    qc = lay(q)
+    z = torch.stack(zs).reshape(Np * BH, C, V)
+    Z_st = torch.stack(Z_st).reshape(Np * BH, 2 * K, V)
+    if inclusive:
+        fa, fm, Pm = torch.exp(La), h12, Om
+    else:
+        fa, fm, Pm = torch.exp(Lap), h12p, Gam
+    P = Pm * torch.bmm(qc, kc.transpose(1, 2))
+    qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)  # [Np BH, C, 2K]: reads of [S; M]
+    o = torch.baddbmm(torch.bmm(P, z), qZ, Z_st)
+    o = o.reshape(Np, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, Np * C, H, V)[:, :T]
+    return o.to(v.dtype), S_out, M_out
