@@ -541,6 +541,20 @@ def test_momentum_chunk_matches_recurrent(T, inclusive):
         assert torch.isfinite(a).all() and rel(a, b) <= 1e-4
 
 
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_momentum_groups_of_chunks_give_the_same_numbers(group):
+    """Chunks in groups of G (the last group short, its last chunk a tail): outputs, both states
+    and every gradient as with all chunks in one group (the test shapes' default), float64."""
+    leaves = [x.requires_grad_() for x in momentum_inputs(2, 69, 2, 5, 4, dtype=torch.float64)]
+    one = chunk_momentum_delta(*leaves, 16)
+    got = chunk_momentum_delta(*leaves, 16, group=group)
+    w = [torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) for x in one]
+    g1 = torch.autograd.grad(sum((x * y).sum() for x, y in zip(one, w)), leaves)
+    gg = torch.autograd.grad(sum((x * y).sum() for x, y in zip(got, w)), leaves)
+    for a, b in zip(list(got) + list(gg), list(one) + list(g1)):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_momentum_gradcheck_float64():
     args = [x.requires_grad_() for x in momentum_inputs(1, 5, 1, 3, 2, dtype=torch.float64)]
     assert torch.autograd.gradcheck(lambda *x: chunk_momentum_delta(*x, 2), args, eps=1e-6, atol=1e-6)

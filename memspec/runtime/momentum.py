@@ -47,7 +47,7 @@ def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, i
     return o, S.to(out_dtype), M.to(out_dtype)
 
 
-def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, inclusive=True):
+def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, inclusive=True, group=None):
     """Exact chunked momentum delta rule (:func:`recurrent_momentum_delta`'s recurrence).
 
     The joint state ``Z = [S; M]`` (``[2K, V]``) has the transition ``Z_t = (D_t (x) I_K) Z_{t-1}
@@ -63,9 +63,13 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     ``t`` shifted by one row.  Then per chunk, on the stacked ``Z = [S; M]``: ``z = W_Z Z + U``,
     ``Z <- [e^{La_C} S + P12(C, start) M; e^{Lm_C} M] + K_Z^T z`` (two products per chunk), and
     the outputs are batched matmuls (the reads of ``S`` and ``M`` at the chunk start in one).
+    Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
+    512 KB, as in the other kernels; on other devices G = 64): the batched work of a group,
+    then its chunks in sequence, then its outputs.
 
     Args:
         as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
+        group: chunks per batched group G (default: as above); any G >= 1 gives the same numbers.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).
@@ -83,22 +87,14 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         return o, S.reshape(B, H, K, V).to(out_dtype), M.reshape(B, H, K, V).to(out_dtype)
     C = max(1, min(int(chunk), T))
     Np = -(-T // C)
-    pad = Np * C - T                                                 # identity tokens (zeros) at the end
-
-    def lay(x):  # [B, T, H(, D)] -> [Np BH, C(, D)], chunk-major, padded with zeros
-        x = x.to(dt)
-        if x.dim() == 3:
-            x = x[..., None]
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-        x = x.reshape(B, Np, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(Np * BH, C, x.shape[-1])
-        return x
-
-    kc, pc, vc = lay(k), lay(p), lay(v)
-    la, lm = lay(log_gamma.clamp_min(-80.0))[..., 0], lay(log_mu.clamp_min(-80.0))[..., 0]   # [Np BH, C]
-    bc, ec = lay(beta)[..., 0], lay(eta)[..., 0]
-    La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
-    Lap, Lmp = La - la, Lm - lm                                      # before token t's decay
+    if group is not None:
+        G = int(group)
+    elif dev.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
+        G = round((1 << 17) / (BH * C * (2 * K + V)))
+    else:                     # caching allocators: fewer, larger launches
+        G = 64
+    G = max(1, min(Np, G))                                            # chunks per group
+    sizes = [min(G * C, T - j) for j in range(0, T, G * C)]         # tokens per group of G chunks
     idx = torch.arange(C, device=dev)
     incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
     ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
@@ -109,47 +105,73 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     def shift(x):  # row t <- row t - 1 within the chunk (row 0: zeros): a product at t - 1
         return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0) if x.dim() == 3 else (1, 0))
 
-    Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
-    bm = -bc * torch.exp(lm)                                          # -beta_r mu_r
-    Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                         # P12(t, s)
-    h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]    # P12(t, start)
-    be = (-bc * ec)[:, None, :]                                       # -beta_s eta_s
-    Om = Ea * be + Q12 * ec[:, None, :]                               # [P(t, s) a~_s]_1, s <= t
-    Gam = shift(Om)                                                   # [P(t-1, s) a~_s]_1, s < t
-    h12p = shift(h12)                                                 # P12(t-1, start)
-    A = Gam * torch.bmm(pc, kc.transpose(1, 2))                       # strictly lower
-    rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [Np BH, C, 2K + V]
-    # (I - A) X = rhs, as X^T (I - A)^T = rhs^T (the fast layout on CPU)
-    X = torch.linalg.solve_triangular((-A).transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
-                                      unitriangular=True).transpose(1, 2).contiguous()
-    WZ, U = X.split([2 * K, V], dim=-1)                               # z = WZ [S; M] + U
-    kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]], dim=-1)
-    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]   # S's, M's: P11, P22, P12 (C, start)
-
-    def per(x):
-        return x.reshape(Np, BH, *x.shape[1:]).unbind(0)
+    def split(x):  # [B, T, ...] -> one piece per group (a split, not slices: see chunk_delta)
+        return x.split(sizes, dim=1) if x is not None else [None] * len(sizes)
 
     Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
-    zs, Z_st = [], []
-    for WZ_j, U_j, kZ_j, gS_j, gM_j, hM_j in zip(*(per(x) for x in (WZ, U, kZ, gS, gM, hM))):
-        Z_st.append(Z)
-        z = torch.baddbmm(U_j, WZ_j, Z)                                # [BH, C, V]
-        S, M = Z.split(K, dim=1)
-        Zd = torch.cat([gS_j[:, None, None] * S + hM_j[:, None, None] * M, gM_j[:, None, None] * M], dim=1)
-        Z = torch.baddbmm(Zd, kZ_j.transpose(1, 2), z)                 # [S; M] at the chunk's end
-        zs.append(z)
+    outs = []                                                         # [B, n C, H, V] per group
+    pieces = zip(*(split(x) for x in (q, k, p, v, log_gamma, log_mu, beta, eta)))
+    for qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
+        Tg = kg.shape[1]
+        n = -(-Tg // C)                                               # chunks in this group
+        pad = n * C - Tg                                              # identity tokens (zeros) at the end
+
+        def lay(x):  # [B, Tg, H(, D)] -> [n BH, C(, D)], chunk-major, padded with zeros
+            x = x.to(dt)
+            if x.dim() == 3:
+                x = x[..., None]
+            if pad:
+                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
+            return x.reshape(B, n, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(n * BH, C, x.shape[-1])
+
+        kc, pc, vc = lay(kg), lay(pg), lay(vg)
+        la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
+        bc, ec = lay(btg)[..., 0], lay(etg)[..., 0]
+        La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
+        Lap, Lmp = La - la, Lm - lm                                  # before token t's decay
+        Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
+        bm = -bc * torch.exp(lm)                                      # -beta_r mu_r
+        Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                     # P12(t, s)
+        h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]   # P12(t, start)
+        be = (-bc * ec)[:, None, :]                                   # -beta_s eta_s
+        Om = Ea * be + Q12 * ec[:, None, :]                           # [P(t, s) a~_s]_1, s <= t
+        Gam = shift(Om)                                               # [P(t-1, s) a~_s]_1, s < t
+        h12p = shift(h12)                                             # P12(t-1, start)
+        A = Gam * torch.bmm(pc, kc.transpose(1, 2))                   # strictly lower
+        rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [n BH, C, 2K + V]
+        # (I - A) X = rhs, as X^T (I - A)^T = rhs^T (the fast layout on CPU)
+        X = torch.linalg.solve_triangular((-A).transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
+                                          unitriangular=True).transpose(1, 2).contiguous()
+        WZ, U = X.split([2 * K, V], dim=-1)                           # z = WZ [S; M] + U
+        kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]], dim=-1)
+        gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]   # S's, M's: P11, P22, P12 (C, start)
+
+        def per(x):
+            return x.reshape(n, BH, *x.shape[1:]).unbind(0)
+
+        zs, Z_st = [], []
+        for WZ_j, U_j, kZ_j, gS_j, gM_j, hM_j in zip(*(per(x) for x in (WZ, U, kZ, gS, gM, hM))):
+            Z_st.append(Z)
+            z = torch.baddbmm(U_j, WZ_j, Z)                            # [BH, C, V]
+            S, M = Z.split(K, dim=1)
+            Zd = torch.cat([gS_j[:, None, None] * S + hM_j[:, None, None] * M, gM_j[:, None, None] * M], dim=1)
+            Z = torch.baddbmm(Zd, kZ_j.transpose(1, 2), z)             # [S; M] at the chunk's end
+            zs.append(z)
+        if q is None:
+            continue
+        qc = lay(qg)
+        z = torch.stack(zs).reshape(n * BH, C, V) if n > 1 else zs[0]
+        Zs = torch.stack(Z_st).reshape(n * BH, 2 * K, V) if n > 1 else Z_st[0]
+        if inclusive:
+            fa, fm, Pm = torch.exp(La), h12, Om
+        else:
+            fa, fm, Pm = torch.exp(Lap), h12p, Gam
+        P = Pm * torch.bmm(qc, kc.transpose(1, 2))
+        qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)   # [n BH, C, 2K]: reads of [S; M]
+        og = torch.baddbmm(torch.bmm(P, z), qZ, Zs)
+        outs.append(og.reshape(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)[:, :Tg])
     S_out, M_out = (x.reshape(B, H, K, V).to(out_dtype).contiguous() for x in Z.split(K, dim=1))
     if q is None:
         return None, S_out, M_out
-    qc = lay(q)
-    z = torch.stack(zs).reshape(Np * BH, C, V)
-    Z_st = torch.stack(Z_st).reshape(Np * BH, 2 * K, V)
-    if inclusive:
-        fa, fm, Pm = torch.exp(La), h12, Om
-    else:
-        fa, fm, Pm = torch.exp(Lap), h12p, Gam
-    P = Pm * torch.bmm(qc, kc.transpose(1, 2))
-    qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)  # [Np BH, C, 2K]: reads of [S; M]
-    o = torch.baddbmm(torch.bmm(P, z), qZ, Z_st)
-    o = o.reshape(Np, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, Np * C, H, V)[:, :T]
+    o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return o.to(v.dtype), S_out, M_out
