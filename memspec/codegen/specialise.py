@@ -7,14 +7,14 @@ fixed by the spec (``log_gamma=None`` for DeltaNet, ``inclusive=True`` ...).
 the signature, every ``if`` whose test is then decided keeps only the branch that runs, a
 decided conditional expression keeps its branch, and a local assigned once from decided
 values is folded into its uses.  The rest of the source -- comments, layout, names -- is
-kept line for line, so the specialised kernel reads like the hand-written one with the
-cases this module cannot reach taken out.
+kept line for line (a comment right above a statement that folds away goes with it), so
+the specialised kernel reads like the hand-written one with the cases this module cannot
+reach taken out.
 
-Only what is provably decided is folded (constants, ``is None`` / ``is not None``,
-``not``, ``and`` / ``or`` with a decided prefix, ``==`` / ``!=`` between constants, strings
-included); a
-parameter or local that is assigned in a loop, a branch or a nested function is never
-folded.  The tests run every specialisation of every kernel against the general one.
+Only what is provably decided is folded (constants, strings included, ``is None`` /
+``is not None``, ``not``, ``and`` / ``or`` with a decided prefix, ``==`` / ``!=`` between
+constants); a parameter or local that is assigned in a loop, a branch or a nested function
+is never folded.  The tests run every specialisation of every kernel against the general one.
 """
 from __future__ import annotations
 
