@@ -131,7 +131,7 @@ class LactMemory(nn.Module):
         # learned initial W2: [H, d_k, hidden]
         self.W2_init = nn.Parameter(torch.randn(self.heads, self.d_k, self.hidden) * 0.125)
         self._token_fn = _Compiled(self._token_step) if compile else self._token_step
-        self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step
+        self._update_fn = _Compiled(self._update_step) if compile else self._update_step
 
     def init_state(self, batch, device=None, dtype=None, generator=None):
         """The initial state {name: [batch, H, ...]} (learned initial values are parameters;
@@ -335,7 +335,7 @@ class LactMemory(nn.Module):
         while t < T:
             n = min(C - pos, T - t)
             # static shapes: one compiled chunk size
-            fn = self._chunk_fn if n == C else self._chunk_step
+            fn = self._update_fn if n == C else self._update_step
             o_c, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0) = fn(W0, W1, W2, acc_W0_0, acc_W1_0,
                     acc_W2_0, q[:, t:t + n], k[:, t:t + n], v[:, t:t + n], eta0[:, t:t + n],
                     eta1[:, t:t + n], eta2[:, t:t + n], pos + n == C)
@@ -349,7 +349,7 @@ class LactMemory(nn.Module):
             state['every.W2.0'] = acc_W2_0
         return torch.cat(outputs, dim=1), state
 
-    def _chunk_loss(self, weight, W0, W1, W2, v, kn):
+    def _update_loss(self, weight, W0, W1, W2, v, kn):
         """sum_t weight_t * loss_t over the tokens of a chunk, loss = -sum(f(kn) * v): the held
         state W0 [B, 1, H, ...], W1 [B, 1, H, ...], W2 [B, 1, H, ...], the tokens' inputs [B, C, H,
         ...], weight [B, C, H]; its
@@ -357,7 +357,7 @@ class LactMemory(nn.Module):
         """
         return (weight * (-(self.f(kn, W0, W1, W2) * v).sum(-1))).sum()
 
-    def _chunk_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, q, k, v, eta0, eta1, eta2,
+    def _update_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, q, k, v, eta0, eta1, eta2,
             last):
         """A chunk (or a piece of one) of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H,
         d_v], eta0 [B, C, H], eta1 [B, C, H], eta2 [B, C, H];
@@ -374,13 +374,13 @@ class LactMemory(nn.Module):
         # [B, C, H, d_v]: apply: each token reads the held state
         o = self.f(qn, W0_held, W1_held, W2_held)
         # sum_t eta0 grad(loss, W0)_t
-        sum_W0, = torch.func.grad(self._chunk_loss, argnums=(1,))(eta0, W0_held, W1_held, W2_held,
+        sum_W0, = torch.func.grad(self._update_loss, argnums=(1,))(eta0, W0_held, W1_held, W2_held,
                 v, kn)
         # sum_t eta1 grad(loss, W1)_t
-        sum_W1, = torch.func.grad(self._chunk_loss, argnums=(2,))(eta1, W0_held, W1_held, W2_held,
+        sum_W1, = torch.func.grad(self._update_loss, argnums=(2,))(eta1, W0_held, W1_held, W2_held,
                 v, kn)
         # sum_t eta2 grad(loss, W2)_t
-        sum_W2, = torch.func.grad(self._chunk_loss, argnums=(3,))(eta2, W0_held, W1_held, W2_held,
+        sum_W2, = torch.func.grad(self._update_loss, argnums=(3,))(eta2, W0_held, W1_held, W2_held,
                 v, kn)
         acc_W0_0 = acc_W0_0 + sum_W0.squeeze(1)  # [B, H, d_k, hidden]: + sum_t eta0 * g0
         acc_W1_0 = acc_W1_0 + sum_W1.squeeze(1)  # [B, H, hidden, d_v]: + sum_t eta1 * g1

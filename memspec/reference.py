@@ -41,9 +41,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .lang.blocks import block_statements
+from .lang.blocks import block_statements, frequencies
 from .lang.errors import Collector, did_you_mean
-from .lang.expr import Assign, BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from .lang.expr import Assign, BinOp, Call, Expr, Name, Neg, Num, Transpose, is_diag, unparse
 from .lang.shapes import ShapeEnv
 from .lang.spec import Spec, parse_init
 
@@ -292,7 +292,7 @@ def _mode(schedule: Any, spec: Spec) -> tuple[str, int | None]:
 def _frequencies(spec: Spec, mode: tuple[str, int | None]) -> dict[str, int]:
     """Each learned state's update frequency: its ``every`` (1: every token); under
     ``apply_update(C)`` every state updates once per chunk of C tokens."""
-    own = {n: st.every or 1 for n, st in spec.state.items() if not st.cache}
+    own = frequencies(spec)
     if mode[0] != "apply_update":
         return own
     clash = {n: c for n, c in own.items() if c not in (1, mode[1])}
@@ -443,7 +443,7 @@ class _Interpreter:
         return x.transpose(-1, -2)
 
     def eval_BinOp(self, e: BinOp, scope: _Scope) -> torch.Tensor:
-        if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+        if e.op == "@" and (is_diag(e.left) or is_diag(e.right)):
             return self.diag_matmul(e, scope)
         a, b = self.eval(e.left, scope), self.eval(e.right, scope)
         if e.op == "@":
@@ -478,7 +478,7 @@ class _Interpreter:
     def diag_matmul(self, e: BinOp, scope: _Scope) -> torch.Tensor:
         """``diag(a) @ X`` scales the rows of X (its first named axis) by a, ``X @ diag(b)`` its
         columns (its last named axis); the diagonal matrix is never formed."""
-        left = _is_diag(e.left)
+        left = is_diag(e.left)
         d = self.eval((e.left if left else e.right).args[0], scope)
         x = self.eval(e.right if left else e.left, scope)
         if len(_named(d)) != 1 or len(_named(x)) not in (1, 2):
@@ -856,10 +856,6 @@ def _step(interp: _Interpreter, token: dict, state: dict, shadow: dict | None,
     if spec.order == "write_read":
         out = interp.eval(spec.read, scope)
     return out.expand(B, H, *out.shape[2:])
-
-
-def _is_diag(e: Expr) -> bool:
-    return isinstance(e, Call) and e.fn == "diag"
 
 
 def _has_grad(e: Expr) -> bool:

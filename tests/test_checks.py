@@ -179,6 +179,17 @@ def test_window_only_on_caches():
         memspec.loads(BASE.replace("W: {shape: [d_k, d_v]}", "W: {shape: [d_k, d_v], window: 4}"))
 
 
+@pytest.mark.parametrize("init,warns", [("uniform(-1, 1)", True), ("learned(uniform(0.0, 2.0))", True),
+                                        ("learned(normal(0.1))", True), ("uniform(0.5, 1.5)", False),
+                                        ("ones", False), ("learned(uniform(0.5, 1.5))", False)])
+def test_log_of_a_state_warns_when_its_init_can_be_nonpositive(init, warns):
+    """log(W) of a state whose init can hold zero or negative entries warns; a uniform init warns
+    exactly when its lower bound is <= 0."""
+    text = BASE.replace("  W: {shape: [d_k, d_v]}\n", f"  W: {{shape: [d_k, d_v], init: '{init}'}}\n").replace(
+        "read: f(q)", "read: q @ log(W)")
+    assert (("warning", "W-log-state") in codes(text)) == warns
+
+
 def test_unused_warnings_only_for_valid_specs():
     text = BASE.replace("dims: {d_model: 8,", "dims: {d_model: 8, spare: 3,").replace(
         "gates: {eta: sigmoid(logit)}", "gates: {eta: sigmoid(logit), mu: sigmoid(logit)}\nconstants: {c: 1.0}")

@@ -32,7 +32,8 @@ def test_every_shipped_spec_has_cases():
     assert len(SPEC_FILES) >= 10
     names = {p for p, _ in CASES}
     assert names == set(SPEC_FILES)
-    assert {s for _, s in CASES} >= {"online", "minibatch", "cache", "delta", "additive"}
+    assert {s for _, s in CASES} >= {"online", "minibatch", "cache", "delta", "additive", "dplr", "momentum",
+                                     "apply_update"}
 
 
 @pytest.mark.parametrize("path,schedule", CASES, ids=IDS)

@@ -84,7 +84,7 @@ def test_newton_schulz_acts_on_the_singular_values():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     # to the iteration's accuracy it is the orthogonal polar factor U V^T: the quintic's
     # singular values settle in about [0.68, 1.13], not at 1
-    assert all(0.68 < x < 1.2 for x in want_s)
+    assert all(0.68 < x < 1.2 for x in torch.linalg.svdvals(got).tolist())
     assert float(torch.linalg.matrix_norm(got - U @ V.T, ord=2)) < 0.33
 
 
@@ -125,7 +125,7 @@ def test_softmax_mirror_step_on_a_three_element_state_by_hand():
     z = [0.5 * math.log(0.2) - 1.0, 0.5 * math.log(0.3), 0.5 * math.log(0.5) + 1.0]
     e = [math.exp(x) for x in z]
     want = [x / sum(e) for x in e]
-    assert want == pytest.approx([0.062452, 0.207915, 0.729633], abs=1e-6)
+    assert st["w"][0, 0].tolist() == pytest.approx([0.062452, 0.207915, 0.729633], abs=1e-6)
     torch.testing.assert_close(st["w"][0, 0], torch.tensor(want, dtype=DT), rtol=0, atol=1e-12)
     # the compiled online step, and its gradient for the outer loop (float64 gradcheck)
     m = memspec.build(spec, compile=False).memory.to(DT)
@@ -271,7 +271,7 @@ def test_hope_cms_levels_apply_their_summed_steps_every_block():
         torch.testing.assert_close(out[t], f(q[t], *W), rtol=1e-10, atol=1e-12)
     for lvl in range(3):
         torch.testing.assert_close(st[f"W{lvl + 1}"], W[lvl], rtol=1e-10, atol=1e-12)
-    assert float(W[2].abs().max()) > 0   # level 3 moved once, at token 7 (and again at 15)
+    assert float(st["W3"].abs().max()) > 0   # level 3 moved once, at token 7 (and again at 15)
 
 
 def _lact_loop(x, g, params, C, T):
@@ -463,3 +463,24 @@ def test_torch_compile_equals_eager(name):
             a, _ = call(eager, spec, ins, None, schedule)
             b, _ = call(comp, spec, ins, None, schedule)
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_a_module_with_apply_update_and_minibatch_runs_both():
+    """A spec asking for apply_update(C) that also admits minibatch carries both schedules: each
+    family writes its own chunk methods (they had shared the name _chunk_step), and each
+    schedule's numbers are the reference's."""
+    from _compiled_harness import call, initial_state, inputs, make, reference_run, rel_err, small_dims
+
+    text = (ROOT / "specs" / "ttt_linear.yaml").read_text().replace("schedule: minibatch(16)",
+                                                                     "schedule: apply_update(4)")
+    assert "apply_update(4)" in text
+    spec = memspec.loads(text)
+    dims = small_dims(spec)
+    m = make(spec, dims)
+    assert {"minibatch", "apply_update"} <= set(m.SCHEDULES)
+    ins, st = inputs(spec, m), initial_state(spec, m)
+    for schedule in ("minibatch", "apply_update"):
+        with torch.no_grad():
+            o, _ = call(m, spec, ins, dict(st), schedule)
+            ro, _ = reference_run(spec, m, dims, schedule, st, ins)
+        assert rel_err(o, ro) <= 1e-9, schedule

@@ -67,6 +67,7 @@ from .graph import lower
 from .sizes import size_problems
 from ..lang.names import RESERVED_NAMES, class_names, runtime_names, shadows_module
 from ..lang.shapes import ShapeEnv, let_order
+from ..lang.spec import parse_init
 
 IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
@@ -502,9 +503,13 @@ class _Checker:
                         and c.args[0].id in spec.state:
                     st = spec.state[c.args[0].id]
                     init = st.init if isinstance(st.init, str) else str(st.init)
-                    base = init[len("learned("):-1] if init.startswith("learned(") else init
-                    if base in ("zeros", "eye") or base.startswith("normal(") or (
-                            not isinstance(st.init, str) and float(st.init) <= 0):
+                    if isinstance(st.init, str):   # (a validated spec: the init parses)
+                        d = parse_init(st.init)
+                        nonpositive = d["kind"] in ("zeros", "eye", "normal") or (
+                            d["kind"] == "uniform" and d["lo"] <= 0)
+                    else:
+                        nonpositive = float(st.init) <= 0
+                    if nonpositive:
                         self.d.warning(f"log({c.args[0].id}) of a state initialised with {init}, which has zero or "
                                        "negative entries: log gives -inf or NaN at the first token",
                                        c.span or self.span("state", c.args[0].id),

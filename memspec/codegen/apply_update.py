@@ -1,11 +1,11 @@
 """Emitter of the ``apply_update`` family (:mod:`memspec.schedule.apply_update`): LaCT's chunks.
 
 ``_forward_apply_update`` cuts the stream into chunks of ``self.chunk`` tokens at positions
-0, C, 2C, ... (the compiled ``_chunk_step`` for a whole chunk, eagerly for a piece of one);
+0, C, 2C, ... (the compiled ``_update_step`` for a whole chunk, eagerly for a piece of one);
 a call that ends inside a chunk returns its position and the chunk's running gradient sums
-as ``state['every.pos']`` and ``state['every.<state>.<k>']``.  ``_chunk_step`` reads every
+as ``state['every.pos']`` and ``state['every.<state>.<k>']``.  ``_update_step`` reads every
 token at the held state (apply), adds the chunk's weighted gradients, one
-``torch.func.grad`` of ``_chunk_loss`` per weight, to the sums, and at the chunk's last token
+``torch.func.grad`` of ``_update_loss`` per weight, to the sums, and at the chunk's last token
 runs the update statements once with the sums (update).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def forward(ctx, L, accs) -> None:
         L(f"while {t} < {T}:")
         with L.indent():
             L(f"{n} = min({c} - {pos}, {T} - {t})")
-            L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
+            L(f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size")
             args = carried + [f"{x}[:, {t}:{t} + {n}]" for x in sv] + [f"{pos} + {n} == {c}"]
             L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
@@ -62,7 +62,7 @@ def forward(ctx, L, accs) -> None:
 def chunk_loss(ctx, L) -> None:
     spec = ctx.spec
     em = ctx.emitter()
-    L(f"def _chunk_loss(self, weight, {', '.join(ctx.loss_args)}):")
+    L(f"def _update_loss(self, weight, {', '.join(ctx.loss_args)}):")
     with L.indent():
         L('"""' + f"sum_t weight_t * loss_t over the tokens of a chunk, loss = {unparse(spec.loss)}: the held")
         L("state " + ", ".join(f"{s} [B, 1, H, ...]" for s in ctx.loss_states) + ", the tokens' inputs [B, C, H, ...], "
@@ -79,7 +79,7 @@ def chunk_step(ctx, L, plan, accs) -> None:
     taken = ctx.taken()
     carried = ctx.states + [a.name for a in accs]
     last = fresh("last", taken)
-    L(f"def _chunk_step(self, {', '.join(carried + ctx.views + ctx.gates + [last])}):")
+    L(f"def _update_step(self, {', '.join(carried + ctx.views + ctx.gates + [last])}):")
     with L.indent():
         L('"""' + "A chunk (or a piece of one) of C tokens: " + ", ".join(
             f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
@@ -107,7 +107,7 @@ def chunk_step(ctx, L, plan, accs) -> None:
             an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
             lhs = ", ".join(outs) + ("," if len(outs) == 1 else "")
             w = em._emit(wg.weight)
-            L(f"{lhs} = torch.func.grad(self._chunk_loss, argnums={an})({w.text}, {', '.join(args)})",
+            L(f"{lhs} = torch.func.grad(self._update_loss, argnums={an})({w.text}, {', '.join(args)})",
               f"sum_t {unparse(wg.weight)} grad(loss, {', '.join(wg.targets)})_t")
         for a in accs:
             k = [x for x in accs if x.index == a.index].index(a)

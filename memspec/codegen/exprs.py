@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, is_diag, unparse
 from ..lang.shapes import ShapeEnv, steps_value
 from .text import inert
 
@@ -44,10 +44,6 @@ _TORCH_ELEMENTWISE = {
 }
 DERIVATIVE_HELPERS = ("_layernorm_grad", "_rmsnorm_grad", "_l2norm_grad", "_gelu_backward", "_silu_grad")
 _MATH_ELEMENTWISE = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log", "abs": "abs", "tanh": "math.tanh"}
-
-
-def _is_diag(e: Expr) -> bool:
-    return isinstance(e, Call) and e.fn == "diag"
 
 
 class CodegenError(ValueError):
@@ -176,7 +172,7 @@ class ExprEmitter:
         return out, rank
 
     def _binop(self, e: BinOp) -> Code:
-        if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+        if e.op == "@" and (is_diag(e.left) or is_diag(e.right)):
             return self._diag_matmul(e)
         a, b = self._emit(e.left), self._emit(e.right)
         if e.op == "@":
@@ -195,7 +191,7 @@ class ExprEmitter:
 
     def _diag_matmul(self, e: BinOp) -> Code:
         """``diag(d) @ X`` scales the rows of X, ``X @ diag(d)`` its columns (no diagonal matrix)."""
-        left = _is_diag(e.left)
+        left = is_diag(e.left)
         d = self._emit((e.left if left else e.right).args[0])
         x = self._emit(e.right if left else e.left)
         dt = f"{d.at(P_ATOM)}.unsqueeze({-1 if left else -2})" if x.rank == 2 else d.at(P_MUL)

@@ -228,7 +228,7 @@ def window_rows(ctx, L, em, plan, grads: TokenGrads, starts: dict, locals_: list
         L(f"{items[cache]} = {text}", shape_text("B, C, H", tuple(spec.state[cache].shape)) + f": appended to {cache}")
         rows[cache] = fresh(f"{cache}_rows", taken)
         if c == 1:
-            L(f"{rows[cache]} = {items[cache]}", f"[B, R, H, ...]: the rows of the windows (window 1)")
+            L(f"{rows[cache]} = {items[cache]}", "[B, R, H, ...]: the rows of the windows (window 1)")
         else:
             L(f"{rows[cache]} = torch.cat([{cache}.transpose(1, 2)[:, -{c - 1}:], {items[cache]}], dim=1)",
               f"[B, R, H, ...]: the {c - 1} rows before the chunk and its own")

@@ -252,8 +252,10 @@ def memory_init(ctx, L):
         has_cache = any(st.cache for st in spec.state.values())
         tok = "compile and not self.CACHES" if has_cache else "compile"
         L(f"self._token_fn = _Compiled(self._token_step) if {tok} else self._token_step")
-        if "minibatch" in ctx.schedules or "apply_update" in ctx.schedules:
+        if "minibatch" in ctx.schedules:
             L("self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step")
+        if "apply_update" in ctx.schedules:   # its own methods: a module may also carry minibatch
+            L("self._update_fn = _Compiled(self._update_step) if compile else self._update_step")
     L()
 
 

@@ -25,11 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .expr import BinOp, Call, Expr, Name, Neg
-
-
-def _is_diag(e: Expr) -> bool:
-    return isinstance(e, Call) and e.fn == "diag"
+from .expr import BinOp, Call, Expr, Name, Neg, is_diag
 
 
 def gradient_terms(e: Expr, local: Callable[[Expr], bool], grad_temps: Iterable[str] = ()) -> list[Expr]:
@@ -53,9 +49,9 @@ def gradient_terms(e: Expr, local: Callable[[Expr], bool], grad_temps: Iterable[
                 return (is_term(n.left) and local(n.right)) or (is_term(n.right) and local(n.left))
             if n.op == "/":
                 return is_term(n.left) and local(n.right)
-            if n.op == "@" and _is_diag(n.left):
+            if n.op == "@" and is_diag(n.left):
                 return local(n.left.args[0]) and is_term(n.right)
-            if n.op == "@" and _is_diag(n.right):
+            if n.op == "@" and is_diag(n.right):
                 return local(n.right.args[0]) and is_term(n.left)
         return False
 

@@ -171,6 +171,11 @@ def calls_in(e: Expr) -> list[Call]:
     return [n for n in e.walk() if isinstance(n, Call)]
 
 
+def is_diag(e: Expr) -> bool:
+    """Is ``e`` a ``diag(a)`` call (a row / column scaling operand of ``@``)?"""
+    return isinstance(e, Call) and e.fn == "diag"
+
+
 # ----------------------------------------------------------------- printer
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "@": 2, "neg": 3, "^": 4, "post": 5, "atom": 6}
 

@@ -45,8 +45,7 @@ __all__ = ["to_yaml", "to_mem"]
 
 _DEFAULT_GATE = Gate()
 _DEFAULT_WIRING = Wiring()
-_WIRING_FIELDS = ("segment", "window", "persistent", "qk_norm", "write", "output", "gate",
-                  "residual")  # Wiring field order, after kind
+_WIRING_FIELDS = tuple(f for f in Wiring.model_fields if f != "kind")   # in the model's order
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -169,6 +168,14 @@ def _gate_is_short(g: Gate) -> bool:
     return g.bias == _DEFAULT_GATE.bias and not g.shape
 
 
+def value_text(v) -> str:
+    """A field's value as the spec languages write it (``true`` / ``false`` for flags, nothing
+    for None)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "" if v is None else str(v)
+
+
 def _wiring_fields(w: Wiring) -> list[tuple[str, str]]:
     """The wiring's fields that differ from their defaults, printed (``true`` / ``false``
     for flags; the option values are plain names, the sizes integers)."""
@@ -176,7 +183,7 @@ def _wiring_fields(w: Wiring) -> list[tuple[str, str]]:
     for f in _WIRING_FIELDS:
         val = getattr(w, f)
         if val != getattr(_DEFAULT_WIRING, f):
-            out.append((f, str(val).lower() if isinstance(val, bool) else str(val)))
+            out.append((f, value_text(val)))
     return out
 
 

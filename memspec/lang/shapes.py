@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import Collector, Span, SpecError, did_you_mean
-from .expr import FUNCTIONS, ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
+from .expr import FUNCTIONS, ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, Transpose, is_diag, unparse
 
 Shape = tuple  # tuple[str, ...]
 
@@ -333,7 +333,7 @@ class ShapeEnv:
         return (s[1], s[0])
 
     def _binop(self, e: BinOp, ctx: _Ctx) -> Optional[Shape]:
-        if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+        if e.op == "@" and (is_diag(e.left) or is_diag(e.right)):
             return self._diag_matmul(e, ctx)
         a = self._infer(e.left, ctx)
         b = self._infer(e.right, ctx)
@@ -370,14 +370,14 @@ class ShapeEnv:
     def _diag_matmul(self, e: BinOp, ctx: _Ctx) -> Optional[Shape]:
         """``diag(a) @ X`` (scales the rows of X by a) and ``X @ diag(b)`` (its columns): the
         diagonal matrix is never formed, so ``diag`` is only an operand of ``@``."""
-        if _is_diag(e.left) and _is_diag(e.right):
+        if is_diag(e.left) and is_diag(e.right):
             for side in (e.left, e.right):
                 self._diag_arg(side, ctx)
             ctx.diags.error("diag(a) @ diag(b) multiplies two diagonal matrices", e.span,
                             hint=f"write diag({unparse(e.left.args[0])} * {unparse(e.right.args[0])}) @ X "
                                  "to scale by both", code="E-shape")
             return None
-        left = _is_diag(e.left)
+        left = is_diag(e.left)
         d = self._diag_arg(e.left if left else e.right, ctx)
         x = self._infer(e.right if left else e.left, ctx)
         if d is None or x is None:
@@ -780,10 +780,6 @@ _FUNCTION_HINTS = {
     "inverse": "write solve(A, B) for A^-1 B",
     "normalize": "l2norm(x) normalises over the last axis",
 }
-
-
-def _is_diag(e: Expr) -> bool:
-    return isinstance(e, Call) and e.fn == "diag"
 
 
 def _row_scaling_hint(e: BinOp, a: Shape, b: Shape) -> Optional[str]:

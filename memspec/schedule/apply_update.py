@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.blocks import NotBlockwise, block_statements
+from ..lang.blocks import NotBlockwise, block_statements, mentions_gradient
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, unparse
 from .algebra import Algebra, NotAdmitted, grad_calls, simplify
 from .online import loss_states
@@ -117,14 +117,10 @@ def _linear_grads(alg: Algebra, t: Expr, temps: dict, sign: int = 1, weight: Exp
         for a, g in ((t.left, t.right), (t.right, t.left)):
             if t.op == "/" and g is t.right:
                 continue
-            if grad_calls(g) or (isinstance(g, Name) and g.id in temps) or _has_temp(g, temps):
+            if mentions_gradient(g, temps):
                 if not alg.is_scalar(alg.inline(a)):
                     raise NotAdmitted(f"`{unparse(t)}`: the coefficient {unparse(a)} of a gradient is not a scalar "
                                       "(a chunk's sum of it is no weighted loss)")
                 w = BinOp("/", weight, a) if t.op == "/" else BinOp("*", weight, a)
                 return _linear_grads(alg, g, temps, sign, w)
     raise NotAdmitted(f"`{unparse(t)}` is not a sum of scalar multiples of gradients")
-
-
-def _has_temp(e: Expr, temps: dict) -> bool:
-    return any(isinstance(n, Name) and n.id in temps for n in e.walk())

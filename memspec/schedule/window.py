@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, unparse
+from ..lang.expr import ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, rewrite, unparse
 from ..lang.names import fresh
 from ..lang.shapes import ShapeEnv
-from .algebra import Algebra, NotAdmitted, grad_calls, is_num
+from .algebra import Algebra, NotAdmitted, grad_calls, is_num, names_in
 
 ROWWISE = ELEMENTWISE_FUNCTIONS | {"l2norm", "layernorm", "rmsnorm", "huber", "min", "max", "clamp"}
 
@@ -87,13 +87,12 @@ def analyse_window(alg: Algebra) -> WindowLoss:
                           "(a chunk would need every past row)")
     if len(windows) != 1:
         raise NotAdmitted("the caches have different windows")
-    if alg.spec.loss is None or not (set(caches) & _names(alg.spec.loss)):
+    if alg.spec.loss is None or not (set(caches) & names_in(alg.spec.loss)):
         raise NotAdmitted("the loss reads no cache")
-    for what, e in (("the read", spec.read),):
-        if _names(e) & set(caches):
-            raise NotAdmitted(f"{what} reads a cache")
+    if names_in(spec.read) & set(caches):
+        raise NotAdmitted("the read reads a cache")
     for st in spec.update:
-        if st.target not in caches and _names(_drop_grads(st.value)) & set(caches):
+        if st.target not in caches and names_in(_drop_grads(st.value)) & set(caches):
             raise NotAdmitted(f"`{st}` reads a cache")
     env = ShapeEnv.from_spec(spec)
     taken = set(spec.state) | set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.params) \
@@ -106,12 +105,7 @@ def analyse_window(alg: Algebra) -> WindowLoss:
     return WindowLoss(caches, windows.pop(), rows, loss)
 
 
-def _names(e: Expr) -> set:
-    return {n.id for n in e.walk() if isinstance(n, Name)}
-
-
 def _drop_grads(e: Expr) -> Expr:
-    from ..lang.expr import rewrite
     return rewrite(e, lambda n: Num(0) if isinstance(n, Call) and n.fn == "grad" else None)
 
 
@@ -159,14 +153,14 @@ class _Rows:
     def constant(self, e: Expr) -> bool:
         """A factor that is the same for every row and every token: no cache, no token value."""
         s = self.env.infer(e)
-        return s == () and not (_names(e) & (set(self.rows) | self.local)) and not self.alg.depends(e)
+        return s == () and not (names_in(e) & (set(self.rows) | self.local)) and not self.alg.depends(e)
 
     def row(self, e: Expr) -> Expr:
         """Row r of a value with a leading cache axis."""
         if isinstance(e, Name) and e.id in self.rows:
             return Name(self.rows[e.id])
         if not self.cached(e):
-            if _names(e) & (self.local | set(self.rows)):
+            if names_in(e) & (self.local | set(self.rows)):
                 raise NotAdmitted(f"`{unparse(e)}` in the window loss is a value of the token, not of the row")
             return e
         spec = self.alg.spec
@@ -197,7 +191,7 @@ def window_dual(alg: Algebra, window: WindowLoss, rec, sites: dict) -> tuple[Win
     if m is None or not (isinstance(m.body, BinOp) and m.body.op == "@" and isinstance(m.body.left, Name)
                          and m.body.left.id == m.arg and isinstance(m.body.right, Name) and m.body.right.id == W):
         return None, f"the model is not the linear layer {m.arg if m else 'u'} @ {W}"
-    if not (isinstance(spec.read, Call) and spec.read.fn == m.name) or _names(spec.read) & set(spec.state):
+    if not (isinstance(spec.read, Call) and spec.read.fn == m.name) or names_in(spec.read) & set(spec.state):
         return None, f"the read is not {m.name}(x)"
     if sum(1 for c in window.row_loss.walk() if isinstance(c, Call) and c.fn == m.name) != 1:
         return None, "the row loss does not apply the model once"
@@ -226,6 +220,6 @@ def _step_of(rest, placeholders: set):
             return Num(1)
         if isinstance(inner, BinOp) and inner.op == "*":
             for a, g in ((inner.left, inner.right), (inner.right, inner.left)):
-                if isinstance(g, Name) and g.id in placeholders and not (_names(a) & placeholders):
+                if isinstance(g, Name) and g.id in placeholders and not (names_in(a) & placeholders):
                     return a
     return None

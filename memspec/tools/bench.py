@@ -164,7 +164,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             "build_s": build_s,
             "first_call_s": x["first"],
             # with compile: the first (compiling) call of each compiled step function
-            "compile_s": {name: getattr(memory, name).seconds for name in ("_token_fn", "_chunk_fn")
+            "compile_s": {name: getattr(memory, name).seconds for name in ("_token_fn", "_chunk_fn", "_update_fn")
                           if getattr(getattr(memory, name, None), "seconds", None) is not None} or None,
         }
         records.append(rec)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..lang.errors import Collector
-from ..lang.expr import BinOp, Call, Expr, Name, Neg
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, is_diag
 from ..lang.shapes import ShapeEnv
 from ..lang.spec import Spec
 from .mathtext import SUPERSCRIPT
@@ -42,7 +42,7 @@ class Coster:
             out += self._cost(c, rec, scope)
         sh = self._shape(e, rec)
         if isinstance(e, BinOp):
-            if e.op == "@" and (_is_diag(e.left) or _is_diag(e.right)):
+            if e.op == "@" and (is_diag(e.left) or is_diag(e.right)):
                 out += _size(sh)   # a row / column scaling: elementwise
             elif e.op == "@":
                 a, b = self._shape(e.left, rec), self._shape(e.right, rec)
@@ -119,7 +119,3 @@ def cost_text(c: Counter, spec: Spec, cache_axis: str = "n") -> str:
     if common:
         return f"O({_mono_text(tuple(common.elements()), order)}·({inner}))"
     return f"O({inner})"
-
-
-def _is_diag(e: Expr) -> bool:
-    return isinstance(e, Call) and e.fn == "diag"

@@ -26,8 +26,9 @@ from typing import Any, ClassVar, Iterable
 
 from ..lang.errors import Span, json_printable, printable
 from ..lang.expr import Expr, FunDef, format_number, unparse
+from ..lang.fmt import value_text
 from ..lang.normalize import Normalizer, skeleton
-from ..lang.spec import Gate, Param, Spec, State, View, Wiring
+from ..lang.spec import WIRING_OPTIONS, Gate, Param, Spec, State, View, Wiring
 
 COMPONENTS = (
     "meta", "dims", "constants", "views", "gates", "params", "state", "let",
@@ -99,9 +100,8 @@ def _jsonable(v: Any) -> Any:
 # the wiring parameters each kind uses (memspec.wiring): MAC cuts segments, MAG and
 # MAL run sliding-window attention; all have persistent tokens and the attention's
 # qk_norm; then each kind's own options (memspec.lang.spec.WIRING_OPTIONS)
-WIRING_FIELDS = {"none": (), "mac": ("segment", "persistent", "qk_norm", "write", "output"),
-                 "mag": ("window", "persistent", "qk_norm", "gate"),
-                 "mal": ("window", "persistent", "qk_norm", "residual")}
+WIRING_FIELDS = {"none": (), **{kind: (cut, "persistent", "qk_norm") + WIRING_OPTIONS[kind]
+                                 for kind, cut in (("mac", "segment"), ("mag", "window"), ("mal", "window"))}}
 
 
 def shape_text(shape: Iterable[str]) -> str:
@@ -127,7 +127,7 @@ def describe(entry: Any) -> Any:
     if isinstance(entry, Wiring):
         if entry.kind == "none":
             return "none"
-        args = ", ".join(f"{f} = {_value(getattr(entry, f))}" for f in WIRING_FIELDS[entry.kind])
+        args = ", ".join(f"{f} = {value_text(getattr(entry, f))}" for f in WIRING_FIELDS[entry.kind])
         return f"{entry.kind}({args})"
     if isinstance(entry, (Expr, FunDef)):
         return str(entry)
@@ -480,17 +480,11 @@ def source_line(span: Span | None) -> str | None:
     return f"{span.file}:{span.line}: {text.strip() if text is not None else ''}".rstrip()
 
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"       # as the spec languages write flags
-    return "" if v is None else str(v)
-
-
 MAX_TEXT = 100
 
 
 def _short(v: Any) -> str:
-    s = " ".join(_value(v).split())
+    s = " ".join(value_text(v).split())
     return s if len(s) <= MAX_TEXT else s[: MAX_TEXT - 1] + "…"
 
 

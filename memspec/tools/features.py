@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from ..lang.blocks import gradient_terms
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, rewrite, substitute
+from ..lang.blocks import gradient_terms, mentions_gradient
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, is_diag, rewrite, substitute
 from ..lang.normalize import canon
 from ..lang.spec import Spec
 from .mathtext import mname, render
@@ -50,19 +50,15 @@ def terms(e: Expr) -> list[Term]:
             if isinstance(e.right, Num) and float(e.right.value) != 0:
                 return [(c / float(e.right.value), f) for c, f in terms(e.left)]
             return [(c, f + (BinOp("/", Num(1), e.right),)) for c, f in terms(e.left)]
-        if e.op == "@" and _is_diag(e.left):   # a row scaling is a (per-channel) factor
+        if e.op == "@" and is_diag(e.left):   # a row scaling is a (per-channel) factor
             return [(c, (e.left,) + f) for c, f in terms(e.right)]
-        if e.op == "@" and _is_diag(e.right):  # a column scaling too
+        if e.op == "@" and is_diag(e.right):  # a column scaling too
             return [(c, f + (e.right,)) for c, f in terms(e.left)]
     if isinstance(e, Neg):
         return [(-c, f) for c, f in terms(e.operand)]
     if isinstance(e, Num):
         return [(float(e.value), ())]
     return [(1.0, (e,))]
-
-
-def _is_diag(e: Expr) -> bool:
-    return isinstance(e, Call) and e.fn == "diag"
 
 
 def names(e: Expr | Iterable[Expr]) -> set[str]:
@@ -146,7 +142,7 @@ class Features:
 def _per_channel(spec: Spec, factors: Iterable[Expr]) -> bool:
     """Does a coefficient scale channels one by one (a diag(...) factor or a vector gate or view)?"""
     vectors = {g for g, gt in spec.gates.items() if gt.shape}
-    return any(_is_diag(f) or names(inline_lets(spec, f)) & vectors for f in factors)
+    return any(is_diag(f) or names(inline_lets(spec, f)) & vectors for f in factors)
 
 
 def _feature(spec: Spec, factors, text_expr: Expr) -> Feature:
@@ -157,7 +153,7 @@ def _feature(spec: Spec, factors, text_expr: Expr) -> Feature:
 
 def _undiag(e: Expr) -> Expr:
     """A coefficient with each diag(a) factor written as a (its per-channel values)."""
-    return rewrite(e, lambda n: n.args[0] if _is_diag(n) else None)
+    return rewrite(e, lambda n: n.args[0] if is_diag(n) else None)
 
 
 def _per_token(spec: Spec, factors: Iterable[Expr]) -> bool:
@@ -236,7 +232,7 @@ def features(spec: Spec) -> Features:
     # Muon: the step multiplies the orthogonalised momentum, W <- W - eta NS(S)
     muon = [(c, tuple(y for y in f if not (isinstance(y, Call) and y.fn == "newton_schulz")))
             for ts in increments.values() for c, f in ts
-            if any(isinstance(y, Call) and y.fn == "newton_schulz" and not _has_grad_or_temp(spec, y.args[0])
+            if any(isinstance(y, Call) and y.fn == "newton_schulz" and not mentions_gradient(y.args[0])
                    for y in f)]
     if muon and all(not f for _, f in step_terms):
         step_terms = muon
@@ -320,17 +316,12 @@ def optimizer_kind(spec: Spec, ft: Features | None = None) -> str:
                 inner = names(n.args[0]) & states
                 kinds.append("Muon (on momentum)" if inner - {x} else "Muon")
             if isinstance(n, Call) and n.fn in ("l2norm", "norm", "rmsnorm", "layernorm") and \
-                    x in names(n.args[0]) and _has_grad_or_temp(spec, n.args[0]):
+                    x in names(n.args[0]) and mentions_gradient(n.args[0]):
                 renorm = True
     if not kinds:
         kinds.append("momentum" if ft.momentum else "SGD")
     kind = kinds[0]
     return kind + (", renormalised" if renorm else "")
-
-
-def _has_grad_or_temp(spec: Spec, e: Expr) -> bool:
-    temps = {st.target for st in spec.update if st.target not in spec.state}
-    return any(_is_grad(n) or (isinstance(n, Name) and n.id in temps) for n in e.walk())
 
 
 def loss_window(spec: Spec) -> str:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Iterable, Optional
 
 from ..lang.errors import printable
+from ..lang.fmt import value_text
 from ..lang.spec import Spec
 from .costs import Coster, cost_text
 from .diff import WIRING_FIELDS, derived_schedule
@@ -160,10 +161,7 @@ def _wiring_text(spec: Spec) -> str:
     w = spec.wiring
     if w.kind == "none":
         return "none"
-    def text(v):
-        return ("true" if v else "false") if isinstance(v, bool) else str(v)
-
-    return w.kind.upper() + " (" + ", ".join(f"{f} {text(getattr(w, f))}" for f in WIRING_FIELDS[w.kind]) + ")"
+    return w.kind.upper() + " (" + ", ".join(f"{f} {value_text(getattr(w, f))}" for f in WIRING_FIELDS[w.kind]) + ")"
 
 
 def _cite_text(spec: Spec) -> str:
