@@ -463,24 +463,24 @@ class AtlasMemory(nn.Module):
         K_new = kn  # [B, C, H, d_k]: appended to K
         # [B, R, H, ...]: the 7 rows before the chunk and its own
         K_rows = torch.cat([K.transpose(1, 2)[:, -7:], K_new], dim=1)
+        # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
+        K_after = torch.cat([K, K_new.transpose(1, 2)], dim=2)[:, :, -8:]
         V_new = v  # [B, C, H, d_v]: appended to V
         # [B, R, H, ...]: the 7 rows before the chunk and its own
         V_rows = torch.cat([V.transpose(1, 2)[:, -7:], V_new], dim=1)
+        # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
+        V_after = torch.cat([V, V_new.transpose(1, 2)], dim=2)[:, :, -8:]
         G_new = gamma  # [B, C, H]: appended to G
         # [B, R, H, ...]: the 7 rows before the chunk and its own
         G_rows = torch.cat([G.transpose(1, 2)[:, -7:], G_new], dim=1)
+        # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
+        G_after = torch.cat([G, G_new.transpose(1, 2)], dim=2)[:, :, -8:]
         # [B, R, H, ...]: each row's gradient at the chunk start
         W1_rows, W2_rows = torch.func.vmap(torch.func.grad(self._row_loss, argnums=(0, 1)),
                 in_dims=(None, None, 1, 1, 1), out_dims=1)(W1_start, W2_start, K_rows, V_rows,
                 G_rows)
         grad_W1 = _window_sums(W1_rows, q.shape[1], 8)  # [B, C, H, ...]: each token sums its window
         grad_W2 = _window_sums(W2_rows, q.shape[1], 8)  # [B, C, H, ...]: each token sums its window
-        # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
-        K_after = torch.cat([K, K_new.transpose(1, 2)], dim=2)[:, :, -8:]
-        # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
-        V_after = torch.cat([V, V_new.transpose(1, 2)], dim=2)[:, :, -8:]
-        # [B, H, n, ...]: the cache after the chunk (at most 8 entries)
-        G_after = torch.cat([G, G_new.transpose(1, 2)], dim=2)[:, :, -8:]
         S1_seq = _linear_scan(mu, grad_W1, S1)  # [B, C, H, d_k, hidden]: S1_i = (mu) S1_(i-1) + ...
         # [B, C, H, d_k, hidden]: W1_i = (1 - alpha) W1_(i-1) + ...
         W1_seq = _linear_scan(1 - alpha, -(eta[..., None, None] * newton_schulz(S1_seq, 5)), W1)

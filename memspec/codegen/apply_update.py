@@ -10,10 +10,10 @@ runs the update statements once with the sums (update).
 """
 from __future__ import annotations
 
-from ..lang.expr import Name, rewrite, unparse
+from ..lang.expr import unparse
 from ..lang.names import fresh
 from .online import block_sums_in, block_sums_out
-from .program import assign_line
+from .program import assign_line, summed
 from .text import shape_text, tuple_text
 
 
@@ -119,11 +119,9 @@ def chunk_step(ctx, L, plan, accs) -> None:
             lastnames = {n: f"{n}[:, -1]" for n in ctx.views + ctx.gates + ctx.let_order()}
             for b in plan.blocks:
                 mine = [a for a in accs if a.index == b.index]
-                by_term = {unparse(a.term): a.name for a in mine}
-                value = rewrite(spec.update[b.index].value,
-                                lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None)
-                sub = ctx.emitter(names=dict(lastnames)).with_scope(**{a.name: a.shape for a in mine})
-                assign_line(L, sub, b.target, spec.state[b.target], value)
+                value, scope = summed(spec.update[b.index].value, mine)
+                assign_line(L, ctx.emitter(names=dict(lastnames)).with_scope(**scope), b.target,
+                            spec.state[b.target], value)
             for a in accs:
                 L(f"{a.name} = torch.zeros_like({a.name})")
             if spec.order == "write_read":   # the chunk's last token reads after the update

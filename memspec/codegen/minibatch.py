@@ -14,16 +14,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import Name, rewrite, substitute, unparse
+from ..lang.expr import Call, Name, substitute, unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _decay_matrix, _finite_prefix, _linear_scan, _where_ok, _window_band, _window_sums
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
-from .window import emit_dual as emit_window_dual
+from .window import cache_rows, emit_dual as emit_window_dual
 from .exprs import ExprEmitter
 from .online import block_sums_in, block_sums_out
-from .program import emit_updates, shadow_plan
+from .program import assign_line, emit_updates, grad_target, shadow_plan, summed
 from .text import Lines, shape_text, tuple_text
 
 
@@ -191,23 +191,12 @@ def window_grads(ctx, L, window) -> TokenGrads:
         L('"""')
         L(f"return {em._emit(window.row_loss).at(9)}.sum()")
     L()
-    targets = []
-    for st in spec.update:
-        for c in st.value.walk():
-            if c.__class__.__name__ == "Call" and c.fn == "grad":
-                t = c.args[1].id if len(c.args) == 2 else spec.model_states()[0]
-                if t not in targets:
-                    targets.append(t)
-    targets = [s for s in ctx.states if s in targets]
+    # per statement, its gradient calls -> the local of their target's window sum
+    maps = [{unparse(c): f"grad_{grad_target(ctx, c)}" for c in st.value.walk()
+             if isinstance(c, Call) and c.fn == "grad"} for st in spec.update]
+    used = {local for mp in maps for local in mp.values()}
+    targets = [s for s in ctx.states if f"grad_{s}" in used]     # the row gradients, in state order
     locals_ = [f"grad_{t}" for t in targets]
-    maps = []
-    for st in spec.update:
-        mp = {}
-        for c in st.value.walk():
-            if c.__class__.__name__ == "Call" and c.fn == "grad":
-                t = c.args[1].id if len(c.args) == 2 else spec.model_states()[0]
-                mp[unparse(c)] = f"grad_{t}"
-        maps.append(mp)
     cumulative = {}
     out = []
     for mp in maps:
@@ -220,18 +209,7 @@ def window_rows(ctx, L, em, plan, grads: TokenGrads, starts: dict, locals_: list
     """Every token's gradients from the rows of its window; returns cache -> its new value."""
     spec, window = ctx.spec, plan.window
     c = window.window
-    rows, items = {}, {}
-    for cache, (i, item) in window.caches.items():
-        items[cache] = fresh(f"{cache}_new", taken)
-        code = em._emit(item)
-        text = code.text if code.rank == len(spec.state[cache].shape) else em._lift(code, len(spec.state[cache].shape))
-        L(f"{items[cache]} = {text}", shape_text("B, C, H", tuple(spec.state[cache].shape)) + f": appended to {cache}")
-        rows[cache] = fresh(f"{cache}_rows", taken)
-        if c == 1:
-            L(f"{rows[cache]} = {items[cache]}", "[B, R, H, ...]: the rows of the windows (window 1)")
-        else:
-            L(f"{rows[cache]} = torch.cat([{cache}.transpose(1, 2)[:, -{c - 1}:], {items[cache]}], dim=1)",
-              f"[B, R, H, ...]: the {c - 1} rows before the chunk and its own")
+    rows, new = cache_rows(spec, L, em, window, taken)
     argnums = tuple(grads.starts.index(t) for t in grads.inputs)
     an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
     row_g = [fresh(f"{g}_rows", taken) for g in grads.inputs]
@@ -244,11 +222,6 @@ def window_rows(ctx, L, em, plan, grads: TokenGrads, starts: dict, locals_: list
     ctx.need(_window_sums)
     for g, loc in zip(row_g, locals_):
         L(f"{loc} = _window_sums({g}, {ctx.first}.shape[1], {c})", "[B, C, H, ...]: each token sums its window")
-    new = {}
-    for cache in window.caches:
-        new[cache] = fresh(f"{cache}_after", taken)
-        L(f"{new[cache]} = torch.cat([{cache}, {items[cache]}.transpose(1, 2)], dim=2)[:, :, -{c}:]",
-          f"[B, H, n, ...]: the cache after the chunk (at most {c} entries)")
     return new
 
 
@@ -424,12 +397,8 @@ def block_chunk(ctx, L, grads: TokenGrads, ren: dict, seq: dict, taken: set) -> 
         L(f"{end} = {b.target}", f"{b.target} holds through the chunk ...")
         L(f"if {ctx.flags[b.every]}:", f"... and a chunk that ends a block of {b.every} applies its update")
         with L.indent():
-            by_term = {unparse(a.term): a.name for a in mine}
-            value = rewrite(spec.update[b.index].value,
-                            lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None)
-            sub = ctx.emitter(names=dict(lastnames)).with_scope(**{a.name: a.shape for a in mine})
-            code = sub._emit(value)
-            L(f"{end} = {code.text}", shape_text("B, H", spec.state[b.target].shape))
+            value, scope = summed(spec.update[b.index].value, mine)
+            assign_line(L, ctx.emitter(names=dict(lastnames)).with_scope(**scope), end, spec.state[b.target], value)
             for a in mine:
                 L(f"{a.name} = torch.zeros_like({a.name})")
         first = ctx.first

@@ -130,6 +130,14 @@ def assign_line(L, em, target: str, st, value, prefix: str = "B, H") -> None:
     L(f"{target} = {text}", shape_text(prefix, st.shape))
 
 
+def summed(value, accs) -> tuple:
+    """A block statement's value with each gradient term replaced by the name of its running sum
+    (:class:`BlockAcc`), and those names' shapes (an emitter scope)."""
+    by_term = {unparse(a.term): a.name for a in accs}
+    return (rewrite(value, lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None),
+            {a.name: a.shape for a in accs})
+
+
 def block_update(ctx, L, em, b, stmt, prefix: str = "B, H") -> None:
     """A statement of a state updated every C tokens: its gradient terms added to their
     running sums; at the block's last token the statement with each term replaced by its
@@ -139,9 +147,8 @@ def block_update(ctx, L, em, b, stmt, prefix: str = "B, H") -> None:
         term = em._emit(a.term)
         text = em._lift(term, len(a.shape)) if term.rank < len(a.shape) else term.text
         L(f"{a.name} = {a.name} + {text}", shape_text(prefix, a.shape) + f": the block's sum of {unparse(a.term)}")
-    by_term = {unparse(a.term): a.name for a in accs}
-    value = rewrite(stmt.value, lambda n: Name(by_term[unparse(n)]) if unparse(n) in by_term else None)
-    sub = em.with_scope(**{a.name: a.shape for a in accs})
+    value, scope = summed(stmt.value, accs)
+    sub = em.with_scope(**scope)
     L(f"if {ctx.flags[b.every]}:", f"the last token of a block of {b.every}: {stmt.target} takes the block's update")
     with L.indent():
         assign_line(L, sub, stmt.target, ctx.spec.state[stmt.target], value, prefix)

@@ -24,6 +24,30 @@ def _model_arg(spec, e):
                 and c.fn == spec.model.name)
 
 
+def cache_rows(spec, L, em, window, taken: set) -> tuple[dict, dict]:
+    """The lines of a chunk's window rows: each cache's appended items ``<cache>_new``, its rows
+    ``<cache>_rows`` ``[B, R, H, ...]`` (the ``window - 1`` rows before the chunk, then the
+    chunk's own) and the cache after the chunk ``<cache>_after``.  Returns (rows, after) by cache."""
+    c = window.window
+    rows, after = {}, {}
+    for cache, (_, item) in window.caches.items():
+        new = fresh(f"{cache}_new", taken)
+        code = em._emit(item)
+        rank = len(spec.state[cache].shape)
+        L(f"{new} = {code.text if code.rank == rank else em._lift(code, rank)}",
+          shape_text("B, C, H", tuple(spec.state[cache].shape)) + f": appended to {cache}")
+        rows[cache] = fresh(f"{cache}_rows", taken)
+        if c == 1:
+            L(f"{rows[cache]} = {new}", "[B, R, H, ...]: the rows of the windows (window 1)")
+        else:
+            L(f"{rows[cache]} = torch.cat([{cache}.transpose(1, 2)[:, -{c - 1}:], {new}], dim=1)",
+              f"[B, R, H, ...]: the {c - 1} rows before the chunk and its own")
+        after[cache] = fresh(f"{cache}_after", taken)
+        L(f"{after[cache]} = torch.cat([{cache}, {new}.transpose(1, 2)], dim=2)[:, :, -{c}:]",
+          f"[B, H, n, ...]: the cache after the chunk (at most {c} entries)")
+    return rows, after
+
+
 def emit_dual(ctx, L, plan) -> None:
     spec, win = ctx.spec, plan.window
     wd = win.dual
@@ -57,20 +81,7 @@ def emit_dual(ctx, L, plan) -> None:
         ctx.lets(L, emc, "B, C, H")
         c = win.window
         first = ctx.first
-        arrays, after = {}, {}
-        for cache, (_, item) in win.caches.items():
-            new = fresh(f"{cache}_new", taken)
-            code = emc._emit(item)
-            L(f"{new} = {code.text}", shape_text("B, C, H", tuple(spec.state[cache].shape)) + f": appended to {cache}")
-            arrays[cache] = fresh(f"{cache}_rows", taken)
-            if c == 1:
-                L(f"{arrays[cache]} = {new}", "[B, R, H, ...]: the rows of the windows (window 1)")
-            else:
-                L(f"{arrays[cache]} = torch.cat([{cache}.transpose(1, 2)[:, -{c - 1}:], {new}], dim=1)",
-                  f"[B, R, H, ...]: the {c - 1} rows before the chunk and its own")
-            after[cache] = fresh(f"{cache}_after", taken)
-            L(f"{after[cache]} = torch.cat([{cache}, {new}.transpose(1, 2)], dim=2)[:, :, -{c}:]",
-              f"[B, H, n, ...]: the cache after the chunk (at most {c} entries)")
+        arrays, after = cache_rows(spec, L, emc, win, taken)
         # every row's delta at the chunk start: one vmapped gradient of the tapped row loss
         d = fresh("delta", taken)
         zeros = f"{arrays[next(iter(win.caches))]}.new_zeros({first}.shape[0], " \

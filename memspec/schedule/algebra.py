@@ -119,6 +119,11 @@ def names_in(e: Expr) -> set[str]:
     return {n.id for n in e.walk() if isinstance(n, Name)}
 
 
+def drop_grads(e: Expr) -> Expr:
+    """``e`` with every ``grad(...)`` replaced by 0 (what it reads besides its gradients)."""
+    return rewrite(e, lambda n: ZERO if isinstance(n, Call) and n.fn == "grad" else None)
+
+
 SHOW_LETS: contextvars.ContextVar = contextvars.ContextVar("SHOW_LETS", default=())
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 
 from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
-from .algebra import ZERO, Algebra, NotAdmitted, all_updates, compose_all, grad_calls, is_num, replace_grads, simplify
+from .algebra import (ZERO, Algebra, NotAdmitted, all_updates, compose_all, drop_grads, grad_calls, is_num,
+                      replace_grads, simplify)
 from .dual import DualForm, NotDual, analyse_dual
 from .online import loss_states
 from .polynomial import linear_form
@@ -157,7 +158,7 @@ def _blocks(alg: Algebra, chunk: int) -> tuple:
     for i, st in enumerate(spec.update):
         if i in {b.index for b in blocks}:
             continue
-        no_grads = rewrite(st.value, lambda n: ZERO if isinstance(n, Call) and n.fn == "grad" else None)
+        no_grads = drop_grads(st.value)
         used = {n.id for n in no_grads.walk() if isinstance(n, Name)} & slow
         if used:
             raise NotAdmitted(f"`{st}` reads {', '.join(sorted(used))}, which updates once per block")

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, rewrite, unparse
+from ..lang.expr import ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, unparse
 from ..lang.names import fresh
 from ..lang.shapes import ShapeEnv
-from .algebra import Algebra, NotAdmitted, grad_calls, is_num, names_in
+from .algebra import Algebra, NotAdmitted, drop_grads, grad_calls, is_num, names_in
 
 ROWWISE = ELEMENTWISE_FUNCTIONS | {"l2norm", "layernorm", "rmsnorm", "huber", "min", "max", "clamp"}
 
@@ -92,7 +92,7 @@ def analyse_window(alg: Algebra) -> WindowLoss:
     if names_in(spec.read) & set(caches):
         raise NotAdmitted("the read reads a cache")
     for st in spec.update:
-        if st.target not in caches and names_in(_drop_grads(st.value)) & set(caches):
+        if st.target not in caches and names_in(drop_grads(st.value)) & set(caches):
             raise NotAdmitted(f"`{st}` reads a cache")
     env = ShapeEnv.from_spec(spec)
     taken = set(spec.state) | set(spec.views) | set(spec.gates) | set(spec.let) | set(spec.params) \
@@ -103,10 +103,6 @@ def analyse_window(alg: Algebra) -> WindowLoss:
     row = _Rows(alg, env, rows, local)
     loss = row.loss(spec.loss)
     return WindowLoss(caches, windows.pop(), rows, loss)
-
-
-def _drop_grads(e: Expr) -> Expr:
-    return rewrite(e, lambda n: Num(0) if isinstance(n, Call) and n.fn == "grad" else None)
 
 
 class _Rows:
