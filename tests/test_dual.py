@@ -188,3 +188,19 @@ def test_chunk_pre_is_local_to_batch_rows_and_holds_what_reads_no_state(name):
     both = mem._chunk_pre(*(torch.cat([x, y]) for x, y in zip(a, b)))
     for got, pa, pb in zip(both, mem._chunk_pre(*a), mem._chunk_pre(*b)):
         torch.testing.assert_close(got, torch.cat([pa, pb]), rtol=1e-12, atol=0)
+    # the forward calls it once on its 3 full chunks stacked (batch 3 B), and once on the tail
+    # (its numbers are the reference's: tests/test_compiled_vs_reference.py)
+    B, T = 2, 3 * 4 + 1
+    ins = {v: torch.randn(B, T, 2, getattr(mem, d), dtype=torch.float64) for v, d in mem.VIEWS.items()}
+    ins.update({g: torch.rand(B, T, 2, *(getattr(mem, d) for d in dg), dtype=torch.float64)
+                for g, dg in (mem.GATES.items() if isinstance(mem.GATES, dict) else ((g, ()) for g in mem.GATES))})
+    calls, real = [], mem._chunk_pre
+
+    def spy(*xs):
+        calls.append(xs[0].shape[0])
+        return real(*xs)
+    mem._chunk_pre = spy
+    with torch.no_grad():
+        mem(**ins, schedule="minibatch")
+    assert calls == [3 * B, B]
+
