@@ -95,12 +95,19 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     (every delta-rule variant), the write and the correction share the key and the system is
     the delta rule's: ``z = alpha u + v`` solves ``(I - diag(alpha) A) z = alpha e^{l} b S + V``.
 
-    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays), or, per
-    channel, in sub-blocks of ``sub`` tokens: between blocks the factor splits at the later
-    block's start, ``e^{l_i - ref_I} e^{ref_I - L_j}`` (both <= 1, block sums added exactly);
-    inside a block it splits at the block's start in float64 (``e^{-lambda_j}`` <= e^640 with
-    log decays >= -40 per token and ``sub <= 16``).  Log decays below -40 per token are clamped
-    to -40 (a factor of 4e-18): finite values and gradients for any input.
+    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays).  Per key
+    channel no ``[C, C]`` matrix of decays serves, and none is exponentiated: the chunk (a power of
+    two: ``chunk`` is rounded down to one, a tail is padded with identity tokens) is halved level
+    by level, as in the additive kernel (``chunk_additive``).  In a block of 2h tokens a
+    pair (i in the second half, j in the first) weighs ``F_h(i) E_h(j)``: ``F_h(i)`` the product
+    of the decays from the second half's start to the state i reads, ``E_h(j)`` of those after j
+    to the first half's end.  All such pairs of a level are one batched product
+    ``(X F) (Y E)^T`` of the rows (reads and probes) and the columns ([-a | k]); the factors pass
+    to the next level by one product with the halves' decays, and after the last level they are
+    the rows' decays from the chunk start and the columns' to its end.  Two sub-steps of one
+    token weigh 1.  So only products of decays (each <= 1) enter, one ``exp`` per token and
+    channel, in the kernel's dtype, with no cancellation in long sums.  Log decays below -40 per
+    token are clamped to -40 (a factor of 4e-18): finite values and gradients for any input.
 
     Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
     replaced by an identity token (by ``torch.where``), and every output that reads a state at or
@@ -118,8 +125,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         read_after_decay: the reads of sub-step 0 see the state after the token's decay.
         group: chunks per batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere);
             any G >= 1 gives the same numbers.
-        sub: tokens per decay sub-block for per-channel decays (default 16, or the largest
-            divisor of C below it; at most 16); any value gives the same numbers.
         a_form, b_form, decay_form: the forms of ``a`` (``"vector"`` or ``"scalar"``), ``b``
             (``"key"``: None, ``"scalar"``, ``"vector"``) and ``log_decay`` (``"none"``,
             ``"scalar"``, ``"channel"``), which must agree with the tensors passed; None: read
@@ -130,7 +135,7 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
     Specialised for this module: b=None, inclusive=True, simultaneous=False, read_after_decay=True,
-    group=None, sub=None, a_form='scalar', b_form='key', decay_form='scalar'.
+    group=None, a_form='scalar', b_form='key', decay_form='scalar'.
     """
     # b with the sub-step axis (b is never rebound)
     b_r = None
@@ -140,8 +145,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     V = v.shape[-1]
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
-    # the in-block factors of per-channel decays
-    wide = torch.float64
     dev = k.device
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
@@ -151,7 +154,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     C = max(1, min(int(chunk), T))
     N, rem = divmod(T, C)
     Np = N + (rem > 0)
-    ns = 1                                                           # tokens per decay sub-block
     w = 1                                            # column factor sets: [-a | k] or [k]
     n_full = C * R
     width = max(K + V, w * n_full)
@@ -160,11 +162,11 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     else:                           # caching allocators: fewer, larger launches
         G = 64
     G = max(1, min(N, G)) if N else 1
-    # groups (chunks nc, tokens c, tokens after padding cp): the tail chunk is padded with identity
-    # tokens (zeros) to a multiple of the decay sub-block
+    # groups (chunks nc, tokens c, tokens after padding cp): a per-channel tail chunk is padded with
+    # identity tokens (zeros, decay 1) to a power of two
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
     if rem:
-        groups.append((1, rem, -(-rem // ns) * ns))
+        groups.append((1, rem, rem))
 
     # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
@@ -227,44 +229,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     Lq = L                                   # the log decay a probe sees
     dec = {"L": L, "Lr": Lr, "l_row": l_row, "Lq": Lq, "e_row": torch.exp(l_row),
            "end": torch.exp(L[..., -1:] - Lr), "g_end": torch.exp(L[..., -1]), "e_q": torch.exp(Lq)}
-
-    def channel_factors(glog):
-        """The decay factors of per-channel log decays glog [M, nbk, ns, K] (sub-blocks of ns
-        tokens)."""
-        nbk = glog.shape[1]
-        # in-block cumulative log decay (inclusive)
-        lam = torch.cumsum(glog, dim=2)
-        # [M, nbk, K] each block's log decay
-        tot = lam[:, :, -1]
-        # e^{-lam_j} <= e^{16 * 40} (float64)
-        e_nlam = torch.exp(lam.to(wide, copy=True).neg_())
-        e_colend = (e_nlam * torch.exp(tot.to(wide))[:, :, None]).to(dt)   # e^{tot_J - lam_j} <= 1
-        f = {"e_nlam": e_nlam}
-        # row factors e^{rho_i} <= 1 (float64) per token and row slot: the R reads, then the probe
-        lam_q = None if q is None else 'lam'
-        slots = ['lam' for r in range(R)]
-        slots += [lam_q] if lam_q else []
-        pick = {"lam": torch.reciprocal(e_nlam) if "lam" in slots else None,
-                "lamp": torch.exp((lam - glog).to(wide)) if "lamp" in slots else None}
-        if len(set(slots)) == 1:
-            f["e_row"] = pick[slots[0]][:, :, :, None]                # [M, nbk, ns, 1, K]
-        else:
-            f["e_row"] = torch.stack([pick[x] for x in slots], dim=3)  # [M, nbk, ns, slots, K]
-        if nbk == 1:
-            f["end"], f["g_end"] = e_colend, torch.exp(tot[:, 0])    # e^{L_C - L_j}, e^{L_C}
-            return f
-        # before block I (a prefix sum: exact)
-        ref = torch.cumsum(tot, dim=1) - tot
-        suf = torch.flip(torch.cumsum(torch.flip(tot, (1,)), dim=1), (1,)) - tot   # after block J
-        bi = torch.arange(nbk, device=dev)
-        between = ((bi[None, :, None] > bi[None, None, :]) & (bi[None, :, None] < bi[:, None,
-                None])).to(dt)
-        # blocks strictly between J and I
-        seg = torch.einsum("imj,bmk->bijk", between, tot).contiguous()
-        f.update({"e_colend": e_colend, "end": torch.exp(suf)[:, :, None] * e_colend,
-                "e_seg": torch.exp(seg),
-                  "e_ref": torch.exp(ref), "g_end": torch.exp(ref[:, -1] + tot[:, -1])})
-        return f
 
     dec_p = {key: split_c(x) for key, x in dec.items()}
 
@@ -331,17 +295,18 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         # (vector a: u = W S + U, S <- Diag(g) S + K~^T V - (-A~)^T u; scalar a: z = U - W S (the
         # right
         # side carried -alpha), S <- Diag(g) S + K~^T z)
-        kd = kg * end_fac                   # keys decayed to the chunk end
+        kd = kg * end_fac               # keys decayed to the chunk end
         kd_j = kd.reshape(nc, BH, n, K).unbind(0)
-        g_j = g_end.reshape(nc, BH, *g_end.shape[1:]).unbind(0)
+        # [BH, 1, 1] or [BH, K, 1] per chunk: the decay over the chunk
+        g_j = [None] * nc
+        g_j = g_end.reshape(nc, BH, 1, 1).unbind(0)
         zs, starts = [], []
         for j, (W_j,
                 U_j) in enumerate(zip(Wk.reshape(nc, BH, n, K).unbind(0),
                 U.reshape(nc, BH, n, V).unbind(0))):
             starts.append(S)
-            Sg = S if g_j[j] is None else S * g_j[j][:, None, None]
             z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
-            S = torch.baddbmm(Sg, kd_j[j].transpose(1, 2), z)
+            S = torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z)
             zs.append(z)
         if q is None:
             continue

@@ -3,7 +3,7 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: d22889e14850f6a92612b2425b772263327bf86ae21327633da0f0746644a452
 # file sha256: d22889e14850f6a92612b2425b772263327bf86ae21327633da0f0746644a452
-# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 16 (exact)
+# schedule: diagonal-plus-low-rank chunked form (WY / UT), chunk 32 (exact)
 # derived by memspec.schedule.analyse: dplr, exact; admits dplr, online
 # schedules of this module: dplr, online
 """kda: Kimi Delta Attention: the gated delta rule with a decay per key channel, S_t = (I - beta_t
@@ -93,12 +93,19 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     (every delta-rule variant), the write and the correction share the key and the system is
     the delta rule's: ``z = alpha u + v`` solves ``(I - diag(alpha) A) z = alpha e^{l} b S + V``.
 
-    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays), or, per
-    channel, in sub-blocks of ``sub`` tokens: between blocks the factor splits at the later
-    block's start, ``e^{l_i - ref_I} e^{ref_I - L_j}`` (both <= 1, block sums added exactly);
-    inside a block it splits at the block's start in float64 (``e^{-lambda_j}`` <= e^640 with
-    log decays >= -40 per token and ``sub <= 16``).  Log decays below -40 per token are clamped
-    to -40 (a factor of 4e-18): finite values and gradients for any input.
+    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays).  Per key
+    channel no ``[C, C]`` matrix of decays serves, and none is exponentiated: the chunk (a power of
+    two: ``chunk`` is rounded down to one, a tail is padded with identity tokens) is halved level
+    by level, as in the additive kernel (``chunk_additive``).  In a block of 2h tokens a
+    pair (i in the second half, j in the first) weighs ``F_h(i) E_h(j)``: ``F_h(i)`` the product
+    of the decays from the second half's start to the state i reads, ``E_h(j)`` of those after j
+    to the first half's end.  All such pairs of a level are one batched product
+    ``(X F) (Y E)^T`` of the rows (reads and probes) and the columns ([-a | k]); the factors pass
+    to the next level by one product with the halves' decays, and after the last level they are
+    the rows' decays from the chunk start and the columns' to its end.  Two sub-steps of one
+    token weigh 1.  So only products of decays (each <= 1) enter, one ``exp`` per token and
+    channel, in the kernel's dtype, with no cancellation in long sums.  Log decays below -40 per
+    token are clamped to -40 (a factor of 4e-18): finite values and gradients for any input.
 
     Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
     replaced by an identity token (by ``torch.where``), and every output that reads a state at or
@@ -116,8 +123,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         read_after_decay: the reads of sub-step 0 see the state after the token's decay.
         group: chunks per batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere);
             any G >= 1 gives the same numbers.
-        sub: tokens per decay sub-block for per-channel decays (default 16, or the largest
-            divisor of C below it; at most 16); any value gives the same numbers.
         a_form, b_form, decay_form: the forms of ``a`` (``"vector"`` or ``"scalar"``), ``b``
             (``"key"``: None, ``"scalar"``, ``"vector"``) and ``log_decay`` (``"none"``,
             ``"scalar"``, ``"channel"``), which must agree with the tensors passed; None: read
@@ -128,7 +133,7 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
     Specialised for this module: b=None, inclusive=True, simultaneous=False, read_after_decay=True,
-    group=None, sub=None, a_form='scalar', b_form='key', decay_form='channel'.
+    group=None, a_form='scalar', b_form='key', decay_form='channel'.
     """
     # b with the sub-step axis (b is never rebound)
     b_r = None
@@ -138,8 +143,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     V = v.shape[-1]
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
-    # the in-block factors of per-channel decays
-    wide = torch.float64
     dev = k.device
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
@@ -147,25 +150,22 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         return (v.new_zeros(B, 0, H, V) if q is not None else None), S.reshape(B, H, K,
                 V).to(s_dtype)
     C = max(1, min(int(chunk), T))
+    C = 1 << (C.bit_length() - 1)
     N, rem = divmod(T, C)
     Np = N + (rem > 0)
-    ns = 1                                                           # tokens per decay sub-block
-    target = max(1, min(16, 16, C))
-    ns = max(d for d in range(1, target + 1) if C % d == 0)
     w = 1                                            # column factor sets: [-a | k] or [k]
     n_full = C * R
     width = max(K + V, w * n_full)
-    width = max(width, w * (C // ns) * K)
     if dev.type == "cpu":         # temporaries near 512 KB (float32): no page faults per call
         G = round((1 << 17) / (BH * n_full * width))
     else:                           # caching allocators: fewer, larger launches
         G = 64
     G = max(1, min(N, G)) if N else 1
-    # groups (chunks nc, tokens c, tokens after padding cp): the tail chunk is padded with identity
-    # tokens (zeros) to a multiple of the decay sub-block
+    # groups (chunks nc, tokens c, tokens after padding cp): a per-channel tail chunk is padded with
+    # identity tokens (zeros, decay 1) to a power of two
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
     if rem:
-        groups.append((1, rem, -(-rem // ns) * ns))
+        groups.append((1, rem, (1 << (rem - 1).bit_length())))
 
     # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
@@ -206,6 +206,19 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
         return solve, read
 
     mask_cache = {c: masks(c) for c in {cp for _, _, cp in groups}}
+    inplace = not (torch.is_grad_enabled()
+                   and any(x is not None
+                           and x.requires_grad for x in (q, k, v, a, b_r, log_decay, S0)))
+    # row slots per token: R reads (+ the probe)
+    sl = R + (q is not None)
+    # column slots per token: (set, sub-step)
+    wR = w * R
+    # the slots whose state has the token's own decay (F_1 = its decay; the others F_1 = 1)
+    decayed = [True for r in range(R)]
+    decayed += [True] if q is not None else []
+    # pairs of sub-steps of one token enter (weight 1): inclusive probes, R > 1 sequential reads
+    same = ((q is not None)) or ((R > 1))
+    pair_cache = {c: pair_index(c, sl, w, R, same, mask_cache[c]) for c in mask_cache}
 
     def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
         return x.split([nc * c for nc, c, _ in groups],
@@ -217,44 +230,6 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
 
     # ---- decay factors of every chunk at once
     dec = {}
-
-    def channel_factors(glog):
-        """The decay factors of per-channel log decays glog [M, nbk, ns, K] (sub-blocks of ns
-        tokens)."""
-        nbk = glog.shape[1]
-        # in-block cumulative log decay (inclusive)
-        lam = torch.cumsum(glog, dim=2)
-        # [M, nbk, K] each block's log decay
-        tot = lam[:, :, -1]
-        # e^{-lam_j} <= e^{16 * 40} (float64)
-        e_nlam = torch.exp(lam.to(wide, copy=True).neg_())
-        e_colend = (e_nlam * torch.exp(tot.to(wide))[:, :, None]).to(dt)   # e^{tot_J - lam_j} <= 1
-        f = {"e_nlam": e_nlam}
-        # row factors e^{rho_i} <= 1 (float64) per token and row slot: the R reads, then the probe
-        lam_q = None if q is None else 'lam'
-        slots = ['lam' for r in range(R)]
-        slots += [lam_q] if lam_q else []
-        pick = {"lam": torch.reciprocal(e_nlam) if "lam" in slots else None,
-                "lamp": torch.exp((lam - glog).to(wide)) if "lamp" in slots else None}
-        if len(set(slots)) == 1:
-            f["e_row"] = pick[slots[0]][:, :, :, None]                # [M, nbk, ns, 1, K]
-        else:
-            f["e_row"] = torch.stack([pick[x] for x in slots], dim=3)  # [M, nbk, ns, slots, K]
-        if nbk == 1:
-            f["end"], f["g_end"] = e_colend, torch.exp(tot[:, 0])    # e^{L_C - L_j}, e^{L_C}
-            return f
-        # before block I (a prefix sum: exact)
-        ref = torch.cumsum(tot, dim=1) - tot
-        suf = torch.flip(torch.cumsum(torch.flip(tot, (1,)), dim=1), (1,)) - tot   # after block J
-        bi = torch.arange(nbk, device=dev)
-        between = ((bi[None, :, None] > bi[None, None, :]) & (bi[None, :, None] < bi[:, None,
-                None])).to(dt)
-        # blocks strictly between J and I
-        seg = torch.einsum("imj,bmk->bijk", between, tot).contiguous()
-        f.update({"e_colend": e_colend, "end": torch.exp(suf)[:, :, None] * e_colend,
-                "e_seg": torch.exp(seg),
-                  "e_ref": torch.exp(ref), "g_end": torch.exp(ref[:, -1] + tot[:, -1])})
-        return f
 
     dec_p = {key: split_c(x) for key, x in dec.items()}
 
@@ -297,50 +272,65 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
             qkeep = q_ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
             qg = torch.where(qkeep, lay(q_p[gi].unsqueeze(3), 1).to(dt), zero).reshape(nBH, cp, K)
 
-        nbk, m = cp // ns, ns * R
         # [nc, B, H, cp, K]
         gch = torch.where(okg[..., 0, :], lay(g_p[gi].unsqueeze(3), 1)[..., 0, :].to(dt), zero)
-        dg_ = channel_factors(gch.reshape(nBH, nbk, ns, K))
-        # row slots per token: R reads (+ the probe)
-        sl = R + (q is not None)
-        x = rows.reshape(nBH, nbk, ns, R, K)
+        gam = torch.exp(gch).reshape(nBH, cp, 1, K)              # the decay of each token
+        xs = rows.reshape(nBH, cp, R, K)
         if q is not None:
-            x = torch.cat([x, qg.reshape(nBH, nbk, ns, 1, K)], dim=3)   # [nBH, nbk, ns, sl, K]
-        x64 = (x * dg_["e_row"]).reshape(nBH, nbk, ns * sl, K)  # e^{rho_i} x_i (float64)
-        mask_d = m_solve[:m, :m].reshape(ns, R, m)
-        if q is not None:
-            mask_d = torch.cat([mask_d, m_read[:ns, None, :m]], dim=1)   # [ns, sl, m]
-        mask_d = mask_d.reshape(ns * sl, 1, 1, m)
-        y = cols.reshape(nBH, w, nbk, ns, R, K)
-        # inside a block: e^{rho_i - lam_j} = e^{rho_i} e^{-lam_j} in float64
-        y64 = (y * dg_["e_nlam"][:, None, :, :, None]).transpose(1, 2).reshape(nBH, nbk, w * m, K)
-        dgm = torch.matmul(x64, y64.transpose(-1, -2)).reshape(nBH, nbk, ns * sl, w, 1, m)
-        dgm = torch.where(mask_d, dgm, 0.0).to(dt)
-        x32 = x64.to(dt)
-        if nbk == 1:
-            full = dgm                                            # [nBH, 1, ns sl, w, 1, m]
+            xs = torch.cat([xs, qg.reshape(nBH, cp, 1, K)], dim=2)   # [nBH, cp, sl, K]
+        ys = cols.reshape(nBH, w, cp, R, K).transpose(1, 2).reshape(nBH, cp, wR, K).contiguous()
+        # flat entries of the chunk's matrix: 0, the same-token pairs, then each level's pairs
+        pieces = [gam.new_zeros(nBH, 1)]
+        if same:
+            # [nBH, cp sl wR]
+            pieces.append((xs[:, :, :, None] * ys[:, :, None]).sum(-1).reshape(nBH, -1))
+        ones = gam.new_ones(nBH, cp // 2, 1, 1, K) if cp > 1 else None
+        # X F_1 (F_1 = the token's decay where the slot's state has it), Y E_1 (E_1 = 1)
+        if all(decayed):
+            xF = xs * gam
+        elif any(decayed):
+            xF = xs * torch.cat([gam if d else torch.ones_like(gam) for d in decayed], dim=2)
         else:
-            # between blocks J < I: e^{rho_i} * e^{seg_IJ} * e^{tot_J - lam_j}, each <= 1
-            e_seg = dg_["e_seg"]
-            yI = (e_seg[:, :, None, :, None, None]
-                    * (y * dg_["e_colend"][:, None, :, :, None])[:, None])
-            off = torch.matmul(x32, yI.reshape(nBH, nbk, w * n, K).transpose(-1, -2))
-            off = off.reshape(nBH, nbk, ns * sl, w, nbk, m)
-            bi = torch.arange(nbk, device=dev)
-            full = torch.where((bi[:, None] > bi[None, :])[:, None, None, :, None], off,
-                               torch.where((bi[:, None] == bi[None, :])[:, None, None, :, None],
-                                       dgm, zero))
-            x32 = x32 * dg_["e_ref"][:, :, None]             # e^{l_i} rows (the block offset)
-        full = full.reshape(nBH, nbk, ns, sl, w * n)
-        x32 = x32.reshape(nBH, nbk, ns, sl, K)
-        Nmat = full[:, :, :, :R].reshape(nBH, n, w * n)           # [nBH, n, w n]
-        rk = x32[:, :, :, :R].reshape(nBH, n, K)                  # e^{l_i} rows
+            xF = xs
+        # Pd [nBH, cp / h, 1, K]: each h-block's decay
+        yE, Pd = ys, gam
+        h = 1
+        while h < cp:
+            nb = cp // (2 * h)                                   # blocks of 2h tokens per chunk
+            xb, yb = xF.reshape(nBH, nb, 2, h * sl, K), yE.reshape(nBH, nb, 2, h * wR, K)
+            if h == 1:                                           # [nBH, nb, sl, wR]
+                off = (xb[:, :, 1, :, None] * yb[:, :, 0, None]).sum(-1)
+            else:                                                # [nBH, nb, h sl, h wR]
+                off = torch.matmul(xb[:, :, 1], yb[:, :, 0].transpose(-1, -2))
+            pieces.append(off.reshape(nBH, -1))
+            # to blocks of 4h: the second halves' F pick up the first half's decay, the first
+            # halves' E the second half's
+            Pb = Pd.reshape(nBH, nb, 2, 1, K)
+            # (level 1's factors may be the inputs)
+            if inplace and h > 1:
+                xb[:, :, 1].mul_(Pb[:, :, 0])
+                yb[:, :, 0].mul_(Pb[:, :, 1])
+            else:
+                one = ones[:, :nb]
+                # (contiguous: the levels after update them in place through views)
+                xF = (xb * torch.cat([one, Pb[:, :, :1]], dim=2)).reshape(nBH, cp, sl,
+                        K).contiguous()
+                yE = (yb * torch.cat([Pb[:, :, 1:], one], dim=2)).reshape(nBH, cp, wR,
+                        K).contiguous()
+            Pd = Pb[:, :, 0] * Pb[:, :, 1]                       # [nBH, nb, 1, K]
+            h *= 2
+        # [nBH, cp, sl, w n]: rows (token, slot), columns (set, token, sub-step); zeros off the
+        # pairs
+        full = torch.cat(pieces, dim=1).index_select(1, pair_cache[cp]).reshape(nBH, cp, sl, w * n)
+        Nmat = full[:, :, :R].reshape(nBH, n, w * n)              # [nBH, n, w n]
+        # e^{l_i} rows (decayed from the chunk start)
+        rk = xF[:, :, :R].reshape(nBH, n, K)
         if q is not None:
-            P = full[:, :, :, R].reshape(nBH, cp, w * n)
-            qd = x32[:, :, :, R].reshape(nBH, cp, K)
-        # e^{L_C - L_j}
-        end_fac = dg_["end"][:, :, :, None].expand(-1, -1, -1, R, -1).reshape(nBH, n, K)
-        g_end = dg_["g_end"]
+            P = full[:, :, R]                                     # [nBH, cp, w n]
+            qd = xF[:, :, R]                                      # [nBH, cp, K]
+        yE = yE.reshape(nBH, cp, w, R, K)                         # columns decayed to the chunk end
+        kd = yE[:, :, w - 1].reshape(nBH, n, K)
+        g_end = Pd.reshape(nBH, K)                                # e^{L_C}
 
         # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
         Nba = Nmat
@@ -350,21 +340,17 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
                 left=False,
                                           unitriangular=True).transpose(1, 2)   # [nBH, n, K + V]
         Wk, U = X.split([K, V], dim=-1)
-        # ---- the sequential part, per chunk: the reads from the start state, then the state update
-        # (vector a: u = W S + U, S <- Diag(g) S + K~^T V - (-A~)^T u; scalar a: z = U - W S (the
-        # right
-        # side carried -alpha), S <- Diag(g) S + K~^T z)
-        kd = kg * end_fac                   # keys decayed to the chunk end
         kd_j = kd.reshape(nc, BH, n, K).unbind(0)
-        g_j = g_end.reshape(nc, BH, *g_end.shape[1:]).unbind(0)
+        # [BH, 1, 1] or [BH, K, 1] per chunk: the decay over the chunk
+        g_j = [None] * nc
+        g_j = g_end.reshape(nc, BH, -1, 1).unbind(0)
         zs, starts = [], []
         for j, (W_j,
                 U_j) in enumerate(zip(Wk.reshape(nc, BH, n, K).unbind(0),
                 U.reshape(nc, BH, n, V).unbind(0))):
             starts.append(S)
-            Sg = S if g_j[j] is None else S * g_j[j][:, :, None]
             z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
-            S = torch.baddbmm(Sg, kd_j[j].transpose(1, 2), z)
+            S = torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z)
             zs.append(z)
         if q is None:
             continue
@@ -385,6 +371,50 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk):
     if len(full) < len(outs):
         o = torch.cat([o, outs[-1].reshape(B, rem, H, V)], dim=1)
     return o.to(v.dtype), S_out
+
+
+def pair_index(c, sl, w, R, same, masks):
+    """Where each entry of a per-channel chunk's matrix sits in the flat list of its pairs.
+
+    The matrix has rows (token ti, slot s: R reads, then the probe) and columns (set, token tj,
+    sub-step r), ``[c sl, w c R]``; the flat list (per chunk) is ``[0, same-token pairs
+    [c, sl, w R] (when ``same``), level 1 [c/2, 1, sl, 1, w R], level 2 [c/4, 2, sl, 2, w R],
+    ...]``,
+    level h holding the pairs (second half, first half) of each block of 2h tokens.  Entries
+    outside the masks (``masks(c)``: the reads' solve mask over sub-steps, the probes' read mask)
+    point at the 0.  Returns a long tensor of ``c sl w c R`` positions.
+    """
+    solve, read = masks
+    dev = solve.device
+    wR = w * R
+    ti = torch.arange(c, device=dev).view(c, 1, 1, 1, 1)
+    s = torch.arange(sl, device=dev).view(1, sl, 1, 1, 1)
+    ws = torch.arange(w, device=dev).view(1, 1, w, 1, 1)
+    tj = torch.arange(c, device=dev).view(1, 1, 1, c, 1)
+    r = torch.arange(R, device=dev).view(1, 1, 1, 1, R)
+    shape = (c, sl, w, c, R)
+    # the masks, per (row token, slot) and (column token, sub-step)
+    i_sub = ti * R + s.clamp(max=R - 1)                               # the read's sub-step
+    j_sub = tj * R + r
+    keep_read = solve[i_sub, j_sub]
+    keep_probe = read[ti, j_sub]
+    keep = torch.where(s < R, keep_read, keep_probe).expand(shape)
+    col = ws * R + r                                                  # column slot within a token
+    pos = torch.zeros(shape, dtype=torch.long, device=dev)
+    base = 1
+    if same:
+        pos = torch.where(ti == tj, base + (ti * sl + s) * wR + col, pos)
+        base += c * sl * wR
+    h = 1
+    x = ti ^ tj
+    while h < c:
+        # the highest differing bit is h
+        level = (x >= h) & (x < 2 * h) & (ti > tj)
+        b, it, jt = ti // (2 * h), ti % h, tj % h
+        pos = torch.where(level, base + ((b * h + it) * sl + s) * (h * wR) + jt * wR + col, pos)
+        base += (c // (2 * h)) * h * sl * h * wR
+        h *= 2
+    return torch.where(keep, pos, 0).reshape(-1)
 
 
 class KdaMemory(nn.Module):
@@ -410,7 +440,7 @@ class KdaMemory(nn.Module):
     DEFAULT_SCHEDULE = 'dplr'
     STEP_SCHEDULE = 'online'
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=32, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `compile`: torch.compile the per-token and per-chunk step functions (static shapes).
         """
@@ -595,7 +625,7 @@ class KdaLayer(nn.Module):
     -4.0)
     """
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=16, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=32, compile=False):
         super().__init__()
         self.d_model = d_model
         self.heads = heads

@@ -128,12 +128,12 @@ def test_simultaneous_differs_from_sequential():
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, None])
-@pytest.mark.parametrize("sub", [1, 2, 3, None])
-def test_groups_and_sub_blocks(group, sub):
-    """Chunks batched G at a time and any decay sub-block size give the token loop's numbers
-    (T = 7 C + 3, C = 6: sub = 3 divides C, sub = 4 is rounded to a divisor)."""
+@pytest.mark.parametrize("chunk", [1, 2, 6, 16])
+def test_groups_and_chunks(group, chunk):
+    """Chunks batched G at a time and any chunk size give the token loop's numbers (T = 45:
+    a per-channel chunk is rounded down to a power of two, 6 -> 4, and a tail padded to one)."""
     inputs = make(2, 7 * 6 + 3, 2, 2, 4, 5, a_kind="vec", decay="channel", seed=3)
-    check_against_recurrent(inputs, 6, True, group=group, sub=sub)
+    check_against_recurrent(inputs, chunk, True, group=group)
 
 
 @pytest.mark.parametrize("decay", ["scalar", "channel"])
@@ -198,7 +198,7 @@ def test_causal():
 def test_gradcheck_float64(a_kind, decay):
     q, k, v, a, b, lg, S0 = make(1, 5, 1, 2, 3, 2, a_kind=a_kind, decay=decay, dtype=torch.float64)
     args = [x.clone().requires_grad_() for x in (q, k, v, a, b, lg, S0)]
-    f = lambda q, k, v, a, b, lg, S0: chunk_dplr(q, k, v, a, b, lg, S0, 2, sub=1)  # noqa: E731
+    f = lambda q, k, v, a, b, lg, S0: chunk_dplr(q, k, v, a, b, lg, S0, 2)  # noqa: E731
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
     f = lambda q, k, v, a, b, lg, S0: chunk_dplr(q, k, v, a, b, lg, S0, 4, False, True)  # noqa: E731
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
@@ -249,7 +249,7 @@ def test_delta_rule_by_hand():
 
 # ---------------------------------------------------------------- numerics
 
-@pytest.mark.parametrize("lo", [-20.0, -5.0])
+@pytest.mark.parametrize("lo", [-40.0, -20.0, -5.0])
 @pytest.mark.parametrize("R", [1, 2])
 def test_extreme_channel_decays_match_float64(lo, R):
     """Per-channel log decays uniform in [lo, 0] per token, chunk 64 (cumulative logs down to
@@ -594,3 +594,18 @@ def test_momentum_state_only_and_empty():
     assert o is None and rel(S, S_r) <= 1e-5 and rel(M, M_r) <= 1e-5
     o, S, M = chunk_momentum_delta(*(x[:, :0] for x in (q, k, v, p, lgam, lmu, beta, eta)), S0, M0, 8)
     assert o.shape == (1, 0, 2, 3) and torch.equal(S, S0) and torch.equal(M, M0)
+
+
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("a_kind", ["scalar", "vec"])
+def test_without_autograd_equals_with(R, a_kind):
+    """Without autograd the per-channel halving updates its factors in place: the same numbers as
+    with it (R = 1 makes the columns a strided view of the inputs), for one and several chunks."""
+    for T in (8, 45):
+        q, k, v, a, b, lg, S0 = make(1, T, 2, R, 4, 3, a_kind=a_kind, decay="channel", seed=3, squeeze=R == 1)
+        ref = recurrent_dplr(q, k, v, a, b, lg, S0)
+        with torch.no_grad():
+            o, S = chunk_dplr(q, k, v, a, b, lg, S0, 4)
+        o2, S2 = chunk_dplr(q, k, v, a, b, lg, S0.clone().requires_grad_(), 4)
+        assert torch.allclose(o, o2.detach(), rtol=0, atol=1e-6) and torch.allclose(S, S2.detach(), rtol=0, atol=1e-6)
+        assert rel(o, ref[0]) <= 1e-5 and rel(S, ref[1]) <= 1e-5

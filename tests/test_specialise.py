@@ -12,7 +12,7 @@ import torch
 from memspec.codegen.specialise import specialise, specialise_calls, specialise_source
 from memspec.runtime.additive import chunk_additive
 from memspec.runtime.delta import chunk_delta
-from memspec.runtime.dplr import chunk_dplr
+from memspec.runtime.dplr import chunk_dplr, pair_index
 
 
 def _load(src: str, name: str):
@@ -86,14 +86,15 @@ def test_chunk_dplr_specialised_equals_general(decay, a_vec, b_kind, after):
     numbers, bit for bit, as the general kernel (the kernel's elif chain over the decay kinds stays
     a chain when its head is undecided)."""
     x = _dplr_inputs(decay, a_vec, b_kind)
-    consts = {"inclusive": True, "simultaneous": False, "read_after_decay": after, "group": None, "sub": None,
+    consts = {"inclusive": True, "simultaneous": False, "read_after_decay": after, "group": None,
               "a_form": "vector" if a_vec else "scalar", "b_form": b_kind, "decay_form": decay}
     if b_kind == "key":
         consts["b"] = None
     if decay == "none":
         consts["log_decay"] = None
     src = specialise(chunk_dplr, **consts)
-    fn = _load(src, "chunk_dplr")
+    # a generated module with a per-channel decay carries pair_index next to the kernel
+    fn = _load((inspect.getsource(pair_index) + "\n\n" if decay == "channel" else "") + src, "chunk_dplr")
     want = chunk_dplr(*x, 4, inclusive=True, read_after_decay=after)
     args = [t for t, n in zip(x, ["q", "k", "v", "a", "b", "log_decay", "S0"]) if n not in consts]
     got = fn(*args, 4)
@@ -103,7 +104,7 @@ def test_chunk_dplr_specialised_equals_general(decay, a_vec, b_kind, after):
     body = src.split('"""')[-1]
     for left in ("a_vec", "b_kind", "decay ==", "decay is", "decay !=", "_form"):
         assert left not in body, left
-    assert ("channel_factors" in body) == (decay == "channel")
+    assert ("pair_index" in body) == (decay == "channel")
     assert ("Nbk" in body) == a_vec
 
 

@@ -11,7 +11,7 @@ or for ``b`` nothing at all (``"key"``: ``b = k``).  R > 1 steps are stacked on 
 from __future__ import annotations
 
 from ..lang.expr import Num
-from ..runtime.dplr import chunk_dplr
+from ..runtime.dplr import chunk_dplr, pair_index
 from . import chunked
 
 KERNEL = chunk_dplr
@@ -19,6 +19,9 @@ KERNEL = chunk_dplr
 
 def emit(ctx, L) -> None:
     chunked.emit_forward(ctx, L, body, KERNEL)
+    plan = ctx.plans[ctx.default]
+    if plan.decay is not None and ctx.shape(plan.decay):   # a per-channel decay: its pairs by index
+        ctx.need(pair_index)
 
 
 def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -> None:

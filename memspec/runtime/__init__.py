@@ -40,9 +40,10 @@ product it masks (``tril_``), never by multiplying a future value by zero; where
 triangular matmul meets future values, their non-finite entries are taken out of it and put
 back through a causal prefix sum (see :func:`.additive.chunk_additive`).
 
-One exception to "never a positive exponent": ``chunk_dplr``'s per-channel decays inside a
-sub-block of at most 16 tokens split ``e^{l_i - L_j} = e^{l_i - L_0} e^{L_0 - L_j}`` at the
-block start in float64, where ``|exponent| <= 16 * 40 = 640 < 709`` with log decays clamped
-at -40: no overflow, values or gradients.  The DPLR kernels replace non-finite inputs with
+Per-channel decays (both the additive and the DPLR kernels) never form a ``[C, C, K]`` tensor
+of decays: a chunk is halved level by level and every pair's weight is a product of two factors,
+each a product of per-token decays (<= 1), so no exponent is positive and none is a difference
+of long cumulative sums; everything stays in the input dtype (no float64: it runs where float64
+is slow or missing).  The DPLR kernels replace non-finite inputs with
 ``torch.where`` (never by a product with zero).
 """
