@@ -35,8 +35,8 @@ Gated DeltaNet-2, Comba, gated DeltaProduct with 2 steps, RWKV-7 / DPLR), and
 pure-PyTorch chunked reference where one exists (``naive_chunk_kda``, ``naive_chunk_gdn2``,
 ``naive_chunk_comba``, ``chunk_momentum_delta_rule_ref``; timed ``--peer-repeat`` times,
 alternated with ours; the last two compute other numbers, said in the row).  ``--dplr-chunk``
-sets the chunk of the per-channel-decay rows (16 is fastest on CPU: one decay sub-block per
-chunk), ``--chunk`` the others.
+sets the chunk of the per-channel-decay rows (32, the chunk the compiled modules use: the
+fastest on CPU), ``--chunk`` the others.
 
     python benchmarks/anchors.py [--T 2048] [--threads 2] [--backward] [--json out.json]
     python benchmarks/anchors.py --dplr [--backward] [--peer-repeat 3] [--recurrent-repeat 2]
@@ -408,7 +408,7 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--dplr", action="store_true", help="time chunk_dplr's memories (see the docstring)")
     ap.add_argument("--chunk", type=int, default=64, help="chunk of the --dplr rows with scalar decays")
-    ap.add_argument("--dplr-chunk", type=int, default=16, help="chunk of the --dplr rows with per-channel decays")
+    ap.add_argument("--dplr-chunk", type=int, default=32, help="chunk of the --dplr rows with per-channel decays")
     ap.add_argument("--peer-repeat", type=int, default=3, help="--dplr: repetitions with fla's (slow) references")
     ap.add_argument("--recurrent-repeat", type=int, default=2, help="--dplr: repetitions of the token loop")
     ap.add_argument("--ttt", action="store_true", help="TTT-Linear vs fla's chunk_ttt_linear_ref")

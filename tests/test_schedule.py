@@ -486,13 +486,23 @@ def test_bench_record_fields(tmp_path):
 
 def test_bench_times_the_schedules_round_robin(tmp_path, monkeypatch):
     """After each schedule's two warm-up calls, every timed round runs each schedule once, in
-    order: a slow spell of the machine falls on all schedules alike (the ratios stay fair)."""
+    order: a slow spell of the machine falls on all schedules alike (the ratios stay fair); each
+    timed call ("t": the clock read before it) follows an untimed call of its own schedule."""
     import memspec.pipeline.build as build
+    import memspec.tools.bench as bench_mod
     from memspec.tools.bench import bench_spec
     from memspec.lang.frontend import load
 
     calls = []
     real = build.build_memory
+    clock = bench_mod.time.perf_counter
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            calls.append("t")
+            return clock()
+    monkeypatch.setattr(bench_mod, "time", Clock)
 
     def recording(*args, **kw):
         memory = real(*args, **kw)
@@ -510,9 +520,12 @@ def test_bench_times_the_schedules_round_robin(tmp_path, monkeypatch):
     spec = spec[0] if isinstance(spec, tuple) else spec
     recs = bench_spec(spec, T=5, B=1, H=1, D=4, repeat=3, schedules={"delta", "online"})
     assert [r["runs"] for r in recs] == [3, 3]
-    warm, timed = calls[:4], calls[4:4 + 6]
-    assert warm == ["delta", "delta", "online", "online"]
-    assert timed == ["delta", "online"] * 3
+    # the build (timed), then the warm-up: the first and second call of each schedule, each
+    # between two clock reads
+    warm = ["t", "t"] + ["t", "delta", "t", "t", "delta", "t", "t", "online", "t", "t", "online", "t"]
+    assert calls[:14] == warm
+    rounds = calls[14:14 + 3 * 8]
+    assert rounds == ["delta", "t", "delta", "t", "online", "t", "online", "t"] * 3
 
 
 def test_bench_cli_json(tmp_path, capsys):
@@ -647,7 +660,8 @@ KDA_VARIANTS = {
 def test_kda_written_four_ways_gets_one_dplr_decision_and_the_same_numbers(variant):
     """The gated delta rule with a decay per key channel (KDA), as grad of the quadratic loss, the
     error written out, through a let and a temporary, or one statement: the same normal form, the
-    same dplr plan, the same module numbers."""
+    same dplr plan, and every module gives the numbers of a token loop written here (outputs and
+    final state) and of the reference interpreter on its own spec."""
     from memspec.pipeline.build import build_memory
 
     base_spec = mem(KDA_HEAD + KDA_VARIANTS["grad"])
@@ -663,14 +677,24 @@ def test_kda_written_four_ways_gets_one_dplr_decision_and_the_same_numbers(varia
     ins = {"q": torch.randn(B, T, H, 6, generator=g), "k": torch.nn.functional.normalize(
         torch.randn(B, T, H, 6, generator=g), dim=-1), "v": torch.randn(B, T, H, 5, generator=g),
         "eta": torch.rand(B, T, H, generator=g), "alpha": 0.3 * torch.rand(B, T, H, 6, generator=g)}
-    outs = []
-    for s in (base_spec, spec):
-        m = build_memory(s, chunk=4, heads=H)
+    # KDA by hand: W <- Diag(1 - alpha_t) W; W <- W + eta_t k_t^T (v_t - k_t W); o_t = q_t W
+    W = torch.zeros(B, H, 6, 5)
+    hand = []
+    for t in range(T):
+        q, k, v = ins["q"][:, t], ins["k"][:, t], ins["v"][:, t]
+        W = (1 - ins["alpha"][:, t])[..., None] * W
+        err = v - torch.einsum("bhi,bhij->bhj", k, W)
+        W = W + ins["eta"][:, t, :, None, None] * k[..., :, None] * err[..., None, :]
+        hand.append(torch.einsum("bhi,bhij->bhj", q, W))
+    hand = torch.stack(hand, 1)
+    for sched in ("dplr", "online"):
+        m = build_memory(spec, chunk=4, heads=H)
         with torch.no_grad():
-            outs.append(m(ins["q"], ins["k"], ins["v"], eta=ins["eta"], alpha=ins["alpha"])[0])
-    assert torch.allclose(outs[0], outs[1], atol=1e-6, rtol=1e-5)
-    ref = reference.run(base_spec, **ins)[0]
-    assert torch.allclose(outs[1], ref, atol=1e-5, rtol=1e-4)
+            o, st = m(ins["q"], ins["k"], ins["v"], eta=ins["eta"], alpha=ins["alpha"], schedule=sched)
+        assert torch.allclose(o, hand, atol=1e-5, rtol=1e-4), sched
+        assert torch.allclose(st["W"], W, atol=1e-5, rtol=1e-4), sched
+    ref = reference.run(spec, **ins)[0]
+    assert torch.allclose(ref, hand, atol=1e-5, rtol=1e-4)
 
 
 COMBA_HEAD = """

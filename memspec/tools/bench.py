@@ -2,8 +2,12 @@
 
 For each spec the generated ``<Name>Memory`` is built once (``memspec.build.build_memory``)
 and its ``forward`` is timed with ``schedule=<family>`` for every admitted family,
-after warm-up, the schedules alternating round by round (one run of each per round, so that
-a slow spell of a shared machine falls on all of them and the ratios stay fair): median wall time, tokens/s, speed-up over the online schedule,
+after warm-up, the schedules alternating round by round (one timed run of each per round, so
+that a slow spell of a shared machine falls on all of them and the ratios stay fair).  Each timed
+run follows an untimed run of the same schedule: the first call after another schedule's pays
+for what that one left (on CPU, measured: a chunked call right after the online schedule's
+thousands of small allocations took 1.2-1.7x its time in a loop of itself), and a model in use
+calls one schedule again and again.  Reported: median wall time, tokens/s, speed-up over the online schedule,
 achieved GFLOP/s (matrix-multiply FLOPs counted by ``torch.utils.flop_counter``)
 as a fraction of this machine's batched-matmul peak (``torch.bmm`` on 64x64 tiles,
 measured by the same command), peak memory and build / first-call time.
@@ -115,7 +119,9 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
 
     # first (building / compiling) and second (warm-up) call of every schedule, then the timed
     # runs round-robin: each round times every schedule once, so that a slow spell of a shared,
-    # noisy machine lands on all of them alike and the ratios between them stay fair
+    # noisy machine lands on all of them alike and the ratios between them stay fair; each timed
+    # run follows an untimed one of its own schedule (the steady state of a model in use, not the
+    # cost of switching from the schedule before)
     live = {}                                                 # schedule -> {first, second, mem}
     for schedule in wanted:
         if device == "cuda":
@@ -136,10 +142,12 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
         mem = (torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else _peak_rss_mb()
         live[schedule] = {"first": first, "second": second, "mem": mem}
     # as many rounds as the budget allows (at least one)
-    n = max(1, min(repeat, int(budget_s / max(sum(x["second"] for x in live.values()), 1e-9))))
+    n = max(1, min(repeat, int(budget_s / max(2 * sum(x["second"] for x in live.values()), 1e-9))))
     times = {schedule: [] for schedule in live}
     for _ in range(n):
         for schedule in live:
+            run(schedule)                                      # untimed: after a run of itself
+            _sync(device)
             t1 = time.perf_counter()
             run(schedule)
             _sync(device)
