@@ -225,7 +225,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk):
     decayed = [not (before == "all" or (before == "first" and r == 0)) for r in range(R)]
     decayed += [True] if q is not None else []
     # pairs of sub-steps of one token enter (weight 1): inclusive probes, R > 1 sequential reads
-    same = ((q is not None)) or ((R > 1))
+    same = (q is not None) or (R > 1)
     pair_cache = {c: pair_index(c, sl, w, R, same, mask_cache[c]) for c in mask_cache}
 
     def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group

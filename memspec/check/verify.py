@@ -489,10 +489,8 @@ class _Checker:
         try:
             block_statements(spec, every)
         except NotBlockwise as err:
-            target = next((n for n, c in every.items() if c > 1 and str(err).startswith(n + " ")), None)
-            sp = self.span("state", target, "every") if target else None
-            self.d.error(str(err).split(":")[0], sp or self.span("update"),
-                         hint=str(err).split(": ", 1)[1] if ": " in str(err) else None, code="E-every")
+            self.d.error(err.problem, self.span("state", err.target, "every") or self.span("update"),
+                         hint=err.hint, code="E-every")
 
     def log_states(self) -> None:
         """``log(S)`` needs S > 0 from the first token on."""

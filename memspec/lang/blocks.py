@@ -76,7 +76,12 @@ def mentions_gradient(e: Expr, grad_temps: Iterable[str] = ()) -> bool:
 
 
 class NotBlockwise(ValueError):
-    """A statement cannot be read as a block update (``str`` says why)."""
+    """A statement cannot be read as a block update: ``target`` (the state), ``problem`` (what is
+    wrong) and ``hint`` (how to write it); ``str`` is ``"problem: hint"``."""
+
+    def __init__(self, target: str, problem: str, hint: str):
+        super().__init__(f"{problem}: {hint}")
+        self.target, self.problem, self.hint = target, problem, hint
 
 
 @dataclass(frozen=True)
@@ -128,9 +133,9 @@ def block_statements(spec, every: dict) -> tuple:
         mixed = sorted({n.id for n in st.value.walk() if isinstance(n, Name) and n.id in state_temps
                         and mentions_gradient(spec.update[_assigned(spec, n.id)].value, grad_temps)})
         if mixed:
-            raise NotBlockwise(f"{st.target} updates every {c} tokens but reads the temporary "
-                               f"{', '.join(mixed)}, which mixes a state with a gradient: write the gradient "
-                               f"into the statement so that the block sums it")
+            raise NotBlockwise(st.target, f"{st.target} updates every {c} tokens but reads the temporary "
+                               f"{', '.join(mixed)}, which mixes a state with a gradient",
+                               "write the gradient into the statement so that the block sums it")
         out.append(BlockStatement(i, st.target, c, tuple(terms)))
     return tuple(out)
 

@@ -303,7 +303,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         decayed = [not (before == "all" or (before == "first" and r == 0)) for r in range(R)]
         decayed += [inclusive] if q is not None else []
         # pairs of sub-steps of one token enter (weight 1): inclusive probes, R > 1 sequential reads
-        same = (q is not None and inclusive) or (R > 1 and not simultaneous)
+        same = q is not None and inclusive or R > 1 and not simultaneous
         pair_cache = {c: pair_index(c, sl, w, R, same, mask_cache[c]) for c in mask_cache}
 
     def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group

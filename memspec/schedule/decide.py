@@ -231,9 +231,7 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     if d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
         lines.append("  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
                      "schedules, so ask for it with `schedule: minibatch(N)`")
-        how = [r for r in d.why.get("minibatch", ()) if r.startswith(("window loss", "banded dual form", "no banded",
-                                                                     "dual form", "no dual form"))
-               or "nested chunks" in r]
+        how = d.plans["minibatch"].how
         if how:
             lines.append(f"  mini-batch, when asked for (chunk {d.chunks.get('minibatch')}):")
             lines += [f"    - {r}" for r in how]
@@ -250,10 +248,12 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
 def render_plan(obj: Any) -> list[str]:
     """The stable printed form of a plan (a dataclass of expressions, names and nested plans):
     one ``field: value`` line per scalar field, nested blocks indented by two spaces,
-    expressions in the spec's notation."""
+    expressions in the spec's notation; fields declared ``repr=False`` (text for explain) are left out."""
     if dataclasses.is_dataclass(obj):
         lines = [type(obj).__name__]
         for f in dataclasses.fields(obj):
+            if not f.repr:
+                continue
             v = getattr(obj, f.name)
             inline = _inline(v)
             if inline is not None:

@@ -5,7 +5,7 @@ online learning (chunk 1 equals it), used only when a spec asks for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
@@ -28,7 +28,9 @@ class MinibatchPlan:
     gradients the placeholders of ``grad_sites``: name -> (statement index, call)), which the
     materialising chunk step solves; ``dual`` is the dual form when the spec admits it
     (:mod:`.dual`), else ``no_dual`` says why not; ``window``: a window loss over caches, its
-    row-by-row form (:mod:`.window`), whose per-row gradients make every token's."""
+    row-by-row form (:mod:`.window`), whose per-row gradients make every token's.  ``how``: the
+    reasons' lines that say how a chunk runs (nested blocks, the window's form, the dual form or
+    why not), which ``explain`` shows for a spec that may ask for mini-batch."""
 
     coef: dict
     rest: dict
@@ -39,6 +41,7 @@ class MinibatchPlan:
     dual: DualForm | None
     no_dual: str | None
     window: WindowLoss | None = None
+    how: tuple = field(default=(), repr=False)   # (text for explain, not part of the printed plan)
 
 
 def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str]]:
@@ -52,6 +55,7 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     blocks = _blocks(alg, chunk)
     grads = {name: call for name, call in table.values()}
     reasons = []
+    how = []                     # the lines of reasons that say how a chunk runs
     try:
         if blocks or window is not None:
             raise NotAdmitted("block updates or a window loss")
@@ -62,10 +66,11 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
         coef, rest = {}, {}
         reasons += _recurrence_reasons(alg, recurrence, sites, {b.target for b in blocks})
         for b in blocks:
-            reasons.append(f"{b.target} updates every {b.every} tokens, a multiple of the chunk {chunk} (nested "
-                           f"chunks): it holds through each chunk, the chunk adds its tokens' "
-                           + ", ".join(unparse(t) for t in b.terms) + " to the block's sums, and the chunk that "
-                           f"ends a block applies `{unparse(alg.spec.update[b.index].value)}` with them")
+            how.append(f"{b.target} updates every {b.every} tokens, a multiple of the chunk {chunk} (nested "
+                       f"chunks): it holds through each chunk, the chunk adds its tokens' "
+                       + ", ".join(unparse(t) for t in b.terms) + " to the block's sums, and the chunk that "
+                       f"ends a block applies `{unparse(alg.spec.update[b.index].value)}` with them")
+        reasons += how
     else:
         for n in alg.states:
             total: Expr = ZERO
@@ -81,21 +86,24 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     if window is not None:
         wdual, why_not = window_dual(alg, window, recurrence, sites)
         window = replace(window, dual=wdual)
-        reasons += window.describe() + (wdual.describe() if wdual is not None else
-                                        [f"no banded dual form ({why_not}): each chunk materialises every token's "
-                                         "state"])
+        lines = window.describe() + (wdual.describe() if wdual is not None else
+                                     [f"no banded dual form ({why_not}): each chunk materialises every token's state"])
+        reasons += lines
+        how += lines
     try:
         if blocks:
             raise NotDual(f"{', '.join(b.target for b in blocks)} update once per block")
         if window is not None:
             raise NotDual("the loss reads caches")
         dual, no_dual = analyse_dual(alg.spec), None
-        reasons += dual.describe()
+        lines = dual.describe()
     except NotDual as err:
         dual, no_dual = None, str(err)
-        if window is None:   # (a window loss said above how its chunks run)
-            reasons.append(f"no dual form ({err}): each chunk materialises every token's state")
-    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual, window), reasons
+        # (a window loss said above how its chunks run)
+        lines = [] if window is not None else [f"no dual form ({err}): each chunk materialises every token's state"]
+    reasons += lines
+    how += lines
+    return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual, window, tuple(how)), reasons
 
 
 def _window_gradients_at_start(alg: Algebra) -> None:
