@@ -435,6 +435,12 @@ def _num(v: float):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def run_fields(r: RunResult) -> dict:
+    """One run's figures as JSON values (the comparison's rows and the runs.jsonl log)."""
+    return {"seed": r.seed, "accuracy": _num(r.accuracy), "tokens_per_s": _num(r.tokens_per_s),
+            "seconds": _num(r.seconds), "wall_seconds": r.wall_seconds, "diverged": r.diverged}
+
+
 def json_table(results: list[RunResult], cfg: TrainConfig | None = None) -> str:
     """The comparison as JSON: the config, then per spec the summary and every run
     (seed, accuracy, tokens/s, training and wall seconds, final loss, divergence)."""
@@ -444,10 +450,7 @@ def json_table(results: list[RunResult], cfg: TrainConfig | None = None) -> str:
             "spec": g.spec, "schedule": g.schedule, "parameters": g.parameters, "chance": g.chance,
             "accuracy": {"mean": _num(g.mean), "min": _num(g.min), "max": _num(g.max)},
             "tokens_per_s": _num(g.tokens_per_s),
-            "runs": [{"seed": r.seed, "accuracy": _num(r.accuracy), "tokens_per_s": _num(r.tokens_per_s),
-                      "seconds": _num(r.seconds), "wall_seconds": r.wall_seconds,
-                      "final_loss": _num(r.losses[-1]) if r.losses else None, "diverged": r.diverged}
-                     for r in g.runs],
+            "runs": [{**run_fields(r), "final_loss": _num(r.losses[-1]) if r.losses else None} for r in g.runs],
         })
     record = {"config": {k: v for k, v in asdict(cfg).items() if k not in ("out", "progress")} if cfg else None,
               "seeds": sorted({r.seed for r in results}), "rows": rows}
@@ -503,9 +506,7 @@ def run_cli(args, usage_error) -> int:
             def log_run(r: RunResult) -> None:           # one JSON line per finished run, as they finish
                 if rank == 0 and cfg.out:
                     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-                    line = {"spec": r.spec, "seed": r.seed, "accuracy": _num(r.accuracy),
-                            "tokens_per_s": _num(r.tokens_per_s), "seconds": _num(r.seconds),
-                            "wall_seconds": r.wall_seconds, "diverged": r.diverged, "load_average": _load_average()}
+                    line = {"spec": r.spec, **run_fields(r), "load_average": _load_average()}
                     with open(Path(cfg.out) / "runs.jsonl", "a", encoding="utf-8") as f:
                         f.write(json.dumps(line) + "\n")
 
