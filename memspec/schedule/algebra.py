@@ -156,6 +156,7 @@ class Algebra:
         self.states = dict(spec.state)
         self.caches = {n for n, s in spec.state.items() if s.cache}
         self.model = spec.model
+        self.memo: dict = {}            # analyses of this spec computed once per decision (normal_form)
         self.shapes: dict[str, tuple] = {}
         for n in spec.dims:
             self.shapes[n] = ()

@@ -148,7 +148,20 @@ class NormalForm:
 
 def normal_form(alg: Algebra) -> NormalForm:
     """The update program as ``S_t = T_t(S_{t-1}) + W_t`` for every state (see the module
-    docstring); raises NotAdmitted when a statement is not affine in the states."""
+    docstring); raises NotAdmitted when a statement is not affine in the states.  Computed once
+    per Algebra (every family that asks gets the same result or the same reason)."""
+    if "normal_form" not in alg.memo:
+        try:
+            alg.memo["normal_form"] = _normal_form(alg)
+        except NotAdmitted as err:    # "does not apply" is remembered; a bug propagates, uncached
+            alg.memo["normal_form"] = err
+    got = alg.memo["normal_form"]
+    if isinstance(got, NotAdmitted):
+        raise NotAdmitted(str(got))
+    return got
+
+
+def _normal_form(alg: Algebra) -> NormalForm:
     if not alg.states:
         raise NotAdmitted("the spec has no state")
     if alg.caches:
