@@ -507,3 +507,24 @@ def test_the_oracle_runs_each_batch_row_and_head_alone(name):
             torch.testing.assert_close(out[b:b + 1, :, h:h + 1], o1, rtol=1e-12, atol=1e-12)
             for key in st:
                 torch.testing.assert_close(st[key][b:b + 1, h:h + 1], s1[key], rtol=1e-12, atol=1e-12)
+
+
+CHANGED_BEFORE_A_GRADIENT = {
+    "apply_update": ('name: two_steps\ndims: {d_model: 16, heads: 2, d_k: 4, d_v: 4}\nviews: {q: d_k, k: d_k, v: d_v}\ngates: {eta: sigmoid(logit)}\nstate:\n  W: {shape: [d_k, d_v]}\nmodel: f(u) = u @ W\nloss: 0.5 * sum((f(k) - v)^2)\nupdate:\n  - W = W - eta * grad(loss, W)\n  - W = W - eta * grad(loss, W)\nread: f(q)\nschedule: apply_update(16)\n', "statement 2 takes a gradient after W changed within the token"),
+    "window": ('name: decayed_window\ndims: {d_model: 16, heads: 2, d_k: 4, d_v: 4}\nviews: {q: d_k, k: d_k, v: d_v}\ngates: {eta: sigmoid(logit)}\nstate:\n  W: {shape: [d_k, d_v]}\n  K: {shape: [d_k], cache: true, window: 4}\n  V: {shape: [d_v], cache: true, window: 4}\nmodel: f(u) = u @ W\nloss: 0.5 * sum((f(K) - V)^2)\nupdate:\n  - K = append(K, k)\n  - V = append(V, v)\n  - W = 0.9 * W\n  - W = W - eta * grad(loss, W)\nread: f(q)\nschedule: minibatch(16)\n', "W changes before a gradient of the window loss is taken"),
+    "block": ('name: block_twice\ndims: {d_model: 16, heads: 2, d_k: 4, d_v: 4}\nviews: {q: d_k, k: d_k, v: d_v}\ngates: {eta: sigmoid(logit)}\nstate:\n  W: {shape: [d_k, d_v], every: 4}\n  M: {shape: [d_k, d_v]}\nmodel: f(u) = u @ W + u @ M\nloss: 0.5 * sum((f(k) - v)^2)\nupdate:\n  - W = W - eta * grad(loss, W)\n  - M = M - eta * grad(loss, M)\nread: f(q)\nschedule: minibatch(4)\n', "a gradient is taken after W's block update in the token (take the gradients first)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHANGED_BEFORE_A_GRADIENT))
+def test_a_state_changed_before_a_gradient_refuses_the_chunk_schedule(case, tmp_path):
+    """A chunk's gradients are all taken at its start: apply_update, a window loss's mini-batch and
+    nested blocks refuse a program that changes a state the loss reads before a later gradient of
+    the token, with a located error that names the statement or state."""
+    text, why = CHANGED_BEFORE_A_GRADIENT[case]
+    p = tmp_path / f"{case}.yaml"
+    p.write_text(text, encoding="utf-8")
+    with pytest.raises(SpecError) as ei:
+        analyse(memspec.load(p))
+    (diag,) = ei.value.diagnostics
+    assert diag.code == "E-schedule" and diag.span.line == text.count("\n") and why in diag.hint

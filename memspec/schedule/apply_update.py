@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..lang.blocks import NotBlockwise, block_statements, mentions_gradient
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, unparse
 from .algebra import Algebra, NotAdmitted, grad_calls, simplify
-from .online import loss_states
+from .online import loss_states, written_before_a_gradient
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,13 @@ def analyse_apply_update(alg: Algebra, chunk: int) -> tuple[ApplyUpdatePlan, lis
     except NotBlockwise as err:
         raise NotAdmitted(str(err)) from None
     reads = set(loss_states(spec))
-    written: list = []
-    for i, st in enumerate(spec.update):
-        if grad_calls(st.value) and set(written) & reads:
-            raise NotAdmitted(f"statement {i + 1} takes a gradient after {', '.join(sorted(set(written) & reads))} "
-                              "changed within the token: take every gradient first (temporaries) so that the "
-                              "chunk's gradients are all at its start")
-        if st.target in spec.state:
-            written.append(st.target)
+    hit = written_before_a_gradient(spec, reads)
+    if hit is not None:
+        i = hit[1]
+        changed = sorted({st.target for st in spec.update[:i]} & reads)
+        raise NotAdmitted(f"statement {i + 1} takes a gradient after {', '.join(changed)} "
+                          "changed within the token: take every gradient first (temporaries) so that the "
+                          "chunk's gradients are all at its start")
     temps = {st.target: st.value for st in spec.update if st.target not in spec.state}
     for b in blocks:
         inside = {id(n) for t in b.terms for n in t.walk()}

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, replace
 
 from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
-from .algebra import (ZERO, Algebra, NotAdmitted, all_updates, compose_all, drop_grads, grad_calls, is_num,
+from .algebra import (ZERO, Algebra, NotAdmitted, all_updates, compose_all, drop_grads, is_num,
                       replace_grads, simplify)
 from .dual import DualForm, NotDual, analyse_dual
-from .online import loss_states
+from .online import loss_states, written_before_a_gradient
 from .polynomial import linear_form
 from .recurrence import NotRecurrence, Recurrence, input_name, minibatch_recurrence
 from .window import WindowLoss, analyse_window, window_dual
@@ -110,11 +110,9 @@ def _window_gradients_at_start(alg: Algebra) -> None:
     """With a window loss every gradient of a chunk is at the chunk-start learned states: no
     statement before a gradient may change a learned state the loss reads."""
     spec = alg.spec
-    last = max(i for i, st in enumerate(spec.update) if grad_calls(st.value))
-    reads = set(loss_states(spec)) - alg.caches
-    for j in range(last):
-        if spec.update[j].target in reads:
-            raise NotAdmitted(f"{spec.update[j].target} changes before a gradient of the window loss is taken")
+    hit = written_before_a_gradient(spec, set(loss_states(spec)) - alg.caches)
+    if hit is not None:
+        raise NotAdmitted(f"{spec.update[hit[0]].target} changes before a gradient of the window loss is taken")
 
 
 def _linear_program(alg: Algebra, updates) -> tuple[dict, dict]:
@@ -156,13 +154,11 @@ def _blocks(alg: Algebra, chunk: int) -> tuple:
     off = sorted({b.every for b in blocks if b.every % chunk})
     if off:
         raise NotAdmitted(f"a block of {', '.join(map(str, off))} tokens is not a whole number of chunks of {chunk}")
-    last = max(i for i, st in enumerate(spec.update) if grad_calls(st.value))
-    reads = set(loss_states(spec))
     slow = {b.target for b in blocks}
-    for b in blocks:
-        if b.index < last and b.target in reads:
-            raise NotAdmitted(f"a gradient is taken after {b.target}'s block update in the token (take the gradients "
-                              "first)")
+    hit = written_before_a_gradient(spec, slow & set(loss_states(spec)))
+    if hit is not None:
+        raise NotAdmitted(f"a gradient is taken after {spec.update[hit[0]].target}'s block update in the token "
+                          "(take the gradients first)")
     for i, st in enumerate(spec.update):
         if i in {b.index for b in blocks}:
             continue

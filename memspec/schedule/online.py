@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..lang.blocks import block_statements, frequencies
 from ..lang.expr import Call, Name, unparse
-from .algebra import Algebra
+from .algebra import Algebra, grad_calls
 from .backprop import NoClosedForm, closed_grad, spec_names
 
 
@@ -39,6 +39,19 @@ def loss_states(spec) -> tuple:
     if spec.model is not None and any(isinstance(c, Call) and c.fn == spec.model.name for c in spec.loss.walk()):
         used |= set(spec.model_states())
     return tuple(s for s in spec.state if s in used)
+
+
+def written_before_a_gradient(spec, states) -> tuple[int, int] | None:
+    """The first statement ``j`` that assigns one of ``states`` while a later statement ``i``
+    takes a gradient, as ``(j, i)`` with ``i`` the first such gradient; None when every gradient
+    of the token is taken before any of ``states`` changes (a chunk's gradients can then all be
+    taken at its start)."""
+    grads = [i for i, st in enumerate(spec.update) if grad_calls(st.value)]
+    for j, st in enumerate(spec.update):
+        later = [i for i in grads if i > j]
+        if st.target in states and later:
+            return j, later[0]
+    return None
 
 
 def grad_groups(spec, loss_reads: tuple) -> tuple:
