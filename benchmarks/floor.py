@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -99,6 +98,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     sys.path.insert(0, str(ROOT))
     from memspec.pipeline.build import build_memory
+    from memspec.tools.bench import alternate
 
     B, T, H, D = a.B, a.T, a.H, a.D
     memory = build_memory(ROOT / "specs" / "retention.yaml", heads=H, d_k=D, d_v=D, chunk=a.chunk)
@@ -136,13 +136,7 @@ def main(argv=None) -> int:
         for fn in rows.values():        # warm-up (and the compile)
             fn()
             fn()
-        times = {name: [] for name in rows}
-        for _ in range(a.repeat):       # alternated: a slow spell of the machine falls on every row
-            for name, fn in rows.items():
-                fn()                    # untimed: each timed run follows a run of itself (as memspec bench)
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
+        times = alternate(rows, a.repeat)   # round-robin, each timed run after a run of itself
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     print(f"retention, B={B} T={T} H={H} D={D} chunk {a.chunk}, float32, no grad, {a.threads} threads, "
           f"median of {a.repeat} alternated runs")

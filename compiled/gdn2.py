@@ -289,7 +289,6 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk):
         if same:
             # [nBH, cp sl wR]
             pieces.append((xs[:, :, :, None] * ys[:, :, None]).sum(-1).reshape(nBH, -1))
-        ones = gam.new_ones(nBH, cp // 2, 1, 1, K) if cp > 1 else None
         # X F_1 (F_1 = the token's decay where the slot's state has it), Y E_1 (E_1 = 1)
         if all(decayed):
             xF = xs * gam
@@ -315,13 +314,12 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk):
             if inplace and h > 1:
                 xb[:, :, 1].mul_(Pb[:, :, 0])
                 yb[:, :, 0].mul_(Pb[:, :, 1])
+            # fresh contiguous tensors (the levels after may update them in place through views)
             else:
-                one = ones[:, :nb]
-                # (contiguous: the levels after update them in place through views)
-                xF = (xb * torch.cat([one, Pb[:, :, :1]], dim=2)).reshape(nBH, cp, sl,
-                        K).contiguous()
-                yE = (yb * torch.cat([Pb[:, :, 1:], one], dim=2)).reshape(nBH, cp, wR,
-                        K).contiguous()
+                xF = torch.stack([xb[:, :, 0], xb[:, :, 1] * Pb[:, :, 0]], dim=2).reshape(nBH, cp,
+                        sl, K)
+                yE = torch.stack([yb[:, :, 0] * Pb[:, :, 1], yb[:, :, 1]], dim=2).reshape(nBH, cp,
+                        wR, K)
             Pd = Pb[:, :, 0] * Pb[:, :, 1]                       # [nBH, nb, 1, K]
             h *= 2
         # [nBH, cp, sl, w n]: rows (token, slot), columns (set, token, sub-step); zeros off the

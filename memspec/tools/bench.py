@@ -87,6 +87,23 @@ def _flops(fn) -> int | None:
     return int(fc.get_total_flops())
 
 
+def alternate(fns: dict, rounds: int, sync=lambda: None) -> dict:
+    """Time the callables ``fns`` (name -> fn) round-robin: each round runs every one twice, in
+    order, and times the second run, after ``sync()`` (a slow spell of the machine falls on all of
+    them alike; the timed run follows a run of itself, not another's).  Returns name -> seconds
+    per round."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()                                               # untimed: after a run of itself
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, device: str = "cpu",
                dtype: str = "float32", repeat: int = 5, grad: bool = False, schedules=None,
                compile: bool = False, peak: float | None = None, budget_s: float = 20.0) -> list[dict]:
@@ -143,15 +160,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
         live[schedule] = {"first": first, "second": second, "mem": mem}
     # as many rounds as the budget allows (at least one)
     n = max(1, min(repeat, int(budget_s / max(2 * sum(x["second"] for x in live.values()), 1e-9))))
-    times = {schedule: [] for schedule in live}
-    for _ in range(n):
-        for schedule in live:
-            run(schedule)                                      # untimed: after a run of itself
-            _sync(device)
-            t1 = time.perf_counter()
-            run(schedule)
-            _sync(device)
-            times[schedule].append(time.perf_counter() - t1)
+    times = alternate({schedule: (lambda s=schedule: run(s)) for schedule in live}, n, lambda: _sync(device))
     for schedule, x in live.items():
         med = statistics.median(times[schedule])
         flops = _flops(lambda: run(schedule)) if not compile else None
