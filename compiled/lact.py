@@ -114,7 +114,7 @@ class LactMemory(nn.Module):
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=64,
             compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
-        `compile`: torch.compile the per-token and per-chunk step functions (static shapes).
+        `compile`: torch.compile the per-token and apply_update chunk steps (static shapes).
         """
         super().__init__()
         self.d_model = d_model

@@ -155,7 +155,8 @@ class SlidingWindowAttentionQknormMemory(nn.Module):
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
-        `compile`: torch.compile the per-token and per-chunk step functions (static shapes).
+        `compile`: no effect (the state holds a cache that grows by a token per step: no static
+        shapes).
         """
         super().__init__()
         self.d_model = d_model

@@ -31,6 +31,7 @@ EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "dplr": dplr, 
             "online": online, "momentum": momentum, "apply_update": apply_update}
 # the order the families' methods appear in the generated class
 EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum")
+CHUNKED = {"additive", "delta", "dplr", "momentum"}   # the exact chunked families (one kernel call each)
 FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
                   "additive": "_forward_chunk", "delta": "_forward_chunk", "dplr": "_forward_chunk",
                   "momentum": "_forward_chunk", "apply_update": "_forward_apply_update"}
@@ -230,7 +231,17 @@ def memory_init(ctx, L):
     L(f"def __init__(self, *, {', '.join(sig)}, chunk={ctx.default_chunk}, compile=False):")
     with L.indent():
         L('"""' + "Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;")
-        L("`compile`: torch.compile the per-token and per-chunk step functions (static shapes).")
+        has_cache = any(st.cache for st in spec.state.values())   # a growing cache: no static shapes per token
+        steps = ([] if has_cache else ["per-token"]) + [f"{f} chunk" for f in ("minibatch", "apply_update")
+                                                        if f in ctx.schedules]
+        if not steps:
+            L("`compile`: no effect (the state holds a cache that grows by a token per step: no static shapes).")
+        else:
+            L(f"`compile`: torch.compile the {' and '.join(steps)} step{'s' if len(steps) > 1 else ''} "
+              f"(static shapes){';' if set(ctx.schedules) & CHUNKED else '.'}")
+        if set(ctx.schedules) & CHUNKED:
+            L("the exact chunked kernel runs eagerly (compiled per group of chunks it measured at most 1.8x")
+            L("faster on CPU, and took minutes to build with per-channel decays: memspec's README).")
         L('"""')
         L("super().__init__()")
         names = list(spec.dims) if "heads" in spec.dims else ["heads", *spec.dims]
@@ -249,7 +260,6 @@ def memory_init(ctx, L):
                 inner = st.init[len("learned("):-1]
                 L(f"self.{ctx.init_attr[s]} = nn.Parameter({init_code(inner, [H], dims)})",
                   f"learned initial {s}: [H{''.join(', ' + x for x in st.shape)}]")
-        has_cache = any(st.cache for st in spec.state.values())
         tok = "compile and not self.CACHES" if has_cache else "compile"
         L(f"self._token_fn = _Compiled(self._token_step) if {tok} else self._token_step")
         if "minibatch" in ctx.schedules:
