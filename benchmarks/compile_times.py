@@ -18,6 +18,7 @@ import time
 import torch
 
 import memspec.pipeline.build as build
+from memspec.codegen.module import SLICE_CHUNKS
 
 
 def cpu_seconds():
@@ -46,9 +47,13 @@ def main():
         for grad in (False, True):
             torch.manual_seed(0)
             mem = build.build_memory(path, compile=True)
-            T = mem.chunk   # one full chunk (an online default: as many tokens, one compiled token step)
+            # one full chunk (an online default: as many tokens, one compiled token step); a compiled
+            # exact chunked forward: one slice of SLICE_CHUNKS chunks (the graph it compiles)
+            T = mem.chunk * (SLICE_CHUNKS if hasattr(mem, "_chunked_fn") else 1)
             views = {n: torch.randn(1, T, mem.heads, getattr(mem, d)).requires_grad_(grad) for n, d in mem.VIEWS.items()}
-            gates = {n: 0.1 * torch.rand(1, T, mem.heads) for n in mem.GATES}
+            shapes = mem.GATES if isinstance(mem.GATES, dict) else dict.fromkeys(mem.GATES, ())   # per channel: dims
+            gates = {n: 0.1 * torch.rand(1, T, mem.heads, *(getattr(mem, d) for d in dims))
+                     for n, dims in shapes.items()}
             t0, c0 = time.perf_counter(), cpu_seconds()
             with torch.set_grad_enabled(grad):
                 o, st = mem(**views, **gates)

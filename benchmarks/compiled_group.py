@@ -10,15 +10,20 @@ route on a shipped spec *before* restructuring the kernels for it: the module's 
 group of 8 chunks of 64 on CPU, the group the kernels batch), the state threaded from slice to
 slice, every full slice through ``torch.compile(kernel, dynamic=False)`` (compiled once: all full
 slices have one shape) -- exactly what a compiled group step would run -- and timed, alternated
-in one process, against the same kernel eager and the module's online schedule (and, with
-``--online-compiled``, the online schedule of a ``compile=True`` module).  It prints the compile
+in one process, against the same kernel eager, the module's online schedule, the chunked schedule
+of a ``compile=True`` module (which runs its whole chunked forward, token-local values included,
+slice by slice through one compiled graph; a per-channel additive decay is not compiled) and, with
+``--online-compiled``, that module's online schedule.  It prints the compile
 time, the largest relative difference to the eager kernel and the ratios.
 
     python benchmarks/compiled_group.py specs/retention.yaml [--slice 512] [--repeat 5] [--online-compiled]
 
-Measured (session 6, one run each): retention compiles in 5 s and runs 1.3-1.5x faster than
-eager (17-19x its online schedule); kda compiles in 37 s, 1.8x faster; gla (per-channel
-additive) takes 695 s to compile and runs 1.6x *slower*.  See the README's speed section.
+Measured (session 6, one run each; README, speed section): the kernel through compiled slices
+runs 1.1-1.8x faster than eager, the compile=True module's chunked forward 1.2-2.1x; gla's kernel
+(per-channel additive) took 586-695 s to compile and ran 2x slower, so compile=True leaves it
+eager.  (The first version of this script built its "eager" module with build_memory's default,
+compile=True, so its online row was the compiled token step; it now builds it with
+compile=False.)
 """
 from __future__ import annotations
 
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
 
     spec = load_checked(a.spec).spec
     dims = {d: a.D for d in ("d_k", "d_v") if d in spec.dims}
-    memory = build_memory(spec, heads=a.H, **dims)
+    memory = build_memory(spec, compile=False, heads=a.H, **dims)   # eager (build_memory compiles by default)
     chunked = [s for s in ("additive", "delta", "dplr", "momentum") if s in memory.SCHEDULES]
     if not chunked:
         raise SystemExit(f"{spec.name} has no exact chunked schedule")
@@ -134,9 +139,15 @@ def main(argv=None) -> int:
     fns = {"online": lambda: run(memory, "online"),
            "chunked, eager": lambda: run(memory, schedule),
            "chunked, compiled slices": lambda: with_kernel(by_slices)}
+    compiled = build_memory(spec, heads=a.H, compile=True, **dims)
+    compiled.load_state_dict(memory.state_dict())
+    if hasattr(compiled, "_chunked_fn") and not a.no_compile:   # the module's own compile=True path
+        t0 = time.perf_counter()
+        o_c, _ = run(compiled, schedule)
+        print(f"  compile=True module: first call {time.perf_counter() - t0:.1f} s; relative difference "
+              f"{((o_c - o_eager).abs().max() / o_eager.abs().max()).item():.1e}")
+        fns["chunked, compile=True module"] = lambda: run(compiled, schedule)
     if a.online_compiled:
-        compiled = build_memory(spec, heads=a.H, compile=True, **dims)
-        compiled.load_state_dict(memory.state_dict())
         run(compiled, "online")
         fns["online, compile=True"] = lambda: run(compiled, "online")
     for fn in fns.values():   # warm-up

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     from memspec.tools.bench import alternate
 
     B, T, H, D = a.B, a.T, a.H, a.D
-    memory = build_memory(ROOT / "specs" / "retention.yaml", heads=H, d_k=D, d_v=D, chunk=a.chunk)
+    memory = build_memory(ROOT / "specs" / "retention.yaml", compile=False, heads=H, d_k=D, d_v=D,
+                          chunk=a.chunk)   # eager (build_memory compiles by default)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
     k = torch.nn.functional.normalize(k, dim=-1)

@@ -199,7 +199,7 @@ class AtlasMemory(nn.Module):
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=16,
             compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
-        `compile`: torch.compile the minibatch chunk step (static shapes).
+        `compile`: torch.compile the minibatch chunk step, with static shapes.
         """
         super().__init__()
         self.d_model = d_model

@@ -333,9 +333,8 @@ class Rwkv6Memory(nn.Module):
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
-        `compile`: torch.compile the per-token step (static shapes);
-        the exact chunked kernel runs eagerly (compiled per group of chunks it measured at most 1.8x
-        faster on CPU, and took minutes to build with per-channel decays: memspec's README).
+        `compile`: torch.compile the per-token step, with static shapes.
+        The exact chunked forward stays eager (with per-channel decays it takes minutes to compile).
         """
         super().__init__()
         self.d_model = d_model

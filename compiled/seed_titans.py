@@ -142,7 +142,7 @@ class SeedTitansMemory(nn.Module):
 
     def __init__(self, *, d_model=32, heads=1, d_k=32, d_v=32, hidden=128, chunk=64, compile=False):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
-        `compile`: torch.compile the per-token and minibatch chunk steps (static shapes).
+        `compile`: torch.compile the per-token step, the minibatch chunk step, with static shapes.
         """
         super().__init__()
         self.d_model = d_model

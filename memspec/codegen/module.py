@@ -16,7 +16,7 @@ from ..lang.expr import Name, unparse
 from ..lang.fmt import to_yaml
 from ..lang.spec import parse_init
 from ..lang.names import fresh
-from ..runtime.helpers import _check, _Compiled
+from ..runtime.helpers import _check, _Compiled, _in_slices
 from ..runtime.wiring import source as wiring_source
 from ..schedule.decide import ScheduleDecision
 from . import additive, apply_update, cache, delta, dplr, layer, minibatch, momentum, online
@@ -32,6 +32,19 @@ EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "dplr": dplr, 
 # the order the families' methods appear in the generated class
 EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum")
 CHUNKED = {"additive", "delta", "dplr", "momentum"}   # the exact chunked families (one kernel call each)
+SLICE_CHUNKS = 8   # compile=True: chunks per compiled call of an exact chunked forward
+
+
+def compiles_chunked(ctx) -> bool:
+    """Does ``compile=True`` compile this module's exact chunked forward (slice by slice)?  Yes for
+    every chunked family but the additive one with a decay per key channel: its halving loop took
+    586-695 s to compile on a 2-core CPU (gla, slices of 512 tokens; measured 1.46x faster after it,
+    README), too long for a first call; it stays eager."""
+    if not set(ctx.schedules) & CHUNKED:
+        return False
+    plan = ctx.plans.get("additive")
+    em = ctx.emitter()
+    return plan is None or not any(st.gamma is not None and em.shape(st.gamma) for st in plan.states)
 FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
                   "additive": "_forward_chunk", "delta": "_forward_chunk", "dplr": "_forward_chunk",
                   "momentum": "_forward_chunk", "apply_update": "_forward_apply_update"}
@@ -74,7 +87,8 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
             code, part = specialise_calls(code, part)
         runtime.append(part)
     parts = Lines()
-    for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + runtime + wiring:
+    sliced = [runtime_source(_in_slices)] if compiles_chunked(ctx) else []
+    for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + sliced + runtime + wiring:
         parts.block(part)
         parts()
         parts()
@@ -232,16 +246,16 @@ def memory_init(ctx, L):
     with L.indent():
         L('"""' + "Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;")
         has_cache = any(st.cache for st in spec.state.values())   # a growing cache: no static shapes per token
-        steps = ([] if has_cache else ["per-token"]) + [f"{f} chunk" for f in ("minibatch", "apply_update")
-                                                        if f in ctx.schedules]
+        steps = ([] if has_cache else ["per-token step"]) + [f"{f} chunk step" for f in ("minibatch", "apply_update")
+                                                             if f in ctx.schedules]
+        if compiles_chunked(ctx):
+            steps.append(f"exact chunked forward (over slices of {SLICE_CHUNKS} chunks: one graph, compiled once)")
         if not steps:
             L("`compile`: no effect (the state holds a cache that grows by a token per step: no static shapes).")
         else:
-            L(f"`compile`: torch.compile the {' and '.join(steps)} step{'s' if len(steps) > 1 else ''} "
-              f"(static shapes){';' if set(ctx.schedules) & CHUNKED else '.'}")
-        if set(ctx.schedules) & CHUNKED:
-            L("the exact chunked kernel runs eagerly (compiled per group of chunks it measured at most 1.8x")
-            L("faster on CPU, and took minutes to build with per-channel decays: memspec's README).")
+            L(f"`compile`: torch.compile the {', the '.join(steps)}, with static shapes.")
+        if set(ctx.schedules) & CHUNKED and not compiles_chunked(ctx):
+            L("The exact chunked forward stays eager (with per-channel decays it takes minutes to compile).")
         L('"""')
         L("super().__init__()")
         names = list(spec.dims) if "heads" in spec.dims else ["heads", *spec.dims]
@@ -262,6 +276,8 @@ def memory_init(ctx, L):
                   f"learned initial {s}: [H{''.join(', ' + x for x in st.shape)}]")
         tok = "compile and not self.CACHES" if has_cache else "compile"
         L(f"self._token_fn = _Compiled(self._token_step) if {tok} else self._token_step")
+        if compiles_chunked(ctx):
+            L("self._chunked_fn = _Compiled(self._forward_chunk) if compile else self._forward_chunk")
         if "minibatch" in ctx.schedules:
             L("self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step")
         if "apply_update" in ctx.schedules:   # its own methods: a module may also carry minibatch
@@ -353,6 +369,11 @@ def forward(ctx, L):
         for fam in ("minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum"):
             if fam in ctx.schedules:
                 L(f"if schedule == {fam!r}:")
+                if fam in CHUNKED and compiles_chunked(ctx):
+                    tensors = ", ".join(ctx.views + ctx.gates) + ("," if len(ctx.views + ctx.gates) == 1 else "")
+                    L("    if self.compile:", f"slices of {SLICE_CHUNKS} chunks, one compiled graph; the tail eager")
+                    L(f"        return _in_slices(self._chunked_fn, self._forward_chunk, {SLICE_CHUNKS} * self.chunk, "
+                      f"({tensors}), state)")
                 L(f"    return self.{FORWARD_METHOD[fam]}({args})")
         L(f"return self._forward_online({args})")
     L()

@@ -146,6 +146,26 @@ class _Compiled:
         return self.fn(*args)
 
 
+def _in_slices(step, eager, size, tensors, state):
+    """A chunked forward ``fn(*tensors, state) -> (o, state)`` over its tokens ``size`` at a time.
+
+    ``tensors`` are the views and gates ``[B, T, H, ...]``; every full slice of ``size`` tokens (a
+    multiple of the chunk) goes through ``step`` (the forward under ``torch.compile`` with static
+    shapes: all full slices have one shape, so it compiles once, whatever T), a shorter tail
+    through ``eager``; the state is carried from slice to slice.  Exact: a chunked forward's
+    token-local values and chunks do not depend on where the sequence was cut (at chunk
+    boundaries).  Returns (o ``[B, T, H, ...]``, the final state)."""
+    T = tensors[0].shape[1]
+    if T <= size:
+        return (step if T == size else eager)(*tensors, state)
+    outs = []
+    for t in range(0, T, size):
+        part = [x[:, t:t + size] for x in tensors]
+        o, state = (step if t + size <= T else eager)(*part, state)
+        outs.append(o)
+    return torch.cat(outs, dim=1), state
+
+
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
