@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compiled_harness import SPEC_FILES, inputs, make, small_dims
 
 import memspec
-from _compiled_harness import SPEC_FILES, inputs, make, small_dims
 from memspec.codegen.module import CHUNKED, SLICE_CHUNKS
 from memspec.runtime import helpers
 from memspec.schedule import analyse
