@@ -36,11 +36,11 @@ def test_every_chunked_family_has_a_shipped_spec():
     assert {fam for _, fam in CHUNKED_SPECS} == CHUNKED
 
 
-def run_sliced(m, spec, ins, state, size, step=None):
+def run_sliced(m, spec, ins, state, size, step):
     # the copy the module carries (modules whose chunked forward is never compiled carry none)
     in_slices = type(m).forward.__globals__.get("_in_slices", helpers._in_slices)
     tensors = tuple(ins[n] for n in (*spec.views, *spec.gates))
-    return in_slices(step or m._forward_chunk, m._forward_chunk, size, tensors, state)
+    return in_slices(step, m._forward_chunk, size, tensors, state)
 
 
 @pytest.mark.parametrize("path,family", CHUNKED_SPECS, ids=[p.split("/")[-1] for p, _ in CHUNKED_SPECS])

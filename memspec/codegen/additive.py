@@ -15,9 +15,14 @@ def emit(ctx, L) -> None:
     chunked.emit_forward(ctx, L, body, KERNEL)
 
 
+def per_channel(plan, emitter) -> bool:
+    """Does some state of the plan decay per key channel (a vector gamma)?"""
+    return any(st.gamma is not None and emitter.shape(st.gamma) for st in plan.states)
+
+
 def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -> None:
-    per_channel = any(st.gamma is not None and w.em.shape(st.gamma) for st in plan.states)
-    decay = "Diag(gamma) S" if per_channel else "gamma * S"
+    per_channel_decay = per_channel(plan, w.em)
+    decay = "Diag(gamma) S" if per_channel_decay else "gamma * S"
     w.lines.append(f"# additive chunked schedule (exact): S <- {decay} + outer(a, b); "
                    "the read sees the state only through probes p @ S")
     done = set()

@@ -38,13 +38,12 @@ SLICE_CHUNKS = 8   # compile=True: chunks per compiled call of an exact chunked 
 def compiles_chunked(ctx) -> bool:
     """Does ``compile=True`` compile this module's exact chunked forward (slice by slice)?  Yes for
     every chunked family but the additive one with a decay per key channel: its halving loop took
-    586-695 s to compile on a 2-core CPU (gla, slices of 512 tokens; measured 1.46x faster after it,
-    README), too long for a first call; it stays eager."""
+    586-745 s to compile on a 2-core CPU (gla, slices of 512 tokens) and ran 2x slower after it
+    (README), so it stays eager."""
     if not set(ctx.schedules) & CHUNKED:
         return False
     plan = ctx.plans.get("additive")
-    em = ctx.emitter()
-    return plan is None or not any(st.gamma is not None and em.shape(st.gamma) for st in plan.states)
+    return plan is None or not additive.per_channel(plan, ctx.emitter())
 FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
                   "additive": "_forward_chunk", "delta": "_forward_chunk", "dplr": "_forward_chunk",
                   "momentum": "_forward_chunk", "apply_update": "_forward_apply_update"}

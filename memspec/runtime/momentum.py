@@ -99,6 +99,7 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     idx = torch.arange(C, device=dev)
     incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
     ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
+    eye = torch.eye(C, dtype=dt, device=dev)                          # the right side of the chunks' inverses
 
     def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
         return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
@@ -142,8 +143,8 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [n BH, C, 2K + V]
         # (I - A) X = rhs: the unit-triangular inverse (a solve against the C x C identity), then
         # one product with the 2K + V columns (measured faster on CPU than solving for them)
-        eye = torch.eye(C, dtype=dt, device=dev).expand(n * BH, C, C)
-        X = torch.bmm(torch.linalg.solve_triangular(-A, eye, upper=False, unitriangular=True), rhs)
+        inv = torch.linalg.solve_triangular(-A, eye.expand(n * BH, C, C), upper=False, unitriangular=True)
+        X = torch.bmm(inv, rhs)                                       # [n BH, C, 2K + V]
         WZ, U = X.split([2 * K, V], dim=-1)                           # z = WZ [S; M] + U
         kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]], dim=-1)
         gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]   # S's, M's: P11, P22, P12 (C, start)
