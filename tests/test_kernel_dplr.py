@@ -16,6 +16,7 @@ import torch
 from memspec.runtime.dplr import chunk_dplr, recurrent_dplr
 from memspec.runtime.momentum import chunk_momentum_delta, recurrent_momentum_delta
 
+from close import assert_same_function
 from peers import fla_naive
 
 
@@ -152,7 +153,8 @@ def test_without_r_axis_equals_r_1():
     q, k, v, a, b, lg, S0 = make(1, 21, 2, 1, 4, 4, decay="channel", seed=4)
     o5, S5 = chunk_dplr(q, k, v, a, b, lg, S0, 8)
     o4, S4 = chunk_dplr(q, k[:, :, :, 0], v[:, :, :, 0], a[:, :, :, 0], b[:, :, :, 0], lg, S0, 8)
-    assert torch.equal(o5, o4) and torch.equal(S5, S4)
+    assert_same_function(o5, o4)
+    assert_same_function(S5, S4)
     check_against_recurrent(make(1, 21, 2, 1, 4, 4, decay="channel", seed=4, squeeze=True), 8)
 
 
@@ -498,7 +500,8 @@ def test_compiles_in_one_graph():
     for f in _compile_cases():
         ref = f()
         got = torch.compile(f, backend="aot_eager", fullgraph=True)()
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert_same_function(got[0], ref[0])   # aot_eager decomposes ops: another order of sums
+        assert_same_function(got[1], ref[1])
 
 
 @pytest.mark.slow
