@@ -247,6 +247,28 @@ def render(record: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def wanted_schedules(text: str | None, specs: dict, usage_error) -> set[str] | None:
+    """The ``--schedules`` subset (None: every schedule): each name a schedule family, and every
+    spec carrying at least one of them; otherwise ``usage_error`` saying what there is."""
+    if not text:
+        return None
+    from ..lang.errors import printable
+    from ..schedule import analyse
+    from ..schedule.decide import NAMES
+
+    names = [n.strip() for n in text.split(",")]
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise usage_error(f"--schedules: unknown schedule {', '.join(map(repr, unknown))}; "
+                          f"the schedules are {', '.join(NAMES)}")
+    for path, spec in specs.items():
+        carried = analyse(spec).schedules
+        if not set(names) & set(carried):
+            raise usage_error(f"--schedules {','.join(names)}: {printable(path)} ({spec.name}) runs none of them; "
+                              f"its generated module runs {', '.join(carried)}")
+    return set(names)
+
+
 def run_cli(args, load_checked, usage_error) -> int:
     """``memspec bench FILE... [--T --B --H --D --device --dtype --repeat --grad --json]``."""
     import sys
@@ -254,12 +276,13 @@ def run_cli(args, load_checked, usage_error) -> int:
     for name in ("T", "B", "H", "D", "repeat"):
         if getattr(args, name) < 1:
             raise usage_error(f"--{name} must be >= 1")
-    schedules = set(args.schedules.split(",")) if args.schedules else None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise usage_error("--device cuda: no CUDA device is available")
+    specs = {p: load_checked(p).spec for p in args.files}   # every spec checked before any timing
+    schedules = wanted_schedules(args.schedules, specs, usage_error)
     record = bench(args.files, T=args.T, B=args.B, H=args.H, D=args.D, device=args.device, dtype=args.dtype,
                    repeat=args.repeat, grad=args.grad, schedules=schedules, compile=getattr(args, "compile", False),
-                   loader=lambda p: load_checked(p).spec)
+                   loader=specs.__getitem__)
     sys.stdout.write(render(record))
     if args.json:
         from ..pipeline.write import write_atomic

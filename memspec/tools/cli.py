@@ -216,10 +216,23 @@ def cmd_explain(args) -> int:
 def cmd_compile(args) -> int:
     from ..pipeline.build import compile_with_decision, decision_text
 
-    status = 0
-    for path in args.files:
+    status, checked = 0, []
+    paths: dict[str, str] = {}
+    for p in args.files:             # a file named twice is compiled once
+        paths.setdefault(os.path.realpath(p), p)
+    for path in paths.values():      # every spec loaded and checked before anything is written
         try:
-            out, decision = compile_with_decision(load_checked(path), args.output)
+            checked.append(load_checked(path))
+        except SpecError as err:
+            _print_diags(err.diagnostics)
+            status = 1
+    clashes = name_clashes(checked)
+    if clashes:
+        _print_diags(clashes)
+        return 1
+    for c in checked:
+        try:
+            out, decision = compile_with_decision(c, args.output)
             print(f"wrote {printable(str(out))} ({decision_text(decision)})")
         except SpecError as err:
             _print_diags(err.diagnostics)
@@ -228,6 +241,22 @@ def cmd_compile(args) -> int:
             print(f"memspec: error: cannot write {printable(str(err.path))}: {err.reason}", file=sys.stderr)
             return 2
     return status
+
+
+def name_clashes(checked: list) -> list[Diagnostic]:
+    """An error at the ``name`` of every spec whose name an earlier one has (both would write
+    ``<out>/<name>.py``)."""
+    first: dict[str, str] = {}
+    out = []
+    for c in checked:
+        name = c.spec.name
+        if name in first:
+            out.append(Diagnostic("error", f"two specs named {name!r}: {printable(str(first[name]))} and this one "
+                                  f"would both write {name}.py", c.spec.key_span("name"),
+                                  hint="give each spec its own `name`; nothing was written"))
+        else:
+            first[name] = c.path
+    return out
 
 
 def cmd_bench(args) -> int:
