@@ -274,7 +274,10 @@ def cmd_train(args) -> int:
 def _train_arguments(s, compare: bool) -> None:
     """Options of `train` and `compare` (defaults: memspec.train.TrainConfig)."""
     s.add_argument("files", nargs="+" if compare else 1, metavar="SPEC")
-    s.add_argument("--task", choices=["mqar"], default="mqar")
+    s.add_argument("--task", choices=["mqar", "text"], default="mqar",
+                   help="mqar (synthetic recall) or text (bytes of a folder's text files; metric: bits per byte)")
+    s.add_argument("--data", metavar="DIR", help="text task: the corpus folder (default: the running Python's "
+                   "standard library, its *.py files)")
     for flag, kind, dest, help_ in [
         ("--steps", int, "steps", "optimizer steps"), ("--batch", int, "batch", "global batch (sequences)"),
         ("--seq-len", int, "seq_len", "tokens per sequence"), ("--pairs", int, "pairs", "key-value pairs"),

@@ -1,4 +1,4 @@
-"""The outer loop: train a :class:`~memspec.nn.MemoryLM` on MQAR, compare specs, DDP.
+"""The outer loop: train a :class:`~memspec.nn.MemoryLM` on MQAR or real text, compare specs, DDP.
 
 The inner loop (the memory's updates) runs inside every forward pass; AdamW trains the
 slow parameters -- projections, gates, learned initial states, the LM around them --
@@ -10,7 +10,9 @@ through the chain of inner updates (seed text §4.4-4.5).
 seeds=N)`` trains each spec under the same budget for each of N seeds (seed s: the same
 initialisation seed and the same batches for every spec); :func:`summarize` gathers the
 runs per spec (mean, min and max accuracy), :func:`markdown_table` and
-:func:`json_table` print them.
+:func:`json_table` print them.  On the text task (``task="text"``,
+:class:`~memspec.tools.tasks.TextTask`) the held-out metric is bits per byte, and the
+accuracy is next-byte accuracy on the held-out files.
 
 Distributed: launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment), the
 run joins a ``torch.distributed`` group (gloo on CPU, nccl on CUDA), wraps the model
@@ -34,12 +36,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .tasks import MQAR
+from .tasks import MQAR, TextTask
 
 
 @dataclass
 class TrainConfig:
-    task: str = "mqar"
+    task: str = "mqar"              # mqar | text
+    data: str | None = None         # text: the corpus folder (None = the Python standard library)
     steps: int = 300
     batch: int = 32                 # global batch (split across ranks)
     seq_len: int = 64
@@ -61,10 +64,20 @@ class TrainConfig:
     out: str | None = None
     progress: bool = True
 
-    def task_(self) -> MQAR:
+    def task_(self, split: str = "train") -> MQAR | TextTask:
+        """The task; for text, the ``split`` (train or test) of the corpus."""
+        if self.task == "text":
+            return TextTask(data_dir=self.data, seq_len=self.seq_len, split=split)
         if self.task != "mqar":
-            raise ValueError(f"unknown task {self.task!r}: the only task is mqar")
+            raise ValueError(f"unknown task {self.task!r}: the tasks are mqar and text")
+        if self.data is not None:
+            raise ValueError("--data is for the text task (--task text)")
         return MQAR(seq_len=self.seq_len, pairs=self.pairs, vocab_size=self.vocab, gap=self.gap)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: 256 bytes on the text task, ``vocab`` on MQAR."""
+        return TextTask.vocab_size if self.task == "text" else self.vocab
 
 
 @dataclass
@@ -81,6 +94,7 @@ class RunResult:
     seed: int = 0
     wall_seconds: float = 0.0       # the whole run: build, steps, evaluation
     diverged: str | None = None     # e.g. "loss is nan at step 25"
+    bits_per_byte: float | None = None   # text task: held-out bits per byte
 
 
 # ------------------------------------------------------------------ helpers
@@ -174,18 +188,25 @@ class Progress:
 
 
 @torch.no_grad()
-def evaluate(model, task: MQAR, cfg: TrainConfig, device) -> float:
+def evaluate(model, task: MQAR | TextTask, cfg: TrainConfig, device, *, bits: bool = False):
+    """Held-out accuracy over ``cfg.eval_size`` sequences (MQAR: of the eval seed; text: of the
+    held-out files); with ``bits``, ``(accuracy, bits per byte)``."""
     x, y = task.batch(cfg.eval_size, eval_seed(cfg))
     was = model.training
     model.eval()
     correct = total = 0
+    nats = 0.0
     for i in range(0, cfg.eval_size, 64):
         logits = model(x[i:i + 64].to(device))
-        m = y[i:i + 64].to(device) != -100
-        correct += (logits.argmax(-1)[m] == y[i:i + 64].to(device)[m]).sum().item()
+        yy = y[i:i + 64].to(device)
+        m = yy != -100
+        correct += (logits.argmax(-1)[m] == yy[m]).sum().item()
         total += m.sum().item()
+        nats += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), yy.reshape(-1), ignore_index=-100,
+                                reduction="sum").item()
     model.train(was)
-    return correct / max(total, 1)
+    acc = correct / max(total, 1)
+    return (acc, nats / max(total, 1) / math.log(2)) if bits else acc
 
 
 def _save_checkpoint(path: Path, payload: dict) -> None:
@@ -222,7 +243,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
     t_wall = time.perf_counter()
 
     torch.manual_seed(cfg.seed)
-    model = MemoryLM(spec, vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.layers,
+    model = MemoryLM(spec, vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.layers,
                      compile=cfg.compile, make_layer=make_layer, **model_dims(spec, cfg)).to(device)
     n_params = model.num_parameters()
     net = model
@@ -244,7 +265,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         logits = net(x)
-        loss_sum = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1), ignore_index=-100,
+        loss_sum = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1), ignore_index=-100,
                                    reduction="sum")
         opt.zero_grad(set_to_none=True)
         (loss_sum * (world / n_targets)).backward()
@@ -266,10 +287,15 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         bar.update(step + 1, losses[-1], tokens / t_train)
     bar.close()
 
-    acc = evaluate(model, task, cfg, device)
+    bpb = None
+    if cfg.task == "text":
+        acc, bpb = evaluate(model, cfg.task_("test"), cfg, device, bits=True)
+    else:
+        acc = evaluate(model, task, cfg, device)
     result = RunResult(spec=label, schedule=schedule_name(spec, cfg.dims.get("chunk")), parameters=n_params, accuracy=acc,
                        chance=task.chance, tokens_per_s=tokens / max(t_train, 1e-9), seconds=t_train,
-                       losses=losses, out=cfg.out, seed=cfg.seed, wall_seconds=time.perf_counter() - t_wall)
+                       losses=losses, out=cfg.out, seed=cfg.seed, wall_seconds=time.perf_counter() - t_wall,
+                       bits_per_byte=bpb)
     if cfg.out and main_process:
         from ..pipeline.write import write_atomic
 
@@ -277,7 +303,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         out.mkdir(parents=True, exist_ok=True)
         text = spec_text(spec, path)
         record = {"spec": label, "spec_path": path, "seed": cfg.seed, "config": asdict(cfg), "world_size": world,
-                  "parameters": n_params, "schedule": result.schedule, "accuracy": acc, "chance": task.chance,
+                  "parameters": n_params, "schedule": result.schedule, "accuracy": acc, "bits_per_byte": bpb, "chance": task.chance,
                   "tokens_per_s": result.tokens_per_s, "seconds": t_train, "wall_seconds": result.wall_seconds,
                   "threads": torch.get_num_threads(), "load_average": _load_average(), "log": log_steps}
         write_atomic(out / "log.json", json.dumps(record, indent=1) + "\n")
@@ -353,12 +379,22 @@ class Summary:
     def finished(self) -> list[RunResult]:
         return [r for r in self.runs if r.diverged is None]
 
+    @property
+    def text(self) -> bool:
+        """Runs of the text task (their metric is bits per byte)."""
+        return any(r.bits_per_byte is not None for r in self.runs)
+
+    def metric(self, r: RunResult) -> float:
+        """A run's metric: held-out bits per byte on the text task, else accuracy."""
+        return r.bits_per_byte if self.text and r.bits_per_byte is not None else r.accuracy
+
     def _acc(self, fn):
-        accs = [r.accuracy for r in self.finished]
+        accs = [self.metric(r) for r in self.finished]
         return fn(accs) if accs else float("nan")
 
     @property
     def mean(self) -> float:
+        """Mean of the metric (accuracy, or bits per byte on text) over the finished runs."""
         return self._acc(lambda a: sum(a) / len(a))
 
     @property
@@ -398,22 +434,25 @@ def _acc_text(v: float) -> str:
 
 
 def markdown_table(results: list[RunResult]) -> str:
-    """One row per spec.  One seed: its accuracy; several: mean, min and max over the
-    seeds, the per-seed accuracies, and the diverged runs (excluded from the mean)."""
+    """One row per spec.  One seed: its metric (accuracy; held-out bits per byte on the
+    text task); several: mean, min and max over the seeds, the per-seed values, and the
+    diverged runs (excluded from the mean)."""
     groups = summarize(results)
     several = any(len(g.runs) > 1 for g in groups)
+    text = any(g.text for g in groups)
+    name = "bits per byte" if text else "accuracy"
     if not several:
-        lines = ["| spec | schedule | parameters | accuracy | tokens/s |",
+        lines = [f"| spec | schedule | parameters | {name} | tokens/s |",
                  "|---|---|---:|---:|---:|"]
         for g in groups:
             r = g.runs[0]
-            acc = _acc_text(r.accuracy) + (f" (diverged: {r.diverged})" if r.diverged else "")
+            acc = _acc_text(g.metric(r)) + (f" (diverged: {r.diverged})" if r.diverged else "")
             lines.append(f"| {g.spec} | {g.schedule} | {g.parameters:,} | {acc} | {_rate(r.tokens_per_s)} |")
     else:
-        lines = ["| spec | schedule | parameters | mean accuracy | min | max | per seed | tokens/s | s / run |",
+        lines = [f"| spec | schedule | parameters | mean {name} | min | max | per seed | tokens/s | s / run |",
                  "|---|---|---:|---:|---:|---:|---|---:|---:|"]
         for g in groups:
-            per = " / ".join(_acc_text(r.accuracy) for r in g.runs)
+            per = " / ".join(_acc_text(g.metric(r)) for r in g.runs)
             bad = [r for r in g.runs if r.diverged]
             if bad:
                 per += " (" + "; ".join(f"seed {r.seed} diverged: {r.diverged}" for r in bad) + ")"
@@ -422,7 +461,9 @@ def markdown_table(results: list[RunResult]) -> str:
     if groups:
         lines.append("")
         seeds = sorted({r.seed for g in groups for r in g.runs})
-        lines.append(f"chance accuracy: {groups[0].chance:.3f}" + (f"; seeds {', '.join(map(str, seeds))}"
+        first = ("bits per byte on the held-out files (a uniform guess: 8.000)" if text
+                 else f"chance accuracy: {groups[0].chance:.3f}")
+        lines.append(first + (f"; seeds {', '.join(map(str, seeds))}"
                                                                     if several else ""))
     return "\n".join(lines) + "\n"
 
@@ -437,7 +478,8 @@ def _num(v: float):
 
 def run_fields(r: RunResult) -> dict:
     """One run's figures as JSON values (the comparison's rows and the runs.jsonl log)."""
-    return {"seed": r.seed, "accuracy": _num(r.accuracy), "tokens_per_s": _num(r.tokens_per_s),
+    bits = {} if r.bits_per_byte is None else {"bits_per_byte": _num(r.bits_per_byte)}
+    return {"seed": r.seed, "accuracy": _num(r.accuracy), **bits, "tokens_per_s": _num(r.tokens_per_s),
             "seconds": _num(r.seconds), "wall_seconds": r.wall_seconds, "diverged": r.diverged}
 
 
@@ -448,7 +490,8 @@ def json_table(results: list[RunResult], cfg: TrainConfig | None = None) -> str:
     for g in summarize(results):
         rows.append({
             "spec": g.spec, "schedule": g.schedule, "parameters": g.parameters, "chance": g.chance,
-            "accuracy": {"mean": _num(g.mean), "min": _num(g.min), "max": _num(g.max)},
+            ("bits_per_byte" if g.text else "accuracy"): {"mean": _num(g.mean), "min": _num(g.min),
+                                                         "max": _num(g.max)},
             "tokens_per_s": _num(g.tokens_per_s),
             "runs": [{**run_fields(r), "final_loss": _num(r.losses[-1]) if r.losses else None} for r in g.runs],
         })
@@ -481,7 +524,12 @@ def config_from_args(args, usage_error=ValueError) -> TrainConfig:
         if not name.isidentifier() or not value.isdigit() or int(value) < 1:
             raise usage_error(f"--dim expects NAME=N with N >= 1, got {item!r}")
         dims[name] = int(value)
-    cfg = TrainConfig(task=args.task, compile=args.compile, out=args.out, progress=not args.no_progress,
+    data = getattr(args, "data", None)
+    if data is not None and args.task != "text":
+        raise usage_error("--data is for the text task (--task text)")
+    if args.task == "text" and "vocab" in over and over["vocab"] != 256:
+        raise usage_error(f"--vocab: the text task's vocabulary is the 256 byte values, got {over['vocab']}")
+    cfg = TrainConfig(task=args.task, data=data, compile=args.compile, out=args.out, progress=not args.no_progress,
                       dims=dims, **over)
     try:
         cfg.task_()
@@ -523,7 +571,12 @@ def run_cli(args, usage_error) -> int:
                     write_atomic(Path(args.json), as_json)
         else:
             r = train(specs[0], cfg, name=Path(args.files[0]).stem)
-            if rank == 0:
+            if rank == 0 and r.bits_per_byte is not None:
+                print(f"{r.spec}: schedule {r.schedule}, {r.parameters:,} parameters, held-out {r.bits_per_byte:.3f} "
+                      f"bits per byte (next-byte accuracy {r.accuracy:.3f}), final loss {r.losses[-1]:.4f}, "
+                      f"{r.tokens_per_s:,.0f} tokens/s, {r.seconds:.1f} s"
+                      + (f"; wrote {cfg.out}/log.json and {cfg.out}/checkpoint.pt" if cfg.out else ""))
+            elif rank == 0:
                 print(f"{r.spec}: schedule {r.schedule}, {r.parameters:,} parameters, held-out recall accuracy "
                       f"{r.accuracy:.3f} (chance {r.chance:.3f}), final loss {r.losses[-1]:.4f}, "
                       f"{r.tokens_per_s:,.0f} tokens/s, {r.seconds:.1f} s"
