@@ -48,3 +48,170 @@ def test_compile_of_two_specs_with_one_name_writes_nothing(tmp_path, capsys):
     # the same file named twice is compiled once
     assert main(["compile", str(a), str(a), "-o", str(out)]) == 0
     assert [p.name for p in out.iterdir()] == ["deltanet.py"]
+
+
+# ------------------------------------------------------------------ the same loading options everywhere
+TINY = ["--steps", "2", "--batch", "2", "--seq-len", "16", "--pairs", "2", "--vocab", "16", "--d-model", "8",
+        "--layers", "1", "--heads", "2", "--eval-size", "2", "--no-progress"]
+BENCH_TINY = ["--T", "8", "--D", "4", "--H", "1", "--repeat", "1", "--schedules", "online"]
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A spec extending a file outside its folder tree (tmp is no project): (child, parent)."""
+    parent = shutil.copy(SPECS / "deltanet.yaml", (tmp_path / "a").mkdir() or tmp_path / "a" / "parent.yaml")
+    child = write(tmp_path / "b" / "child.yaml", """
+        extends: ../a/parent.yaml
+        name: child
+    """)
+    return str(child), str(parent)
+
+
+COMMANDS = {
+    "check": lambda c, p, tmp: ["check", c],
+    "fmt": lambda c, p, tmp: ["fmt", c],
+    "graph": lambda c, p, tmp: ["graph", c],
+    "explain": lambda c, p, tmp: ["explain", c],
+    "compile": lambda c, p, tmp: ["compile", c, "-o", str(tmp / "out")],
+    "table": lambda c, p, tmp: ["table", c],
+    "diff": lambda c, p, tmp: ["diff", p, c],
+    "bench": lambda c, p, tmp: ["bench", c, *BENCH_TINY],
+    "train": lambda c, p, tmp: ["train", c, *TINY],
+    "compare": lambda c, p, tmp: ["compare", c, *TINY, "--seeds", "1"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_honours_allow_extends_outside(command, outside, tmp_path, capsys):
+    argv = COMMANDS[command](*outside, tmp_path)
+    assert main(argv) == (2 if command == "diff" else 1)
+    err = capsys.readouterr().err
+    assert "points outside" in err and "pass --allow-extends-outside" in err
+    assert main(["--allow-extends-outside", *argv]) == (1 if command == "diff" else 0)   # diff: the names differ
+    err = capsys.readouterr().err
+    assert "points outside" not in err and "--allow-extends-outside" not in err, err
+    assert main([*argv, "--allow-extends-outside"]) == (1 if command == "diff" else 0)   # after the command too
+
+
+# ------------------------------------------------------------------ check refuses what compile refuses
+def _norm_child(folder: Path, suffix: str) -> Path:
+    """A titans variant whose update leaves mini-batch form, inheriting `schedule: minibatch(64)`."""
+    shutil.copy(SPECS / "titans.yaml", folder / "parent.yaml")
+    if suffix == ".mem":
+        return write(folder / "child.mem", """
+            extends "parent.yaml"
+            memory child
+            update {
+              U1 = mu * U1 - eta * grad(loss, W1)
+              U2 = mu * U2 - eta * grad(loss, W2)
+              W1 = l2norm(W1 + U1)
+              W2 = (1 - alpha) * W2 + U2
+            }
+        """)
+    return write(folder / "child.yaml", """
+        extends: parent.yaml
+        name: child
+        update:
+          - U1 = mu * U1 - eta * grad(loss, W1)
+          - U2 = mu * U2 - eta * grad(loss, W2)
+          - W1 = l2norm(W1 + U1)
+          - W2 = (1 - alpha) * W2 + U2
+    """)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".mem"])
+def test_check_runs_the_schedule_analysis_and_names_an_inherited_setting(suffix, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    child = _norm_child(tmp_path, suffix)
+    for command in (["check"], ["compile", "-o", "out"]):
+        assert main([*command, child.name]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("parent.yaml:60:11: error: schedule minibatch(64) needs gradient writes")
+        assert f"({child.name} inherits schedule from parent.yaml through extends)" in err
+        example = "`schedule auto`" if suffix == ".mem" else "`schedule: auto`"
+        assert f"to override the inherited schedule, define it in {child.name} (e.g. {example})" in err
+    assert not (tmp_path / "out").exists()
+    line = "schedule auto\n" if suffix == ".mem" else "schedule: auto\n"
+    child.write_text(child.read_text() + line)
+    assert main(["check", child.name]) == 0
+    assert capsys.readouterr().out == f"{child.name}: ok\n"
+
+
+def test_an_inherited_field_a_check_refuses_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(SPECS / "deltanet.yaml", tmp_path / "parent.yaml")
+    write(tmp_path / "child.yaml", """
+        extends: parent.yaml
+        name: child
+        gates:
+          eta: null
+    """)
+    assert main(["check", "child.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "parent.yaml:34:13: error: unknown name 'eta' (child.yaml inherits update from parent.yaml" in err
+    assert "define it in child.yaml" in err
+
+
+def test_check_passes_every_shipped_spec(capsys):
+    assert main(["check", "-q", str(SPECS)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------ --threads, --schedule, --brief, --help
+def test_threads_sets_torch_threads_for_the_command(tmp_path, capsys):
+    import json
+
+    import torch
+
+    before = torch.get_num_threads()
+    out = tmp_path / "b.json"
+    assert main(["bench", str(SPECS / "deltanet.yaml"), *BENCH_TINY, "--threads", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["machine"]["threads"] == 1
+    assert torch.get_num_threads() == before
+    capsys.readouterr()
+    for command in (["bench", str(SPECS / "deltanet.yaml"), *BENCH_TINY], ["train", str(SPECS / "deltanet.yaml"), *TINY]):
+        assert main([*command, "--threads", "0"]) == 2
+        assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_train_and_compare_take_a_schedule(capsys):
+    deltanet = str(SPECS / "deltanet.yaml")
+    assert main(["train", deltanet, *TINY, "--threads", "1"]) == 0
+    assert capsys.readouterr().out.startswith("deltanet: schedule delta(64),")
+    assert main(["train", deltanet, *TINY, "--threads", "1", "--schedule", "online"]) == 0
+    assert capsys.readouterr().out.startswith("deltanet: schedule online,")
+    assert main(["compare", deltanet, str(SPECS / "titans.yaml"), *TINY, "--seeds", "1", "--schedule", "online"]) == 0
+    out = capsys.readouterr().out
+    assert "| deltanet | online |" in out and "| titans | online |" in out
+    assert main(["train", str(SPECS / "titans.yaml"), *TINY, "--schedule", "chunk(16)"]) == 2
+    err = capsys.readouterr().err
+    assert "--schedule: titans cannot run chunk(16): schedule chunk(16) needs an exact chunk form" in err
+    assert main(["train", deltanet, *TINY, "--schedule", "fast"]) == 2
+    assert "unknown schedule 'fast'" in capsys.readouterr().err
+
+
+def test_explain_brief(capsys):
+    assert main(["explain", "--brief", str(SPECS / "deltanet.yaml"), str(SPECS / "titans.yaml")]) == 0
+    assert capsys.readouterr().out == (
+        "deltanet: delta(64)\n  exact: yes\n  chunk: 64\n  admits: delta, dplr, minibatch, online\n"
+        "  why: normal form W <- T(W) + A with T = I - eta kn knᵀ; A = eta kn vᵀ\n"
+        "titans: minibatch(64)\n  exact: no (an approximation of online learning)\n  chunk: 64\n"
+        "  admits: minibatch, online\n  why: forced by schedule minibatch(64)\n")
+
+
+def test_help_shows_defaults(capsys):
+    from memspec.tools.cli import TRAIN_DEFAULTS
+    from memspec.tools.train import TrainConfig
+
+    config = TrainConfig()
+    assert TRAIN_DEFAULTS == {k: getattr(config, k) for k in TRAIN_DEFAULTS}
+    for command, shown in [("bench", ["tokens per sequence (default: 2048)", "(default: float32)"]),
+                           ("train", ["optimizer steps (default: 300)", "(default: 0.005)", "(default: cosine)"]),
+                           ("compare", ["seeds per spec", "(default: 3)"]),
+                           ("compile", ["output folder (default: compiled)"]),
+                           ("diff", ["output form (default: text)"])]:
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert all(s in out for s in shown), (command, out)
+        assert "(default: None)" not in out and "(default: False)" not in out

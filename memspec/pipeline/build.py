@@ -32,6 +32,7 @@ from ..check.verify import check
 from ..codegen import class_name, generate
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.frontend import load
+from ..lang.frontend.inherit import mark_inherited
 from ..lang.limits import MAX_SIZE, quote
 from ..lang.source import read_text
 from ..lang.spec import Spec
@@ -66,6 +67,7 @@ def load_checked(spec_or_path: SpecLike | Checked, *, allow_extends_outside: boo
         path = _display(p)
         text = read_text(p)   # regular files only, bounded (the file was just read as a spec)
     graph, diags = check(spec)
+    diags = mark_inherited(spec, diags)
     if any(d.severity == "error" for d in diags):
         raise SpecError(diags)
     return Checked(spec, graph, tuple(d for d in diags if d.severity == "warning"), path, text)
@@ -79,8 +81,27 @@ def _display(path: Path) -> str:
 
 
 def decide(spec: Spec) -> ScheduleDecision:
-    """The schedule decision; raises SpecError for a schedule the spec asks for and does not admit."""
-    return analyse(spec)
+    """The schedule decision; raises SpecError for a schedule the spec asks for and does not admit
+    (saying so when the spec inherits that schedule through ``extends``)."""
+    try:
+        return analyse(spec)
+    except SpecError as err:
+        raise SpecError(mark_inherited(spec, err.diagnostics)) from None
+
+
+def with_schedule(spec: Spec, schedule: str) -> Spec:
+    """``spec`` with its schedule replaced (``online``, ``chunk(64)``, ``minibatch(16)``, ...; the
+    spec syntax); raises ValueError, saying why, for a form that is not one or a schedule the
+    spec's algebra does not admit."""
+    text = Spec._schedule_form(schedule)
+    new = spec.model_copy(update={"schedule": text})
+    new._spans, new._key_spans, new._path = spec._spans, spec._key_spans, spec._path
+    try:
+        analyse(new)
+    except SpecError as err:
+        d = err.diagnostics[0]
+        raise ValueError(f"{spec.name} cannot run {text}: {d.message}" + (f" ({d.hint})" if d.hint else "")) from None
+    return new
 
 
 def generate_source(checked: Checked, decision: ScheduleDecision | None = None) -> str:

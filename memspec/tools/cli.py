@@ -8,6 +8,7 @@ registered in ``build_parser``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,17 @@ class Options:
 
 class UsageError(Exception):
     pass
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is nothing to show (a flag off,
+    no value) or the help text says it already."""
+
+    def _get_help_string(self, action):
+        d = action.default
+        if d is None or d is False or d is argparse.SUPPRESS or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,10 +82,13 @@ def expand_spec_paths(paths: list[str]) -> list[str]:
 
 
 def cmd_check(args) -> int:
+    """Everything ``compile`` refuses: the checks and the schedule decision."""
+    from ..pipeline.build import decide
+
     status = 0
     for path in expand_spec_paths(args.files):
         try:
-            load_checked(path)
+            decide(load_checked(path).spec)
         except SpecError as err:
             _print_diags(err.diagnostics)
             status = 1
@@ -201,16 +216,41 @@ def cmd_lab(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    from ..pipeline.build import decide
     from ..schedule import explain
 
     status = 0
     for path in args.files:
         try:
-            sys.stdout.write(explain(load_checked(path).spec))
+            spec = load_checked(path).spec
+            decision = decide(spec)
+            sys.stdout.write(brief(spec, decision) if args.brief else explain(spec, decision))
         except SpecError as err:
             _print_diags(err.diagnostics)
             status = 1
     return status
+
+
+def brief(spec, d) -> str:
+    """``explain --brief``: the schedule, whether it is exact, the chunk, and one line of why."""
+    from ..schedule.decide import NAMES
+
+    forced = [r for r in d.reasons if r.startswith("forced by")]
+    rejected = [f"{f}: {why}" for f, why in d.rejected if NAMES.index(f) < NAMES.index(d.family) and f != "cache"]
+    if forced:
+        why = forced[0]
+    elif d.normal_form:
+        why = "normal form " + "; ".join(d.normal_form)
+    elif d.family == "online" and rejected:
+        why = f"no faster schedule ({rejected[0]})"
+    else:
+        why = d.reasons[0] if d.reasons else "-"
+    lines = [f"{spec.name}: {d.family}" + (f"({d.chunk})" if d.chunk and d.family != "cache" else ""),
+             "  exact: " + ("yes" if d.exact else "no (an approximation of online learning)"),
+             f"  chunk: {d.chunk if d.chunk and d.family != 'cache' else '-'}",
+             f"  admits: {', '.join(d.admits)}",
+             f"  why: {why}"]
+    return "\n".join(lines) + "\n"
 
 
 def cmd_compile(args) -> int:
@@ -259,16 +299,54 @@ def name_clashes(checked: list) -> list[Diagnostic]:
     return out
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """``--threads N``: torch's intra-op threads while the command runs (None: torch's choice)."""
+    if n is None:
+        yield
+        return
+    if n < 1:
+        raise UsageError(f"--threads must be >= 1, got {n}")
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def cmd_bench(args) -> int:
     from .bench import run_cli
 
-    return run_cli(args, load_checked, UsageError)
+    with torch_threads(args.threads):
+        return run_cli(args, load_checked, UsageError)
 
 
 def cmd_train(args) -> int:
     from .train import run_cli as train_cli
 
-    return train_cli(args, UsageError)
+    with torch_threads(args.threads):
+        return train_cli(args, UsageError)
+
+
+THREADS_HELP = ("CPU threads torch runs on (torch.set_num_threads; default: torch's choice, one per core); "
+                "on a shared machine 1 is often fastest")
+SCHEDULE_HELP = ("run the memory with this schedule instead of the spec's own: the spec syntax, e.g. online, "
+                 "chunk(64), minibatch(16), apply_update(64) or auto")
+
+
+TRAIN_DEFAULTS = {"steps": 300, "batch": 32, "seq_len": 64, "pairs": 8, "gap": 0, "vocab": 64, "d_model": 64,
+                  "layers": 2, "heads": 4, "lr": 5e-3, "seed": 0, "eval_size": 256, "lr_schedule": "cosine"}
+"""memspec.tools.train.TrainConfig's defaults, for ``--help`` (which does not import torch; a test
+keeps the two equal).  The options themselves default to None: the config's own value."""
+
+
+def cmd_export(args) -> int:
+    from .export import run_cli as export_cli
+
+    return export_cli(args, UsageError)
 
 
 def _train_arguments(s, compare: bool) -> None:
@@ -281,21 +359,27 @@ def _train_arguments(s, compare: bool) -> None:
     for flag, kind, dest, help_ in [
         ("--steps", int, "steps", "optimizer steps"), ("--batch", int, "batch", "global batch (sequences)"),
         ("--seq-len", int, "seq_len", "tokens per sequence"), ("--pairs", int, "pairs", "key-value pairs"),
-        ("--gap", int, "gap", "pad tokens between the pairs and the queries (default 0)"),
+        ("--gap", int, "gap", "pad tokens between the pairs and the queries"),
         ("--vocab", int, "vocab", "vocabulary size"), ("--d-model", int, "d_model", "model width"),
         ("--layers", int, "layers", "blocks"), ("--heads", int, "heads", "memory heads"),
         ("--lr", float, "lr", "peak learning rate"), ("--seed", int, "seed", "seed (model and data)"),
         ("--eval-size", int, "eval_size", "held-out sequences")]:
-        s.add_argument(flag, type=kind, dest=dest, help=help_)
-    s.add_argument("--lr-schedule", choices=["cosine", "constant"], dest="lr_schedule")
+        s.add_argument(flag, type=kind, dest=dest, help=f"{help_} (default: {TRAIN_DEFAULTS[dest]})")
+    s.add_argument("--lr-schedule", choices=["cosine", "constant"], dest="lr_schedule",
+                   help=f"learning-rate schedule after the warm-up (default: {TRAIN_DEFAULTS['lr_schedule']})")
+    s.add_argument("--schedule", metavar="SCHEDULE", help=SCHEDULE_HELP)
+    s.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
     s.add_argument("--dim", action="append", metavar="NAME=N",
                    help="set a build-time dim of the memory (e.g. hidden=32, chunk=16); ignored by specs without it")
     s.add_argument("--compile", action="store_true", help="torch.compile the memory steps")
     s.add_argument("--out", help="folder for log.json and checkpoint.pt" + (" (one subfolder per spec)" if compare else ""))
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    if not compare:
+        s.add_argument("--save-hf", metavar="DIR", dest="save_hf",
+                       help="also write the trained model as a Hugging Face folder (as `memspec export`)")
     if compare:
         s.add_argument("--seeds", type=int, default=3,
-                       help="seeds per spec (default 3: seed, seed + 1, ...; the same batches for every spec)")
+                       help="seeds per spec (seed, seed + 1, ...; the same batches for every spec)")
         s.add_argument("--json", metavar="PATH", help="also write the table as JSON here (--out writes table.json)")
     s.set_defaults(compare=compare)
 
@@ -310,13 +394,15 @@ def _global_flags(p: argparse.ArgumentParser, top: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="memspec", description="Fast-weight memories as specs, compiled to PyTorch.")
+    p = _Parser(prog="memspec", description="Fast-weight memories as specs, compiled to PyTorch.",
+                formatter_class=_HelpFormatter)
     p.add_argument("--version", action="store_true", help="print the version and exit")
     _global_flags(p, top=True)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     _add_parser = sub.add_parser
 
     def add_parser(*a, **kw):
+        kw.setdefault("formatter_class", _HelpFormatter)
         s = _add_parser(*a, **kw)
         _global_flags(s, top=False)
         return s
@@ -330,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("fmt", help="print a spec in canonical form (or convert between YAML and .mem)")
     s.add_argument("file")
-    s.add_argument("--to", choices=["yaml", "mem"])
+    s.add_argument("--to", choices=["yaml", "mem"], help="the output's syntax (default: the input's)")
     s.add_argument("-w", "--write", action="store_true", help="write the result next to the input")
     s.set_defaults(func=cmd_fmt)
 
@@ -344,13 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("diff", help="semantic diff of two specs (exit 0 equal, 1 different, 2 trouble)")
     s.add_argument("a")
     s.add_argument("b")
-    s.add_argument("--format", choices=["text", "markdown", "json", "dot"], default="text")
+    s.add_argument("--format", choices=["text", "markdown", "json", "dot"], default="text", help="output form")
     s.add_argument("--no-graph", action="store_true", help="leave out the dataflow-graph edits")
     s.set_defaults(func=cmd_diff)
 
     s = sub.add_parser("table", help="comparison table of specs (one row per spec)")
     s.add_argument("files", nargs="+")
-    s.add_argument("--format", choices=["markdown", "text", "csv"], default="markdown")
+    s.add_argument("--format", choices=["markdown", "text", "csv"], default="markdown", help="output form")
     s.set_defaults(func=cmd_table)
 
     s = sub.add_parser("lab", help="the seed course's experiments, reproduced from specs (list, run NAME)")
@@ -360,25 +446,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("explain", help="the derived schedule of each spec and the algebra behind it")
     s.add_argument("files", nargs="+")
+    s.add_argument("--brief", action="store_true", help="a few lines per spec: schedule, exact, chunk, why")
     s.set_defaults(func=cmd_explain)
 
     s = sub.add_parser("compile", help="generate the standalone PyTorch module of each spec (compiled/<name>.py)")
     s.add_argument("files", nargs="+")
-    s.add_argument("-o", "--output", default="compiled", help="output folder (default: compiled)")
+    s.add_argument("-o", "--output", default="compiled", help="output folder")
     s.set_defaults(func=cmd_compile)
 
     s = sub.add_parser("bench", help="time every schedule a spec admits, side by side (writes JSON)")
     s.add_argument("files", nargs="+")
-    s.add_argument("--T", type=int, default=2048)
-    s.add_argument("--B", type=int, default=1)
-    s.add_argument("--H", type=int, default=4)
+    s.add_argument("--T", type=int, default=2048, help="tokens per sequence")
+    s.add_argument("--B", type=int, default=1, help="sequences")
+    s.add_argument("--H", type=int, default=4, help="heads")
     s.add_argument("--D", type=int, default=64, help="d_k = d_v = D (other dims keep the spec's sizes)")
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the memory runs")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32", help="inputs' dtype")
     s.add_argument("--repeat", type=int, default=5, help="timed runs per schedule (median reported)")
     s.add_argument("--grad", action="store_true", help="time forward + backward")
     s.add_argument("--compile", action="store_true", help="build with torch.compile (first-call time includes it)")
-    s.add_argument("--schedules", help="comma-separated subset of the admitted schedules")
+    s.add_argument("--schedules", help="comma-separated subset of the schedules the specs run (default: all)")
+    s.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
     s.add_argument("--json", help="write the JSON record here")
     s.set_defaults(func=cmd_bench)
 
@@ -390,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(mean / min / max accuracy; Markdown and JSON)")
     _train_arguments(s, compare=True)
     s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("export", help="write a Hugging Face model folder of a spec (config.json, modeling file, "
+                                      "compiled module, safetensors weights; loads without memspec)")
+    from .export import add_arguments as _export_arguments
+    _export_arguments(s)
+    s.set_defaults(func=cmd_export)
 
     # --- further subcommands register here (compile, explain, bench, diff, table, lab, train)
     for register in _EXTRA_COMMANDS:

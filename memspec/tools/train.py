@@ -98,11 +98,13 @@ class RunResult:
 
 
 # ------------------------------------------------------------------ helpers
-def load_spec(path: str):
-    """Load and check a spec file (raises SpecError with located diagnostics)."""
-    from ..pipeline.build import load_checked
+def load_spec(path: str, *, allow_extends_outside: bool = False, schedule: str | None = None):
+    """Load and check a spec file (raises SpecError with located diagnostics); ``schedule``
+    replaces the spec's own (ValueError when the spec does not admit it)."""
+    from ..pipeline.build import load_checked, with_schedule
 
-    return load_checked(path).spec
+    spec = load_checked(path, allow_extends_outside=allow_extends_outside).spec
+    return spec if schedule is None else with_schedule(spec, schedule)
 
 
 def schedule_name(spec, chunk: int | None = None) -> str:
@@ -546,7 +548,11 @@ def config_from_args(args, usage_error=ValueError) -> TrainConfig:
 def run_cli(args, usage_error) -> int:
     cfg = config_from_args(args, usage_error)
     rank, world = dist_env()
-    specs = [load_spec(f) for f in args.files]          # every spec checked before any training
+    try:                                                # every spec checked before any training
+        specs = [load_spec(f, allow_extends_outside=getattr(args, "allow_extends_outside", False),
+                           schedule=getattr(args, "schedule", None)) for f in args.files]
+    except ValueError as err:
+        raise usage_error(f"--schedule: {err}") from None
     try:
         if args.compare:
             from ..pipeline.write import write_atomic
