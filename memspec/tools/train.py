@@ -6,7 +6,8 @@ through the chain of inner updates (seed text §4.4-4.5).
 
 ``train(spec, cfg)`` returns a :class:`RunResult`; with ``cfg.out`` it writes
 ``log.json`` (config, loss per step, held-out accuracy, throughput) and
-``checkpoint.pt`` (state dict + the spec text + the config).  ``compare(specs, cfg,
+``checkpoint.pt`` (state dict + the spec text + the config); with ``cfg.save_hf`` the
+trained model as a Hugging Face folder (:func:`memspec.tools.export.export`).  ``compare(specs, cfg,
 seeds=N)`` trains each spec under the same budget for each of N seeds (seed s: the same
 initialisation seed and the same batches for every spec); :func:`summarize` gathers the
 runs per spec (mean, min and max accuracy), :func:`markdown_table` and
@@ -62,6 +63,7 @@ class TrainConfig:
     eval_size: int = 256
     compile: bool = False
     out: str | None = None
+    save_hf: str | None = None      # also write the trained model as a Hugging Face folder (memspec export)
     progress: bool = True
 
     def task_(self, split: str = "train") -> MQAR | TextTask:
@@ -311,6 +313,11 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         write_atomic(out / "log.json", json.dumps(record, indent=1) + "\n")
         _save_checkpoint(out / "checkpoint.pt", {"state_dict": model.state_dict(), "spec_text": text,
                                                  "spec_name": spec.name, "config": asdict(cfg)})
+    if cfg.save_hf and main_process:
+        from ..hf import from_memory_lm
+        from .export import export
+
+        export(spec, cfg.save_hf, model=from_memory_lm(model, **model_dims(spec, cfg)))
     return result
 
 
@@ -529,9 +536,16 @@ def config_from_args(args, usage_error=ValueError) -> TrainConfig:
     data = getattr(args, "data", None)
     if data is not None and args.task != "text":
         raise usage_error("--data is for the text task (--task text)")
+    if getattr(args, "save_hf", None):
+        try:
+            import safetensors  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError:
+            raise usage_error("--save-hf needs transformers and safetensors: pip install 'memspec[hf]'") from None
     if args.task == "text" and "vocab" in over and over["vocab"] != 256:
         raise usage_error(f"--vocab: the text task's vocabulary is the 256 byte values, got {over['vocab']}")
-    cfg = TrainConfig(task=args.task, data=data, compile=args.compile, out=args.out, progress=not args.no_progress,
+    cfg = TrainConfig(task=args.task, data=data, save_hf=getattr(args, "save_hf", None), compile=args.compile,
+                      out=args.out, progress=not args.no_progress,
                       dims=dims, **over)
     try:
         cfg.task_()
@@ -581,12 +595,14 @@ def run_cli(args, usage_error) -> int:
                 print(f"{r.spec}: schedule {r.schedule}, {r.parameters:,} parameters, held-out {r.bits_per_byte:.3f} "
                       f"bits per byte (next-byte accuracy {r.accuracy:.3f}), final loss {r.losses[-1]:.4f}, "
                       f"{r.tokens_per_s:,.0f} tokens/s, {r.seconds:.1f} s"
-                      + (f"; wrote {cfg.out}/log.json and {cfg.out}/checkpoint.pt" if cfg.out else ""))
+                      + (f"; wrote {cfg.out}/log.json and {cfg.out}/checkpoint.pt" if cfg.out else "")
+                      + (f"; wrote the Hugging Face folder {cfg.save_hf}" if cfg.save_hf else ""))
             elif rank == 0:
                 print(f"{r.spec}: schedule {r.schedule}, {r.parameters:,} parameters, held-out recall accuracy "
                       f"{r.accuracy:.3f} (chance {r.chance:.3f}), final loss {r.losses[-1]:.4f}, "
                       f"{r.tokens_per_s:,.0f} tokens/s, {r.seconds:.1f} s"
-                      + (f"; wrote {cfg.out}/log.json and {cfg.out}/checkpoint.pt" if cfg.out else ""))
+                      + (f"; wrote {cfg.out}/log.json and {cfg.out}/checkpoint.pt" if cfg.out else "")
+                      + (f"; wrote the Hugging Face folder {cfg.save_hf}" if cfg.save_hf else ""))
     except FloatingPointError as err:
         print(f"memspec: error: {err}", file=sys.stderr)
         return 1
