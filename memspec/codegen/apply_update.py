@@ -10,28 +10,69 @@ runs the update statements once with the sums (update).
 """
 from __future__ import annotations
 
-from ..lang.expr import unparse
+from ..lang.expr import Name, unparse
 from ..lang.names import fresh
+from .exprs import CodegenError
 from .online import block_sums_in, block_sums_out
-from .program import assign_line, summed
+from .program import assign_line, closed_grad_lines, live_steps, summed, weighted_grad_sum
 from .text import shape_text, tuple_text
 
 
 def emit(ctx, L) -> None:
     plan = ctx.plans["apply_update"]
     accs = ctx.block_accs(plan.blocks)
-    forward(ctx, L, accs)
+    cgs = rows_grads(ctx, plan)
+    if cgs is not None:
+        inputs = step_inputs(ctx, plan, cgs)
+        forward(ctx, L, accs, rows=True, inputs=inputs)
+        rows_chunk_step(ctx, L, plan, accs, cgs, inputs)
+        return
+    forward(ctx, L, accs, rows=False)
     chunk_loss(ctx, L)
     chunk_step(ctx, L, plan, accs)
 
 
-def forward(ctx, L, accs) -> None:
+def rows_grads(ctx, plan):
+    """target -> its closed-form gradient program when the chunk step can run as products of the
+    chunk's rows (every summed gradient in closed form, the model and the read written for
+    vectors), else None (the chunk step takes ``torch.func.grad`` of the weighted chunk loss)."""
+    targets = [t for wg in plan.weights for t in wg.targets]
+    cgs = {}
+    for t in targets:
+        cg = next((cg for cg in ctx.closed_grads.values() if cg.of(t)), None)
+        if cg is None:
+            return None
+        cgs[t] = cg
+    try:
+        ctx.emitter(rows=True).emit(ctx.spec.read)
+    except CodegenError:
+        return None
+    return cgs
+
+
+def step_inputs(ctx, plan, cgs) -> list:
+    """The token-local values the rows chunk step reads (views, gates, lets), in that order."""
+    spec = ctx.spec
+    exprs = [spec.read] + [wg.weight for wg in plan.weights] + [spec.update[b.index].value for b in plan.blocks]
+    names = set()
+    for cg in dict.fromkeys(cgs.values()):
+        steps = live_steps(cg, [t for t, g in cgs.items() if g is cg])
+        exprs += [st.value for st in steps]
+        names |= {x for site in cg.sites for x in (site.input, site.delta) if x}
+    if spec.model is not None:
+        exprs.append(spec.model.body)
+    names |= {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
+    return [n for n in ctx.views + ctx.gates + ctx.let_order() if n in names]
+
+
+def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
     taken = ctx.taken()
-    sv = ctx.views + ctx.gates
+    sv = inputs if rows else ctx.views + ctx.gates
     carried = ctx.states + [a.name for a in accs]
     c, T, t, n, pos = (fresh(x, taken) for x in ("C", "T", "t", "n", "pos"))
     outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
-    L(f"def _forward_apply_update(self, {', '.join(sv + ['state'])}):")
+    axis = 2 if rows else 1
+    L(f"def _forward_apply_update(self, {', '.join(ctx.views + ctx.gates + ['state'])}):")
     with L.indent():
         L('"""' + "Apply, then update: chunks of `self.chunk` tokens at positions 0, C, 2C, ... of the stream.")
         L()
@@ -41,22 +82,113 @@ def forward(ctx, L, accs) -> None:
         L("state['every.<state>.<k>'], so that streaming in pieces gives the same numbers as one call.")
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
+        if rows:
+            raw = ctx.views + ctx.gates
+            L(f"{', '.join(raw)}{',' if len(raw) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in "
+              f"{tuple_text(raw)})", "head-major [B, H, T, ...], once: a chunk's rows are contiguous")
+            em = ctx.emitter(rows=True)
+            needed = {x for x in sv if x in ctx.spec.let}
+            for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
+                if name in needed:
+                    needed |= {x.id for x in ctx.spec.let[name].walk() if isinstance(x, Name)}
+            for name in ctx.let_order():
+                if name in needed:
+                    L(f"{name} = {em.emit(ctx.spec.let[name])}", shape_text("B, H, T", ctx.shape(Name(name)))
+                      + ": token-local, once over the sequence")
         L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}]' for s in ctx.states)}")
-        block_sums_in(ctx, L, pos, accs)
+        if rows:   # a chunk's sums so far (None: no token of the chunk yet)
+            L(f"{pos} = state.get(\"every.pos\", 0)", "a Python int: the position in the chunks")
+            for a in accs:
+                L(f"{a.name} = state.get({a.key!r})", f"the chunk's sum of {unparse(a.term)} so far, or None")
+        else:
+            block_sums_in(ctx, L, pos, accs)
         L(f"{outs} = []")
         L(f"{t} = 0")
         L(f"while {t} < {T}:")
         with L.indent():
             L(f"{n} = min({c} - {pos}, {T} - {t})")
             L(f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size")
-            args = carried + [f"{x}[:, {t}:{t} + {n}]" for x in sv] + [f"{pos} + {n} == {c}"]
+            cut = f"[:, :, {t}:{t} + {n}]" if rows else f"[:, {t}:{t} + {n}]"
+            args = carried + [f"{x}{cut}" for x in sv] + [f"{pos} + {n} == {c}"]
             L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
             L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
         block_sums_out(ctx, L, pos, accs, c)
-        L(f"return torch.cat({outs}, dim=1), state")
+        o = f"torch.cat({outs}, dim={axis})"
+        L(f"return {o}.transpose(1, 2), state" if rows else f"return {o}, state")
     L()
+
+
+def rows_chunk_step(ctx, L, plan, accs, cgs, inputs) -> None:
+    """The chunk step as products of the chunk's rows (head-major): the read of every row at the
+    held state, the loss's closed-form gradient program over all rows at once, and each summed,
+    weighted gradient as one product ``x^T (weight * delta)``."""
+    spec = ctx.spec
+    taken = ctx.taken()
+    carried = ctx.states + [a.name for a in accs]
+    last = fresh("last", taken)
+    L(f"def _update_step(self, {', '.join(carried + inputs + [last])}):")
+    with L.indent():
+        L('"""' + "A chunk (or a piece of one) of C tokens, head-major: " + ", ".join(
+            f"{x} " + shape_text("B, H, C", ctx.shape(Name(x))) for x in inputs) + ";")
+        L(", ".join(ctx.states) + ": the state every token of the chunk reads [B, H, ...]; "
+          + ", ".join(a.name for a in accs) + ": the chunk's gradient sums so far;")
+        L(f"{last}: does this piece end the chunk.  Returns (o " + shape_text("B, H, C", ctx.read_shape())
+          + ", the state and sums after it).")
+        L('"""')
+        em = ctx.emitter(rows=True)
+        L(f"o = {em.emit(spec.read)}", shape_text("B, H, C", ctx.read_shape()) + ": apply: every row reads the held state")
+        # the loss's gradient program over the rows, once per distinct program
+        done = []
+        for t, cg in cgs.items():
+            if cg not in done:
+                done.append(cg)
+                mine = [x for x, g in cgs.items() if g is cg]
+                closed_grad_lines(ctx, L, em, cg, mine, taken, "the rows at the held state", prefix="B, H, C")
+        sums: dict = {}
+        for i, wg in enumerate(plan.weights):
+            for s in wg.targets:
+                sums[(i, s)] = fresh(f"sum_{s}", taken)
+                L(f"{sums[(i, s)]} = {weighted_grad_sum(ctx, em, cgs[s], s, wg.weight)}",
+                  shape_text("B, H", spec.state[s].shape) + f": sum_t {unparse(wg.weight)} grad(loss, {s})_t")
+        for a in accs:
+            k = [x for x in accs if x.index == a.index].index(a)
+            refs = [(sign, sums[(i, s)]) for sign, i, s in plan.terms[(a.index, k)]]
+            first = _signed(refs)
+            first = first[2:] if first.startswith("+ ") else "-" + first[2:]
+            L(f"{a.name} = {first} if {a.name} is None else {a.name} {_signed(refs)}",
+              shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
+        update_lines(ctx, L, plan, accs, last, rows=True)
+        L(f"return o, {tuple_text(carried)}")
+    L()
+
+
+def update_lines(ctx, L, plan, accs, last: str, rows: bool) -> None:
+    """At the chunk's last token: the update statements once, with the chunk's sums (other
+    per-token values: the last token's), the sums reset; write_read: the last token reads anew."""
+    spec = ctx.spec
+    cut = "[:, :, -1]" if rows else "[:, -1]"
+    L(f"if {last}:", "update: the statements once, with the chunk's sums (other values: the last token's)")
+    with L.indent():
+        lastnames = {n: f"{n}{cut}" for n in ctx.views + ctx.gates + ctx.let_order()}
+        for b in plan.blocks:
+            mine = [a for a in accs if a.index == b.index]
+            value, scope = summed(spec.update[b.index].value, mine)
+            assign_line(L, ctx.emitter(names=dict(lastnames)).with_scope(**scope), b.target,
+                        spec.state[b.target], value)
+        for a in accs:
+            L(f"{a.name} = None" if rows else f"{a.name} = torch.zeros_like({a.name})")
+        if spec.order == "write_read":   # the chunk's last token reads after the update
+            tail = "[:, :, -1:]" if rows else "[:, -1:]"
+            lastin = {n: f"{n}{tail}" for n in ctx.views + ctx.gates + ctx.let_order()}
+            if rows:
+                ol = ctx.emitter(names=lastin, rows=True)
+                L(f"o = torch.cat([o[:, :, :-1], {ol.emit(spec.read)}], dim=2)", "the last token reads the new state")
+            else:
+                new = {s: f"{s}.unsqueeze(1)" for s in ctx.states}
+                ol = ctx.emitter(names={**lastin, **new})
+                L(f"o = torch.cat([o[:, :-1], {ol.emit(spec.read)}], dim=1)", "the last token reads the new state")
 
 
 def chunk_loss(ctx, L) -> None:
@@ -113,22 +245,7 @@ def chunk_step(ctx, L, plan, accs) -> None:
             k = [x for x in accs if x.index == a.index].index(a)
             refs = [(sign, f"{sums[(i, s)]}.squeeze(1)") for sign, i, s in plan.terms[(a.index, k)]]
             L(f"{a.name} = {a.name} {_signed(refs)}", shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
-        # update: once, at the chunk's last token, with the sums
-        L(f"if {last}:", "update: the statements once, with the chunk's sums (other values: the last token's)")
-        with L.indent():
-            lastnames = {n: f"{n}[:, -1]" for n in ctx.views + ctx.gates + ctx.let_order()}
-            for b in plan.blocks:
-                mine = [a for a in accs if a.index == b.index]
-                value, scope = summed(spec.update[b.index].value, mine)
-                assign_line(L, ctx.emitter(names=dict(lastnames)).with_scope(**scope), b.target,
-                            spec.state[b.target], value)
-            for a in accs:
-                L(f"{a.name} = torch.zeros_like({a.name})")
-            if spec.order == "write_read":   # the chunk's last token reads after the update
-                lastin = {n: f"{n}[:, -1:]" for n in ctx.views + ctx.gates + ctx.let_order()}
-                new = {s: f"{s}.unsqueeze(1)" for s in ctx.states}
-                ol = ctx.emitter(names={**lastin, **new})
-                L(f"o = torch.cat([o[:, :-1], {ol.emit(spec.read)}], dim=1)", "the last token reads the new state")
+        update_lines(ctx, L, plan, accs, last, rows=False)
         L(f"return o, {tuple_text(carried)}")
     L()
 

@@ -20,6 +20,13 @@ free.  Usage::
     em.helpers                                   # {'l2norm'}: module-level helpers the code calls
     ExprEmitter(spec, names={"W": "W_seq"})      # write a spec name as another local
 
+**Rows** (``rows=True``): the tokens of a chunk that share one held state, head-major.  Every
+token-local value (views, gates, lets, temporaries) is ``[B, H, C, *shape]``: its rows are the
+chunk's tokens; states, params and numbers have no row axis (``[B, H, *shape]``, ``[H, *shape]``).
+A vector times a held matrix is then one product of the rows, ``x @ W`` (``[B, H, C, d] @
+[B, H, d, h]``), never a per-token broadcast of the weights; a held value meeting a row value in
+any other operation gains the row axis (``.unsqueeze(-r - 1)``); the model is applied inline.
+
 ``helpers`` collects the names of the :mod:`memspec.runtime.helpers` functions that
 emitted code calls (``layernorm``, ``rmsnorm``, ``l2norm``, ``huber``, ``attend``,
 ``append``); they are named after the language's functions, which a spec can never use
@@ -30,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, is_diag, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, is_diag, substitute, unparse
 from ..lang.shapes import ShapeEnv, steps_value
 from .text import inert
 
@@ -56,6 +63,7 @@ class Code:
     prec: int = P_ATOM
     rank: int = 0            # rank of the named (trailing) shape
     number: bool = False     # a plain Python number (dims, constants, literals)
+    row: bool = False        # rows mode: has the row axis before its named shape
 
     def at(self, prec: int) -> str:
         """The text, parenthesised if it binds looser than ``prec``."""
@@ -77,6 +85,7 @@ class ExprEmitter:
             ``{states}`` the model's states, e.g. ``"self.f({u}, {states})"``.
         like: code of a tensor in scope whose dtype and device ``eye(d)`` uses.
         self_name: how the generated code refers to the module (``self``).
+        rows: token-local values carry a row axis after the heads (see the module docstring).
     """
 
     spec: object
@@ -88,6 +97,7 @@ class ExprEmitter:
     attr: dict = field(default_factory=dict)
     helpers: set = field(default_factory=set)
     scope: dict = field(default_factory=dict)     # extra name -> shape (e.g. the model argument)
+    rows: bool = False
 
     def __post_init__(self):
         self.env = ShapeEnv.from_spec(self.spec)
@@ -103,7 +113,7 @@ class ExprEmitter:
     def with_scope(self, **shapes) -> "ExprEmitter":
         """A copy that knows extra local names (e.g. the model argument) with shapes."""
         new = ExprEmitter(self.spec, dict(self.names), dict(self.grads), self.model, self.like,
-                          self.self_name, self.attr, self.helpers, {**self.scope, **shapes})
+                          self.self_name, self.attr, self.helpers, {**self.scope, **shapes}, self.rows)
         return new
 
     # ------------------------------------------------------------ public
@@ -116,18 +126,19 @@ class ExprEmitter:
         n = e.id
         spec = self.spec
         rank = len(self.shape(e))
+        row = self.rows and n not in spec.state and n not in spec.params   # rows mode: token-local
         if n in self.names:
             is_num = n in spec.dims or n in spec.constants
-            return Code(self.names[n], P_ATOM, rank, number=is_num)
+            return Code(self.names[n], P_ATOM, rank, number=is_num, row=row and not is_num)
         if n in self.scope:
-            return Code(n, P_ATOM, rank)
+            return Code(n, P_ATOM, rank, row=row)
         if n in spec.dims:
             return Code(f"{self.self_name}.{self.attr.get(n, n)}", P_ATOM, 0, number=True)
         if n in spec.constants:
             return self._num(spec.constants[n])
         if n in spec.params:
             return Code(f"{self.self_name}.{self.attr.get(n, n)}", P_ATOM, rank)
-        return Code(n, P_ATOM, rank)
+        return Code(n, P_ATOM, rank, row=row)
 
     @staticmethod
     def _num(v) -> Code:
@@ -143,10 +154,15 @@ class ExprEmitter:
             return self._name(e)
         if isinstance(e, Neg):
             x = self._emit(e.operand)
-            return Code(f"-{x.at(P_NEG)}", P_NEG, x.rank, x.number)
+            return Code(f"-{x.at(P_NEG)}", P_NEG, x.rank, x.number, x.row)
+        if isinstance(e, Transpose) and isinstance(e.operand, Call) and e.operand.fn == "l2norm" \
+                and isinstance(e.operand.args[0], Transpose):   # l2norm(x.T).T: x's columns, no transposes
+            x = self._emit(e.operand.args[0].operand)
+            self.helpers.add("_l2norm_columns")
+            return Code(f"_l2norm_columns({x.text})", P_ATOM, x.rank, row=x.row)
         if isinstance(e, Transpose):
             x = self._emit(e.operand)
-            return Code(f"{x.at(P_ATOM)}.transpose(-2, -1)", P_ATOM, x.rank)
+            return Code(f"{x.at(P_ATOM)}.transpose(-2, -1)", P_ATOM, x.rank, row=x.row)
         if isinstance(e, BinOp):
             return self._binop(e)
         if isinstance(e, Call):
@@ -163,6 +179,14 @@ class ExprEmitter:
             return f"{x.at(P_ATOM)}[..., {', '.join(['None'] * k)}]"
         return x.at(P_ATOM) + f".unsqueeze({-x.rank - 1})" * k
 
+    @staticmethod
+    def _rowed(xs: list[Code]) -> list[Code]:
+        """Rows mode: when one of ``xs`` has the row axis, the held tensors among them gain it."""
+        if not any(x.row for x in xs):
+            return xs
+        return [x if x.row or x.number else Code(f"{x.at(P_ATOM)}.unsqueeze({-x.rank - 1})", P_ATOM, x.rank, row=True)
+                for x in xs]
+
     def _aligned(self, xs: list[Code]) -> tuple[list[str], int]:
         """Texts of ``xs`` lifted to a common rank (numpy trailing broadcasting)."""
         rank = max(x.rank for x in xs)
@@ -177,6 +201,7 @@ class ExprEmitter:
         a, b = self._emit(e.left), self._emit(e.right)
         if e.op == "@":
             return self._matmul(a, b, e)
+        a, b = self._rowed([a, b])
         number = a.number and b.number
         (la, lb), rank = self._aligned([a, b])
         prec = {"+": P_ADD, "-": P_ADD, "*": P_MUL, "/": P_MUL, "^": P_POW}[e.op]
@@ -187,26 +212,32 @@ class ExprEmitter:
         else:
             left = la if la is not None else a.at(prec)
             right = lb if lb is not None else b.at(prec + 1)
-        return Code(f"{left} {op} {right}", prec, rank, number)
+        return Code(f"{left} {op} {right}", prec, rank, number, a.row or b.row)
 
     def _diag_matmul(self, e: BinOp) -> Code:
         """``diag(d) @ X`` scales the rows of X, ``X @ diag(d)`` its columns (no diagonal matrix)."""
         left = is_diag(e.left)
-        d = self._emit((e.left if left else e.right).args[0])
-        x = self._emit(e.right if left else e.left)
+        d, x = self._rowed([self._emit((e.left if left else e.right).args[0]), self._emit(e.right if left else e.left)])
         dt = f"{d.at(P_ATOM)}.unsqueeze({-1 if left else -2})" if x.rank == 2 else d.at(P_MUL)
-        return Code(f"{dt} * {x.at(P_MUL + 1)}" if left else f"{x.at(P_MUL)} * {dt}", P_MUL, x.rank)
+        return Code(f"{dt} * {x.at(P_MUL + 1)}" if left else f"{x.at(P_MUL)} * {dt}", P_MUL, x.rank, row=x.row)
 
     def _matmul(self, a: Code, b: Code, e: Expr) -> Code:
         ra, rb = a.rank, b.rank
+        if a.row and not b.row and (ra, rb) == (1, 2):   # rows times a held matrix: one product
+            return Code(f"{a.at(P_MUL)} @ {b.at(P_MUL + 1)}", P_MUL, 1, row=True)
+        if b.row and not a.row and (ra, rb) == (2, 1):   # a held matrix times each row: rows @ A^T
+            return Code(f"{b.at(P_MUL)} @ {a.at(P_ATOM)}.transpose(-2, -1)", P_MUL, 1, row=True)
+        if a.row != b.row:
+            a, b = self._rowed([a, b])
+        row = a.row
         if ra == 1 and rb == 2:
-            return Code(f"({a.at(P_ATOM)}.unsqueeze(-2) @ {b.at(P_MUL + 1)}).squeeze(-2)", P_ATOM, 1)
+            return Code(f"({a.at(P_ATOM)}.unsqueeze(-2) @ {b.at(P_MUL + 1)}).squeeze(-2)", P_ATOM, 1, row=row)
         if ra == 2 and rb == 2:
-            return Code(f"{a.at(P_MUL)} @ {b.at(P_MUL + 1)}", P_MUL, 2)
+            return Code(f"{a.at(P_MUL)} @ {b.at(P_MUL + 1)}", P_MUL, 2, row=row)
         if ra == 2 and rb == 1:
-            return Code(f"({a.at(P_MUL)} @ {b.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1)
+            return Code(f"({a.at(P_MUL)} @ {b.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1, row=row)
         if ra == 1 and rb == 1:
-            return Code(f"({a.at(P_MUL)} * {b.at(P_MUL + 1)}).sum(-1)", P_ATOM, 0)
+            return Code(f"({a.at(P_MUL)} * {b.at(P_MUL + 1)}).sum(-1)", P_ATOM, 0, row=row)
         raise CodegenError(f"`{unparse(e)}`: @ needs vectors or matrices (ranks {ra} and {rb})")
 
     # ------------------------------------------------------------ calls
@@ -216,7 +247,7 @@ class ExprEmitter:
         if spec.model is not None and fn == spec.model.name:
             return self._model_call(e)
         if unparse(e) in self.grads:  # computed by the caller (grad(...), attend(...) over a sequence)
-            return Code(self.grads[unparse(e)], P_ATOM, len(self.shape(e)))
+            return Code(self.grads[unparse(e)], P_ATOM, len(self.shape(e)), row=self.rows)
         if fn == "grad":
             raise CodegenError(f"`{unparse(e)}` has no precomputed value here")
         if fn in _TORCH_ELEMENTWISE:
@@ -225,75 +256,81 @@ class ExprEmitter:
                 if fn in _MATH_ELEMENTWISE:
                     return Code(f"{_MATH_ELEMENTWISE[fn]}({x.text})", P_ATOM, 0, number=True)
                 return Code(f"{_TORCH_ELEMENTWISE[fn]}(torch.tensor({x.text})).item()", P_ATOM, 0, number=True)
-            return Code(f"{_TORCH_ELEMENTWISE[fn]}({x.text})", P_ATOM, x.rank)
+            return Code(f"{_TORCH_ELEMENTWISE[fn]}({x.text})", P_ATOM, x.rank, row=x.row)
         if fn in ("sum", "mean", "norm") and len(args) == 2:
             x = self._emit(args[0])
             dim = self._axis(e)
+            if fn == "norm" and dim != -1:   # a strided reduction is 3-4x slower: the axis made last first
+                return Code(f"torch.linalg.vector_norm({x.at(P_ATOM)}.movedim({dim}, -1).contiguous(), dim=-1)",
+                            P_ATOM, x.rank - 1, row=x.row)
             if fn == "norm":
-                return Code(f"torch.linalg.vector_norm({x.text}, dim={dim})", P_ATOM, x.rank - 1)
-            return Code(f"{x.at(P_ATOM)}.{fn}({dim})", P_ATOM, x.rank - 1)
+                return Code(f"torch.linalg.vector_norm({x.text}, dim={dim})", P_ATOM, x.rank - 1, row=x.row)
+            return Code(f"{x.at(P_ATOM)}.{fn}({dim})", P_ATOM, x.rank - 1, row=x.row)
         if fn == "softmax":
             x = self._emit(args[0])
-            return Code(f"torch.softmax({x.text}, dim={self._axis(e)})", P_ATOM, x.rank)
+            return Code(f"torch.softmax({x.text}, dim={self._axis(e)})", P_ATOM, x.rank, row=x.row)
         if fn == "newton_schulz":
             x = self._emit(args[0])
             self.helpers.add(fn)
-            return Code(f"newton_schulz({x.text}, {steps_value(args[1])})", P_ATOM, 2)
+            return Code(f"newton_schulz({x.text}, {steps_value(args[1])})", P_ATOM, 2, row=x.row)
         if fn in ("sum", "mean", "norm"):
             x = self._emit(args[0])
             if x.rank == 0:
                 if fn == "norm":
-                    return Code(f"abs({x.text})" if x.number else f"{x.at(P_ATOM)}.abs()", P_ATOM, 0, x.number)
+                    return Code(f"abs({x.text})" if x.number else f"{x.at(P_ATOM)}.abs()", P_ATOM, 0, x.number,
+                                x.row)
                 return x
             dims = "-1" if x.rank == 1 else "(" + ", ".join(str(-i) for i in range(x.rank, 0, -1)) + ")"
             if fn == "norm":
-                return Code(f"torch.linalg.vector_norm({x.text}, dim={dims})", P_ATOM, 0)
-            return Code(f"{x.at(P_ATOM)}.{fn}({dims})", P_ATOM, 0)
+                return Code(f"torch.linalg.vector_norm({x.text}, dim={dims})", P_ATOM, 0, row=x.row)
+            return Code(f"{x.at(P_ATOM)}.{fn}({dims})", P_ATOM, 0, row=x.row)
         if fn in ("layernorm", "rmsnorm"):
-            xs = [self._emit(a) for a in args]
+            xs = self._rowed([self._emit(a) for a in args])
             self.helpers.add(fn)
-            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, xs[0].rank)
+            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, xs[0].rank, row=xs[0].row)
         if fn in DERIVATIVE_HELPERS:   # the closed-form gradients' derivatives (memspec.schedule.backprop)
-            xs = [self._emit(a) for a in args]
+            xs = self._rowed([self._emit(a) for a in args])
             self.helpers.add(fn)
-            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, max(x.rank for x in xs))
+            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, max(x.rank for x in xs), row=xs[0].row)
         if fn == "l2norm":
             x = self._emit(args[0])
             self.helpers.add(fn)
-            return Code(f"l2norm({x.text})", P_ATOM, x.rank)
+            return Code(f"l2norm({x.text})", P_ATOM, x.rank, row=x.row)
         if fn == "outer":
-            a, b = self._emit(args[0]), self._emit(args[1])
-            return Code(f"{a.at(P_ATOM)}.unsqueeze(-1) * {b.at(P_ATOM)}.unsqueeze(-2)", P_MUL, 2)
+            a, b = self._rowed([self._emit(args[0]), self._emit(args[1])])
+            return Code(f"{a.at(P_ATOM)}.unsqueeze(-1) * {b.at(P_ATOM)}.unsqueeze(-2)", P_MUL, 2, row=a.row)
         if fn == "huber":
-            xs = [self._emit(a) for a in args]
+            xs = self._rowed([self._emit(a) for a in args])
             texts, rank = self._aligned(xs)
             self.helpers.add(fn)
             return Code(f"huber({', '.join(t if t is not None else x.text for t, x in zip(texts, xs))})",
-                        P_ATOM, rank)
+                        P_ATOM, rank, row=any(x.row for x in xs))
         if fn in ("min", "max"):
-            a, b = self._emit(args[0]), self._emit(args[1])
+            a, b = self._rowed([self._emit(args[0]), self._emit(args[1])])
+            row = a.row or b.row
             if a.number and b.number:
                 return Code(f"{fn}({a.text}, {b.text})", P_ATOM, 0, True)
             if a.number or b.number:
                 t, n = (b, a) if a.number else (a, b)
                 kw = "max" if fn == "min" else "min"
-                return Code(f"{t.at(P_ATOM)}.clamp({kw}={n.text})", P_ATOM, t.rank)
+                return Code(f"{t.at(P_ATOM)}.clamp({kw}={n.text})", P_ATOM, t.rank, row=row)
             (la, lb), rank = self._aligned([a, b])
             torch_fn = "torch.minimum" if fn == "min" else "torch.maximum"
-            return Code(f"{torch_fn}({la or a.text}, {lb or b.text})", P_ATOM, rank)
+            return Code(f"{torch_fn}({la or a.text}, {lb or b.text})", P_ATOM, rank, row=row)
         if fn == "clamp":
-            x, lo, hi = (self._emit(a) for a in args)
+            x, lo, hi = self._rowed([self._emit(a) for a in args])
             if x.number and lo.number and hi.number:
                 return Code(f"min(max({x.text}, {lo.text}), {hi.text})", P_ATOM, 0, True)
             texts, rank = self._aligned([x, lo, hi])
             tx = texts[0] or (f"torch.as_tensor({x.text})" if x.number else x.at(P_ATOM))
             tlo, thi = (t or c.text for t, c in zip(texts[1:], (lo, hi)))
-            return Code(f"{tx}.clamp(min={tlo}).clamp(max={thi})", P_ATOM, rank)
+            return Code(f"{tx}.clamp(min={tlo}).clamp(max={thi})", P_ATOM, rank, row=x.row or lo.row or hi.row)
         if fn == "solve":
-            A, B = self._emit(args[0]), self._emit(args[1])
+            A, B = self._rowed([self._emit(args[0]), self._emit(args[1])])
             if B.rank == 1:
-                return Code(f"torch.linalg.solve({A.text}, {B.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1)
-            return Code(f"torch.linalg.solve({A.text}, {B.text})", P_ATOM, 2)
+                return Code(f"torch.linalg.solve({A.text}, {B.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1,
+                            row=B.row)
+            return Code(f"torch.linalg.solve({A.text}, {B.text})", P_ATOM, 2, row=B.row)
         if fn == "eye":
             d = self._emit(args[0])
             like = self.like
@@ -301,6 +338,8 @@ class ExprEmitter:
                 raise CodegenError("eye(d) needs a tensor in scope for its dtype and device")
             return Code(f"torch.eye({d.text}, dtype={like}.dtype, device={like}.device)", P_ATOM, 2)
         if fn == "attend":
+            if self.rows:
+                raise CodegenError("attend(...) has no rows form")
             xs = [self._emit(a) for a in args]
             self.helpers.add(fn)
             texts = [x.text for x in xs[:3]]
@@ -318,6 +357,10 @@ class ExprEmitter:
 
     def _model_call(self, e: Call) -> Code:
         spec = self.spec
+        if self.rows:   # the model inline: its products are products of the rows
+            if len(self.shape(e.args[0])) != 1:
+                raise CodegenError(f"`{unparse(e)}`: rows apply the model to vectors only")
+            return self._emit(substitute(spec.model.body, {spec.model.arg: e.args[0]}))
         u = self._emit(e.args[0])
         arg = self.shape(e.args[0])
         shape = self.shape(e)

@@ -19,7 +19,7 @@ from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled, _in_slices
 from ..runtime.wiring import source as wiring_source
 from ..schedule.decide import ScheduleDecision
-from . import additive, apply_update, cache, delta, dplr, layer, minibatch, momentum, online
+from . import additive, apply_update, cache, delta, dplr, layer, minibatch, momentum, online, scan
 from .context import Context, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
@@ -28,10 +28,10 @@ from .text import Lines, dims_text, inert, shape_text, string_pieces
 
 # one emitter per schedule family (the rows of memspec.schedule.decide.FAMILIES)
 EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "dplr": dplr, "minibatch": minibatch,
-            "online": online, "momentum": momentum, "apply_update": apply_update}
+            "online": online, "momentum": momentum, "apply_update": apply_update, "scan": scan}
 # the order the families' methods appear in the generated class
-EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum")
-CHUNKED = {"additive", "delta", "dplr", "momentum"}   # the exact chunked families (one kernel call each)
+EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum", "scan")
+CHUNKED = {"additive", "delta", "dplr", "momentum", "scan"}   # the exact chunked families (one kernel call each)
 SLICE_CHUNKS = 8   # compile=True: chunks per compiled call of an exact chunked forward
 
 
@@ -46,7 +46,7 @@ def compiles_chunked(ctx) -> bool:
     return plan is None or not additive.per_channel(plan, ctx.emitter())
 FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
                   "additive": "_forward_chunk", "delta": "_forward_chunk", "dplr": "_forward_chunk",
-                  "momentum": "_forward_chunk", "apply_update": "_forward_apply_update"}
+                  "momentum": "_forward_chunk", "scan": "_forward_chunk", "apply_update": "_forward_apply_update"}
 SCHEDULE_TEXT = {
     "online": "online: one token at a time (exact)",
     "cache": "cache: scaled_dot_product_attention over [past cache | new tokens] with a causal{window} mask (exact)",
@@ -55,6 +55,7 @@ SCHEDULE_TEXT = {
     "delta": "delta rule chunked form (WY / UT), chunk {chunk} (exact)",
     "dplr": "diagonal-plus-low-rank chunked form (WY / UT), chunk {chunk} (exact)",
     "momentum": "momentum delta rule chunked form (two coupled states), chunk {chunk} (exact)",
+    "scan": "elementwise scan (h <- a * h + b, every token's state), chunk {chunk} (exact)",
     "apply_update": "apply_update({chunk}): each chunk reads the state the previous chunk left, then every state "
                     "updates once with the chunk's summed gradient terms (approximate; chunk 1 equals online)",
 }
@@ -365,7 +366,7 @@ def forward(ctx, L):
         L(f"if {T} == 0:", "no tokens: every schedule returns an empty output and the state as it was")
         L(f"    return {ctx.first}.new_zeros({B}, 0, {ctx.first}.shape[2]{out_dims}), state")
         args = ", ".join(ctx.views + ctx.gates + ["state"])
-        for fam in ("minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum"):
+        for fam in ("minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum", "scan"):
             if fam in ctx.schedules:
                 L(f"if schedule == {fam!r}:")
                 if fam in CHUNKED and compiles_chunked(ctx):

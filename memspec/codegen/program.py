@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from ..lang.expr import BinOp, Call, Name, Transpose, rewrite, unparse
 from ..lang.names import fresh
+from ..schedule.algebra import is_num
+from .exprs import P_ATOM, P_MUL
 from .text import shape_text
 
 
@@ -39,28 +41,51 @@ def grad_call_line(ctx, L, group, taken: set, where: str, em=None) -> dict:
     return {unparse(c): outs[grad_target(ctx, c)] for c in group}
 
 
-def closed_grad_lines(ctx, L, em, cg, targets, taken: set, where: str) -> dict:
+def live_steps(cg, targets) -> list:
+    """The steps of ``cg`` that the gradients of ``targets`` need (a forward value no adjoint
+    reads, e.g. the output of a layer the loss is linear in, is not computed)."""
+    need = set()
+    for t in targets:
+        for site in cg.of(t):
+            need |= {site.delta} | ({site.input} if site.input else set())
+    live = []
+    for st in reversed(cg.forward + cg.backward):
+        if st.name in need:
+            live.append(st)
+            need |= {n.id for n in st.value.walk() if isinstance(n, Name)}
+    return live[::-1]
+
+
+def step_expr(st):
+    """A gradient step's value as an expression of the language (its state written out)."""
+    if st.kind == "layer":
+        return BinOp("@", st.value, Name(st.state))
+    if st.kind == "bias":
+        return BinOp("+", st.value, Name(st.state))
+    if st.kind == "back":
+        return BinOp("@", st.value, Transpose(Name(st.state)))
+    return st.value
+
+
+def closed_grad_lines(ctx, L, em, cg, targets, taken: set, where: str, prefix: str = "B, H") -> dict:
     """One token's closed-form gradients (a :class:`memspec.schedule.backprop.ClosedGrad`):
     the loss's steps forward, its adjoints backward, then each target's gradient
-    ``outer(input, delta)`` (a bias: ``delta``) summed over its sites; returns target -> local."""
-    taken |= {s.name for s in cg.forward + cg.backward}
+    ``outer(input, delta)`` (a bias: ``delta``) summed over its sites; returns target -> local.
+    With a rows emitter (``em.rows``) the steps are the chunk's rows at once and nothing is
+    summed here (:func:`weighted_grad_sum`)."""
+    steps = live_steps(cg, targets)
+    taken |= {s.name for s in steps}
     scope = {}
-    for i, st in enumerate(cg.forward + cg.backward):
-        if st.kind == "layer":
-            e = BinOp("@", st.value, Name(st.state))
-        elif st.kind == "bias":
-            e = BinOp("+", st.value, Name(st.state))
-        elif st.kind == "back":
-            e = BinOp("@", st.value, Transpose(Name(st.state)))
-        else:
-            e = st.value
+    for i, st in enumerate(steps):
         sub = em.with_scope(**scope)
-        code = sub._emit(e)
+        code = sub._emit(step_expr(st))
         text = code.text if code.rank == len(st.shape) else f"{sub._lift(code, len(st.shape))}.expand_as({st.like})"
-        note = where if i == 0 else ("the loss's gradient w.r.t. " + st.like if st.like and i >= len(cg.forward)
+        note = where if i == 0 else ("the loss's gradient w.r.t. " + st.like if st.like and st in cg.backward
                                      else "")
-        L(f"{st.name} = {text}", shape_text("B, H", st.shape) + (f": {note}" if note else ""))
+        L(f"{st.name} = {text}", shape_text(prefix, st.shape) + (f": {note}" if note else ""))
         scope[st.name] = st.shape
+    if em.rows:
+        return {}
     outs = {}
     for t in targets:
         terms = []
@@ -72,6 +97,22 @@ def closed_grad_lines(ctx, L, em, cg, targets, taken: set, where: str) -> dict:
         outs[t] = fresh(f"grad_{t}", taken)
         L(f"{outs[t]} = {' + '.join(terms)}", shape_text("B, H", ctx.spec.state[t].shape) + f": grad(loss, {t})")
     return outs
+
+
+def weighted_grad_sum(ctx, em, cg, target: str, weight) -> str:
+    """Rows: ``sum_t weight_t grad(loss, target)_t`` over the chunk's rows, after
+    :func:`closed_grad_lines` bound the steps: ``x^T (weight * delta)`` per site (a product
+    ``[B, H, d, C] @ [B, H, C, h]``), a bias site ``sum_t weight_t delta_t``."""
+    scope = {st.name: st.shape for st in cg.forward + cg.backward}
+    sub = em.with_scope(**scope)
+    terms = []
+    for site in cg.of(target):
+        d = sub._emit(Name(site.delta) if is_num(weight, 1) else BinOp("*", weight, Name(site.delta)))
+        if site.input:
+            terms.append(f"{site.input}.transpose(-2, -1) @ {d.at(P_MUL + 1)}")
+        else:
+            terms.append(f"{d.at(P_ATOM)}.sum(-2)")
+    return " + ".join(terms)
 
 
 def emit_updates(ctx, L, em, taken, where, keep=None, stop=None, blocks=True) -> list:

@@ -34,6 +34,12 @@ def l2norm(x):
     return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
 
 
+def _l2norm_columns(x):
+    """l2norm(x.T).T without the transposes: every column of x (over the second-last axis) scaled
+    to x / sqrt(sum(x^2) + 1e-6)."""
+    return x / torch.sqrt(x.square().sum(-2, keepdim=True) + 1e-6)
+
+
 def huber(x, delta):
     """Elementwise Huber penalty: x^2/2 where |x| <= delta, else delta * (|x| - delta/2)."""
     ax = x.abs()
