@@ -215,3 +215,92 @@ def test_help_shows_defaults(capsys):
         out = " ".join(capsys.readouterr().out.split())
         assert all(s in out for s in shown), (command, out)
         assert "(default: None)" not in out and "(default: False)" not in out
+
+
+# ------------------------------------------------------------------ extends: memspec:NAME
+def test_extends_a_shipped_spec_by_name_from_any_folder(tmp_path):
+    from memspec import load
+    from memspec.lang.frontend.shipped import shipped_dir
+
+    assert shipped_dir() == (SPECS).resolve()
+    child = load(write(tmp_path / "mine.yaml", """
+        extends: memspec:deltanet
+        name: mine
+    """))
+    assert child == load(SPECS / "deltanet.yaml").model_copy(update={"name": "mine"})
+    assert child.span("read").file.endswith("deltanet.yaml")
+    mem_child = load(write(tmp_path / "mine.mem", """
+        extends "memspec:deltanet"
+        memory mine
+    """))
+    assert mem_child == child and mem_child.span("read").file.endswith("deltanet.mem")  # its own format
+    exact = load(write(tmp_path / "exact.yaml", "extends: memspec:deltanet.mem\nname: mine\n"))
+    assert exact.span("read").file.endswith("deltanet.mem")
+
+
+def test_a_shipped_variant_copied_into_a_plain_folder(tmp_path, capsys, monkeypatch):
+    from memspec import load
+
+    monkeypatch.chdir(tmp_path)
+    text = (SPECS / "variants" / "titans_mqar.yaml").read_text()
+    assert "extends: ../titans.yaml" in text
+    write(tmp_path / "titans_mqar.yaml", text)
+    assert main(["check", "titans_mqar.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "titans_mqar.yaml:6:10: error: extends '../titans.yaml' points outside ./" in err
+    assert "to extend the shipped spec, write `extends: memspec:titans`" in err
+    write(tmp_path / "titans_mqar.yaml", text.replace("extends: ../titans.yaml", "extends: memspec:titans"))
+    assert main(["check", "titans_mqar.yaml"]) == 0
+    assert load("titans_mqar.yaml") == load(SPECS / "variants" / "titans_mqar.yaml")
+    # a shipped variant by name: its own relative extends resolves among the shipped specs
+    write(tmp_path / "two.yaml", "extends: memspec:variants/titans_mqar\nname: two\n")
+    assert main(["check", "-q", "two.yaml"]) == 0
+    # a relative extends that does not resolve names the shipped spec too
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "v.yaml", text.replace("../titans.yaml", "titans.yaml"))
+    assert main(["check", "sub/v.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "no such spec file" in err and "to extend the shipped spec, write `extends: memspec:titans`" in err
+
+
+@pytest.mark.parametrize("name, message, hint", [
+    ("memspec:deltanett", "no shipped spec of that name", "did you mean 'deltanet'?"),
+    ("memspec:../deltanet", "a shipped spec is named memspec:NAME or memspec:FOLDER/NAME", "did you mean 'deltanet'?"),
+    ("memspec:", "a shipped spec is named memspec:NAME", "the shipped specs: atlas, "),
+])
+def test_a_bad_shipped_name_is_a_located_error(name, message, hint, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "x.yaml", f"extends: '{name}'\nname: x\n")
+    assert main(["check", "x.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"x.yaml:1:10: error: extends '{name}': {message}") and f"hint: {hint}" in err
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_resolves_shipped_names(tmp_path):
+    """The wheel carries the shipped specs (pyproject's package-data): built from a copy of the
+    checkout, unpacked, and used from a folder outside it."""
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("memspec", "specs", "grammars"):
+        shutil.copytree(ROOT / name, src / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    wheel = next((tmp_path / "dist").glob("memspec-*.whl"))
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    assert (site / "memspec" / "specs" / "variants" / "titans_mqar.yaml").is_file()
+    work = tmp_path / "work"
+    write(work / "mine.yaml", "extends: memspec:variants/titans_mqar\nname: mine\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, "-c", "import memspec, sys; print(memspec.__file__); "
+                        "from memspec.tools.cli import main; sys.exit(main(['check', 'mine.yaml']))"],
+                       cwd=work, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines() == [str(site / "memspec" / "__init__.py"), "mine.yaml: ok"]

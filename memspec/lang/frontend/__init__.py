@@ -18,6 +18,7 @@ from ..limits import MAX_EXTENDS_CHAIN, MAX_SPEC_BYTES, clip, quote
 from ..source import NotReadable, read_regular
 from ..expr import Assign, Expr, FunDef, Num, SourcePos, parse_expr, parse_fundef, parse_stmt
 from ..spec import Gate, Param, Spec, State, View, Wiring
+from . import shipped
 from .mem_frontend import read_mem
 from .raw import RawSpec, merge_raw
 from .yaml_frontend import read_yaml
@@ -50,8 +51,10 @@ def read_source(path: Path, file: str, diags: Collector, via: Span | None = None
         data = read_regular(path, MAX_SPEC_BYTES)
     except NotReadable as err:
         if err.missing:
+            also = shipped.shipped_equivalent(path) if via else None
             diags.error(f"no such spec file: {printable(file)}", via or Span(file, 1, 1),
-                        hint="extends paths are relative to the spec file that extends" if via else None)
+                        hint=None if not via else "extends paths are relative to the spec file that extends"
+                        + (f"; to extend the shipped spec, write `extends: {also}`" if also else ""))
         elif err.head:
             remember_source(file, err.head.decode("utf-8", errors="replace").split("\n", 1)[0])
             diags.error(err.reason, Span(file, 1, 1), hint="is this the right file?")
@@ -141,17 +144,30 @@ def read_raw(path: Path, diags: Collector, chain: tuple[Path, ...] = (), via: Sp
     if "\x00" in raw.extends or not raw.extends:
         diags.error("extends needs a file name", raw.extends_span)
         return None
-    base_path = resolved(path.parent / raw.extends)
+    if shipped.is_shipped_name(raw.extends):
+        base_path, why = shipped.resolve_shipped(raw.extends, fmt)
+        if base_path is None:
+            name = raw.extends[len(shipped.PREFIX):]
+            hint = did_you_mean(name, shipped.shipped_names()) or "the shipped specs: " + ", ".join(
+                shipped.shipped_names()[:12]) + ", …"
+            diags.error(f"extends {quote(raw.extends)}: {why}", raw.extends_span, hint=hint)
+            return None
+    else:
+        base_path = resolved(path.parent / raw.extends)
     if base_path in chain or base_path == here:
         cycle = " -> ".join(display_path(p) for p in (*chain, here, base_path))
         diags.error(f"cycle of extends: {printable(cycle)}", raw.extends_span, hint="a spec cannot extend itself")
         return None
-    if root is not None and not _inside(base_path, root):
+    if shipped.is_shipped_name(raw.extends):
+        root = None if root is None else shipped.shipped_dir()   # a shipped spec extends shipped ones
+    elif root is not None and not _inside(base_path, root):
+        also = shipped.shipped_equivalent(base_path)
         diags.error(f"extends {quote(raw.extends)} points outside {printable(display_path(root).rstrip('/') + '/')}, "
                     f"the folder tree the spec may extend from",
                     raw.extends_span,
-                    hint="a spec extends files in its own folder tree (or its project's); to allow others pass "
-                         "--allow-extends-outside (memspec.load(path, allow_extends_outside=True))")
+                    hint=(f"to extend the shipped spec, write `extends: {also}`; " if also else "")
+                    + "a spec extends files in its own folder tree (or its project's); to allow others pass "
+                      "--allow-extends-outside (memspec.load(path, allow_extends_outside=True))")
         return None
     base = read_raw(base_path, diags, chain + (here,), raw.extends_span, root)
     if base is None:
