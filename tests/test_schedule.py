@@ -99,7 +99,7 @@ def test_linear_attention_plan():
         read = (qf @ S) / (qf @ z + 1e-6)
     """)
     d = analyse(s)
-    assert (d.family, d.exact, d.chunk, d.admits) == ("additive", True, 64, ("additive", "online"))
+    assert (d.family, d.exact, d.chunk, d.admits) == ("additive", True, 64, ("additive", "scan", "online"))
     plan = d.plan
     assert isinstance(plan, AdditivePlan) and plan.inclusive
     assert [(st.name, st.gamma, st.vector) for st in plan.states] == [("S", None, False), ("z", None, True)]
@@ -557,7 +557,7 @@ def test_decay_must_be_provably_nonnegative():
         read = k @ S
     """
     d = analyse(mem(text))
-    assert d.family == "online"
+    assert d.family == "scan"   # the elementwise scan multiplies decays of any sign, never takes their log
     assert "not provably >= 0" in dict(d.rejected)["additive"]
     d = analyse(mem(text.replace("(1 - 2 * alpha)", "exp(-softplus(alpha))")))
     assert d.family == "additive"

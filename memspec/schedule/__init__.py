@@ -13,7 +13,7 @@ Modules:
 * :mod:`.polynomial`  degrees, linear forms, linear probes, symbolic gradients;
 * :mod:`.ranges`      interval arithmetic (decays provably >= 0);
 * :mod:`.recurrence`  the update program as linear recurrences (mini-batch, dual form);
-* one module per family -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`,
+* one module per family -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.scan`,
   :mod:`.minibatch` (with :mod:`.dual`, its dual form), :mod:`.online`;
 * :mod:`.decide`      the ordered table of families, :func:`analyse`, :func:`explain`.
 """
@@ -26,7 +26,8 @@ from .dual import DualForm, NotDual
 from .minibatch import MinibatchPlan
 from .online import OnlinePlan
 from .polynomial import Probe
+from .scan import ScanPlan, ScanState
 
 __all__ = ["FAMILIES", "AdditivePlan", "AdditiveState", "CachePlan", "DeltaPlan", "DualForm", "MinibatchPlan",
-           "NotAdmitted", "NotDual", "OnlinePlan", "Probe", "ScheduleDecision", "analyse", "explain",
-           "render_plan"]
+           "NotAdmitted", "NotDual", "OnlinePlan", "Probe", "ScanPlan", "ScanState", "ScheduleDecision", "analyse",
+           "explain", "render_plan"]

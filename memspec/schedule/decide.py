@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, apply_update, cache, delta, dplr, minibatch, momentum, online, transition
+from . import additive, apply_update, cache, delta, dplr, minibatch, momentum, online, scan, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -74,6 +74,11 @@ FAMILIES: tuple[Family, ...] = (
            hint="give a memory S and a momentum M the momentum delta rule: M = mu M + eta outer(k, p @ S - v) and "
                 "S = gamma S - beta M (the new M), with token-local scalars mu, eta, gamma, beta",
            hint_applies=lambda spec: len(spec.state) == 2),
+    Family("scan", lambda alg, chunk: scan.analyse_scan(alg), exact=True, chunked=True, carried=False,
+           text="scan (exact chunked form: h <- a * h + b elementwise, every token's state materialised)",
+           hint="write every state's update as a * S + b (a and b token-local: a scalar, per-channel or "
+                "per-entry decay, diag(a) @ S for rows) with no state in a or b",
+           hint_applies=scan.hint_applies),
     Family("minibatch", minibatch.analyse_minibatch, exact=False, chunked=True, carried=True,
            text="mini-batch (approximate: gradients at the chunk-start state)",
            hint="write the update as linear recurrences with token-local scalar coefficients "
@@ -173,7 +178,7 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
     else:   # auto: the first admitted exact family
         fam = next(f.name for f in FAMILIES if f.exact and f.name in plans)
     reasons = list(whys[fam])
-    if fam == "online" and "additive" in rej and additive.additive_states_ok(alg):
+    if fam == "online" and "additive" in rej and "scan" in rej and additive.additive_states_ok(alg):
         reasons.append(f"the updates of {', '.join(alg.states)} are additive running sums (S <- g*S + A, A "
                        f"independent of the state), but {rej['additive']}: the read needs the full state of every "
                        f"token, so a chunk form would only batch the state materialisation while the per-token "
