@@ -52,7 +52,7 @@ NORM_EPS = 1e-6        # rmsnorm / l2norm: inside the square root
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # newton_schulz: Muon's quintic iteration
 NS_EPS = 1e-7          # newton_schulz: X / (|X|_F + NS_EPS)
 
-__all__ = ["run", "init_state", "apply_model", "newton_schulz", "LAYERNORM_EPS", "NORM_EPS",
+__all__ = ["run", "init_state", "apply_model", "document_bounds", "newton_schulz", "LAYERNORM_EPS", "NORM_EPS",
            "NS_COEFFICIENTS", "NS_EPS"]
 
 
@@ -754,7 +754,7 @@ class _Interpreter:
 
 # ======================================================================== run
 def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
-        dims: dict | None = None, params: dict | None = None,
+        dims: dict | None = None, params: dict | None = None, cu_seqlens: torch.Tensor | None = None,
         **views_and_gates: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Run ``spec`` over a sequence, token by token.
 
@@ -766,6 +766,12 @@ def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
             ``"apply_update(C)"``, or ``"spec"`` (the spec's own).
         dims: overrides of the spec's dims.
         params: learned params ``{name: [H, *shape]}`` and learned initial states.
+        cu_seqlens: packed documents (flash-linear-attention's convention): B = 1 and integer
+            offsets ``[N + 1]`` (0, ..., T); document i is tokens ``cu_seqlens[i]`` to
+            ``cu_seqlens[i + 1] - 1`` and runs alone, from its own initial state (``state`` and
+            the final state are then ``[N, H, *shape]``; a cache the documents leave at different
+            lengths is left out of the final state), its blocks and chunks starting at its own
+            first token.
         views_and_gates: each view ``[B, T, H, D]``, each gate ``[B, T, H]`` (``[B, T, H, d]``
             for a gate declared with a shape).
 
@@ -777,6 +783,8 @@ def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
         ``(outputs [B, T, H, *read_shape], final_state {name: [B, H, *shape]})``.
     """
     spec = _with_dims(spec, dims)
+    if cu_seqlens is not None:
+        return _run_documents(spec, state, schedule, params, cu_seqlens, views_and_gates)
     mode = _mode(schedule, spec)
     chunk = mode[1] if mode[0] == "minibatch" else None
     every = _frequencies(spec, mode)
@@ -801,6 +809,48 @@ def run(spec: Spec, *, state: dict | None = None, schedule: Any = "online",
         shadow = {**chunk_start, **{c: cur[c] for c in caches}} if chunk is not None else None
         outputs.append(_step(interp, token, cur, shadow, B, H, Block(t, every, acc)))
     return torch.stack(outputs, dim=1), dict(cur)
+
+
+def document_bounds(cu_seqlens: Any, B: int, T: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each packed document, from offsets ``[N + 1]`` (checked: a 1-D
+    integer tensor from 0 to T, never decreasing, over a batch of one row)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
+            or cu_seqlens.dtype == torch.bool or cu_seqlens.numel() < 2:
+        got = (f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens must be an integer tensor of offsets [N + 1] (0, ..., T), got {got}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens packs the documents into one row: B must be 1, got B = {B}")
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {T} without decreasing, got {offsets}")
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def _run_documents(spec: Spec, state: dict | None, schedule: Any, params: dict | None,
+                   cu_seqlens: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`run` over packed documents: each runs alone from row i of ``state`` ``[N, H, ...]``;
+    outputs are concatenated along T, final states stacked ``[N, H, ...]``; a cache that the
+    documents leave at different lengths (no one ``[N, H, n, ...]`` tensor) is left out."""
+    B, T, H, dtype, device = _check_inputs(spec, inputs)
+    bounds = document_bounds(cu_seqlens, B, T)
+    N = len(bounds)
+    full = _full_state(spec, state, N, H, dtype, device, _params(spec, params, H, dtype, device))
+    outs, finals = [], []
+    for i, (a, b) in enumerate(bounds):
+        row = {n: t[i:i + 1] for n, t in full.items()}
+        if b == a:
+            finals.append(row)
+            continue
+        o, s = run(spec, state=row, schedule=schedule, params=params,
+                   **{n: x[:, a:b] for n, x in inputs.items()})
+        outs.append(o)
+        finals.append(s)
+    final = {}
+    for name in full:   # a cache whose documents end at different lengths is left out
+        if len({tuple(f[name].shape) for f in finals}) == 1:
+            final[name] = torch.cat([f[name] for f in finals], dim=0)
+    return torch.cat(outs, dim=1), final
 
 
 def _token_inputs(spec: Spec, inputs: dict, t: int) -> dict[str, torch.Tensor]:

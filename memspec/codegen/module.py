@@ -17,6 +17,7 @@ from ..lang.fmt import to_yaml
 from ..lang.spec import parse_init
 from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled, _in_slices
+from ..runtime.varlen import _by_document, _document_bounds, _stack_finals
 from ..runtime.wiring import source as wiring_source
 from ..schedule.decide import ScheduleDecision
 from . import additive, apply_update, cache, delta, dplr, layer, minibatch, momentum, online, scan
@@ -88,7 +89,9 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
         runtime.append(part)
     parts = Lines()
     sliced = [runtime_source(_in_slices)] if compiles_chunked(ctx) else []
-    for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + sliced + runtime + wiring:
+    packed = [runtime_source(f) for f in (_document_bounds, _by_document, _stack_finals)]
+    for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + sliced + packed \
+            + runtime + wiring:
         parts.block(part)
         parts()
         parts()
@@ -329,7 +332,7 @@ def init_state(ctx, L):
 def forward(ctx, L):
     spec = ctx.spec
     views, gates = ctx.signature()
-    L(f"def forward(self, {views}, *, {gates}state=None, schedule=\"auto\", **unknown):")
+    L(f"def forward(self, {views}, *, {gates}state=None, schedule=\"auto\", cu_seqlens=None, **unknown):")
     with L.indent():
         L('"""' + "Run the memory over a sequence.")
         L()
@@ -340,11 +343,13 @@ def forward(ctx, L):
             L(f"    {g}: {ctx.gate_text(g, 'B, T, H')} (gate value, after its formula)")
         L("    state: {name: [B, H, ...]} to continue from (default: init_state).")
         L(f"    schedule: \"auto\" ({ctx.default}) or one of {', '.join(ctx.schedules)}.")
+        L("    cu_seqlens: packed documents: B = 1, int offsets [N + 1] (0, ..., T); each document")
+        L("        runs alone from its own state row (state and the final state: [N, H, ...]).")
         L(f"Returns: (o [B, T, H{''.join(', ' + x for x in ctx.read_shape())}], the final state).")
         L('"""')
         L("if unknown:")
         takes = (f"{ctx.name}Memory.forward takes views {', '.join(ctx.views)}"
-                 + (f", gates {', '.join(ctx.gates)}" if ctx.gates else "") + ", state, schedule")
+                 + (f", gates {', '.join(ctx.gates)}" if ctx.gates else "") + ", state, schedule, cu_seqlens")
         L("    raise ValueError(f\"unknown argument(s) {', '.join(sorted(unknown))}: \"")
         for piece in string_pieces(takes, 4 * L.level + len("    raise ValueError(") + 1):   # + the ")"
             L("                     " + piece)
@@ -352,6 +357,9 @@ def forward(ctx, L):
         L(f"{ctx.locals_bt()} = self._check_inputs({{{', '.join(f'{v!r}: {v}' for v in ctx.views)}}}, "
           f"{{{', '.join(f'{g!r}: {g}' for g in ctx.gates)}}})")
         B = ctx.locals_bt().split(",")[0]
+        args = ", ".join(ctx.views + ctx.gates + ["state"])
+        L("if cu_seqlens is not None:", "packed documents, each from its own state row")
+        L(f"    return self._forward_documents({args}, schedule, cu_seqlens)")
         L(f"state = self._check_state(state, {B}, {ctx.first})")
         L("if schedule == \"auto\":")
         L("    schedule = self.DEFAULT_SCHEDULE")
@@ -365,7 +373,6 @@ def forward(ctx, L):
         out_dims = "".join(f", self.{ctx.attr.get(x, x)}" for x in ctx.read_shape())
         L(f"if {T} == 0:", "no tokens: every schedule returns an empty output and the state as it was")
         L(f"    return {ctx.first}.new_zeros({B}, 0, {ctx.first}.shape[2]{out_dims}), state")
-        args = ", ".join(ctx.views + ctx.gates + ["state"])
         for fam in ("minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum", "scan"):
             if fam in ctx.schedules:
                 L(f"if schedule == {fam!r}:")
@@ -376,6 +383,29 @@ def forward(ctx, L):
                       f"({tensors}), state)")
                 L(f"    return self.{FORWARD_METHOD[fam]}({args})")
         L(f"return self._forward_online({args})")
+    L()
+    forward_documents(ctx, L)
+
+
+def forward_documents(ctx, L):
+    """``_forward_documents``: packed documents split at their offsets; the documents of one length
+    run as one batch through ``forward`` (so every schedule restarts its chunks at a document)."""
+    args = ", ".join(ctx.views + ctx.gates + ["state"])
+    L(f"def _forward_documents(self, {args}, schedule, cu_seqlens):")
+    with L.indent():
+        L('"""' + "Packed documents (B = 1, offsets cu_seqlens [N + 1]), each alone from its row of state")
+        L("[N, H, ...]: the documents of each length run as one batch.  Returns (o [1, T, ...], the")
+        L("final state [N, H, ...]; an entry the documents cannot share in one tensor is left out).")
+        L('"""')
+        L(f"bounds = _document_bounds(cu_seqlens, {ctx.first}.shape[0], {ctx.first}.shape[1])")
+        L(f"state = self._check_state(state, len(bounds), {ctx.first})")
+        L()
+        L(f"def run({args}):")
+        gate_kw = "".join(f"{g}={g}, " for g in ctx.gates)
+        L(f"    return self.forward({', '.join(ctx.views)}, {gate_kw}state=state, schedule=schedule)")
+        L()
+        tensors = ", ".join(ctx.views + ctx.gates) + ("," if len(ctx.views + ctx.gates) == 1 else "")
+        L(f"return _by_document(run, ({tensors}), state, bounds)")
     L()
 
 

@@ -1,0 +1,76 @@
+"""Packed variable-length sequences (flash-linear-attention's ``cu_seqlens``): the documents of
+one row ``[1, T, ...]`` at offsets ``[N + 1]``, each run alone from its own initial state.
+
+Generated modules carry these functions (copied by source: torch only).
+"""
+import torch
+
+
+def _document_bounds(cu_seqlens, B, T):
+    """The ``(start, end)`` of each document, from offsets ``[N + 1]`` (checked: a 1-D integer
+    tensor from 0 to T, never decreasing, over a batch of one row)."""
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+            or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool):
+        got = (f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+               else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens: expected an integer tensor of offsets [N + 1] (0, ..., T), got {got}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: the documents are packed into one row, so B must be 1, got B = {B}")
+    offsets = [int(x) for x in cu_seqlens.tolist()]   # one device sync per call
+    if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens: expected offsets rising from 0 to T = {T} without decreasing, "
+                         f"got {offsets}")
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def _by_document(run, tensors, state, bounds):
+    """Run packed documents, each alone: ``run(*tensors, state)`` on the documents of each length
+    as one batch ``[n, length, ...]`` (a mix of lengths costs one call per distinct length).
+
+    ``tensors``: ``[1, T, ...]`` each; ``state``: ``{name: [N, H, ...]}`` (a row per document;
+    streaming entries such as a chunk position, plain ints, are passed to every call).  Returns
+    ``(o [1, T, ...], the final state {name: [N, H, ...]})``.  An entry the documents cannot
+    share in one tensor (caches of different lengths; a mini-batch chunk or block left open at
+    different positions) is left out of the final state, with the states it belongs to, so that
+    a call continuing from it says what is missing instead of computing something else.
+    """
+    by_length = {}
+    for i, (a, b) in enumerate(bounds):
+        by_length.setdefault(b - a, []).append(i)
+    outs, finals, order = [], [], []   # per group: outputs [n L, ...], final states, document ids
+    for length, docs in by_length.items():
+        rows = torch.tensor(docs, device=tensors[0].device)
+        tokens = torch.tensor([t for i in docs for t in range(bounds[i][0], bounds[i][1])],
+                              dtype=torch.long, device=tensors[0].device)
+        xs = [x[0].index_select(0, tokens).reshape(len(docs), length, *x.shape[2:]) for x in tensors]
+        group = {k: v.index_select(0, rows) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        o, final = run(*xs, group)
+        outs.append(o.reshape(len(docs) * length, *o.shape[2:]))
+        finals.append(final)
+        order += docs
+    # packed order: the outputs of document order[j] sit at its tokens; invert the gather once
+    tokens = torch.tensor([t for i in order for t in range(bounds[i][0], bounds[i][1])], dtype=torch.long)
+    o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    o = o.index_select(0, torch.argsort(tokens).to(o.device)).unsqueeze(0)
+    back = torch.argsort(torch.tensor(order)).to(o.device)
+    return o, _stack_finals(finals, back)
+
+
+def _stack_finals(finals, back):
+    """Final states of the groups -> ``{name: [N, H, ...]}`` in document order (``back``: the
+    inverse of the groups' document order); entries the groups cannot share are left out."""
+    keys = list(dict.fromkeys(k for f in finals for k in f))
+    out, ragged = {}, set()
+    for k in keys:
+        vals = [f.get(k) for f in finals]
+        if all(isinstance(v, torch.Tensor) for v in vals) and len({tuple(v.shape[1:]) for v in vals}) == 1:
+            out[k] = (torch.cat(vals, dim=0) if len(vals) > 1 else vals[0]).index_select(0, back)
+        elif all(v is not None and not isinstance(v, torch.Tensor) for v in vals) and len(set(vals)) == 1:
+            out[k] = vals[0]
+        else:
+            ragged.add(k)
+    prefixes = {k.split(".")[0] for k in ragged if "." in k}
+    for k in keys:
+        if "." in k and k.split(".")[0] in prefixes:
+            ragged.add(k.split(".")[1])   # the state a streaming entry belongs to
+    return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}

@@ -1,0 +1,247 @@
+"""Packed variable-length sequences (``cu_seqlens``): a packed row equals each document run alone.
+
+Every shipped spec x every schedule its module admits, float64, small dims (chunk 4): outputs,
+final states and the gradients of the inputs, parameters and initial states; document lengths 1,
+below, equal to and above the chunk, not multiples of it, several short ones; decoding after a
+packed prefill; the reference interpreter's packed run; seeded random length mixes.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from _compiled_harness import (SPEC_FILES, initial_state, inputs, load, make, ref_params, small_dims)
+from close import assert_same_function
+from memspec import reference
+
+CASES = []
+for _path in SPEC_FILES:
+    _spec = load(_path)
+    for _sched in make(_spec, small_dims(_spec)).SCHEDULES:
+        CASES.append((_path, _sched))
+IDS = [f"{p.split('/')[-1][:-5]}-{s}" for p, s in CASES]
+
+CHUNK = 4
+MIX = [1, 3, 4, 6, 9, 1, 1, 2]          # 1, below / equal to / above the chunk, not multiples, short ones
+ALIGNED = [5, 1, 9, 5]                  # every document ends one token into a chunk (same position)
+DECODE = [9, 1, 17]                     # ... and one token into a block of 8 (hope_cms)
+
+
+def offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def setup(path, lengths, requires_grad=False, seed=1):
+    spec = load(path)
+    dims = small_dims(spec)
+    m = make(spec, dims, chunk=CHUNK)
+    ins = inputs(spec, m, B=1, T=sum(lengths), seed=seed, requires_grad=requires_grad)
+    st = initial_state(spec, m, B=len(lengths), seed=seed + 1)
+    if requires_grad:
+        st = {n: t.detach().clone().requires_grad_(True) if not spec.state[n].learned else t
+              for n, t in st.items()}
+    return spec, dims, m, ins, st
+
+
+def run_packed(m, spec, ins, st, schedule, lengths):
+    return m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, state=dict(st),
+             schedule=schedule, cu_seqlens=offsets(lengths))
+
+
+def run_alone(m, spec, ins, st, schedule, lengths):
+    """Each document alone (B = 1): outputs concatenated, final states [1, H, ...] per document."""
+    outs, finals, a = [], [], 0
+    for i, n in enumerate(lengths):
+        piece = {k: x[:, a:a + n] for k, x in ins.items()}
+        o, f = m(*[piece[v] for v in spec.views], **{g: piece[g] for g in spec.gates},
+                 state={k: t[i:i + 1] for k, t in st.items()}, schedule=schedule)
+        outs.append(o)
+        finals.append(f)
+        a += n
+    return torch.cat(outs, dim=1), finals
+
+
+def shared_entries(finals):
+    """The final-state entries every document has with one shape (or one int value)."""
+    keys = set(finals[0])
+    for f in finals[1:]:
+        keys &= set(f)
+    same = set()
+    for k in keys:
+        vals = [f[k] for f in finals]
+        if isinstance(vals[0], torch.Tensor):
+            same |= {k} if len({tuple(v.shape) for v in vals}) == 1 else set()
+        else:
+            same |= {k} if len(set(vals)) == 1 else set()
+    return same, keys
+
+
+def check_states(spec, packed, finals):
+    """The packed final state holds every entry the documents share, stacked in document order;
+    a streaming entry they cannot share leaves out its group (``minibatch.*``) and its states."""
+    same, _ = shared_entries(finals)
+    keys = set().union(*finals)
+    open_groups = {k.split(".")[0] for k in keys - same if "." in k}
+    left_out = {k for k in keys if "." in k and k.split(".")[0] in open_groups}
+    left_out |= {k.split(".")[1] for k in left_out} | (keys - same)
+    assert set(packed) == keys - left_out
+    for k, v in packed.items():
+        if isinstance(v, torch.Tensor):
+            assert_same_function(v, torch.cat([f[k] for f in finals], dim=0), msg=k)
+        else:
+            assert v == finals[0][k]
+
+
+@pytest.mark.parametrize("lengths", [MIX, ALIGNED], ids=["mix", "aligned"])
+@pytest.mark.parametrize("path,schedule", CASES, ids=IDS)
+def test_packed_equals_documents_alone(path, schedule, lengths):
+    spec, dims, m, ins, st = setup(path, lengths)
+    with torch.no_grad():
+        o, packed = run_packed(m, spec, ins, st, schedule, lengths)
+        ro, finals = run_alone(m, spec, ins, st, schedule, lengths)
+    assert o.shape == ro.shape
+    assert_same_function(o, ro)
+    check_states(spec, packed, finals)
+
+
+@pytest.mark.parametrize("path,schedule", CASES, ids=IDS)
+def test_packed_gradients_equal_documents_alone(path, schedule):
+    spec, dims, m, ins, st = setup(path, MIX, requires_grad=True)
+    o, packed = run_packed(m, spec, ins, st, schedule, MIX)
+    ro, finals = run_alone(m, spec, ins, st, schedule, MIX)
+    g = torch.Generator().manual_seed(7)
+    w_o = torch.randn(o.shape, generator=g, dtype=o.dtype)
+    kept = [k for k in packed if k in spec.state]
+    w_s = {k: torch.randn(packed[k].shape, generator=g, dtype=o.dtype) for k in kept}
+    wrt = list(ins.values()) + list(m.parameters()) + [t for t in st.values() if t.requires_grad]
+
+    def scalar(out, states):
+        return (out * w_o).sum() + sum((states[k] * w).sum() for k, w in w_s.items())
+
+    mine = torch.autograd.grad(scalar(o, packed), wrt, allow_unused=True)
+    alone = {k: torch.cat([f[k] for f in finals], dim=0) for k in kept}
+    theirs = torch.autograd.grad(scalar(ro, alone), wrt, allow_unused=True)
+    checked = 0
+    for a, b in zip(mine, theirs):
+        if b is None or b.numel() == 0:
+            assert a is None or a.numel() == 0 or float(a.abs().max()) == 0.0
+            continue
+        assert_same_function(a, b)
+        checked += float(b.abs().max()) > 0
+    assert checked >= len(ins)
+
+
+@pytest.mark.parametrize("path,schedule", CASES, ids=IDS)
+def test_decoding_after_a_packed_prefill(path, schedule):
+    """Prefill packed documents, then decode one token of every document as a batch of N."""
+    spec, dims, m, ins, st = setup(path, DECODE)
+    nxt = inputs(spec, m, B=len(DECODE), T=1, seed=9)
+    with torch.no_grad():
+        _, packed = run_packed(m, spec, ins, st, schedule, DECODE)
+        _, finals = run_alone(m, spec, ins, st, schedule, DECODE)
+        if set(packed) != set().union(*finals):   # documents' caches of different lengths: no decoding
+            assert all(spec.state[k].cache for k in spec.state if k not in packed)
+            return
+        o, after = m.step(*[nxt[v] for v in spec.views], **{g: nxt[g] for g in spec.gates}, state=packed)
+        for i, f in enumerate(finals):
+            oi, ai = m.step(*[nxt[v][i:i + 1] for v in spec.views], **{g: nxt[g][i:i + 1] for g in spec.gates},
+                            state=f)
+            assert_same_function(o[i:i + 1], oi)
+            for k in spec.state:
+                assert_same_function(after[k][i:i + 1], ai[k])
+
+
+REFERENCE_SPECS = ["specs/gated_deltanet.yaml", "specs/gla.yaml", "specs/kda.yaml", "specs/momentum_deltanet.yaml",
+                   "specs/titans.yaml", "specs/sliding_window_attention.yaml", "specs/lact.yaml"]
+
+
+@pytest.mark.parametrize("path", REFERENCE_SPECS)
+def test_compiled_packed_equals_reference_packed(path):
+    """The reference interpreter's packed run (each document alone) against the compiled one."""
+    spec, dims, m, ins, st = setup(path, ALIGNED)
+    schedule = m.DEFAULT_SCHEDULE
+    mode = (schedule, CHUNK) if schedule in ("minibatch", "apply_update") else "online"
+    with torch.no_grad():
+        o, packed = run_packed(m, spec, ins, st, schedule, ALIGNED)
+        ro, rs = reference.run(spec, state={k: t for k, t in st.items() if k in spec.state}, schedule=mode,
+                               dims=dims, params=ref_params(spec, m), cu_seqlens=offsets(ALIGNED), **ins)
+    assert_same_function(o, ro)
+    for k in packed:
+        if k in rs:
+            assert_same_function(packed[k], rs[k], msg=k)
+
+
+def test_reference_packed_documents_run_alone():
+    spec = load("specs/gated_deltanet.yaml").with_dims(heads=2, d_k=4, d_v=5)
+    g = torch.Generator().manual_seed(0)
+    T = 9
+    ins = {n: torch.randn(1, T, 2, 5 if n == "v" else 4, generator=g, dtype=torch.float64) for n in spec.views}
+    ins.update({n: torch.rand(1, T, 2, generator=g, dtype=torch.float64) for n in spec.gates})
+    S0 = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64)
+    o, s = reference.run(spec, state={"W": S0}, cu_seqlens=torch.tensor([0, 3, 3, 9]), **ins)
+    o2, s2 = reference.run(spec, state={"W": S0[2:]}, **{n: x[:, 3:] for n, x in ins.items()})
+    assert_same_function(o[:, 3:], o2)
+    assert_same_function(s["W"][2:], s2["W"])
+    assert torch.equal(s["W"][1], S0[1])          # an empty document keeps its state
+    o0, _ = reference.run(spec, state={"W": S0[:1]}, **{n: x[:, :3] for n, x in ins.items()})
+    assert_same_function(o[:, :3], o0)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([0, 4, 3, 9]), "without decreasing"),
+    (torch.tensor([0, 3, 8]), "from 0 to T = 9"),
+    (torch.tensor([0.0, 9.0]), "integer tensor"),
+    (torch.tensor([[0, 9]]), "integer tensor"),
+])
+def test_bad_offsets_are_refused(bad, match):
+    spec, dims, m, ins, st = setup("specs/gated_deltanet.yaml", [9])
+    with pytest.raises(ValueError, match=match):
+        m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, cu_seqlens=bad)
+    with pytest.raises(ValueError, match=match):
+        reference.run(spec, dims=dims, params=ref_params(spec, m), cu_seqlens=bad, **ins)
+
+
+def test_packing_needs_one_row():
+    spec, dims, m, _, _ = setup("specs/gated_deltanet.yaml", [9])
+    ins = inputs(spec, m, B=2, T=9)
+    with pytest.raises(ValueError, match="B must be 1"):
+        m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, cu_seqlens=offsets([4, 5]))
+
+
+PROPERTY = ["specs/gated_deltanet.yaml", "specs/gla.yaml", "specs/rwkv7.yaml", "specs/momentum_deltanet.yaml",
+            "specs/titans.yaml", "specs/softmax_attention.yaml"]
+
+
+@pytest.mark.parametrize("path", PROPERTY)
+def test_random_length_mixes(path):
+    """Seeded random mixes (empty documents included): packed equals alone, every schedule."""
+    rng = random.Random(path)
+    spec = load(path)
+    for trial in range(4):
+        lengths = [rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 11]) for _ in range(rng.randint(1, 7))]
+        if sum(lengths) == 0:
+            lengths.append(1)
+        for schedule in make(spec, small_dims(spec)).SCHEDULES:
+            _, _, m, ins, st = setup(path, lengths, seed=trial)
+            with torch.no_grad():
+                o, packed = run_packed(m, spec, ins, st, schedule, lengths)
+                ro, finals = run_alone_nonempty(m, spec, ins, st, schedule, lengths)
+            assert_same_function(o, ro, msg=f"{lengths} {schedule}")
+            check_states(spec, packed, finals)
+
+
+def run_alone_nonempty(m, spec, ins, st, schedule, lengths):
+    """As :func:`run_alone`; an empty document keeps its initial state."""
+    outs, finals, a = [], [], 0
+    for i, n in enumerate(lengths):
+        row = {k: t[i:i + 1] for k, t in st.items()}
+        if n == 0:
+            finals.append(row)
+            continue
+        o, f = run_alone(m, spec, {k: x[:, a:a + n] for k, x in ins.items()}, row, schedule, [n])
+        outs.append(o)
+        finals.append(f[0])
+        a += n
+    return torch.cat(outs, dim=1), finals
