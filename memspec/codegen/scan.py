@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..runtime.scan import chunk_scan
 from ..schedule.algebra import simplify
 from . import chunked
-from .exprs import P_ATOM, P_MUL
+from .exprs import P_ATOM, P_MUL, ExprEmitter
 
 KERNEL = chunk_scan
 
@@ -16,16 +16,14 @@ def emit(ctx, L) -> None:
 
 
 def _lifted(w, e, rank: int, rows: bool = False):
-    """Code of a token-local value lifted to broadcast against a state of ``rank`` axes: a
-    scalar gains ``rank`` axes, a row factor one (``[..., d, 1]``); (code, is a number)."""
+    """Code of a token-local value lifted to broadcast against a state of ``rank`` axes after any
+    prefix (singleton axes after the prefix; a row factor ``[..., d, 1]``); (code, is a number)."""
     c = w.em._emit(w.fold(e))
     if c.number:
         return c.text, True
     if rows:
         return f"{c.at(P_ATOM)}.unsqueeze(-1)", False
-    if c.rank == 0 and rank:
-        return f"{c.at(P_ATOM)}[..., {', '.join(['None'] * rank)}]", False
-    return c.at(P_MUL), False
+    return (ExprEmitter._lift(c, rank) if c.rank < rank else c.at(P_MUL)), False
 
 
 def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -> None:

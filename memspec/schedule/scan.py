@@ -113,6 +113,8 @@ class _Linear:
             raise NotAdmitted(f"the update of {S} multiplies it by a matrix ({txt(e)}): not elementwise")
         if isinstance(e, Transpose):
             raise NotAdmitted(f"the update of {S} transposes it ({txt(e)}): not elementwise")
+        if isinstance(e, Call) and e.fn in ("outer", "sum", "mean"):
+            raise NotAdmitted(f"the update of {S} mixes its entries ({txt(e)}): linear, but not elementwise")
         raise NotAdmitted(f"{S} enters {txt(e)} nonlinearly")
 
     def _add(self, c1, c2, e):
