@@ -1,9 +1,14 @@
 """memspec: fast-weight memories as specs, compiled to PyTorch.
 
-Pipeline (one module per phase)::
+The phases, one package each, importing only downward::
 
-    spec file --frontend--> Spec --graph.lower--> networkx DiGraph --checks.verify-->
-    --schedule.analyse--> Schedule --codegen--> compiled/<name>.py --torch.compile-->
+    spec file --lang.frontend--> Spec --check (graph.lower, verify)--> networkx DiGraph, diagnostics
+      --schedule.analyse--> ScheduleDecision --codegen--> compiled/<name>.py (imports only torch)
+
+:mod:`memspec.pipeline.build` is the one load -> check -> decide -> generate -> write path
+(:func:`build`, :func:`compile`); :mod:`memspec.tools` holds the command line and its tools.
+Importing memspec does not import torch: torch loads when code is generated or run, so
+reading, checking and comparing specs starts fast.
 """
 from .lang.errors import Diagnostic, Span, SpecError
 from .lang.expr import parse_expr

@@ -304,3 +304,34 @@ def test_an_installed_wheel_resolves_shipped_names(tmp_path):
                        cwd=work, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.splitlines() == [str(site / "memspec" / "__init__.py"), "mine.yaml: ok"]
+
+
+# ------------------------------------------------------------------ fast start: no torch to read a spec
+NO_TORCH = """
+import contextlib, io, sys
+from memspec.tools.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    rc = main(sys.argv[1:])
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+assert not loaded, loaded[:5]
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("argv, rc", [
+    (["check", "specs/deltanet.yaml", "specs/titans.mem"], 0),
+    (["fmt", "specs/titans_mac.yaml", "--to", "mem"], 0),
+    (["diff", "specs/deltanet.yaml", "specs/gated_deltanet.yaml"], 1),
+    (["table", "specs/deltanet.yaml", "specs/gla.yaml"], 0),
+    (["explain", "--brief", "specs/deltanet.yaml"], 0),
+    (["--help"], 0),
+])
+def test_reading_commands_start_without_torch(argv, rc):
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == rc, r.stderr
+    assert "AssertionError" not in r.stderr
+
+
+def test_import_memspec_does_not_import_torch():
+    code = "import sys, memspec; memspec.load; memspec.check; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Union
 
 from ..check.verify import check
-from ..codegen import class_name, generate
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.frontend import load
 from ..lang.frontend.inherit import mark_inherited
@@ -107,6 +106,8 @@ def with_schedule(spec: Spec, schedule: str) -> Spec:
 def generate_source(checked: Checked, decision: ScheduleDecision | None = None) -> str:
     """The generated module text of a checked spec (what ``compile`` writes)."""
     decision = decide(checked.spec) if decision is None else decision
+    from ..codegen import generate   # imports torch: loaded when code is generated, not to check a spec
+
     return generate(checked.spec, decision, source_path=checked.path, source_text=checked.text)
 
 
@@ -171,7 +172,7 @@ def build(spec_or_path: SpecLike | Checked, *, compile: bool = True, **dims):  #
     per-token / per-chunk step functions (static shapes)."""
     spec, mod = _module(spec_or_path)
     _check_dims(spec, dims, wiring=True)
-    return getattr(mod, f"{class_name(spec.name)}Layer")(compile=compile, **dims)
+    return getattr(mod, f"{_class_name(spec.name)}Layer")(compile=compile, **dims)
 
 
 def build_memory(spec_or_path: SpecLike | Checked, *, compile: bool = True, **dims):  # noqa: A002
@@ -179,7 +180,13 @@ def build_memory(spec_or_path: SpecLike | Checked, *, compile: bool = True, **di
     spec, mod = _module(spec_or_path)
     _check_dims(spec, dims)
     dims = {k: v for k, v in dims.items() if k != "d_model" or "d_model" in spec.dims}
-    return getattr(mod, f"{class_name(spec.name)}Memory")(compile=compile, **dims)
+    return getattr(mod, f"{_class_name(spec.name)}Memory")(compile=compile, **dims)
+
+
+def _class_name(name: str) -> str:
+    from ..codegen import class_name
+
+    return class_name(name)
 
 
 WIRING_SIZES = {"none": (), "mac": ("segment", "persistent", "attn_heads"),

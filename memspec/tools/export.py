@@ -18,8 +18,6 @@ import ast
 import inspect
 from pathlib import Path
 
-from ..codegen import class_name
-from ..codegen.text import inert
 from ..pipeline.build import compile as compile_module
 from ..pipeline.build import load_checked
 from ..pipeline.write import write_atomic
@@ -33,6 +31,8 @@ ALLOWED_IMPORTS = {"__future__", "dataclasses", "typing", "torch", "transformers
 def modeling_source(spec) -> str:
     """The text of ``modeling_memspec.py`` for a spec: :mod:`memspec.hf.modeling` with its memspec
     section replaced by :mod:`memspec.tools.nn`'s blocks and the compiled Layer's import."""
+    from ..codegen import class_name   # imports torch: here, not when `memspec --help` registers export
+    from ..codegen.text import inert
     from ..hf import modeling
     from . import nn as lm_blocks
 
