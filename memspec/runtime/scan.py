@@ -36,17 +36,20 @@ def chunk_scan(a, b, h0, chunk):
     The T tokens are cut into N chunks of C (the last one padded with tokens ``a = 1, b = 0``,
     which follow every real token and change nothing).  All chunks run at once:
 
-    * within each chunk, from a zero state, ``u_i = a_i * u_{i-1} + b_i`` for i = 1..C: C
-      elementwise steps, each over every chunk ``[B, N, H, *S]``;
-    * the cumulative decays ``P_i = a_1 ... a_i`` of every chunk (``cumprod``);
-    * one carry per chunk: ``c_j = P_C(j) * c_{j-1} + u_C(j)`` for j = 1..N, from ``c_0 = h0``;
-    * every token's state ``h_i(j) = u_i(j) + P_i(j) * c_{j-1}``.
+    * pass 1, within each chunk from a zero state: ``u_i = a_i * u_{i-1} + b_i`` and the
+      chunk's decay ``P_i = P_{i-1} a_i`` for i = 1..C, C elementwise steps over every chunk
+      ``[B, N, H, *S]``, keeping only the last (nothing of size T is written);
+    * one carry per chunk, its end state: ``c_j = P_C(j) * c_{j-1} + u_C(j)`` from ``c_0 = h0``
+      -- a recurrence of this form over N tokens, so it runs through this function again
+      (about log_C(T) levels);
+    * pass 2, every chunk from its start state ``c_{j-1}``: ``h_i = a_i * h_{i-1} + b_i``, the
+      token loop's own step, C steps over every chunk; their states are the output.
 
-    Work and memory are O(T |S|), C + N Python steps.  Only products of decays enter (no
-    division, no log), so a decay of any sign, of exp(-40) per token or exactly 0 is exact
-    (equal to the token loop up to rounding), and nothing overflows that the loop does not.
-    A non-finite input at token t reaches only the states from t on.  Plain autograd (the
-    gradients are those of the loop's operations); ``torch.func`` works (no in-place writes).
+    Work is O(T |S|) (three products per token and entry), memory the output and O(T |S| / C).  Only products of decays enter (no division, no log), so a
+    decay of any sign, of exp(-40) per token or exactly 0 is exact (equal to the token loop up
+    to rounding), and nothing overflows that the loop does not.  A non-finite input at token t
+    reaches only the states from t on.  Gradients are plain autograd of the same steps (no
+    in-place writes: ``torch.func`` works).
 
     Args:
         a: decays, broadcastable to b: ``[B, T, H, *S]`` or with size-1 axes (a scalar per
@@ -54,7 +57,7 @@ def chunk_scan(a, b, h0, chunk):
             time axes (a learned decay ``[H, *S]``).
         b: ``[B, T, H, *S]`` increments.
         h0: ``[B, H, *S]`` initial state, or None for zeros.
-        chunk: chunk size C.
+        chunk: chunk size C (>= 2 for the levels to shrink; 1 is read as 2).
 
     Returns:
         (every token's state ``[B, T, H, *S]``, h_T ``[B, H, *S]``); T = 0 gives an empty
@@ -67,7 +70,7 @@ def chunk_scan(a, b, h0, chunk):
     out_dtype = h0.dtype if h0 is not None else b.dtype
     if T == 0:
         return b.new_zeros(b.shape), h.to(out_dtype)
-    C = max(1, min(int(chunk), T))
+    C = max(2, min(int(chunk), T)) if T > 1 else 1
     N = -(-T // C)
     pad = N * C - T
     a = a.to(dt).expand(b.shape)
@@ -77,15 +80,18 @@ def chunk_scan(a, b, h0, chunk):
         b = torch.cat([b, b.new_zeros((B, pad) + rest)], dim=1)
     a = a.reshape((B, N, C) + rest)                                  # [B, N, C, H, *S]
     b = b.reshape((B, N, C) + rest)
-    u = [b[:, :, 0]]                                                 # [B, N, H, *S] per position
-    for i in range(1, C):
-        u.append(torch.addcmul(b[:, :, i], a[:, :, i], u[-1]))
-    P = torch.cumprod(a, dim=2)                                      # [B, N, C, H, *S] decays from the chunk start
-    starts = []
-    for j in range(N):                                               # one carry per chunk
-        starts.append(h)
-        h = torch.addcmul(u[-1][:, j], P[:, j, -1], h)               # [B, H, *S]
-    carry = torch.stack(starts, dim=1).unsqueeze(2)                  # [B, N, 1, H, *S] chunk-start states
-    hs = torch.stack(u, dim=2).addcmul(P, carry)                     # [B, N, C, H, *S]
-    hs = hs.reshape((B, N * C) + rest)
-    return hs[:, :T].to(out_dtype) if pad else hs.to(out_dtype), h.to(out_dtype)
+    u, P = b[:, :, 0], a[:, :, 0]                                    # [B, N, H, *S]: every chunk at once
+    for i in range(1, C):                                            # pass 1: each chunk from zero
+        u = torch.addcmul(b[:, :, i], a[:, :, i], u)
+        P = P * a[:, :, i]
+    if N > 1:                                                        # the chunks' end states, by the same scan
+        ends, h_end = chunk_scan(P, u, h, chunk)                     # [B, N, H, *S]
+        x = torch.cat([h.unsqueeze(1), ends[:, :-1]], dim=1)         # chunk-start states
+    else:
+        x, h_end = h.unsqueeze(1), torch.addcmul(u[:, 0], P[:, 0], h)
+    states = []
+    for i in range(C):                                               # pass 2: each chunk from its start state
+        x = torch.addcmul(b[:, :, i], a[:, :, i], x)
+        states.append(x)
+    hs = torch.stack(states, dim=2).reshape((B, N * C) + rest)       # [B, T (+ pad), H, *S]
+    return (hs[:, :T] if pad else hs).to(out_dtype), h_end.to(out_dtype)
