@@ -134,7 +134,7 @@ def test_check_runs_the_schedule_analysis_and_names_an_inherited_setting(suffix,
     line = "schedule auto\n" if suffix == ".mem" else "schedule: auto\n"
     child.write_text(child.read_text() + line)
     assert main(["check", child.name]) == 0
-    assert capsys.readouterr().out == f"{child.name}: ok\n"
+    assert capsys.readouterr().out.startswith(f"{child.name}: ok (description and cite inherited from parent.yaml")
 
 
 def test_an_inherited_field_a_check_refuses_says_so(tmp_path, capsys, monkeypatch):
@@ -335,3 +335,34 @@ def test_reading_commands_start_without_torch(argv, rc):
 def test_import_memspec_does_not_import_torch():
     code = "import sys, memspec; memspec.load; memspec.check; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# ------------------------------------------------------------------ description and cite under extends
+def test_check_says_when_a_variant_inherits_its_description_or_cite(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "a.yaml", "extends: memspec:deltanet\nname: a\n")
+    write(tmp_path / "b.yaml", "extends: memspec:deltanet\nname: b\ndescription: my variant\n")
+    write(tmp_path / "c.mem", 'extends "memspec:deltanet"\nmemory c\ndescription "mine"\ncite ""\n')
+    assert main(["check", "a.yaml", "b.yaml", "c.mem"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("a.yaml: ok (description and cite inherited from ")
+    assert out[0].endswith("deltanet.yaml: text about the base; give the variant its own, or null to drop it)")
+    assert out[1].startswith("b.yaml: ok (cite inherited from ") and "description" not in out[1]
+    assert out[2] == "c.mem: ok"
+    assert main(["check", str(SPECS / "deltanet.yaml")]) == 0 and capsys.readouterr().out.endswith("deltanet.yaml: ok\n")
+
+
+def test_an_inherited_entry_can_be_dropped_says_the_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(SPECS / "titans.yaml", tmp_path / "parent.yaml")
+    write(tmp_path / "child.yaml", """
+        extends: parent.yaml
+        name: child
+        update:
+          - W1 = W1 - eta * grad(loss, W1)
+          - W2 = W2 - eta * grad(loss, W2)
+    """)
+    assert main(["check", "child.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "parent.yaml:44:3: error: state 'U1' is never written (child.yaml inherits state U1 from parent.yaml" in err
+    assert "define it in child.yaml, or remove it there (`state: {U1: null}`)" in err

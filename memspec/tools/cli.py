@@ -83,19 +83,31 @@ def expand_spec_paths(paths: list[str]) -> list[str]:
 
 def cmd_check(args) -> int:
     """Everything ``compile`` refuses: the checks and the schedule decision."""
+    from ..lang.frontend.inherit import inherited_metadata
     from ..pipeline.build import decide
 
     status = 0
     for path in expand_spec_paths(args.files):
         try:
-            decide(load_checked(path).spec)
+            spec = load_checked(path).spec
+            decide(spec)
         except SpecError as err:
             _print_diags(err.diagnostics)
             status = 1
             continue
         if not args.quiet:
-            print(f"{printable(path)}: ok")
+            print(f"{printable(path)}: ok{metadata_note(inherited_metadata(spec))}")
     return status
+
+
+def metadata_note(inherited: list[tuple[str, str]]) -> str:
+    """`` (description and cite inherited from titans.yaml)`` for ``check``'s ok line."""
+    if not inherited:
+        return ""
+    files = sorted({f for _, f in inherited})
+    fields = " and ".join(k for k, _ in inherited)
+    return f" ({fields} inherited from {printable(', '.join(files))}: text about the base; give the variant its own, " \
+           f"or null to drop it)"
 
 
 def cmd_fmt(args) -> int:

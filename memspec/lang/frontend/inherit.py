@@ -24,10 +24,11 @@ def own_file(spec) -> str | None:
 
 
 def field_at(spec, span: Span) -> tuple | None:
-    """The field of ``spec`` whose source holds ``span``: the one written last at or before it
-    in the same file (an error inside an expression points into the field's text)."""
+    """The field of ``spec`` whose source holds ``span``: the one whose key or value is written
+    last at or before it in the same file (an error inside an expression points into the
+    field's text)."""
     best, where = None, None
-    for path, s in spec._spans.items():
+    for path, s in [*spec._key_spans.items(), *spec._spans.items()]:
         if not path or s.file != span.file or (s.line, s.col) > (span.line, span.col):
             continue
         if where is None or (s.line, s.col) > where or ((s.line, s.col) == where and len(path) < len(best)):
@@ -43,10 +44,13 @@ def override_text(path: tuple) -> str:
     return section
 
 
-def _example(what: str, mem: bool) -> str:
-    if what != "schedule":
-        return ""
-    return " (e.g. `schedule auto`)" if mem else " (e.g. `schedule: auto`)"
+def _example(path: tuple, mem: bool) -> str:
+    if path == ("schedule",):
+        return " (e.g. `schedule auto`)" if mem else " (e.g. `schedule: auto`)"
+    if len(path) > 1 and path[0] in _SINGULAR:
+        drop = f"drop {_SINGULAR[path[0]]} {path[1]}" if mem else f"{path[0]}: {{{path[1]}: null}}"
+        return f", or remove it there (`{drop}`)"
+    return ""
 
 
 def mark_inherited(spec, diags: Iterable[Diagnostic]) -> list[Diagnostic]:
@@ -60,8 +64,20 @@ def mark_inherited(spec, diags: Iterable[Diagnostic]) -> list[Diagnostic]:
             out.append(d)
             continue
         what = override_text(path)
-        fix = f"to override the inherited {what}, define it in {own}{_example(what, own.endswith('.mem'))}"
+        fix = f"to override the inherited {what}, define it in {own}{_example(path, own.endswith('.mem'))}"
         out.append(dataclasses.replace(
             d, message=f"{d.message} ({own} inherits {what} from {d.span.file} through extends)",
             hint=f"{d.hint}; {fix}" if d.hint else fix))
+    return out
+
+
+def inherited_metadata(spec) -> list[tuple[str, str]]:
+    """``(field, file)`` for ``description`` and ``cite`` when the spec takes them from a file it
+    extends: text about its base, which a variant usually departs from (``memspec check`` says so)."""
+    own = own_file(spec)
+    out = []
+    for key in ("description", "cite"):
+        span = spec.span(key)
+        if own and getattr(spec, key) and span is not None and span.file != own:
+            out.append((key, span.file))
     return out
