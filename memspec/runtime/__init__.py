@@ -13,6 +13,8 @@ imports and no closures over module state.
                        Comba, RWKV-7, gated DeltaProduct);
 * :mod:`.momentum`  -- the momentum delta rule (``chunk_momentum_delta``: two states coupled
                        linearly);
+* :mod:`.scan`      -- elementwise linear recurrences ``h <- a * h + b`` (``chunk_scan``: every
+                       token's state, any state shape; HGRN, RG-LRU, Mamba-1);
 * :mod:`.wiring`    -- MAC / MAG / MAL around a memory layer.
 
 Kernels
