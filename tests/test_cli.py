@@ -78,11 +78,16 @@ COMMANDS = {
     "bench": lambda c, p, tmp: ["bench", c, *BENCH_TINY],
     "train": lambda c, p, tmp: ["train", c, *TINY],
     "compare": lambda c, p, tmp: ["compare", c, *TINY, "--seeds", "1"],
+    "export": lambda c, p, tmp: ["export", c, str(tmp / "hf"), "--vocab", "16", "--d-model", "8", "--layers", "1",
+                                 "--heads", "2"],
 }
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_honours_allow_extends_outside(command, outside, tmp_path, capsys):
+    if command == "export":
+        pytest.importorskip("transformers")
+        pytest.importorskip("safetensors")
     argv = COMMANDS[command](*outside, tmp_path)
     assert main(argv) == (2 if command == "diff" else 1)
     err = capsys.readouterr().err

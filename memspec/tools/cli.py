@@ -396,6 +396,23 @@ def _train_arguments(s, compare: bool) -> None:
     s.set_defaults(compare=compare)
 
 
+def _bench_arguments(s) -> None:
+    """Options of `bench`."""
+    s.add_argument("files", nargs="+")
+    s.add_argument("--T", type=int, default=2048, help="tokens per sequence")
+    s.add_argument("--B", type=int, default=1, help="sequences")
+    s.add_argument("--H", type=int, default=4, help="heads")
+    s.add_argument("--D", type=int, default=64, help="d_k = d_v = D (other dims keep the spec's sizes)")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the memory runs")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32", help="inputs' dtype")
+    s.add_argument("--repeat", type=int, default=5, help="timed runs per schedule (median reported)")
+    s.add_argument("--grad", action="store_true", help="time forward + backward")
+    s.add_argument("--compile", action="store_true", help="build with torch.compile (first-call time includes it)")
+    s.add_argument("--schedules", help="comma-separated subset of the schedules the specs run (default: all)")
+    s.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
+    s.add_argument("--json", help="write the JSON record here")
+
+
 def _global_flags(p: argparse.ArgumentParser, top: bool) -> None:
     """Flags every subcommand takes too (``memspec --debug check x`` = ``memspec check --debug x``)."""
     d = {} if top else {"default": argparse.SUPPRESS}
@@ -405,23 +422,10 @@ def _global_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="let `extends` name files outside the spec's folder tree", **d)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="memspec", description="Fast-weight memories as specs, compiled to PyTorch.",
-                formatter_class=_HelpFormatter)
-    p.add_argument("--version", action="store_true", help="print the version and exit")
-    _global_flags(p, top=True)
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    _add_parser = sub.add_parser
-
-    def add_parser(*a, **kw):
-        kw.setdefault("formatter_class", _HelpFormatter)
-        s = _add_parser(*a, **kw)
-        _global_flags(s, top=False)
-        return s
-
-    sub.add_parser = add_parser   # every subcommand, including those registered elsewhere (lab, _EXTRA_COMMANDS)
-
-    s = sub.add_parser("check", help="validate spec files (all errors, located)")
+def _reading_commands(sub) -> None:
+    """The commands that read specs without running them (check, fmt, graph, diff, table)."""
+    s = sub.add_parser("check", help="validate spec files: everything compile refuses, the schedule decision "
+                                     "included (all errors, located)")
     s.add_argument("files", nargs="+")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=cmd_check)
@@ -451,6 +455,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=["markdown", "text", "csv"], default="markdown", help="output form")
     s.set_defaults(func=cmd_table)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="memspec", description="Fast-weight memories as specs, compiled to PyTorch.",
+                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    _global_flags(p, top=True)
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    _add_parser = sub.add_parser
+
+    def add_parser(*a, **kw):
+        kw.setdefault("formatter_class", _HelpFormatter)
+        s = _add_parser(*a, **kw)
+        _global_flags(s, top=False)
+        return s
+
+    sub.add_parser = add_parser   # every subcommand, including those registered elsewhere (lab, _EXTRA_COMMANDS)
+
+    _reading_commands(sub)
+
     s = sub.add_parser("lab", help="the seed course's experiments, reproduced from specs (list, run NAME)")
     from .lab.cli import add_arguments as _lab_arguments
     _lab_arguments(s)
@@ -467,19 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_compile)
 
     s = sub.add_parser("bench", help="time every schedule a spec admits, side by side (writes JSON)")
-    s.add_argument("files", nargs="+")
-    s.add_argument("--T", type=int, default=2048, help="tokens per sequence")
-    s.add_argument("--B", type=int, default=1, help="sequences")
-    s.add_argument("--H", type=int, default=4, help="heads")
-    s.add_argument("--D", type=int, default=64, help="d_k = d_v = D (other dims keep the spec's sizes)")
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the memory runs")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32", help="inputs' dtype")
-    s.add_argument("--repeat", type=int, default=5, help="timed runs per schedule (median reported)")
-    s.add_argument("--grad", action="store_true", help="time forward + backward")
-    s.add_argument("--compile", action="store_true", help="build with torch.compile (first-call time includes it)")
-    s.add_argument("--schedules", help="comma-separated subset of the schedules the specs run (default: all)")
-    s.add_argument("--threads", type=int, metavar="N", help=THREADS_HELP)
-    s.add_argument("--json", help="write the JSON record here")
+    _bench_arguments(s)
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("train", help="train a small LM with the memory on a synthetic task (MQAR)")

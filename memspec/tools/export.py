@@ -111,7 +111,7 @@ def run_cli(args, usage_error) -> int:
         if not name.isidentifier() or not value.isdigit() or int(value) < 1:
             raise usage_error(f"--dim expects NAME=N with N >= 1, got {item!r}")
         dims[name] = int(value)
-    checked = load_checked(args.spec)
+    checked = load_checked(args.spec, allow_extends_outside=getattr(args, "allow_extends_outside", False))
     try:
         import transformers  # noqa: F401
     except ImportError:
