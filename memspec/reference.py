@@ -56,10 +56,11 @@ __all__ = ["run", "init_state", "apply_model", "document_bounds", "newton_schulz
            "NS_COEFFICIENTS", "NS_EPS"]
 
 
-def newton_schulz(X: torch.Tensor, steps: int) -> torch.Tensor:
+def newton_schulz(X: torch.Tensor, steps) -> torch.Tensor:
     """The quintic Newton-Schulz iteration of Muon on the last two axes of ``X``:
     ``X_0 = X / (|X|_F + 1e-7)``, then ``steps`` times ``A = X X^T``,
-    ``X <- a X + (b A + c A A) X`` with ``(a, b, c) = (3.4445, -4.7750, 2.0315)``.
+    ``X <- a X + (b A + c A A) X`` with ``(a, b, c) = (3.4445, -4.7750, 2.0315)``; or, with
+    ``steps`` a coefficient schedule (a tuple of ``(a, b, c)`` triples), one step per triple.
 
     On ``X = U S V^T`` it maps each singular value ``s`` (of ``X_0``) through
     ``p(s) = a s + b s^3 + c s^5`` ``steps`` times and keeps ``U`` and ``V``: an approximate
@@ -69,12 +70,12 @@ def newton_schulz(X: torch.Tensor, steps: int) -> torch.Tensor:
     map (``X X^T X = X (X^T X)``), on the smaller Gram matrix, as the compiled helper does --
     the iteration multiplies tiny singular values by up to 3.4 a step, so the two must
     round alike to agree in float32."""
-    a, b, c = NS_COEFFICIENTS
+    schedule = steps if isinstance(steps, tuple) else (NS_COEFFICIENTS,) * steps
     tall = X.shape[-2] > X.shape[-1]
     if tall:
         X = X.transpose(-1, -2)
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + NS_EPS)
-    for _ in range(steps):
+    for a, b, c in schedule:
         A = X @ X.transpose(-1, -2)
         X = a * X + (b * A + c * (A @ A)) @ X
     return X.transpose(-1, -2) if tall else X
@@ -399,7 +400,8 @@ class _Interpreter:
         self.dtype, self.device = dtype, device
         self.needs_graph = needs_graph
         self.params = {n: p.unsqueeze(0) for n, p in params.items() if n in spec.params}
-        self.constants = {n: self.number(v) for n, v in spec.constants.items()}
+        # (a coefficient schedule is no number: only newton_schulz reads it, from the spec)
+        self.constants = {n: self.number(v) for n, v in spec.constants.items() if not isinstance(v, tuple)}
         self.dims = {n: self.number(v) for n, v in spec.dims.items()}
         self.axes, self.rowwise = _named_axes(spec)
         self.terms: dict = {}   # statement index -> its gradient terms (block updates; set by run)
@@ -551,7 +553,10 @@ class _Interpreter:
         x = self.eval(e.args[0], scope)
         if len(_named(x)) != 2:
             raise _EvalError(f"{_where(e)}newton_schulz needs a matrix, got shape {list(_named(x))}")
-        return newton_schulz(x, self.int_arg(e.args[1]))
+        steps = e.args[1]
+        if isinstance(steps, Name) and isinstance(self.spec.constants.get(steps.id), tuple):
+            return newton_schulz(x, self.spec.constants[steps.id])   # a coefficient schedule
+        return newton_schulz(x, self.int_arg(steps))
 
     # ------------------------------------------------------ normalisers
     def fn_layernorm(self, e, scope):

@@ -96,6 +96,62 @@ def test_compiled_helper_is_the_reference_iteration(shape):
     torch.testing.assert_close(helpers.newton_schulz(X, 5), reference.newton_schulz(X, 5), rtol=0, atol=1e-12)
 
 
+# the LaCT authors' per-iteration coefficients (their zeropower_via_newtonschulz5; Moonlight's Muon)
+LACT_NS = ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+           (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))
+
+
+def test_newton_schulz_schedule_takes_one_triple_per_step_by_hand():
+    # X = diag(3, 4) normalised to singular values 0.6, 0.8; step i maps s -> a_i s + b_i s^3 + c_i s^5
+    X = torch.tensor([[3.0, 0.0], [0.0, 4.0]], dtype=DT).reshape(1, 1, 2, 2)
+    two = reference.newton_schulz(X, LACT_NS[:2])[0, 0]
+    s = [0.6 / (1 + 0.2e-7), 0.8 / (1 + 0.2e-7)]
+    for a, b, c in LACT_NS[:2]:
+        s = [a * x + b * x ** 3 + c * x ** 5 for x in s]
+    # 0.6 -> 4.0848 * 0.6 - 6.8946 * 0.216 + 2.9270 * 0.07776 = 2.45088 - 1.4892336 + 0.2276035 by the first triple
+    assert float(reference.newton_schulz(X, LACT_NS[:1])[0, 0][0, 0]) == pytest.approx(1.1892499, abs=1e-6)
+    torch.testing.assert_close(torch.diagonal(two), torch.tensor(s, dtype=DT), rtol=1e-12, atol=1e-12)
+    # five steps of Muon's one triple are not this schedule
+    assert not torch.allclose(reference.newton_schulz(X, 5), reference.newton_schulz(X, LACT_NS))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (5, 3)])
+def test_compiled_helper_runs_the_schedule_as_the_reference(shape):
+    X = _rand(2, 3, *shape, seed=4)
+    torch.testing.assert_close(helpers.newton_schulz(X, LACT_NS), reference.newton_schulz(X, LACT_NS),
+                               rtol=0, atol=1e-12)
+
+
+def test_a_schedule_is_a_constant_of_triples_in_both_formats(tmp_path):
+    from memspec.lang.fmt import to_mem, to_yaml
+    spec = memspec.load(SPECS / "variants" / "lact_muon.yaml")
+    assert spec.constants["ns"] == LACT_NS
+    for text, suffix in ((to_yaml(spec), ".yaml"), (to_mem(spec), ".mem")):
+        path = tmp_path / f"again{suffix}"
+        path.write_text(text, encoding="utf-8")
+        assert memspec.load(path).constants == spec.constants
+    assert "const ns = [(4.0848, -6.8946, 2.927), (3.9505," in to_mem(spec)
+
+
+@pytest.mark.parametrize("constants,update,message", [
+    ("{ns: [[1.0, 2.0]]}", "W0 - newton_schulz(eta0 * g0, ns)", "a list of (a, b, c) triples"),
+    ("{ns: [[1.0, 2.0, 3.0]]}", "W0 - ns * newton_schulz(eta0 * g0, 5)", "is a Newton-Schulz coefficient schedule"),
+    ("{c: 2.0}", "W0 - newton_schulz(eta0 * g0, c)", "a constant holding (a, b, c) coefficients"),
+])
+def test_a_bad_schedule_gets_a_located_error(tmp_path, constants, update, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"extends: {(SPECS / 'lact.yaml').as_posix()}\nname: bad\nconstants: {constants}\nupdate:\n"
+                    f"  - g0 = grad(loss, W0)\n  - W0 = {update}\n  - W1 = W1\n  - W2 = W2\n", encoding="utf-8")
+    import contextlib
+    import io
+    from memspec.tools.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = main(["check", str(path), "--allow-extends-outside"])
+    assert rc == 1 and message in out.getvalue() and "bad.yaml:" in out.getvalue(), out.getvalue()
+    assert "Traceback" not in out.getvalue()
+
+
 def test_newton_schulz_gradcheck():
     X = _rand(1, 1, 3, 4, seed=2).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: reference.newton_schulz(x, 3), (X,), eps=1e-6, atol=1e-6)
@@ -142,11 +198,12 @@ def test_softmax_mirror_step_on_a_three_element_state_by_hand():
 
 # ------------------------------------------------------------------ the six papers' equations
 def _ns(X, steps=5):
-    """Newton-Schulz written out independently (on X, never transposed)."""
+    """Newton-Schulz written out independently (on X, never transposed); ``steps`` a count of
+    Muon's triple or a coefficient schedule."""
     X = X / (torch.linalg.matrix_norm(X) + 1e-7)
-    for _ in range(steps):
+    for a, b, c in (steps if isinstance(steps, tuple) else ((A, B_, C_),) * steps):
         Am = X @ X.T
-        X = A * X + (B_ * Am + C_ * Am @ Am) @ X
+        X = a * X + (b * Am + c * Am @ Am) @ X
     return X
 
 
@@ -337,7 +394,7 @@ def test_apply_update_sums_gradients_inside_newton_schulz():
     w0, w1, w2 = (params[n][0] for n in ("W0", "W1", "W2"))
     f = lambda u, a, b, c: (F.silu(u @ a) * (u @ c)) @ b  # noqa: E731
     g1 = _grad(lambda a, b, c: (g["eta1"][0, :, 0] * -(f(k, a, b, c) * v).sum(-1)).sum(), w0, w1, w2)[1]
-    u = w1 - _ns(g1)
+    u = w1 - _ns(g1, LACT_NS)   # the authors' coefficient schedule
     torch.testing.assert_close(st["W1"][0, 0], u / torch.sqrt((u * u).sum(0) + 1e-6) * w1.norm(dim=0),
                                rtol=1e-9, atol=1e-12)
 

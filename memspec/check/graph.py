@@ -184,8 +184,9 @@ class _Lowering:
             self.add(f"dim:{n}", "dim", "dim", (), spec.key_span("dims", n), f"{n} = {spec.dims[n]}",
                      value=spec.dims[n])
         for n, c in spec.constants.items():
-            self.add(f"const:{n}", "const", "const", (), spec.key_span("constants", n),
-                     f"{n} = {format_number(c)}", value=c)
+            text = (f"{n} = [{', '.join('(' + ', '.join(format_number(x) for x in row) + ')' for row in c)}]"
+                    if isinstance(c, tuple) else f"{n} = {format_number(c)}")
+            self.add(f"const:{n}", "const", "const", (), spec.key_span("constants", n), text, value=c)
         for n, v in spec.views.items():
             self.add(f"view:{n}", "view", "view", (v.dim,), spec.key_span("views", n), f"{n} = x·W_{n}",
                      ("input:x",))

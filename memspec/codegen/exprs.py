@@ -272,7 +272,10 @@ class ExprEmitter:
         if fn == "newton_schulz":
             x = self._emit(args[0])
             self.helpers.add(fn)
-            return Code(f"newton_schulz({x.text}, {steps_value(args[1])})", P_ATOM, 2, row=x.row)
+            steps = steps_value(args[1], spec.constants)
+            if isinstance(steps, tuple):   # a coefficient schedule: one (a, b, c) per step
+                steps = inert(tuple(tuple(float(v) for v in row) for row in steps))
+            return Code(f"newton_schulz({x.text}, {steps})", P_ATOM, 2, row=x.row)
         if fn in ("sum", "mean", "norm"):
             x = self._emit(args[0])
             if x.rank == 0:

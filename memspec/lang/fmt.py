@@ -204,7 +204,7 @@ def to_yaml(spec: Spec) -> str:
         out += [f"  {k(n)}: {d}" for n, d in spec.dims.items()]
     if spec.constants:
         out.append("constants:")
-        out += [f"  {k(n)}: {yaml_float(c)}" for n, c in spec.constants.items()]
+        out += [f"  {k(n)}: {_yaml_constant(c)}" for n, c in spec.constants.items()]
     if spec.views:
         out.append("views:")
         out += [f"  {k(n)}: {v(view.dim)}" for n, view in spec.views.items()]
@@ -282,6 +282,20 @@ def _mem_number(v) -> str:
     return format_number(v)
 
 
+def _mem_constant(c) -> str:
+    """A number, or a coefficient schedule ``[(a, b, c), ...]``."""
+    if isinstance(c, tuple):
+        return "[" + ", ".join("(" + ", ".join(_mem_number(x) for x in row) + ")" for row in c) + "]"
+    return _mem_number(c)
+
+
+def _yaml_constant(c) -> str:
+    """A number, or a coefficient schedule as a YAML flow list ``[[a, b, c], ...]``."""
+    if isinstance(c, tuple):
+        return "[" + ", ".join("[" + ", ".join(yaml_float(x) for x in row) + "]" for row in c) + "]"
+    return yaml_float(c)
+
+
 def _mem_init(v) -> str:
     return _mem_number(v) if isinstance(v, (int, float)) else v
 
@@ -309,7 +323,8 @@ def _check_mem_names(spec: Spec) -> None:
         need(n, "dim", "dims", n)
     for n, c in spec.constants.items():
         need(n, "constant", "constants", n)
-        number(c, f"constant {n}", "constants", n)
+        for x in (v for row in c for v in row) if isinstance(c, tuple) else (c,):
+            number(x, f"constant {n}", "constants", n)
     for n, view in spec.views.items():
         need(n, "view", "views", n)
         need(view.dim, "dim", "views", n, "dim")
@@ -349,7 +364,7 @@ def to_mem(spec: Spec) -> str:
     b = []
     if spec.dims:
         b.append("dims { " + ", ".join(f"{n} = {d}" for n, d in spec.dims.items()) + " }")
-    b += [f"const {n} = {_mem_number(c)}" for n, c in spec.constants.items()]
+    b += [f"const {n} = {_mem_constant(c)}" for n, c in spec.constants.items()]
     blocks.append(b)
     blocks.append([f"view {n} : {view.dim}" for n, view in spec.views.items()])
     b = []

@@ -64,3 +64,6 @@ def quote(value, limit: int = MAX_QUOTED_CHARS) -> str:
 def clip(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
     """``text`` cut to about ``limit`` characters for a message (no quotes added)."""
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+MAX_NS_STEPS = 20
+"""The most Newton-Schulz steps ``newton_schulz(X, steps)`` takes (and the longest coefficient schedule)."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import Collector, Span, SpecError, did_you_mean
+from .limits import MAX_NS_STEPS
 from .expr import FUNCTIONS, ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num, Transpose, is_diag, unparse
 
 Shape = tuple  # tuple[str, ...]
@@ -48,14 +49,14 @@ CACHE_AXIS = "n"
 
 REDUCTIONS = frozenset({"sum", "mean", "norm"})
 
-MAX_NS_STEPS = 20
-"""The most Newton-Schulz steps ``newton_schulz(X, steps)`` takes."""
-
-
-def steps_value(e: Expr) -> Optional[int]:
-    """The number of steps of ``newton_schulz(X, steps)``: an integer literal in 1..MAX_NS_STEPS."""
+def steps_value(e: Expr, constants=None):
+    """The iterations of ``newton_schulz(X, steps)``: an integer literal in 1..MAX_NS_STEPS (Muon's
+    one triple each step), or the name of a constant holding a coefficient schedule (a tuple of
+    ``(a, b, c)`` triples, one per step); None when it is neither."""
     if isinstance(e, Num) and float(e.value).is_integer() and 1 <= float(e.value) <= MAX_NS_STEPS:
         return int(e.value)
+    if isinstance(e, Name) and constants is not None and isinstance(constants.get(e.id), tuple):
+        return constants[e.id]
     return None
 
 
@@ -266,6 +267,10 @@ class ShapeEnv:
             self._temp_out_of_scope(e, ctx)
             return None
         if n in self.names:
+            if isinstance(self.spec.constants.get(n), tuple) and self.kinds.get(n) == "constant":
+                ctx.diags.error(f"the constant '{n}' is a Newton-Schulz coefficient schedule, not a number", e.span,
+                                hint=f"only newton_schulz(X, {n}) takes it", code="E-shape")
+                return None
             return self.names[n]
         if self.kinds.get(n) == "model":
             ctx.diags.error(f"the model '{n}' is a function; apply it to an input", e.span,
@@ -556,10 +561,12 @@ class ShapeEnv:
         x = self._infer(e.args[0], ctx)
         steps = e.args[1]
         ok = True
-        if steps_value(steps) is None:
+        if steps_value(steps, self.spec.constants) is None:
             ctx.diags.error(f"newton_schulz(X, steps) takes a number of steps (an integer from 1 to "
-                            f"{MAX_NS_STEPS}), got '{unparse(steps)}'", steps.span or e.span,
-                            hint="Muon uses 5: newton_schulz(X, 5)", code="E-shape")
+                            f"{MAX_NS_STEPS}) or a constant holding (a, b, c) coefficients per step, got "
+                            f"'{unparse(steps)}'", steps.span or e.span,
+                            hint="Muon uses 5: newton_schulz(X, 5); a schedule: constants: {ns: [[a, b, c], ...]} "
+                                 "and newton_schulz(X, ns)", code="E-shape")
             ok = False
         if x is not None and len(x) != 2:
             ctx.diags.error(f"newton_schulz(X, steps) orthogonalises a matrix, got {fmt_shape(x)}",

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from .expr import Assign, Expr, FunDef, Name, parse_expr, parse_fundef, parse_stmt
-from .limits import MAX_NAME_CHARS, MAX_NUMBER_CHARS, MAX_SIZE, quote
+from .limits import MAX_NAME_CHARS, MAX_NS_STEPS, MAX_NUMBER_CHARS, MAX_SIZE, quote
 
 
 def _as_expr(v: Any) -> Any:
@@ -89,8 +89,32 @@ def _number(v: Any) -> Any:
     return v
 
 
+def _constant(v: Any) -> Any:
+    """A constant: a number, or a Newton-Schulz coefficient schedule -- a list of ``(a, b, c)``
+    triples, one per iteration of ``newton_schulz(X, schedule)`` (kept as a tuple of tuples)."""
+    if isinstance(v, (list, tuple)):
+        if not 1 <= len(v) <= MAX_NS_STEPS:
+            raise ValueError(f"a coefficient schedule has 1 to {MAX_NS_STEPS} (a, b, c) triples, got {len(v)}")
+        rows = []
+        for item in v:
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
+                raise ValueError(f"a coefficient schedule is a list of (a, b, c) triples, got {_what(item)}")
+            row = tuple(float(_number(x)) for x in item)
+            if not all(math.isfinite(x) for x in row):
+                raise ValueError("the coefficients of a schedule must be finite")
+            rows.append(row)
+        return tuple(rows)
+    return _number(v)
+
+
+def is_schedule(value: Any) -> bool:
+    """Is a constant's value a Newton-Schulz coefficient schedule (not a number)?"""
+    return isinstance(value, tuple)
+
+
 Size = Annotated[int, BeforeValidator(_size)]
 Number = Annotated[float, BeforeValidator(_number)]
+Constant = Annotated[Union[float, tuple[tuple[float, float, float], ...]], BeforeValidator(_constant)]
 
 _NUM = r"[0-9.eE+-]+"
 INIT_RE = re.compile(
@@ -336,7 +360,7 @@ class Spec(Node):
     description: str = ""
     cite: str = ""
     dims: dict[str, Size] = Field(default_factory=dict)
-    constants: dict[str, Number] = Field(default_factory=dict)
+    constants: dict[str, Constant] = Field(default_factory=dict)
     views: dict[str, View] = Field(default_factory=dict)
     gates: dict[str, Gate] = Field(default_factory=dict)
     params: dict[str, Param] = Field(default_factory=dict)

@@ -95,15 +95,17 @@ def append(cache, item, window=None):
 
 def newton_schulz(X, steps):
     """Muon's quintic Newton-Schulz iteration on the last two axes: X / (|X|_F + 1e-7), then
-    `steps` times X <- a X + (b A + c A A) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315).
+    `steps` times X <- a X + (b A + c A A) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315);
+    or, with `steps` a tuple of (a, b, c) triples (a coefficient schedule), one step per triple.
     Run on the smaller Gram matrix (X^T for a tall X: the same result, transposed back)."""
+    schedule = steps if isinstance(steps, tuple) else ((3.4445, -4.7750, 2.0315),) * steps
     tall = X.shape[-2] > X.shape[-1]
     if tall:
         X = X.transpose(-2, -1)
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
-    for _ in range(steps):
+    for a, b, c in schedule:
         A = X @ X.transpose(-2, -1)
-        X = 3.4445 * X + (-4.7750 * A + 2.0315 * (A @ A)) @ X
+        X = a * X + (b * A + c * (A @ A)) @ X
     return X.transpose(-2, -1) if tall else X
 
 

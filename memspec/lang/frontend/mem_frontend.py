@@ -173,8 +173,13 @@ def read_mem(text: str, file: str, diags: Collector) -> RawSpec | None:
             data["dims"] = dims
         elif kind == "const_decl":
             name = ch[0]
-            put(("constants", str(name)), _number(ch[1].children[0]), pos.of_token(ch[1].children[0]),
-                pos.of_token(name))
+            if ch[1].data == "coefficients":   # a Newton-Schulz schedule: [(a, b, c), ...]
+                rows = [[_number(x.children[0]) for x in t.children] for t in ch[1].children]
+                first = ch[1].children[0].children[0].children[0]
+                put(("constants", str(name)), rows, pos.of_token(first), pos.of_token(name))
+            else:
+                put(("constants", str(name)), _number(ch[1].children[0]), pos.of_token(ch[1].children[0]),
+                    pos.of_token(name))
         elif kind == "view_decl":
             put(("views", str(ch[0])), {"dim": str(ch[1])}, span, pos.of_token(ch[0]))
             raw.spans[("views", str(ch[0]), "dim")] = pos.of_token(ch[1])
