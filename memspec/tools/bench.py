@@ -253,7 +253,7 @@ def wanted_schedules(text: str | None, specs: dict, usage_error) -> set[str] | N
     if not text:
         return None
     from ..lang.errors import printable
-    from ..schedule import analyse
+    from ..pipeline.build import decide
     from ..schedule.decide import NAMES
 
     names = [n.strip() for n in text.split(",")]
@@ -262,7 +262,7 @@ def wanted_schedules(text: str | None, specs: dict, usage_error) -> set[str] | N
         raise usage_error(f"--schedules: unknown schedule {', '.join(map(repr, unknown))}; "
                           f"the schedules are {', '.join(NAMES)}")
     for path, spec in specs.items():
-        carried = analyse(spec).schedules
+        carried = decide(spec).schedules
         if not set(names) & set(carried):
             raise usage_error(f"--schedules {','.join(names)}: {printable(path)} ({spec.name}) runs none of them; "
                               f"its generated module runs {', '.join(carried)}")
