@@ -1,7 +1,9 @@
 """Every ```yaml and ```mem example of docs/language.md runs through `memspec check`: a
 complete spec passes with no warning, a fragment (``<!-- doc-test: fragment of memspec:NAME
--->``) passes on top of that shipped spec, and an example marked ``<!-- doc-test: invalid -->``
-fails with exactly the located error the ```text block after it shows."""
+-->``) passes on top of that shipped spec, an excerpt (``<!-- doc-test: excerpt -->``: a few
+sections of a larger spec) parses, its expressions included, and an example marked
+``<!-- doc-test: invalid -->`` fails with exactly the located error the ```text block after
+it shows."""
 from __future__ import annotations
 
 import re
@@ -14,7 +16,7 @@ from memspec.tools.cli import main
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "language.md"
 FENCE = re.compile(r"^```(\w*)\s*$")
-MARKER = re.compile(r"^<!-- doc-test: (invalid|fragment of (memspec:[\w/]+)) -->$")
+MARKER = re.compile(r"^<!-- doc-test: (invalid|excerpt|fragment of (memspec:[\w/]+)) -->$")
 
 
 @dataclass
@@ -61,18 +63,43 @@ def blocks(text: str) -> list[Block]:
 BLOCKS = blocks(DOC.read_text(encoding="utf-8"))
 
 
+def parse_errors(text: str, lang: str, file: str) -> list[str]:
+    """An excerpt's problems: YAML or .mem syntax, a key that is no section of a spec, an
+    expression that does not parse."""
+    from memspec.lang.errors import Collector
+    from memspec.lang.frontend import parse_expressions
+    from memspec.lang.frontend.mem_frontend import read_mem
+    from memspec.lang.frontend.yaml_frontend import read_yaml
+    from memspec.lang.spec import SPEC_KEYS
+
+    diags = Collector()
+    raw = (read_yaml if lang == "yaml" else read_mem)(text, file, diags)
+    if raw is not None:
+        parse_expressions(raw, diags)
+        unknown = sorted(set(raw.data) - set(SPEC_KEYS))
+        if unknown:
+            return [f"not a section of a spec: {', '.join(unknown)}"]
+    return [d.render() for d in diags.errors]
+
+
 def test_the_doc_has_examples_of_every_kind():
     assert len(BLOCKS) >= 5
     assert {b.lang for b in BLOCKS} == {"yaml", "mem"}
-    assert {b.marker for b in BLOCKS} == {None, "invalid", "fragment"}
+    assert {b.marker for b in BLOCKS} >= {None, "invalid", "fragment"}
 
 
 def test_markers_are_read():
     text = ("<!-- doc-test: fragment of memspec:titans_mal -->\n```mem\nwiring mal\n```\n\n"
-            "<!-- doc-test: invalid -->\n\n```yaml\nname: x\n```\nsays\n```text\nx.yaml:1:1: error: e\n```\n")
-    a, b = blocks(text)
+            "<!-- doc-test: invalid -->\n\n```yaml\nname: x\n```\nsays\n```text\nx.yaml:1:1: error: e\n```\n"
+            "<!-- doc-test: excerpt -->\n```yaml\nread: q @ S\n```\n")
+    a, b = blocks(text)[:2]
     assert (a.marker, a.base, a.text) == ("fragment", "memspec:titans_mal", "wiring mal\n")
     assert (b.marker, b.expected) == ("invalid", "x.yaml:1:1: error: e\n")
+    assert blocks(text)[2].marker == "excerpt"
+    assert parse_errors("read: q @ S\n", "yaml", "x.yaml") == []
+    assert parse_errors("read: q @@ S\n", "yaml", "x.yaml")[0].startswith("x.yaml:1:")
+    assert parse_errors("reed: q @ S\n", "yaml", "x.yaml") == ["not a section of a spec: reed"]
+    assert parse_errors("read = q @ S\n", "mem", "x.mem") == []
     with pytest.raises(ValueError, match="unknown doc-test marker"):
         blocks("<!-- doc-test: maybe -->\n```yaml\nname: x\n```\n")
 
@@ -86,6 +113,9 @@ def test_example(block, tmp_path, monkeypatch, capsys):
                 else f"extends: {block.base}\nname: fragment\n")
         text = head + text
     path = Path(f"example.{block.lang}")
+    if block.marker == "excerpt":
+        assert parse_errors(text, block.lang, path.name) == []
+        return
     path.write_text(text, encoding="utf-8")
     rc = main(["check", "-q", str(path)])
     err = capsys.readouterr().err
