@@ -368,3 +368,29 @@ def test_mamba_matches_a_token_loop(extreme):
             o, s = m(C_, B_, x, dt=dt, state={"h": h0}, schedule=schedule)
         assert torch.isfinite(o).all()
         assert rel_err(o, ro) <= 1e-4 and rel_err(s["h"], h) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hgrn", "mamba"])
+def test_compiled_scan_forward_and_gradients_equal_eager(name):
+    """compile=True runs the scan over slices of SLICE_CHUNKS chunks through one compiled graph."""
+    from memspec.codegen.module import SLICE_CHUNKS
+
+    spec = memspec.load(SPECS / f"{name}.yaml")
+    dims = small_dims(spec)
+    eager = make(spec, dims, chunk=4, dtype=torch.float32)
+    comp = make(spec, dims, chunk=4, dtype=torch.float32, compile=True)
+    comp.load_state_dict(eager.state_dict())
+    T = 5 * 4 * SLICE_CHUNKS // 2
+    outs = []
+    for m in (eager, comp):
+        ins = harness_inputs(spec, eager, T=T, dtype=torch.float32, requires_grad=True)
+        o, st = m(**ins, schedule="scan")
+        loss = (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() + sum(s.sum() for s in st.values())
+        outs.append((o.detach(), st["h"].detach(), torch.autograd.grad(loss, [*ins.values(), *m.parameters()])))
+    assert comp._chunked_fn.compiled is not None
+    (a, sa, ga), (b, sb, gb) = outs
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sb, sa, rtol=1e-4, atol=1e-5)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
