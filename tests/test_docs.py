@@ -139,3 +139,8 @@ def test_the_gate_examples_in_yaml_and_mem_are_one_spec(tmp_path, monkeypatch):
     assert set(specs) == {"yaml", "mem"} and specs["yaml"] == specs["mem"]
     assert specs["yaml"].params["A_log"].shape == []
     assert analyse(specs["mem"]).family == "delta"          # "it keeps the delta schedule"
+    # the shipped spec's description names the same formula, and no longer calls it inexpressible
+    shipped = load(DOC.parent.parent / "specs" / "gated_deltanet.mem")
+    formula = str(specs["yaml"].gates["alpha"].formula)
+    assert formula == "1 - exp(-exp(A_log) * softplus(logit))" and formula in shipped.description
+    assert "not expressible" not in shipped.description
