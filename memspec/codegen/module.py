@@ -197,6 +197,7 @@ def memory_class(ctx, L):
     memory_init(ctx, L)
     init_state(ctx, L)
     forward(ctx, L)
+    work_dtype(L)
     step(ctx, L)
     validation(ctx, L)
     if spec.model is not None:
@@ -227,6 +228,7 @@ def read_method(ctx, L):
         L('"""')
         taken = set(ctx.spec_names)
         B, T = fresh("B", taken), fresh("T", taken)
+        in_state_dtype(ctx, L, "read", views, [], [])
         L(f"{B}, {T} = self._check_inputs({{{', '.join(f'{v!r}: {v}' for v in views)}}}, {{}})")
         L(f"state = self._check_state(state, {B}, {views[0]})")
         names = {}
@@ -245,9 +247,11 @@ def read_method(ctx, L):
 def memory_init(ctx, L):
     spec = ctx.spec
     sig = ctx.dims_signature()
-    L(f"def __init__(self, *, {', '.join(sig)}, chunk={ctx.default_chunk}, compile=False):")
+    L(f"def __init__(self, *, {', '.join(sig)}, chunk={ctx.default_chunk}, compile=False, state_dtype=None):")
     with L.indent():
         L('"""' + "Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;")
+        L("`state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16")
+        L("inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);")
         has_cache = any(st.cache for st in spec.state.values())   # a growing cache: no static shapes per token
         steps = ([] if has_cache else ["per-token step"]) + [f"{f} chunk step" for f in ("minibatch", "apply_update")
                                                              if f in ctx.schedules]
@@ -266,6 +270,7 @@ def memory_init(ctx, L):
             L(f"self.{ctx.attr.get(dname, dname)} = {dname}")
         L("self.chunk = chunk")
         L("self.compile = compile")
+        L("self.state_dtype = state_dtype")
         H = f"self.{ctx.attr.get('heads', 'heads')}"
         for p, prm in spec.params.items():
             dims = [f"self.{ctx.attr.get(x, x)}" for x in prm.shape]
@@ -354,6 +359,7 @@ def forward(ctx, L):
         for piece in string_pieces(takes, 4 * L.level + len("    raise ValueError(") + 1):   # + the ")"
             L("                     " + piece)
         L.lines[-1] += ")"
+        in_state_dtype(ctx, L, "forward", ctx.views, ctx.gates, ["schedule", "cu_seqlens"])
         L(f"{ctx.locals_bt()} = self._check_inputs({{{', '.join(f'{v!r}: {v}' for v in ctx.views)}}}, "
           f"{{{', '.join(f'{g!r}: {g}' for g in ctx.gates)}}})")
         B = ctx.locals_bt().split(",")[0]
@@ -406,6 +412,45 @@ def forward_documents(ctx, L):
         L()
         tensors = ", ".join(ctx.views + ctx.gates) + ("," if len(ctx.views + ctx.gates) == 1 else "")
         L(f"return _by_document(run, ({tensors}), state, bounds)")
+    L()
+
+
+def in_state_dtype(ctx, L, method: str, views: list, gates: list, keywords: list) -> None:
+    """The prologue of ``forward`` / ``read``: float16 / bfloat16 inputs (or autocast) run again in
+    ``self._work_dtype`` (float32 by default) with autocast off, so that states and their sums stay
+    in it (fla's convention); the output comes back in the inputs' dtype, the state in the work dtype.
+    ``keywords``: the method's other keyword arguments, passed through as they are."""
+    taken = set(ctx.spec_names)
+    work, out, like = fresh("work", taken), fresh("out", taken), fresh("like", taken)
+    tensors = ", ".join(views + gates) + ("," if len(views + gates) == 1 else "")
+    L(f"{work} = self._work_dtype({views[0]})")
+    L(f"if {work} is not None:", f"states and sums in {work}, the output in the inputs' dtype")
+    with L.indent():
+        L(f"{like} = {views[0]}")
+        L(f"{tensors} = (t.to({work}) if torch.is_tensor(t) else t for t in ({tensors}))")
+        L("if isinstance(state, dict):")
+        L(f"    state = {{n: s.to({work}) if torch.is_tensor(s) and s.is_floating_point() else s "
+          "for n, s in state.items()}")
+        args = ", ".join(views + [f"{g}={g}" for g in gates] + ["state=state"] + [f"{k}={k}" for k in keywords])
+        L(f"with torch.autocast({like}.device.type, enabled=False):")
+        if method == "forward":
+            L(f"    {out}, state = self.forward({args})")
+            L(f"return {out}.to({like}.dtype), state")
+        else:
+            L(f"    return self.read({args}).to({like}.dtype)")
+
+
+def work_dtype(L):
+    """``_work_dtype(x)``: the dtype a call with inputs like ``x`` runs its states in, when not x's own."""
+    L("def _work_dtype(self, x):")
+    with L.indent():
+        L('"""' + "The dtype of the states and their sums for inputs like x (`state_dtype`, else float32 for")
+        L("float16 / bfloat16), or None when the call runs as it is (that dtype is x's, no autocast).")
+        L('"""')
+        L("if not torch.is_tensor(x):")
+        L("    return None")
+        L("work = self.state_dtype or (torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)")
+        L("return work if work != x.dtype or torch.is_autocast_enabled(x.device.type) else None")
     L()
 
 
