@@ -101,13 +101,14 @@ def cmd_check(args) -> int:
 
 
 def metadata_note(inherited: list[tuple[str, str]]) -> str:
-    """`` (description and cite inherited from titans.yaml)`` for ``check``'s ok line."""
+    """`` (inherits description and cite from titans.yaml: ...)`` for ``check``'s ok line."""
     if not inherited:
         return ""
-    files = sorted({f for _, f in inherited})
-    fields = " and ".join(k for k, _ in inherited)
-    return f" ({fields} inherited from {printable(', '.join(files))}: text about the base; give the variant its own, " \
-           f"or null to drop it)"
+    by_file: dict[str, list[str]] = {}
+    for key, file in inherited:
+        by_file.setdefault(file, []).append(key)
+    parts = [f"{' and '.join(keys)} from {printable(file)}" for file, keys in by_file.items()]
+    return f" (inherits {' and '.join(parts)}: text about the base; give the variant its own, or null to drop it)"
 
 
 def cmd_fmt(args) -> int:
