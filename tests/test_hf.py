@@ -236,3 +236,19 @@ def test_export_cli(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\n")
     assert main(["export", str(bad), str(tmp_path / "b")]) == 1
+
+
+def test_beam_search_reorders_the_cache():
+    m = model("deltanet")
+    prompt = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    beams = m.generate(prompt, max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
+    full = m.generate(prompt, max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0, use_cache=False)
+    assert torch.equal(beams, full)
+
+
+def test_a_foreign_cache_is_refused():
+    from transformers import DynamicCache
+
+    m = model("deltanet", layers=1)
+    with pytest.raises(ValueError, match="expected a MemspecCache"):
+        m(torch.tensor([[1, 2]]), cache=DynamicCache())

@@ -8,9 +8,10 @@ MLP; RMSNorm; a head tied to the embedding -- with the same parameter names, so 
 MemoryLM's state dict loads into it as it is.  ``MemspecCache`` holds every block's state
 (the memory's state, and the attention caches of a wired memory).
 
-Past the section marked below this file imports only torch and transformers:
-``memspec export`` writes it next to a copy of the compiled module, with that section
-replaced by the module's import, so the folder loads where memspec is not installed.
+Past the section marked below this file imports only torch, transformers and the standard
+library's dataclasses and typing: ``memspec export`` writes it next to a copy of the compiled
+module, with that section replaced by the module's import, so the folder loads where memspec
+is not installed.
 """
 from __future__ import annotations
 
@@ -199,6 +200,8 @@ class MemspecForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, cache=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, past_key_values=None, return_dict=None, **kwargs):
         cache = cache if cache is not None else past_key_values
+        if cache is not None and not isinstance(cache, MemspecCache):
+            raise ValueError(f"cache: expected a MemspecCache (every block's memory state), got {type(cache).__name__}")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, d_model]")
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds   # [B, T, d_model]
