@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..lang.expr import Call, Expr, Name, rewrite
 from ..lang.names import GENERATED_NAMES, fresh
+from ..runtime.varlen import _DocumentChunks, _Documents
 from ..schedule.algebra import simplify
 
 LOG_FLOOR = 1e-30   # decays are clamped to >= 1e-30 before the log: log_gamma >= -69
@@ -124,13 +125,20 @@ def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None
 def emit_forward(ctx, L, body, kernel) -> None:
     """``_forward_chunk``: the lets, then the family's ``body``; the module carries ``kernel``."""
     sv = ctx.views + ctx.gates
-    L(f"def _forward_chunk(self, {', '.join(sv + ['state'])}):")
+    docs = fresh("documents", set(ctx.spec_names))
+    L(f"def _forward_chunk(self, {', '.join(sv + ['state'])}, {docs}=None):")
     with L.indent():
-        L('"""' + f"The exact {ctx.default} chunked form over chunks of self.chunk tokens." + '"""')
+        L('"""' + f"The exact {ctx.default} chunked form over chunks of self.chunk tokens (`{docs}`: packed")
+        L("documents, B = 1, state [N, H, ...]: each starts a chunk of the one kernel call)." + '"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, T, H")
+        call = f"{kernel.__name__}("
         for line in forward_lines(ctx.spec, body, ctx.plans[ctx.default], em, ctx.decision.let_forms, lets=False,
-                                  taken=tuple(sorted(ctx.spec_names))):
+                                  taken=tuple(sorted(ctx.spec_names)) + (docs,)):
+            if call in line and not line.lstrip().startswith("#"):   # every kernel call takes the documents
+                line = line.rstrip()[:-1] + f", documents={docs})"
             L.block(line)
     L()
     ctx.need_kernel(kernel)
+    ctx.need(_Documents)
+    ctx.need(_DocumentChunks)

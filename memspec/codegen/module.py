@@ -393,18 +393,29 @@ def forward(ctx, L):
     forward_documents(ctx, L)
 
 
+PACKED_KERNELS = {"additive", "delta", "dplr", "momentum"}   # kernels that take cu_seqlens (one call per row)
+
+
 def forward_documents(ctx, L):
-    """``_forward_documents``: packed documents split at their offsets; the documents of one length
-    run as one batch through ``forward`` (so every schedule restarts its chunks at a document)."""
+    """``_forward_documents``: packed documents.  An exact chunked kernel takes the packed row in one
+    call (every document starts a chunk: :class:`memspec.runtime.varlen._Documents`); any other
+    schedule splits the row at the offsets and runs the documents of one length as one batch through
+    ``forward`` (so its chunks and blocks restart at each document)."""
     args = ", ".join(ctx.views + ctx.gates + ["state"])
     L(f"def _forward_documents(self, {args}, schedule, cu_seqlens):")
     with L.indent():
         L('"""' + "Packed documents (B = 1, offsets cu_seqlens [N + 1]), each alone from its row of state")
-        L("[N, H, ...]: the documents of each length run as one batch.  Returns (o [1, T, ...], the")
-        L("final state [N, H, ...]; an entry the documents cannot share in one tensor is left out).")
+        L("[N, H, ...]: an exact chunked kernel takes the row in one call; any other schedule runs the")
+        L("documents of each length as one batch.  Returns (o [1, T, ...], the final state [N, H, ...];")
+        L("an entry the documents cannot share in one tensor is left out).")
         L('"""')
         L(f"bounds = _document_bounds(cu_seqlens, {ctx.first}.shape[0], {ctx.first}.shape[1])")
         L(f"state = self._check_state(state, len(bounds), {ctx.first})")
+        exact = [f for f in ctx.schedules if f in PACKED_KERNELS]
+        if exact:   # (at most one exact chunked family per module)
+            L(f"if (self.DEFAULT_SCHEDULE if schedule == \"auto\" else schedule) == {exact[0]!r}:",
+              "one kernel call over the packed row")
+            L(f"    return self._forward_chunk({args}, _Documents(cu_seqlens))")
         L()
         L(f"def run({args}):")
         gate_kw = "".join(f"{g}={g}, " for g in ctx.gates)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 
+
 def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
     """Token-loop reference for ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
 
@@ -43,7 +44,8 @@ def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
     return o, S.to(S0.dtype if S0 is not None else v.dtype)
 
 
-def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, per_channel=None):
+def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, per_channel=None,
+                   documents=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
 
     Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and
@@ -99,6 +101,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             gives the same numbers.
         per_channel: whether log_gamma is per key channel; None: from its rank.  A generated
             module passes its decay's kind, so that its specialised kernel keeps one path.
+        documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
+            S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
@@ -108,16 +112,28 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
     V = sum(x.shape[-1] for x in vs)
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
-    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
     out_dtype = S0.dtype if S0 is not None else vs[0].dtype
     if T == 0:
         o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
-        return o, S.view(B, H, K, V).to(out_dtype)
+        return o, (S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype))
     # one log decay per key channel (decided operands first: the specialiser folds them)
     channel = per_channel if per_channel is not None else log_gamma is not None and log_gamma.dim() == 4
     C = max(1, min(int(chunk), T))
     if channel:                                                      # a power of two: halved level by level
         C = 1 << (C.bit_length() - 1)
+    docs = None
+    if documents is not None:   # packed documents: each starts at a chunk, from its own state
+        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
+        docs = documents.for_kernel(C, S_docs)
+        T = docs.T
+    q_in, k_in, lg_in = q, k, log_gamma                              # per-token inputs [B, T, H, ...]
+    if docs is not None:                                             # the laid-out row
+        k_in = docs.lay(k)
+        q_in = docs.lay(q) if q is not None else None
+        lg_in = docs.lay(log_gamma) if log_gamma is not None else None
+        vs = tuple(docs.lay(x) for x in vs)
+    # (packed: every chunk that starts a document enters its initial state)
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None else S0.to(dt).reshape(BH, K, V)
     N, r = divmod(T, C)
     if group is not None:
         G = int(group)
@@ -153,7 +169,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
         inputs = (q, k, log_gamma, S0) + vs
         inplace = not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs))
     outs = []                                                        # [B, n, c, H, V] per group
-    pieces = zip(groups, split(q), split(k), zip(*(split(x) for x in vs)), split(log_gamma))
+    j0 = 0                                                           # chunks before this group
+    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in))
     for (n, c, m), qp, kp, vp, lp in pieces:
         nBH = n * BH
         vg = block(vp, n, c, m)                                      # [nBH, c, V]
@@ -222,13 +239,18 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             else:
                 kd = kg
         kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
-        starts = [S]
+        starts = []
         for j in range(n):  # forward in the chunks: a non-finite increment reaches only later chunks
-            S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None else S + kv[j]   # [BH, K, V]
+            if docs is not None:
+                S = docs.enter(j0 + j, S)                            # a document's initial state
             starts.append(S)
+            S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None else S + kv[j]   # [BH, K, V]
+            if docs is not None:
+                docs.leave(j0 + j, S)                                # a document's final state
+        j0 += n
         if q is None:
             continue
-        S_starts = torch.stack(starts[:-1]).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+        S_starts = torch.stack(starts).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
         if channel:                                                  # + (q F_c) @ S_start
             og = torch.baddbmm(og, XE[..., K:], S_starts) if og is not None else torch.bmm(XE[..., K:], S_starts)
         else:
@@ -251,7 +273,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
                 v_bad = torch.nn.functional.pad(v_bad[:, :-1], (0, 0, 1, 0))   # ... from s + 1 on
             og = torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad)   # [nBH, c, V]
         outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))  # [B, n, c, H, V] (a view)
-    S_out = S.view(B, H, K, V).to(out_dtype)
+    S_out = (S.view(B, H, K, V) if docs is None else docs.final()).to(out_dtype)
     if q is None:
         return None, S_out
     # one copy into [B, T, H, V] (a second one only for a tail chunk)
@@ -260,4 +282,6 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
     if r:
         tail = outs[-1][:, :, :r].reshape(B, r, H, V)
         o = torch.cat([o, tail], dim=1) if o is not None else tail
+    if docs is not None:
+        o = docs.unlay(o)                                            # the documents' tokens, packed
     return o.to(vs[0].dtype), S_out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 
+
 def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
     """Token-loop reference for the (gated) delta rule.
 
@@ -49,7 +50,8 @@ def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
     return o, S.to(S0.dtype if S0 is not None else v.dtype)
 
 
-def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True, group=None):
+def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True, group=None,
+                documents=None):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
@@ -83,6 +85,8 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         inclusive: True: o_t reads S_t; False: o_t reads S_{t-1}.
         group: chunks per batched group G (default: from the 512 KB budget); any G >= 1
             gives the same numbers.
+        documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
+            S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
@@ -93,6 +97,11 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     dt = torch.promote_types(k.dtype, torch.float32)
     dev = k.device
     C = max(1, min(int(chunk), T))
+    docs = None
+    if documents is not None:   # packed documents: each starts at a chunk, from its own state
+        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
+        docs = documents.for_kernel(C, S_docs)
+        T = docs.T
     N, r = divmod(T, C)
     if group is not None:
         G = int(group)
@@ -103,8 +112,12 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     G = max(1, min(N, G))                                            # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
+    bt, lgt, lrt = beta, log_gamma, log_rho                          # per-token scalars [B, T, H]
+    if docs is not None:                                             # the laid-out row
+        kk, vv, qq, bt, lgt, lrt = (docs.lay(x) for x in (kk, vv, qq, bt, lgt, lrt))
     decayed = log_gamma is not None or log_rho is not None
-    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
+    # (packed: every chunk that starts a document enters its initial state)
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None else S0.to(dt).reshape(BH, K, V)
     Np = N + (r > 0)                                                 # chunks, the tail included
     zero = torch.zeros((), dtype=dt, device=dev)
     nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
@@ -120,27 +133,31 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     # state, are NaN; a non-finite probe makes its own output NaN.  The flags come from one sum per token.
     # (the state itself is never poisoned inside: later outputs are replaced by NaN at the end, so
     # no NaN ever meets a product, forward or backward)
-    total = kk.sum(-1) + vv.sum(-1) + beta.to(dt)
+    total = kk.sum(-1) + vv.sum(-1) + bt.to(dt)
     if log_gamma is not None:                                        # a decay of 0 (log -inf) is valid
-        total = total + log_gamma.to(dt).clamp_min(-80.0)
+        total = total + lgt.to(dt).clamp_min(-80.0)
     if log_rho is not None:
-        total = total + log_rho.to(dt).clamp_min(-80.0)
+        total = total + lrt.to(dt).clamp_min(-80.0)
     ok = torch.isfinite(per_chunk(total))                            # [Np, BH, C] (padding: ok)
     bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
-    bad_before = torch.cumsum(bad, dim=1)                            # bad tokens at or before t
-    state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1) if T else None
+    if docs is None:
+        bad_before = torch.cumsum(bad, dim=1)                        # bad tokens at or before t
+        state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1) if T else None
+    else:                                                            # ... in its document
+        bad_before = docs.cumsum(bad)
+        state_bad = (docs.total(bad) > 0).reshape(-1, 1, 1)         # [N H, 1, 1]
     if qq is not None:
         read_bad = (bad_before if inclusive else bad_before - bad) + (~torch.isfinite(qq.sum(-1))).to(dt)
         read_bad = per_chunk(read_bad) > 0                           # [Np, BH, C]
 
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
     # log decay 0, so L at the chunk's last slot is L at its last real token
-    bc = torch.where(ok, per_chunk(beta), zero)                      # beta
+    bc = torch.where(ok, per_chunk(bt), zero)                        # beta
     if decayed:
-        lgc = (torch.where(ok, per_chunk(log_gamma).clamp_min(-80.0), zero) if log_gamma is not None
+        lgc = (torch.where(ok, per_chunk(lgt).clamp_min(-80.0), zero) if log_gamma is not None
                else torch.zeros_like(bc))
         L = torch.cumsum(lgc, dim=-1)                                # cumulative log decay in the chunk
-        Rl = L if log_rho is None else L - lgc + torch.where(ok, per_chunk(log_rho).clamp_min(-80.0), zero)
+        Rl = L if log_rho is None else L - lgc + torch.where(ok, per_chunk(lrt).clamp_min(-80.0), zero)
         b_r = bc * torch.exp(Rl)                                     # beta exp(R): scales k on the right side
         to_end = torch.exp(L[..., -1:] - L)                          # decay from token t to the chunk end
         g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
@@ -171,6 +188,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         pieces += [c_split(L), c_split(Rl), c_split(b_r), c_split(to_end), c_split(Lq), c_split(q_fac),
                    g_end.split(c_pieces, dim=0)]
     outs = []                                                        # [B, n, c, H, V] per group
+    j0 = 0                                                           # chunks before this group
     for gi, (n, c) in enumerate(groups):
         kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
@@ -209,12 +227,18 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
         us, starts = [], []
         gs = g_end_g.unbind(0) if decayed else [None] * n
-        for W_j, U_j, kd_j, g_j in zip(Wk.reshape(n, BH, c, K).unbind(0), U.reshape(n, BH, c, V).unbind(0),
-                                       kd.reshape(n, BH, c, K).unbind(0), gs):
+        for j, (W_j, U_j, kd_j, g_j) in enumerate(zip(Wk.reshape(n, BH, c, K).unbind(0),
+                                                      U.reshape(n, BH, c, V).unbind(0),
+                                                      kd.reshape(n, BH, c, K).unbind(0), gs)):
+            if docs is not None:
+                S = docs.enter(j0 + j, S)                            # a document's initial state
             u_j = torch.baddbmm(U_j, W_j, S, alpha=-1)               # [BH, c, V]
             starts.append(S)
             S = torch.baddbmm(S if g_j is None else S * g_j[:, None, None], kd_j.transpose(1, 2), u_j)
+            if docs is not None:
+                docs.leave(j0 + j, S)                                # a document's final state
             us.append(u_j)
+        j0 += n
         if qq is not None:
             u = torch.stack(us).reshape(nBH, c, V) if n > 1 else us[0]
             S_starts = torch.stack(starts).reshape(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
@@ -234,9 +258,13 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
         if len(full) < len(outs):
             o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
+        if docs is not None:
+            o = docs.unlay(o)                                        # the documents' tokens, packed
+    if docs is not None:
+        S = docs.final().reshape(-1, K, V)                           # [N H, K, V]
     if state_bad is not None:
         S = torch.where(state_bad, nan_value, S)                           # a bad token poisons the final state
-    S_out = S.reshape(B, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
+    S_out = S.reshape(-1, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
     if qq is None:
         return None, S_out
     return o.to(v.dtype), S_out

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 
+
 def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=False, read_after_decay=False):
     """Token-loop reference for the diagonal-plus-low-rank recurrence (see the module docstring).
 
@@ -147,7 +148,7 @@ def pair_index(c, sl, w, R, same, masks):
 
 
 def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous=False, read_after_decay=False,
-               group=None, a_form=None, b_form=None, decay_form=None):
+               group=None, a_form=None, b_form=None, decay_form=None, documents=None):
     """Exact chunked diagonal-plus-low-rank recurrence (WY / UT representation, generalised).
 
     The recurrence is :func:`recurrent_dplr`'s; all arguments mean the same (shapes there).
@@ -200,6 +201,8 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             ``"scalar"``, ``"channel"``), which must agree with the tensors passed; None: read
             from their ranks.  A generated module passes them, so that its specialised copy of
             this kernel keeps only the paths it runs.
+        documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
+            S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
@@ -220,13 +223,22 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
               else "k" if b is None else "vec" if b_r.dim() == 5 else "scalar")
     decay = ((None if decay_form == "none" else decay_form) if decay_form is not None
              else None if log_decay is None else "channel" if log_decay.dim() == 4 else "scalar")
-    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
+    # (packed: every chunk that starts a document enters its initial state)
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or documents is not None else S0.to(dt).reshape(BH, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
     if T == 0:
         return (v.new_zeros(B, 0, H, V) if q is not None else None), S.reshape(B, H, K, V).to(s_dtype)
     C = max(1, min(int(chunk), T))
     if decay == "channel":                                           # a power of two: halved level by level
         C = 1 << (C.bit_length() - 1)
+    docs = None
+    q_in, lg_in = q, log_decay                                       # per-token inputs [B, T, H, ...]
+    if documents is not None:   # packed documents: each starts at a chunk, from its own state
+        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
+        docs = documents.for_kernel(C, S_docs)
+        T = docs.T                                                   # the laid-out row
+        k, v, a, b_r = (docs.lay(x) for x in (k, v, a, b_r))
+        q_in, lg_in = docs.lay(q), docs.lay(log_decay)
     N, rem = divmod(T, C)
     Np = N + (rem > 0)
     w = 2 if a_vec else 1                                            # column factor sets: [-a | k] or [k]
@@ -259,18 +271,22 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     if b_kind != "k":
         total = total + (b_r.sum((-2, -1), dtype=dt) if b_kind == "vec" else b_r.sum(-1, dtype=dt))
     if decay is not None:
-        lg_all = log_decay.to(dt).clamp_min(-40.0)                   # (a decay of 0, log -inf, is valid)
+        lg_all = lg_in.to(dt).clamp_min(-40.0)                   # (a decay of 0, log -inf, is valid)
         total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
     okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
     # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
     # outputs reading a state at or after a bad token, and the final state, are set to NaN at the end
     bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
-    bad_before = torch.cumsum(bad, dim=1)                            # bad tokens at or before t
-    state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1)
+    if docs is None:
+        bad_before = torch.cumsum(bad, dim=1)                        # bad tokens at or before t
+        state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1)
+    else:                                                            # ... in its document
+        bad_before = docs.cumsum(bad)
+        state_bad = (docs.total(bad) > 0).reshape(-1, 1, 1)         # [N H, 1, 1]
     zero = torch.zeros((), dtype=dt, device=dev)
     nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
     if q is not None:
-        q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
+        q_okf = torch.isfinite(per_chunk(q_in.sum(-1, dtype=dt), 1))
         read_bad = per_chunk(bad_before if inclusive else bad_before - bad, 1) > 0
         read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
@@ -329,7 +345,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
 
     dec_p = {key: split_c(x) for key, x in dec.items()}
 
-    k_p, v_p, q_p = split_t(k), split_t(v), split_t(q)
+    k_p, v_p, q_p = split_t(k), split_t(v), split_t(q_in)
     g_p = split_t(lg_all) if decay == "channel" else None
     a_p = split_t(a) if a_vec else split_c(a_s)
     b_p = split_t(b_r) if b_kind == "vec" else split_c(b_s)
@@ -337,6 +353,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
     q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
     outs = []                                                        # [B, nc, c, H, V] per group
+    j0 = 0                                                           # chunks before this group
     for gi, (nc, c, cp) in enumerate(groups):
         nBH, n = nc * BH, cp * R
         m_solve, m_read = mask_cache[cp]
@@ -474,6 +491,8 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             g_j = (g_end.reshape(nc, BH, -1, 1) if decay == "channel" else g_end.reshape(nc, BH, 1, 1)).unbind(0)
         zs, starts = [], []
         for j, (W_j, U_j) in enumerate(zip(Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, V).unbind(0))):
+            if docs is not None:
+                S = docs.enter(j0 + j, S)                            # a document's initial state
             starts.append(S)
             if a_vec:
                 z = torch.baddbmm(U_j, W_j, S)                        # u = W S + U  [BH, n, V]
@@ -482,7 +501,10 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             else:
                 z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
                 S = torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z)
+            if docs is not None:
+                docs.leave(j0 + j, S)                                # a document's final state
             zs.append(z)
+        j0 += nc
         if q is None:
             continue
         S_starts = torch.stack(starts).reshape(nBH, K, V) if nc > 1 else starts[0]
@@ -506,7 +528,9 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
         og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan_value, og)
         outs.append(og.reshape(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
-    S_out = torch.where(state_bad, nan_value, S).reshape(B, H, K, V).to(s_dtype)   # a bad token poisons the state
+    if docs is not None:
+        S = docs.final().reshape(-1, K, V)                           # [N H, K, V]
+    S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)   # a bad token poisons the state
     if q is None:
         return None, S_out
     # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
@@ -514,4 +538,6 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else v.new_zeros(B, 0, H, V, dtype=dt)
     if len(full) < len(outs):
         o = torch.cat([o, outs[-1].reshape(B, rem, H, V)], dim=1)
+    if docs is not None:
+        o = docs.unlay(o)                                            # the documents' tokens, packed
     return o.to(v.dtype), S_out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 
+
 def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, inclusive=True):
     """Token-loop reference for the momentum delta rule (two states coupled linearly).
 
@@ -47,7 +48,8 @@ def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, i
     return o, S.to(out_dtype), M.to(out_dtype)
 
 
-def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, inclusive=True, group=None):
+def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, inclusive=True, group=None,
+                         documents=None):
     """Exact chunked momentum delta rule (:func:`recurrent_momentum_delta`'s recurrence).
 
     The joint state ``Z = [S; M]`` (``[2K, V]``) has the transition ``Z_t = (D_t (x) I_K) Z_{t-1}
@@ -71,6 +73,8 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     Args:
         as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
         group: chunks per batched group G (default: as above); any G >= 1 gives the same numbers.
+        documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
+            S0, M0, S_T, M_T ``[N, H, K, V]``): each starts at a chunk, from its own states; or None.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).
@@ -80,13 +84,24 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
     dev = k.device
-    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None else S0.to(dt).reshape(BH, K, V)
-    M = k.new_zeros(BH, K, V, dtype=dt) if M0 is None else M0.to(dt).reshape(BH, K, V)
     out_dtype = S0.dtype if S0 is not None else v.dtype
     if T == 0:
         o = v.new_zeros(B, 0, H, V) if q is not None else None
-        return o, S.reshape(B, H, K, V).to(out_dtype), M.reshape(B, H, K, V).to(out_dtype)
+        zeros = k.new_zeros(B, H, K, V, dtype=out_dtype)
+        return o, (S0 if S0 is not None else zeros), (M0 if M0 is not None else zeros)
     C = max(1, min(int(chunk), T))
+    docs = None
+    if documents is not None:   # packed documents: each starts at a chunk, from its own states [S; M]
+        n_docs = documents.count
+        SM = [x.to(dt) if x is not None else k.new_zeros(n_docs, H, K, V, dtype=dt) for x in (S0, M0)]
+        docs = documents.for_kernel(C, torch.cat(SM, dim=2))        # [N, H, 2K, V]
+        T = docs.T
+    tokens = (q, k, p, v, log_gamma, log_mu, beta, eta)              # per-token inputs [B, T, H, ...]
+    if docs is not None:                                             # the laid-out row
+        tokens = tuple(docs.lay(x) for x in tokens)
+    # (packed: every chunk that starts a document enters its initial states)
+    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None else S0.to(dt).reshape(BH, K, V)
+    M = k.new_zeros(BH, K, V, dtype=dt) if M0 is None or docs is not None else M0.to(dt).reshape(BH, K, V)
     Np = -(-T // C)
     if group is not None:
         G = int(group)
@@ -112,7 +127,8 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
 
     Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
     outs = []                                                         # [B, n C, H, V] per group
-    pieces = zip(*(split(x) for x in (q, k, p, v, log_gamma, log_mu, beta, eta)))
+    j0 = 0                                                            # chunks before this group
+    pieces = zip(*(split(x) for x in tokens))
     for qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
         Tg = kg.shape[1]
         n = -(-Tg // C)                                               # chunks in this group
@@ -155,12 +171,17 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         # the chunk's 2x2 D = P(C, start) = [[gS, hM], [0, gM]], applied to Z = [S; M] as a [2, 2] x [2, K V] product
         D = torch.stack([gS, hM, torch.zeros_like(gM), gM], dim=-1).view(n * BH, 2, 2)
         zs, Z_st = [], []
-        for WZ_j, U_j, kZ_j, D_j in zip(*(per(x) for x in (WZ, U, kZ, D))):
+        for j, (WZ_j, U_j, kZ_j, D_j) in enumerate(zip(*(per(x) for x in (WZ, U, kZ, D)))):
+            if docs is not None:
+                Z = docs.enter(j0 + j, Z)                              # a document's initial [S; M]
             Z_st.append(Z)
             z = torch.baddbmm(U_j, WZ_j, Z)                            # [BH, C, V]
             Zd = torch.bmm(D_j, Z.view(BH, 2, K * V)).view(BH, 2 * K, V)   # [gS S + hM M; gM M]
             Z = torch.baddbmm(Zd, kZ_j.transpose(1, 2), z)             # [S; M] at the chunk's end
+            if docs is not None:
+                docs.leave(j0 + j, Z)                                  # a document's final [S; M]
             zs.append(z)
+        j0 += n
         if q is None:
             continue
         qc = lay(qg)
@@ -174,8 +195,11 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)   # [n BH, C, 2K]: reads of [S; M]
         og = torch.baddbmm(torch.bmm(P, z), qZ, Zs)
         outs.append(og.reshape(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)[:, :Tg])
-    S_out, M_out = (x.reshape(B, H, K, V).to(out_dtype).contiguous() for x in Z.split(K, dim=1))
+    Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
+    S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
     if q is None:
         return None, S_out, M_out
     o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    if docs is not None:
+        o = docs.unlay(o)                                             # the documents' tokens, packed
     return o.to(v.dtype), S_out, M_out

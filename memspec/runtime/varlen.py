@@ -74,3 +74,86 @@ def _stack_finals(finals, back):
         if "." in k and k.split(".")[0] in prefixes:
             ragged.add(k.split(".")[1])   # the state a streaming entry belongs to
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
+
+
+class _Documents:
+    """Packed documents for the exact chunked kernels: offsets ``cu_seqlens [N + 1]`` of a row of T
+    tokens.  A kernel lays them out for its chunk with :meth:`for_kernel`."""
+
+    def __init__(self, cu_seqlens):
+        self.offsets = [int(x) for x in cu_seqlens.tolist()]   # one device sync per call
+        self.count = len(self.offsets) - 1                       # N
+
+    def for_kernel(self, C, S0):
+        """The layout of one kernel call: chunks of C tokens, initial states ``S0 [N, ...]`` (in the
+        kernel's dtype)."""
+        return _DocumentChunks(self.offsets, C, S0)
+
+
+class _DocumentChunks:
+    """Packed documents laid out for one exact chunked kernel call (flash-linear-attention's chunk
+    indices): every document starts at a chunk, and its last chunk is filled up with zero tokens (an
+    identity token of every kernel: no write, no decay), so that a chunk holds one document.  The
+    state passes from chunk to chunk as ever, replaced by a document's initial state where it starts
+    (:meth:`enter`) and read out where it ends (:meth:`leave`).
+
+    ``offsets``: the documents' offsets ``[N + 1]`` in a row of T tokens; ``C``: the kernel's chunk;
+    ``S0``: the initial states ``[N, ...]`` (already in the kernel's dtype).
+    """
+
+    def __init__(self, offsets, C, S0):
+        T = offsets[-1]
+        take, start, doc_of = [], [], []                   # per slot of the laid-out row
+        self.first, self.last = {}, {}                     # chunk -> the document it starts / ends
+        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+            if b == a:
+                continue
+            n = -(-(b - a) // C)                           # the document's chunks
+            self.first[len(take) // C] = i
+            self.last[len(take) // C + n - 1] = i
+            start += [len(take)] * (n * C)
+            take += list(range(a, b)) + [T] * (n * C - (b - a))   # T: the zero token
+            doc_of += [i] * (n * C)
+        dev = S0.device
+        self.T = len(take)                                 # tokens of the laid-out row
+        self.take = torch.tensor(take, dtype=torch.long, device=dev)
+        self.give = torch.tensor([s for s, t in enumerate(take) if t < T], dtype=torch.long, device=dev)
+        self.start = torch.tensor(start, dtype=torch.long, device=dev)
+        self.doc_of = torch.tensor(doc_of, dtype=torch.long, device=dev)
+        self.S0 = S0
+        self.finals = list(S0.unbind(0))                   # an empty document keeps its state
+
+    def lay(self, x):
+        """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row (None stays None)."""
+        if x is None:
+            return None
+        return torch.cat([x, x.new_zeros(1, 1, *x.shape[2:])], dim=1).index_select(1, self.take)
+
+    def unlay(self, o):
+        """``[1, T', ...]`` -> ``[1, T, ...]``: the outputs of the real tokens, in packed order."""
+        return o.index_select(1, self.give)
+
+    def enter(self, j, S):
+        """The state at the start of chunk j: a document's initial state where one starts."""
+        i = self.first.get(j)
+        return S if i is None else self.S0[i].reshape(S.shape)
+
+    def leave(self, j, S):
+        """Chunk j has run: keep S as its document's final state where the document ends."""
+        i = self.last.get(j)
+        if i is not None:
+            self.finals[i] = S.reshape(self.S0.shape[1:])
+
+    def final(self):
+        """The documents' final states ``[N, ...]``."""
+        return torch.stack(self.finals)
+
+    def cumsum(self, x):
+        """Cumulative sums over ``[1, T', ...]`` that restart at each document."""
+        c = torch.cumsum(x, dim=1)
+        return c - (c - x).index_select(1, self.start)
+
+    def total(self, x):
+        """Sums of ``[1, T', *rest]`` per document: ``[N, *rest]``."""
+        out = x.new_zeros(self.S0.shape[0], *x.shape[2:])
+        return out.index_add(0, self.doc_of, x[0])
