@@ -29,7 +29,8 @@ SPECS = ROOT / "specs"
 VOCAB = 32
 # one spec per schedule family, and a wired one
 FAMILIES = {"cache": "softmax_attention", "additive": "linear_attention", "delta": "deltanet", "dplr": "kda",
-            "momentum": "momentum_deltanet", "minibatch": "titans", "online": "mesa", "wired": "titans_mac"}
+            "momentum": "momentum_deltanet", "minibatch": "titans", "online": "mesa", "scan": "hgrn",
+            "wired": "titans_mac"}
 
 
 def dims(name: str) -> dict:
@@ -252,3 +253,17 @@ def test_a_foreign_cache_is_refused():
     m = model("deltanet", layers=1)
     with pytest.raises(ValueError, match="expected a MemspecCache"):
         m(torch.tensor([[1, 2]]), cache=DynamicCache())
+
+
+def test_train_save_hf_writes_the_trained_model(tmp_path):
+    from memspec.tools.train import train
+
+    cfg = TrainConfig(task="mqar", steps=3, batch=4, seq_len=24, pairs=4, vocab=VOCAB, d_model=16, heads=2,
+                      layers=1, eval_size=4, progress=False, out=str(tmp_path / "run"), save_hf=str(tmp_path / "hf"))
+    train(SPECS / "gated_deltanet.yaml", cfg)
+    trained = H.MemspecForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert (tmp_path / "hf" / "gated_deltanet.py").exists() and (tmp_path / "hf" / "modeling_memspec.py").exists()
+    lm = MemoryLM(SPECS / "gated_deltanet.yaml", vocab_size=VOCAB, d_model=16, n_layers=1, **trained.config.layer_dims)
+    lm.load_state_dict(torch.load(tmp_path / "run" / "checkpoint.pt")["state_dict"])
+    x = torch.randint(1, VOCAB, (2, 10))
+    assert torch.equal(trained(x, use_cache=False).logits, lm(x))
