@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memspec
-from memspec.runtime.scan import chunk_scan, recurrent_scan
+from memspec.runtime.scan import chunk_scan, chunk_scan_read, recurrent_scan
 from memspec.schedule import analyse, explain
 
 from _compiled_harness import call, initial_state, make, reference_run, rel_err, small_dims
@@ -126,6 +126,35 @@ def test_chunk_scan_causal_and_streaming():
     assert empty.shape == (1, 0, 2, 5) and torch.equal(h_e, h0)
 
 
+@pytest.mark.parametrize("T,C,inclusive", [(37, 8, True), (37, 8, False), (5, 8, True), (16, 4, False), (1, 4, True)])
+def test_chunk_scan_read_matches_loop(T, C, inclusive):
+    """The fused kernel: two states, decays and increments from the inputs per position, a nonlinear read."""
+    a, b, h0 = inputs(2, T, 3, (4,), signed=True)
+    a2, b2, g0 = inputs(2, T, 3, (2, 4), seed=5)
+    xs = [x.requires_grad_() for x in (a, b, a2, b2)]
+    h0s = (h0.requires_grad_(), g0.requires_grad_())
+
+    def coefficients(a, b, a2, b2):
+        return ((a, b), (a2[..., :1, :], b2))
+
+    def read(h, g, *x):
+        return torch.tanh(h) * g.sum(-2)
+
+    o, (hT, gT) = chunk_scan_read(coefficients, read, tuple(xs), h0s, C, inclusive=inclusive)
+    hs, h_ref = loop(a, b, h0)
+    gs, g_ref = loop(a2[..., :1, :], b2, g0)
+    if not inclusive:
+        hs, gs = torch.cat([h0[:, None], hs[:, :-1]], 1), torch.cat([g0[:, None], gs[:, :-1]], 1)
+    ref = read(hs, gs)
+    assert_same_function(o, ref)
+    assert_same_function(hT, h_ref)
+    assert_same_function(gT, g_ref)
+    got = torch.autograd.grad(weighted(o, hT) + gT.sum(), xs + list(h0s))
+    want = torch.autograd.grad(weighted(ref, h_ref) + g_ref.sum(), xs + list(h0s))
+    for x, y in zip(got, want):
+        assert_same_function(x, y)
+
+
 def test_chunk_scan_bfloat16_keeps_a_float32_state():
     a, b, h0 = inputs(1, 30, 2, (4,))
     hs, h = chunk_scan(a.bfloat16(), b.bfloat16(), h0, 8)
@@ -213,6 +242,22 @@ VARIANTS = {   # beyond the shipped specs: a negative decay, a nonlinear read, r
         state S : [d_k, d_v] = zeros
         update { S = e * (diag(g) @ S) * p + outer(k, v) }
         read = q @ tanh(S)
+    """),
+    "two_states_read_write": textwrap.dedent("""
+        memory m
+        dims { d_k = 4, d_v = 5 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        gate g : [d_v] = sigmoid(logit)
+        state S : [d_k, d_v] = zeros
+        state z : [d_v] = zeros
+        update {
+          S = g * S + outer(k, v)
+          z = -g * z + 1
+        }
+        read = q @ S / (1 + abs(z))
+        order read_write
     """),
 }
 

@@ -1,62 +1,137 @@
 """Emitter of the ``scan`` family: every state ``S <- a * S + b`` (elementwise, ``a`` and ``b``
-token-local) through :func:`memspec.runtime.scan.chunk_scan`, one kernel call per state; the
-read is then the spec's read over every token's state at once."""
+token-local) and the read.
+
+* Vector states (no larger than a view): the decays and increments of all tokens, every token's
+  state by :func:`memspec.runtime.scan.chunk_scan`, then the read over all tokens at once.
+* A matrix state: through :func:`memspec.runtime.scan.chunk_scan_read`, with two local functions
+  of one position of every chunk -- the decays and increments of the states, and the read -- that
+  the kernel runs chunk-parallel, so no tensor of every token's state, decay or increment is ever
+  formed (Mamba-1's ``[N, d_v]`` state per token would be T times the state)."""
 from __future__ import annotations
 
-from ..runtime.scan import chunk_scan
-from ..schedule.algebra import simplify
-from . import chunked
+from ..lang.expr import BinOp, Call, Name, Neg, Transpose
+from ..lang.names import GENERATED_NAMES, fresh
+from ..runtime.scan import chunk_scan, chunk_scan_read
+from ..schedule.algebra import names_in, simplify
 from .exprs import P_ATOM, P_MUL, ExprEmitter
 
-KERNEL = chunk_scan
+KERNEL = chunk_scan_read
+
+
+def _fold(e, lets):
+    """Subexpressions equal to a let's value (inlined, as written or simplified) as the let's name."""
+    for inl, n in lets:
+        if e == inl or e == simplify(inl):
+            return Name(n)
+    if isinstance(e, BinOp):
+        return BinOp(e.op, _fold(e.left, lets), _fold(e.right, lets))
+    if isinstance(e, (Neg, Transpose)):
+        return type(e)(_fold(e.operand, lets))
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(_fold(a, lets) for a in e.args))
+    return e
+
+
+def _lifted(em, e, rank: int, rows: bool = False) -> str:
+    """Code of a token-local value lifted to broadcast against a state of ``rank`` axes after any
+    prefix (singleton axes after the prefix; a row factor ``[..., d, 1]``)."""
+    c = em._emit(e)
+    if c.number:
+        return c.text
+    if rows:
+        return f"{c.at(P_ATOM)}.unsqueeze(-1)"
+    return ExprEmitter._lift(c, rank) if c.rank < rank else c.at(P_MUL)
+
+
+def _coefficients(ctx, em, spec, st, lets, like) -> tuple[str, str]:
+    """Code of a state's decay (broadcastable to the state) and increment (the state's shape,
+    after the prefix of ``like``)."""
+    shape = tuple(spec.state[st.name].shape)
+    a = " * ".join(_lifted(em, _fold(f.value, lets), len(shape), f.on == "rows") for f in st.decay) or "1.0"
+    inc = _fold(st.increment, lets)
+    b = _lifted(em, inc, len(shape))
+    if em.shape(inc) != shape or not names_in(inc) & (set(spec.views) | set(spec.gates) | set(spec.let)):
+        dims = ", ".join(f"self.{ctx.attr.get(d, d)}" for d in shape)   # broadcast to the state's shape
+        b = f"{like}.new_full((*{like}.shape[:3], {dims}), {b})" if em._emit(inc).number \
+            else f"{b}.expand(*{like}.shape[:3], {dims})"
+    return a, b
 
 
 def emit(ctx, L) -> None:
-    chunked.emit_forward(ctx, L, body, KERNEL)
+    spec, plan = ctx.spec, ctx.plans["scan"]
+    sv = ctx.views + ctx.gates
+    L(f"def _forward_chunk(self, {', '.join(sv + ['state'])}):")
+    with L.indent():
+        vector = all(len(spec.state[st.name].shape) <= 1 for st in plan.states)
+        L('"""' + "The exact scan over chunks of self.chunk tokens: every state S <- a * S + b, "
+          + ("then the read of every token's state." if vector else "read as it is made.") + '"""')
+        em = ctx.emitter()
+        ctx.lets(L, em, "B, T, H")
+        lets = list(ctx.decision.let_forms)
+        taken = set(ctx.spec_names) | GENERATED_NAMES
+        # a vector state's decay and increment are no larger than a view: computed for all tokens at once
+        whole = {st.name: (fresh(f"{st.name}_a", taken), fresh(f"{st.name}_b", taken)) for st in plan.states
+                 if len(spec.state[st.name].shape) <= 1}
+        exprs = [f.value for st in plan.states if st.name not in whole for f in st.decay] \
+            + [st.increment for st in plan.states if st.name not in whole] + [plan.read]
+        used = set().union(*(names_in(_fold(e, lets)) for e in exprs))
+        inputs = [n for n in sv + ctx.let_order() if n in used]
+        inputs = [n for ab in whole.values() for n in ab] + inputs or [ctx.first]   # (the first view gives T)
+        for st in plan.states:
+            if st.name in whole:
+                a, b = _coefficients(ctx, em, spec, st, lets, sv[0])
+                L(f"{whole[st.name][0]} = {a}", f"[B, T, H, {', '.join(spec.state[st.name].shape)}]: decay of "
+                                                  f"{st.name}, every token")
+                L(f"{whole[st.name][1]} = {b}", "its increment")
+        if vector:
+            _whole(ctx, L, em, plan, whole, lets, taken)
+            return
+        L()
+        coef, read = fresh("coefficients", taken), fresh("read_states", taken)
+        L(f"def {coef}({', '.join(inputs)}):")
+        with L.indent():
+            L('"""' + "One position of every chunk ([B, N, H, ...]): (decay, increment) of each state." + '"""')
+            pairs = [f"({whole[st.name][0]}, {whole[st.name][1]})" if st.name in whole
+                     else "({}, {})".format(*_coefficients(ctx, em, spec, st, lets, inputs[0])) for st in plan.states]
+            L(f"return ({', '.join(pairs)},)")
+        L()
+        states = [st.name for st in plan.states]
+        L(f"def {read}({', '.join(states + inputs)}):")
+        with L.indent():
+            L('"""' + f"The read of the states ({', '.join(states)}) at one position of every chunk." + '"""')
+            L(f"return {em.emit(_fold(plan.read, lets))}")
+        L()
+        outs = [fresh(f"{s}_new", taken) for s in states]
+        args = f"({', '.join(inputs)}{',' if len(inputs) == 1 else ''})"
+        h0 = f"({', '.join(f'state[{s!r}]' for s in states)}{',' if len(states) == 1 else ''})"
+        L(f"o, ({', '.join(outs)}{',' if len(outs) == 1 else ''}) = chunk_scan_read({coef}, {read}, {args}, {h0}, "
+          f"self.chunk, inclusive={plan.inclusive})", f"[B, T, H{''.join(', ' + d for d in ctx.read_shape())}]")
+        rest = [f"{n!r}: state[{n!r}]" for n in spec.state if n not in states]
+        L(f"return o, {{{', '.join([f'{s!r}: {o}' for s, o in zip(states, outs)] + rest)}}}")
+    L()
+    ctx.need_kernel(chunk_scan)
+    ctx.need_kernel(chunk_scan_read)
 
 
-def _lifted(w, e, rank: int, rows: bool = False):
-    """Code of a token-local value lifted to broadcast against a state of ``rank`` axes after any
-    prefix (singleton axes after the prefix; a row factor ``[..., d, 1]``); (code, is a number)."""
-    c = w.em._emit(w.fold(e))
-    if c.number:
-        return c.text, True
-    if rows:
-        return f"{c.at(P_ATOM)}.unsqueeze(-1)", False
-    return (ExprEmitter._lift(c, rank) if c.rank < rank else c.at(P_MUL)), False
-
-
-def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -> None:
-    w.lines.append("# elementwise scan (exact): S <- a * S + b for every token, then the read of every token's state")
-    first = w.first_view
-    w.let_of += [(simplify(inl), n) for inl, n in w.let_of]   # the lets as the analysis simplified them
+def _whole(ctx, L, em, plan, whole, lets, taken) -> None:
+    """Vector states: every token's state by :func:`chunk_scan`, then the read over all tokens."""
+    spec = ctx.spec
+    names = {}
     for st in plan.states:
-        S = st.name
-        shape = tuple(spec.state[S].shape)
-        full = f"[B, T, H{''.join(', ' + d for d in shape)}]"
-        factors = [_lifted(w, f.value, len(shape), f.on == "rows") for f in st.decay]
-        a = w.fresh(f"{S}_a")
-        if not factors:
-            code = f"{first}.new_ones(())"
-        elif all(num for _, num in factors):
-            code = f"{first}.new_tensor({' * '.join(c for c, _ in factors)})"
-        else:
-            code = " * ".join(c for c, _ in factors)
-        tok = any(w.per_token(f.value) for f in st.decay)
-        w.lines.append(f"{a} = {code}  # decay, broadcast to {full}" + ("" if tok else " (the same for every token)"))
-        b = w.fresh(f"{S}_b")
-        code, num = _lifted(w, st.increment, len(shape))
-        if num or not w.per_token(st.increment) or w.em.shape(w.fold(st.increment)) != shape:
-            code = (f"{first}.new_tensor({code})" if num else code) \
-                + f".expand(*{first}.shape[:3], *{state_in[S]}.shape[2:])"
-        w.lines.append(f"{b} = {code}  # {full} increment")
-        seq = w.fresh(f"{S}_all")
-        w.lines.append(f"{seq}, {state_out[S]} = chunk_scan({a}, {b}, {state_in[S]}, {chunk})  # {full}: every "
-                       f"token's state")
+        shape = f"[B, T, H, {', '.join(spec.state[st.name].shape)}]"
+        seq, new = fresh(f"{st.name}_all", taken), fresh(f"{st.name}_new", taken)
+        L(f"{seq}, {new} = chunk_scan({whole[st.name][0]}, {whole[st.name][1]}, state[{st.name!r}], self.chunk)",
+          f"{shape}: every token's state")
         if not plan.inclusive:
-            seen = w.fresh(f"{S}_before")
-            w.lines.append(f"{seen} = torch.cat([{state_in[S]}.unsqueeze(1).to({seq}.dtype), {seq}[:, :-1]], dim=1)  "
-                           f"# {full}: the state each token reads (before its write)")
-            seq = seen
-        probe_names[S] = seq
-        probe_shapes[seq] = shape
+            before = fresh(f"{st.name}_before", taken)
+            L(f"{before} = torch.cat([state[{st.name!r}].unsqueeze(1).to({seq}.dtype), {seq}[:, :-1]], dim=1)",
+              f"{shape}: the state each token reads (before its write)")
+            seq = before
+        names[st.name] = (seq, new)
+    read = ExprEmitter(spec, names={n: seq for n, (seq, _) in names.items()}, like=em.like, attr=em.attr,
+                       helpers=em.helpers)
+    L(f"o = {read.emit(_fold(plan.read, lets))}", f"[B, T, H{''.join(', ' + d for d in ctx.read_shape())}]")
+    rest = [f"{n!r}: state[{n!r}]" for n in spec.state if n not in names]
+    L(f"return o, {{{', '.join([f'{s!r}: {new}' for s, (_, new) in names.items()] + rest)}}}")
+    L()
+    ctx.need_kernel(chunk_scan)

@@ -95,3 +95,73 @@ def chunk_scan(a, b, h0, chunk):
         states.append(x)
     hs = torch.stack(states, dim=2).reshape((B, N * C) + rest)       # [B, T (+ pad), H, *S]
     return (hs[:, :T] if pad else hs).to(out_dtype), h_end.to(out_dtype)
+
+
+def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
+    """The scan fused with its read: ``h_t = a_t * h_{t-1} + b_t`` for one or several states
+    (elementwise), ``o_t = read(h_t, x_t)``, with ``a_t, b_t`` computed from the token's inputs
+    ``x_t`` when needed -- no tensor of T states, decays or increments is ever formed.
+
+    The first ``N = T // C`` chunks run as :func:`chunk_scan` does -- pass 1 computes every
+    chunk's end state from zero and its decay (C steps, each over every chunk), the carries run
+    through :func:`chunk_scan` one level up, pass 2 runs every chunk from its start state and
+    reads each state as it is made -- but ``coefficients`` is called on one position of every
+    chunk (inputs ``[B, N, H, ...]``) in both passes.  The last ``T - N C`` tokens follow one by
+    one.  Work is O(T |S|), memory (besides autograd's) the outputs and O(N |S|).  The same
+    exactness and causality as :func:`chunk_scan`; plain autograd.
+
+    Args:
+        coefficients: ``f(*x) -> ((a, b), ...)``, one pair per state, for inputs ``x`` with any
+            leading axes ``[..., H, ...]``; ``a`` broadcastable to ``b``, ``b`` the state's shape.
+        read: ``f(*states, *x) -> o``, the read of the states with the same leading axes.
+        xs: the token-local inputs ``[B, T, H, ...]`` both functions take.
+        h0: the initial states ``[B, H, *S_i]`` (a tuple, one per state).
+        chunk: chunk size C.
+        inclusive: True: ``o_t`` reads the states after token t's write; False: before it.
+
+    Returns:
+        (o ``[B, T, H, ...]``, the final states as a tuple).
+    """
+    B, T = xs[0].shape[:2]
+    dt = torch.promote_types(h0[0].dtype, torch.float32)
+    hs = [h.to(dt) for h in h0]
+    C = max(2, min(int(chunk), T)) if T > 1 else 1
+    N = T // C
+    outs = []
+    if N:
+        xc = [x[:, :N * C].reshape((B, N, C) + x.shape[2:]) for x in xs]   # [B, N, C, H, ...]
+        us, Ps = None, None
+        for i in range(C):                                           # pass 1: each chunk from zero
+            pairs = coefficients(*[x[:, :, i] for x in xc])
+            if i == 0:
+                us, Ps = [b.to(dt) for _, b in pairs], [a.to(dt) for a, _ in pairs]
+            else:
+                us = [torch.addcmul(b, a, u) for (a, b), u in zip(pairs, us)]
+                Ps = [P * a for (a, _), P in zip(pairs, Ps)]
+        if N > 1:                                                    # the chunks' end states, by the scan
+            carried = [chunk_scan(P.expand(u.shape), u, h, chunk) for P, u, h in zip(Ps, us, hs)]
+            starts = [torch.cat([h.unsqueeze(1), ends[:, :-1]], dim=1) for h, (ends, _) in zip(hs, carried)]
+            hs = [h_end for _, h_end in carried]
+        else:
+            starts = [h.unsqueeze(1) for h in hs]                    # [B, 1, H, *S]
+            hs = [torch.addcmul(u[:, 0], P[:, 0], h) for P, u, h in zip(Ps, us, hs)]
+        for i in range(C):                                           # pass 2: from every chunk's start state
+            x = [x[:, :, i] for x in xc]
+            if not inclusive:
+                outs.append(read(*starts, *x))
+            starts = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x), starts)]
+            if inclusive:
+                outs.append(read(*starts, *x))
+        o = torch.stack(outs, dim=2)                                 # [B, N, C, H, ...]
+        outs = [o.reshape((B, N * C) + o.shape[3:])]
+    for t in range(N * C, T):                                        # the tail, token by token
+        x = [x[:, t:t + 1] for x in xs]                              # [B, 1, H, ...]
+        states = [h.unsqueeze(1) for h in hs]
+        if not inclusive:
+            outs.append(read(*states, *x))
+        states = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x), states)]
+        if inclusive:
+            outs.append(read(*states, *x))
+        hs = [s[:, 0] for s in states]
+    o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return o, tuple(h.to(h0_.dtype) for h, h0_ in zip(hs, h0))
