@@ -155,7 +155,7 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
             if "cache" in plans:
                 why = "the spec is a cache read by attention: it is served exactly by scaled_dot_product_attention"
             raise SpecError([Diagnostic(
-                "error", f"schedule {spec.schedule} needs an exact chunk form (additive, delta, dplr or momentum), "
+                "error", f"schedule {spec.schedule} needs an exact chunk form (additive, delta, dplr, momentum or scan), "
                          f"and this spec admits none", spec.span("schedule"),
                 hint=why + "; use " + ("minibatch(N) (approximate) or " if "minibatch" in plans else "")
                 + "online or auto", code="E-schedule")])
