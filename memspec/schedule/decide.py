@@ -78,7 +78,7 @@ FAMILIES: tuple[Family, ...] = (
            text="scan (exact chunked form: h <- a * h + b elementwise, every token's state materialised)",
            hint="write every state's update as a * S + b (a and b token-local: a scalar, per-channel or "
                 "per-entry decay, diag(a) @ S for rows) with no state in a or b",
-           hint_applies=scan.hint_applies),
+           hint_applies=scan.hint_applies, prefers=scan.preferred_chunk),
     Family("minibatch", minibatch.analyse_minibatch, exact=False, chunked=True, carried=True,
            text="mini-batch (approximate: gradients at the chunk-start state)",
            hint="write the update as linear recurrences with token-local scalar coefficients "

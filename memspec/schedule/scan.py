@@ -192,8 +192,8 @@ def analyse_scan(alg: Algebra) -> tuple[ScanPlan, list[str]]:
                           f"a scan would batch only the state materialisation while the per-token read dominates")
     used = sorted(names_in(read) & set(alg.states))
     reasons.append(f"the read {txt(read)} is a token-local function of "
-                   + (f"the state{'s' if len(used) > 1 else ''} {', '.join(used)}: computed for all tokens at once "
-                      f"on the materialised states" if used else "no state"))
+                   + (f"the state{'s' if len(used) > 1 else ''} {', '.join(used)}: evaluated on every token's "
+                      f"state, all chunks at once" if used else "no state"))
     if spec.order == "read_write":
         reasons.append("each token reads the state before its own write (order read_write): the states shifted by "
                        "one token")
@@ -205,3 +205,15 @@ def analyse_scan(alg: Algebra) -> tuple[ScanPlan, list[str]]:
 def hint_applies(spec) -> bool:
     """Is the scan's hint worth printing: a read that does not solve with the state per token?"""
     return not any(isinstance(c, Call) and c.fn in ("solve", "newton_schulz") for c in spec.read.walk())
+
+
+VECTOR_CHUNK = 16
+
+
+def preferred_chunk(alg: Algebra, plan: ScanPlan):
+    """(chunk, reason) when every state is a vector; None (the default chunk) otherwise."""
+    if any(len(alg.states[st.name].shape) > 1 for st in plan.states):
+        return None
+    return VECTOR_CHUNK, (f"every state is a vector: chunks of {VECTOR_CHUNK} tokens, about 3 x {VECTOR_CHUNK} "
+                          f"elementwise steps per level over log_{VECTOR_CHUNK}(T) levels (ask for another size "
+                          f"with schedule: chunk(N))")
