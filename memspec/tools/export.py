@@ -31,7 +31,9 @@ ALLOWED_IMPORTS = {"__future__", "dataclasses", "typing", "torch", "transformers
 def modeling_source(spec) -> str:
     """The text of ``modeling_memspec.py`` for a spec: :mod:`memspec.hf.modeling` with its memspec
     section replaced by :mod:`memspec.tools.nn`'s blocks and the compiled Layer's import."""
-    from ..codegen import class_name   # imports torch: here, not when `memspec --help` registers export
+    from ..codegen import (
+        class_name,  # imports torch: here, not when `memspec --help` registers export
+    )
     from ..codegen.text import inert
     from ..hf import modeling
     from . import nn as lm_blocks
@@ -39,17 +41,18 @@ def modeling_source(spec) -> str:
     text = inspect.getsource(modeling)
     start, end = text.index(SECTION_START), text.index(SECTION_END) + len(SECTION_END)
     module, layer = inert(spec.name, "name"), inert(f"{class_name(spec.name)}Layer", "name")
-    blocks = "\n\n\n".join(inspect.getsource(c) for c in (lm_blocks.MLP, lm_blocks.ShortConv, lm_blocks.Block))
+    blocks = "\n\n\n".join(inspect.getsource(c).rstrip() for c in (lm_blocks.MLP, lm_blocks.ShortConv, lm_blocks.Block))
     section = (f"# ---- the LM blocks (memspec.tools.nn) and the compiled memory ({module}.py, next to this file) "
-               f"----\nfrom .{module} import {layer}\n\n\n{blocks}\n\n"
+               f"----\nfrom .{module} import {layer}\n\n\n{blocks}\n\n\n"
                f"def memory_layer(config):\n"
                f'    """The spec\'s compiled Layer at the config\'s sizes."""\n'
-               f"    return {layer}(compile=False, d_model=config.hidden_size, **config.layer_dims)\n"
+               f"    return {layer}(compile=False, d_model=config.hidden_size, **config.layer_dims)\n\n\n"
                "# ---- end of the memory section ----")
     doc_end = text.index('"""', 3) + 3
-    doc = inert(f"The {spec.name} memory as a Hugging Face causal LM, written by `memspec export` from "
-                "memspec.hf.modeling: imports only torch, transformers and the compiled module next to it.", "doc")
-    out = f'"""{doc}\n"""' + text[doc_end:start] + section + text[end:]
+    doc = inert(f"The {spec.name} memory as a Hugging Face causal LM, written by `memspec export`.", "doc")
+    out = (f'"""{doc}\n\nmemspec.hf.modeling with the LM blocks and the compiled module ({module}.py) in place of '
+           'memspec:\nit imports only torch, transformers and the module next to it.\n"""'
+           + text[doc_end:start] + section + text[end:])
     check_imports(out)
     return out
 
