@@ -31,9 +31,8 @@ ALLOWED_IMPORTS = {"__future__", "dataclasses", "typing", "torch", "transformers
 def modeling_source(spec) -> str:
     """The text of ``modeling_memspec.py`` for a spec: :mod:`memspec.hf.modeling` with its memspec
     section replaced by :mod:`memspec.tools.nn`'s blocks and the compiled Layer's import."""
-    from ..codegen import (
-        class_name,  # imports torch: here, not when `memspec --help` registers export
-    )
+    # codegen imports torch: imported here, not when `memspec --help` registers export
+    from ..codegen import class_name
     from ..codegen.text import inert
     from ..hf import modeling
     from . import nn as lm_blocks
