@@ -110,3 +110,20 @@ def test_cli(corpus, capsys):
     assert main(["train", str(SPECS / "linear_attention.yaml"), "--data", str(corpus)]) == 2
     assert "--data is for the text task" in capsys.readouterr().err
     assert main(args + ["--vocab", "64"]) == 2
+
+
+def test_compare_on_text_reports_bits_per_byte_per_seed(corpus):
+    import json
+
+    from memspec.tools.train import compare, json_table
+
+    cfg = TrainConfig(task="text", data=str(corpus), steps=2, batch=2, seq_len=16, d_model=32, layers=1,
+                      eval_size=4, progress=False)
+    results = compare([SPECS / "linear_attention.yaml"], cfg, seeds=2)
+    assert [r.seed for r in results] == [0, 1] and all(r.bits_per_byte is not None for r in results)
+    row = json.loads(json_table(results, cfg))["rows"][0]
+    assert row["bits_per_byte"]["min"] == min(r.bits_per_byte for r in results)
+    assert [run["bits_per_byte"] for run in row["runs"]] == [r.bits_per_byte for r in results]
+    table = markdown_table(results)
+    assert "mean bits per byte" in table
+    assert " / ".join(f"{r.bits_per_byte:.3f}" for r in results) in table
