@@ -4,6 +4,7 @@ module's chunked schedule) at small sizes, one round, no torch.compile."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def script(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod      # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -45,3 +47,81 @@ def test_compiled_group_slices_equal_the_chunked_forward(name, capsys):
     assert rc == 0, out
     diff = float(out.split("largest relative difference to the eager chunked forward ")[1].split()[0])
     assert diff < 1e-5
+
+
+def _table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of the Markdown table that starts with ``header``."""
+    rows = []
+    for line in text.split(header, 1)[1].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def _ms(cell: str) -> float:
+    assert cell.endswith(" ms"), cell
+    return float(cell[:-3].replace(",", ""))
+
+
+def _check_family_table(text: str) -> None:
+    rows = _table_rows(text, "| family | spec (default schedule) |")
+    report = script("report")
+    assert [r[0] for r in rows[::2]] == list(report.FAMILY_SPECS)
+    assert {r[2] for r in rows} == {"forward", "forward + backward"}
+    for family, _, _, mine, online, ratio, peer, peer_ratio in rows:
+        if family == "online":
+            assert online == ratio == "—"
+        else:   # the ratio is the two printed times' quotient (up to their rounding)
+            assert float(ratio[:-1]) == pytest.approx(_ms(online) / _ms(mine), rel=0.08, abs=0.01)
+        if peer != "—":
+            assert float(peer_ratio[:-1]) > 0
+    peers = {r[1].split(" ")[0]: r[6] for r in rows}
+    assert "lact_anchor" in peers["lact"]
+
+
+def test_report_family_table_quick(tmp_path):
+    """benchmarks/report.py --quick --sections family: one spec per family in FAMILIES' order (each
+    spec's family decided by the algebra, the script stops otherwise), forward and forward + backward,
+    peers checked equal before timing; the README block is replaced between its markers only."""
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- report:speed -->\nold table\n<!-- /report:speed -->\nafter\n")
+    out = tmp_path / "benchmarks.md"
+    threads = torch.get_num_threads()
+    try:
+        assert script("report").main(["--quick", "--threads", "1", "--sections", "family", "--out", str(out),
+                                      "--readme", str(readme)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    text = out.read_text()
+    assert "| CPU | cores | threads | torch | Python |" in text and f"| {torch.__version__} |" in text
+    _check_family_table(text)
+    new = readme.read_text()
+    assert new.startswith("before\n<!-- report:speed -->\n`python benchmarks/report.py --threads 1 --quick`")
+    assert new.endswith("<!-- /report:speed -->\nafter\n") and "old table" not in new
+    _check_family_table(new)
+
+
+@pytest.mark.slow
+def test_report_quick_every_section(tmp_path):
+    """The whole --quick report: the scripts' tables (memspec bench, anchors, floor) from their own
+    commands, each shown with its command line, and the family table of the shipped specs."""
+    out = tmp_path / "benchmarks.md"
+    threads = torch.get_num_threads()
+    try:
+        assert script("report").main(["--quick", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    text = out.read_text()
+    _check_family_table(text)
+    for command in ("`memspec bench specs/linear_attention.yaml", "`python benchmarks/anchors.py --T 128",
+                    "`python benchmarks/anchors.py --dplr", "`python benchmarks/floor.py"):
+        assert command in text
+    bench = _table_rows(text, "| spec | schedule | exact |")
+    assert {(r[0], r[1]) for r in bench} == {("linear_attention", "additive"), ("linear_attention", "online"),
+                                             ("hgrn", "scan"), ("hgrn", "online")}
+    kernels = [r[0] for r in _table_rows(text, "| kernel | memspec, forward |")]
+    assert kernels[:4] == ["delta rule", "gated delta rule", "linear attention", "decayed lin. attn"]
+    assert [r[0] for r in _table_rows(text, "| row | median |")] == ["online", "chunked", "minimal", "matmuls"]
+    families = {r[0]: r[2] for r in _table_rows(text, "| family | exact | shipped specs")}
+    assert "deltanet" in families["delta"].split(", ") and families["apply_update"] == "lact"
