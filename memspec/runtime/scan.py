@@ -78,12 +78,14 @@ def chunk_scan(a, b, h0, chunk):
     if pad:                                                          # tail tokens a = 1, b = 0
         a = torch.cat([a, a.new_ones((B, pad) + rest)], dim=1)
         b = torch.cat([b, b.new_zeros((B, pad) + rest)], dim=1)
-    a = a.reshape((B, N, C) + rest)                                  # [B, N, C, H, *S]
-    b = b.reshape((B, N, C) + rest)
-    u, P = b[:, :, 0], a[:, :, 0]                                    # [B, N, H, *S]: every chunk at once
+    # [B, N, H, *S] per position, every chunk at once (unbind: one stack of their gradients, not C
+    # zero-filled copies of the whole input as slices would give)
+    a = a.reshape((B, N, C) + rest).unbind(2)
+    b = b.reshape((B, N, C) + rest).unbind(2)
+    u, P = b[0], a[0]
     for i in range(1, C):                                            # pass 1: each chunk from zero
-        u = torch.addcmul(b[:, :, i], a[:, :, i], u)
-        P = P * a[:, :, i]
+        u = torch.addcmul(b[i], a[i], u)
+        P = P * a[i]
     if N > 1:                                                        # the chunks' end states, by the same scan
         ends, h_end = chunk_scan(P, u, h, chunk)                     # [B, N, H, *S]
         x = torch.cat([h.unsqueeze(1), ends[:, :-1]], dim=1)         # chunk-start states
@@ -91,7 +93,7 @@ def chunk_scan(a, b, h0, chunk):
         x, h_end = h.unsqueeze(1), torch.addcmul(u[:, 0], P[:, 0], h)
     states = []
     for i in range(C):                                               # pass 2: each chunk from its start state
-        x = torch.addcmul(b[:, :, i], a[:, :, i], x)
+        x = torch.addcmul(b[i], a[i], x)
         states.append(x)
     hs = torch.stack(states, dim=2).reshape((B, N * C) + rest)       # [B, T (+ pad), H, *S]
     return (hs[:, :T] if pad else hs).to(out_dtype), h_end.to(out_dtype)
@@ -129,10 +131,11 @@ def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
     N = T // C
     outs = []
     if N:
-        xc = [x[:, :N * C].reshape((B, N, C) + x.shape[2:]) for x in xs]   # [B, N, C, H, ...]
+        # one position of every chunk [B, N, H, ...] (unbind: one stack of their gradients)
+        xc = [x[:, :N * C].reshape((B, N, C) + x.shape[2:]).unbind(2) for x in xs]
         us, Ps = None, None
         for i in range(C):                                           # pass 1: each chunk from zero
-            pairs = coefficients(*[x[:, :, i] for x in xc])
+            pairs = coefficients(*[x[i] for x in xc])
             if i == 0:
                 us, Ps = [b.to(dt) for _, b in pairs], [a.to(dt) for a, _ in pairs]
             else:
@@ -146,7 +149,7 @@ def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
             starts = [h.unsqueeze(1) for h in hs]                    # [B, 1, H, *S]
             hs = [torch.addcmul(u[:, 0], P[:, 0], h) for P, u, h in zip(Ps, us, hs)]
         for i in range(C):                                           # pass 2: from every chunk's start state
-            x = [x[:, :, i] for x in xc]
+            x = [x[i] for x in xc]
             if not inclusive:
                 outs.append(read(*starts, *x))
             starts = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x), starts)]
