@@ -18,8 +18,9 @@ from close import assert_same_function
 from transformers.utils import logging as hf_logging
 
 import memspec.hf as H
+from memspec.hf import export
+from memspec.hf.folder import ALLOWED_IMPORTS
 from memspec.tools.cli import main
-from memspec.tools.export import ALLOWED_IMPORTS, export
 from memspec.tools.nn import MemoryLM
 from memspec.tools.train import TrainConfig, load_spec, model_dims
 

@@ -6,13 +6,16 @@ turns a trained :class:`~memspec.tools.nn.MemoryLM` into one (the same weights):
 
     model = memspec.hf.from_spec("specs/deltanet.yaml", vocab_size=256, d_model=64, n_layers=2)
     out = model.generate(prompt, max_new_tokens=16)               # through the memories' states
-    model.save_pretrained("out/deltanet-hf")                      # or: memspec export SPEC DIR
+    memspec.hf.export("specs/deltanet.yaml", "out/deltanet-hf", model=model)   # or: memspec export SPEC DIR
+
+:func:`export` (:mod:`.folder`) writes a folder that loads without memspec.
 """
 from __future__ import annotations
 
 from .modeling import MemspecCache, MemspecConfig, MemspecForCausalLM
 
-__all__ = ["MemspecCache", "MemspecConfig", "MemspecForCausalLM", "config_for", "from_memory_lm", "from_spec"]
+__all__ = ["MemspecCache", "MemspecConfig", "MemspecForCausalLM", "config_for", "export", "from_memory_lm",
+           "from_spec"]
 
 
 def config_for(spec, vocab_size: int, d_model: int, n_layers: int, *, mlp_ratio: int = 4, conv: int = 4,
@@ -44,3 +47,10 @@ def from_memory_lm(lm, **dims) -> MemspecForCausalLM:
     model = MemspecForCausalLM(config)
     model.load_state_dict(lm.state_dict())
     return model.to(next(lm.parameters()).device)
+
+
+def export(spec, out_dir, **kwargs):
+    """The model folder of a spec (:func:`memspec.hf.folder.export`)."""
+    from .folder import export as write
+
+    return write(spec, out_dir, **kwargs)

@@ -7,7 +7,7 @@ through the chain of inner updates (seed text §4.4-4.5).
 ``train(spec, cfg)`` returns a :class:`RunResult`; with ``cfg.out`` it writes
 ``log.json`` (config, loss per step, held-out accuracy, throughput) and
 ``checkpoint.pt`` (state dict + the spec text + the config); with ``cfg.save_hf`` the
-trained model as a Hugging Face folder (:func:`memspec.tools.export.export`).  ``compare(specs, cfg,
+trained model as a Hugging Face folder (:func:`memspec.hf.export`).  ``compare(specs, cfg,
 seeds=N)`` trains each spec under the same budget for each of N seeds (seed s: the same
 initialisation seed and the same batches for every spec); :func:`summarize` gathers the
 runs per spec (mean, min and max accuracy), :func:`markdown_table` and
@@ -30,9 +30,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -314,8 +314,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         _save_checkpoint(out / "checkpoint.pt", {"state_dict": model.state_dict(), "spec_text": text,
                                                  "spec_name": spec.name, "config": asdict(cfg)})
     if cfg.save_hf and main_process:
-        from ..hf import from_memory_lm
-        from .export import export
+        from ..hf import export, from_memory_lm
 
         export(spec, cfg.save_hf, model=from_memory_lm(model, **model_dims(spec, cfg)))
     return result
