@@ -15,7 +15,8 @@ The report has these tables, each with the exact command that produced it:
   ``benchmarks/lact_anchor.py`` (checked equal); forward (no grad) and forward + backward (the
   loss is the sum of the outputs), B=1, H=4, T=2048, D=64, float32.  The three are timed
   round-robin in one process (``memspec.tools.bench.alternate``: each round runs every function
-  twice and times the second run), as many rounds as ``--repeat`` and a time budget allow;
+  twice and times the second run), as many rounds as ``--repeat`` and a time budget allow (a call
+  that takes over a quarter of the budget is timed once, after an untimed call);
 * **every shipped spec, each schedule** (forward): ``memspec bench specs/*.yaml --json``;
 * **kernels against pure-PyTorch chunked forms**: ``benchmarks/anchors.py --json`` (the delta rule,
   the gated delta rule, linear attention, per-channel decays) and ``--dplr --json`` (the dplr and
@@ -99,7 +100,7 @@ class Row:
     calls: Callable[[bool], dict]
     peer: str | None = None       # what the peer is
     check: str | None = None      # how the peer was checked before timing
-    results: dict = field(default_factory=dict)   # "forward" / "forward + backward" -> {name: ms}, rounds
+    results: dict = field(default_factory=dict)   # "forward" / "forward + backward" -> {"ms": {name: ms}, "runs": {name: n}}
 
 
 def _fresh(tensors, grad):
@@ -284,25 +285,35 @@ def family_rows(T: int, H: int, D: int) -> list[Row]:
     return rows
 
 
-def measure(fns: dict, grad: bool, repeat: int, budget_s: float) -> tuple[dict, int]:
-    """Median ms of each function, timed round-robin (``alternate``) after one call each; as many
-    rounds as ``repeat`` and ``budget_s`` allow (at least one)."""
+def measure(fns: dict, grad: bool, repeat: int, budget_s: float) -> tuple[dict, dict]:
+    """Median ms of each function and its number of timed runs.  One untimed call each first; then
+    the functions whose call takes under a quarter of ``budget_s`` are timed round-robin
+    (``alternate``: each round runs each twice and times the second) for as many rounds as ``repeat``
+    and the budget allow (at least one), and a slower one (an online schedule's backward can take
+    half a minute) is timed once, right after its untimed call."""
     with torch.set_grad_enabled(grad):
-        once = 0.0
-        for fn in fns.values():
+        once = {}
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            once += time.perf_counter() - t0
-        rounds = max(1, min(repeat, int(budget_s / max(2 * once, 1e-9))))
-        times = alternate(fns, rounds)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}, rounds
+            once[name] = time.perf_counter() - t0
+        slow = {name for name, t in once.items() if t > budget_s / 4}
+        fast = {name: fn for name, fn in fns.items() if name not in slow}
+        rounds = max(1, min(repeat, int(budget_s / max(2 * sum(once[n] for n in fast), 1e-9))))
+        times = alternate(fast, rounds)
+        for name in slow:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name] = [time.perf_counter() - t0]
+    return ({name: statistics.median(times[name]) * 1e3 for name in fns},
+            {name: len(times[name]) for name in fns})
 
 
 def run_family_rows(rows: list[Row], repeat: int, budget_s: float) -> None:
     for row in rows:
         for grad in (False, True):
-            ms, rounds = measure(row.calls(grad), grad, repeat, budget_s)
-            row.results["forward + backward" if grad else "forward"] = {"ms": ms, "rounds": rounds}
+            ms, runs = measure(row.calls(grad), grad, repeat, budget_s)
+            row.results["forward + backward" if grad else "forward"] = {"ms": ms, "runs": runs}
             print(f"  {row.spec:<28} {'fwd+bwd' if grad else 'forward':<8} "
                   + "  ".join(f"{k} {v:9.2f} ms" for k, v in ms.items()), flush=True)
 
@@ -318,16 +329,34 @@ def _ratio(other: float | None, mine: float) -> str:
 
 
 def family_table(rows: list[Row]) -> str:
+    """Every time and ratio, two lines per family (docs/benchmarks.md)."""
     lines = [("| family | spec (default schedule) | pass | memspec | online schedule | online / memspec | peer "
-             "| peer / memspec |"), "|---|---|---|---:|---:|---:|---|---:|"]
+             "| peer / memspec | timed runs |"), "|---|---|---|---:|---:|---:|---|---:|---:|"]
     for row in rows:
         for what, res in row.results.items():
             ms = res["ms"]
-            sched = row.schedule + ("" if row.exact else ", approximate")
-            lines.append(f"| {row.family} | {row.spec} ({sched}) | {what} | {_ms(ms['memspec'])} | "
+            runs = " / ".join(str(n) for n in res["runs"].values())
+            lines.append(f"| {row.family} | {row.spec} ({_schedule(row)}) | {what} | {_ms(ms['memspec'])} | "
                          f"{_ms(ms.get('online'))} | {_ratio(ms.get('online'), ms['memspec'])} | "
-                         f"{row.peer or '—'} | {_ratio(ms.get('peer'), ms['memspec'])} |")
+                         f"{row.peer or '—'} | {_ratio(ms.get('peer'), ms['memspec'])} | {runs} |")
     return "\n".join(lines) + "\n"
+
+
+def readme_table(rows: list[Row]) -> str:
+    """One line per family: memspec's times and the ratios (the README)."""
+    lines = [("| family | spec (default schedule) | forward | online / memspec | peer / memspec "
+             "| fwd + bwd | online / memspec | peer / memspec | peer |"), "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        cells = []
+        for res in row.results.values():
+            ms = res["ms"]
+            cells += [_ms(ms["memspec"]), _ratio(ms.get("online"), ms["memspec"]), _ratio(ms.get("peer"), ms["memspec"])]
+        lines.append(f"| {row.family} | {row.spec} ({_schedule(row)}) | " + " | ".join(cells) + f" | {row.peer or '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _schedule(row: Row) -> str:
+    return row.schedule + ("" if row.exact else ", approximate")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,7 +563,8 @@ def report(z: Sizes, threads: int, argv_shown: str, sections: set[str]) -> tuple
              f"Python {m['python']}, {m['date']}")
     config = f"B=1, H=4, T={z.T}, D=64, float32"
     table = family_table(rows) if rows else ""
-    readme = "\n".join([BEGIN, f"`{argv_shown}` ({config}; {where}):", "", table.rstrip(), END])
+    readme = "\n".join([BEGIN, f"`{argv_shown}` ({config}; {where}):", "", readme_table(rows).rstrip() if rows else "",
+                        END])
     checks = [f"* {r.spec}: {r.peer} — {r.check}" for r in rows if r.peer]
     doc = ["# Benchmarks", "",
            f"Generated by `{argv_shown}` on {m['date']}" + (f" at commit {m['commit']}" if m["commit"] else "")
@@ -547,8 +577,8 @@ def report(z: Sizes, threads: int, argv_shown: str, sections: set[str]) -> tuple
         doc += ["## One spec per schedule family", "",
                 (f"`{argv_shown}` ({config}): the generated memory's default schedule (eager), the same memory's "
                 "online schedule and a peer, forward (no grad) and forward + backward of the outputs' sum, "
-                f"round-robin in one process (at most {z.repeat} rounds, fewer where a round takes long; the "
-                "README shows this table).  Peers, and how each was checked before timing:"), "",
+                f"round-robin in one process (at most {z.repeat} rounds within {z.budget_s:.0f} s; a call over a "
+                "quarter of that is timed once, after an untimed call; the README shows this table's ratios).  Peers, and how each was checked before timing:"), "",
                 *checks, "", table]
     doc += rest
     doc += ["## The shipped specs by family", "",
@@ -579,7 +609,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     threads = torch.get_num_threads()
     shown = ["python", "benchmarks/report.py"] + (["--threads", str(a.threads)] if a.threads else []) \
-        + (["--quick"] if a.quick else [])
+        + (["--quick"] if a.quick else []) + (["--sections", a.sections] if a.sections != "family,scripts" else [])
     try:
         doc, block = report(sizes(a.quick), threads, shlex.join(shown), set(a.sections.split(",")))
     finally:

@@ -65,11 +65,12 @@ def _ms(cell: str) -> float:
 
 
 def _check_family_table(text: str) -> None:
-    rows = _table_rows(text, "| family | spec (default schedule) |")
+    rows = _table_rows(text, "| family | spec (default schedule) | pass |")
     report = script("report")
     assert [r[0] for r in rows[::2]] == list(report.FAMILY_SPECS)
     assert {r[2] for r in rows} == {"forward", "forward + backward"}
-    for family, _, _, mine, online, ratio, peer, peer_ratio in rows:
+    for family, _, _, mine, online, ratio, peer, peer_ratio, runs in rows:
+        assert all(int(n) >= 1 for n in runs.split(" / "))
         if family == "online":
             assert online == ratio == "—"
         else:   # the ratio is the two printed times' quotient (up to their rounding)
@@ -97,9 +98,16 @@ def test_report_family_table_quick(tmp_path):
     assert "| CPU | cores | threads | torch | Python |" in text and f"| {torch.__version__} |" in text
     _check_family_table(text)
     new = readme.read_text()
-    assert new.startswith("before\n<!-- report:speed -->\n`python benchmarks/report.py --threads 1 --quick`")
+    shown = "`python benchmarks/report.py --threads 1 --quick --sections family`"
+    assert new.startswith(f"before\n<!-- report:speed -->\n{shown}")
     assert new.endswith("<!-- /report:speed -->\nafter\n") and "old table" not in new
-    _check_family_table(new)
+    # the README's line per family carries the report's times and ratios
+    full = _table_rows(text, "| family | spec (default schedule) | pass |")
+    short = _table_rows(new, "| family | spec (default schedule) | forward |")
+    assert len(short) == len(full) // 2
+    for line, fwd, bwd in zip(short, full[::2], full[1::2]):
+        assert line[:2] == fwd[:2] and line[8] == fwd[6]
+        assert line[2:5] == [fwd[3], fwd[5], fwd[7]] and line[5:8] == [bwd[3], bwd[5], bwd[7]]
 
 
 @pytest.mark.slow
