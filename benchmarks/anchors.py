@@ -1,8 +1,7 @@
 """Our exact chunked kernels vs well-written pure-PyTorch chunked forms, same process.
 
-The issue's anchors (about 24 ms delta rule, 46 ms gated delta rule, 8 ms linear
-attention at B=1, H=4, T=2048, D=64, float32, no grad, 2 CPU cores) were measured on
-a quiet machine.  This script re-measures comparable pure-PyTorch chunked forms
+Absolute times depend on the machine and its load, so this script measures comparable
+pure-PyTorch chunked forms
 (flash-linear-attention's naive ``chunk`` references: row-by-row forward
 substitution for the WY/UT transform, then a loop over chunks) next to
 ``memspec.runtime`` under the same load, plus the ``torch.bmm`` 64x64 peak, so the
@@ -16,7 +15,7 @@ fraction of the bmm peak.
 With ``--backward`` each row times forward + backward (training): every input requires
 grad and the loss is a fixed random projection of the outputs and the final state.
 
-Per-channel decays (GLA; issue 12) get a second table: ``chunk_additive`` with log decays
+Per-channel decays (GLA) get a second table: ``chunk_additive`` with log decays
 ``[B, T, H, K]`` next to its own token recurrence (``recurrent_additive``, timed on fewer
 rounds, it is slow) and to a pure-PyTorch chunked GLA written here from the math the way
 flash-linear-attention's references are (chunks of 64, secondary sub-chunks of 16: scores

@@ -1,7 +1,7 @@
 """How fast can an exact chunked form be in eager PyTorch on this machine?
 
-Issue 12 asks every exact chunked form to run at least 20x faster than its own online schedule
-(B=1, H=4, T=2048, D=64, float32, no grad, 2 threads).  This script measures the ceiling of
+Can every exact chunked form run at least 20x faster than its own online schedule (B=1, H=4,
+T=2048, D=64, float32, no grad, 2 threads)?  This script measures the ceiling of
 that ratio for the simplest chunked memory there is, retention (one scalar decay per head,
 ``S_t = gamma S_{t-1} + k_t^T v_t``, ``o_t = q_t S_t``, ``specs/retention.yaml``), timing
 alternately in one process:
