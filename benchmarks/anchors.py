@@ -1,9 +1,8 @@
 """Our exact chunked kernels vs well-written pure-PyTorch chunked forms, same process.
 
 Absolute times depend on the machine and its load, so this script measures comparable
-pure-PyTorch chunked forms
-(flash-linear-attention's naive ``chunk`` references: row-by-row forward
-substitution for the WY/UT transform, then a loop over chunks) next to
+pure-PyTorch chunked forms (flash-linear-attention's naive ``chunk`` references: row-by-row
+forward substitution for the WY/UT transform, then a loop over chunks) next to
 ``memspec.runtime`` under the same load, plus the ``torch.bmm`` 64x64 peak, so the
 comparison is fair whatever else the machine is doing.  The anchors get their inputs
 already in their preferred ``[B, H, T, D]`` layout; ours take ``[B, T, H, D]``.
