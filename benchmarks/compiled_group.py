@@ -1,15 +1,16 @@
 """What does a compiled chunk step buy the exact chunked forms?
 
-A forward ratio of 20x over the online schedule for every exact chunked form (B=1, H=4,
-T=2048, D=64, float32, no grad, 2 threads) sits at the floor of eager PyTorch on this machine
+A forward ratio of 20x over the online schedule for every exact chunked form (B=1, H=4, T=2048,
+D=64, float32, no grad, 2 threads) sits at the floor of eager PyTorch on this machine
 (``benchmarks/floor.py``).  ``compile=True`` runs a module's chunked forward over slices of
 ``SLICE_CHUNKS`` chunks, every full slice through one ``torch.compile(dynamic=False)`` graph
-(``_in_slices`` in the generated module).  This script does the same with an eager module's ``_forward_chunk`` -- for every chunked spec, including the
-per-channel additive ones that ``compile=True`` leaves eager -- and times it, alternated in one
-process, against the same module's eager chunked and online schedules (and, with
-``--online-compiled``, the online schedule of a ``compile=True`` module).  It prints the first
-(compiling) call's time, the largest relative difference to the eager chunked forward, and the
-ratios.  ``--no-compile`` runs the slices eagerly (a check of the slicing).
+(``_in_slices`` in the generated module).  This script does the same with an eager module's
+``_forward_chunk`` -- for every chunked spec, including the per-channel additive ones that
+``compile=True`` leaves eager -- and times it, alternated in one process, against the same module's
+eager chunked and online schedules (and, with ``--online-compiled``, the online schedule of a
+``compile=True`` module).  It prints the first (compiling) call's time, the largest relative
+difference to the eager chunked forward, and the ratios.  ``--no-compile`` runs the slices eagerly
+(a check of the slicing).
 
     python benchmarks/compiled_group.py specs/retention.yaml [--repeat 5] [--online-compiled]
 
