@@ -100,7 +100,7 @@ CHECK_CODES_BY_FILE = {
     "temp_scope": "it is not visible in the read",
     "temp_shadow": "would shadow the model",
     "warn_temp_unused": "the temporary 'h' is never used",
-    # issue 14: block updates, log of a state, Newton-Schulz and named axes
+    # the frontier specs: block updates, log of a state, Newton-Schulz and named axes
     "every_mixed": "which mixes a state with a gradient",
     "warn_log_state": "which has zero or negative entries",
     "frontier_shapes": "newton_schulz(X, steps) takes a number of steps",

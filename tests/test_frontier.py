@@ -1,4 +1,4 @@
-"""Issue 14, the 2025-26 frontier: the new primitives against hand-computed numbers, each new
+"""The 2025-26 frontier: the new primitives against hand-computed numbers, each new
 spec against an independent PyTorch loop of its paper's equations (through the reference
 interpreter, float64), the block-update and apply-then-update semantics, window losses,
 and the schedule decisions `memspec explain` reports for the six specs.

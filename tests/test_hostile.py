@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 10): no spec can run code, no input can hang or crash the tools.
+"""Hostile inputs: no spec can run code, no input can hang or crash the tools.
 
 Every input here either gets a located error (or a one-line ``memspec: error:`` for a path)
 within a second of CPU time, or compiles into a module that imports with no side effect:

@@ -292,8 +292,8 @@ def test_non_finite_token_masked(which, bad):
     """A NaN / inf in token 10's inputs (head 1 only): outputs 0..9, head 0 throughout, and every
     input's gradient of a loss on outputs 0..9 equal the clean run's bit for bit (no future NaN ever
     meets a zero of the causal mask, forward or backward); a bad state input makes every later
-    output of head 1 and its final state non-finite, a bad probe only its own output (issue 10,
-    section 3: masked by torch.where)."""
+    output of head 1 and its final state non-finite, a bad probe only its own output (the
+    causality rule for non-finite inputs: masked by torch.where)."""
     names = ["q", "k", "v", "a", "b", "log_decay", "S0"]
     clean = make(1, 40, 2, 2, 8, 8, a_kind="vec", decay="channel", seed=13)
     dirty = [x.clone() for x in clean]

@@ -337,8 +337,8 @@ def test_chunk_delta_non_finite_token_masked(which, bad):
     """A NaN / inf in token 10's inputs (head 1 only): outputs 0..9, head 0 throughout, and every
     input's gradient of a loss on outputs 0..9 equal the clean run's bit for bit (no future NaN ever
     meets a zero of the causal mask, forward or backward); a bad state input makes every later
-    output of head 1 and its final state non-finite, a bad probe only its own output (issue 10,
-    section 3)."""
+    output of head 1 and its final state non-finite, a bad probe only its own output (the
+    causality rule for non-finite inputs)."""
     names = ["q", "k", "v", "beta", "log_gamma", "S0", "log_rho"]
     q, k, v, beta, lg, S0 = make(1, 40, 2, 8, 8, decay=(0.5, 1.0), seed=21)
     clean = [q, k, v, beta, lg, S0, lg * 0.5]

@@ -137,15 +137,15 @@ def test_chunk_scan_read_matches_loop(T, C, inclusive):
     def coefficients(a, b, a2, b2):
         return ((a, b), (a2[..., :1, :], b2))
 
-    def read(h, g, *x):
-        return torch.tanh(h) * g.sum(-2)
+    def read(h, g, b):
+        return torch.tanh(h) * g.sum(-2) + b
 
-    o, (hT, gT) = chunk_scan_read(coefficients, read, tuple(xs), h0s, C, inclusive=inclusive)
+    o, (hT, gT) = chunk_scan_read(coefficients, read, tuple(xs), (b,), h0s, C, inclusive=inclusive)
     hs, h_ref = loop(a, b, h0)
     gs, g_ref = loop(a2[..., :1, :], b2, g0)
     if not inclusive:
         hs, gs = torch.cat([h0[:, None], hs[:, :-1]], 1), torch.cat([g0[:, None], gs[:, :-1]], 1)
-    ref = read(hs, gs)
+    ref = read(hs, gs, b)
     assert_same_function(o, ref)
     assert_same_function(hT, h_ref)
     assert_same_function(gT, g_ref)

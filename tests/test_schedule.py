@@ -34,7 +34,7 @@ PAPER_FAMILIES = {
     "mesa": "online",
     "softmax_attention": "cache",
     "sliding_window_attention": "cache",
-    # linear in the state (issue 12): decided on the normal form S_t = T_t(S_{t-1}) + W_t
+    # linear in the state: decided on the normal form S_t = T_t(S_{t-1}) + W_t
     "retention": "additive",
     "mamba2": "additive",
     "deltanet_textbook": "delta",

@@ -22,11 +22,11 @@ PAPER_SPECS = [
     "linear_attention", "deltanet", "gated_deltanet", "longhorn", "mesa", "ttt_linear", "ttt_mlp",
     "titans", "titans_mac", "titans_mag", "titans_mal", "moneta", "yaad", "softmax_attention",
     "sliding_window_attention",
-    # memories linear in their state (issue 12): each also matched against its peer's recurrence in
+    # memories linear in their state: each also matched against its peer's recurrence in
     # tests/test_peer_references.py
     "gla", "rwkv6", "hgrn2", "retention", "mamba2", "kda", "gdn2", "comba", "rwkv7", "gated_deltaproduct",
     "momentum_deltanet", "deltanet_textbook",
-    # the 2025-26 frontier (issue 14): each also matched against its paper's equations in tests/test_frontier.py
+    # the 2025-26 frontier: each also matched against its paper's equations in tests/test_frontier.py
     "atlas", "omeganet", "lact", "memora", "hope_cms", "titans_muon",
 ]
 ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))

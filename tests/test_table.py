@@ -233,7 +233,7 @@ def test_wiring_options_are_reported():
     assert row(convex).wiring == "MAG (window 128, persistent 16, qk_norm true, gate convex)"
 
 
-# ------------------------------------------------------------------ the 2025-26 frontier (issue 14)
+# ------------------------------------------------------------------ the 2025-26 frontier
 FRONTIER = {   # spec -> (optimizer, loss window, update frequency)
     "atlas": ("Muon (on momentum)", "last 8 tokens, weighted", "every token"),
     "omeganet": ("SGD", "last 8 tokens", "every token"),

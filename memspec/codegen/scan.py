@@ -72,11 +72,16 @@ def emit(ctx, L) -> None:
         # a vector state's decay and increment are no larger than a view: computed for all tokens at once
         whole = {st.name: (fresh(f"{st.name}_a", taken), fresh(f"{st.name}_b", taken)) for st in plan.states
                  if len(spec.state[st.name].shape) <= 1}
-        exprs = [f.value for st in plan.states if st.name not in whole for f in st.decay] \
-            + [st.increment for st in plan.states if st.name not in whole] + [plan.read]
-        used = set().union(*(names_in(_fold(e, lets)) for e in exprs))
-        inputs = [n for n in sv + ctx.let_order() if n in used]
-        inputs = [n for ab in whole.values() for n in ab] + inputs or [ctx.first]   # (the first view gives T)
+        coef_exprs = [f.value for st in plan.states if st.name not in whole for f in st.decay] \
+            + [st.increment for st in plan.states if st.name not in whole]
+        order = sv + ctx.let_order()
+
+        def names(exprs):
+            used = set().union(set(), *(names_in(_fold(e, lets)) for e in exprs))
+            return [n for n in order if n in used]
+
+        inputs = [n for ab in whole.values() for n in ab] + names(coef_exprs)
+        read_inputs = names([plan.read]) or ([] if inputs else [ctx.first])   # (an input gives T)
         for st in plan.states:
             if st.name in whole:
                 a, b = _coefficients(ctx, em, spec, st, lets, sv[0])
@@ -92,17 +97,18 @@ def emit(ctx, L) -> None:
         with L.indent():
             L('"""' + "One position of every chunk ([B, N, H, ...]): (decay, increment) of each state." + '"""')
             pairs = [f"({whole[st.name][0]}, {whole[st.name][1]})" if st.name in whole
-                     else "({}, {})".format(*_coefficients(ctx, em, spec, st, lets, inputs[0])) for st in plan.states]
+                     else "({}, {})".format(*_coefficients(ctx, em, spec, st, lets, (inputs + read_inputs)[0]))
+                     for st in plan.states]
             L(f"return ({', '.join(pairs)},)")
         L()
         states = [st.name for st in plan.states]
-        L(f"def {read}({', '.join(states + inputs)}):")
+        L(f"def {read}({', '.join(states + read_inputs)}):")
         with L.indent():
             L('"""' + f"The read of the states ({', '.join(states)}) at one position of every chunk." + '"""')
             L(f"return {em.emit(_fold(plan.read, lets))}")
         L()
         outs = [fresh(f"{s}_new", taken) for s in states]
-        args = f"({', '.join(inputs)}{',' if len(inputs) == 1 else ''})"
+        args = ", ".join(f"({', '.join(x)}{',' if len(x) == 1 else ''})" for x in (inputs, read_inputs))
         h0 = f"({', '.join(f'state[{s!r}]' for s in states)}{',' if len(states) == 1 else ''})"
         L(f"o, ({', '.join(outs)}{',' if len(outs) == 1 else ''}) = chunk_scan_read({coef}, {read}, {args}, {h0}, "
           f"self.chunk, inclusive={plan.inclusive})", f"[B, T, H{''.join(', ' + d for d in ctx.read_shape())}]")

@@ -99,9 +99,9 @@ def chunk_scan(a, b, h0, chunk):
     return (hs[:, :T] if pad else hs).to(out_dtype), h_end.to(out_dtype)
 
 
-def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
+def chunk_scan_read(coefficients, read, xs, ys, h0, chunk, inclusive=True):
     """The scan fused with its read: ``h_t = a_t * h_{t-1} + b_t`` for one or several states
-    (elementwise), ``o_t = read(h_t, x_t)``, with ``a_t, b_t`` computed from the token's inputs
+    (elementwise), ``o_t = read(h_t, y_t)``, with ``a_t, b_t`` computed from the token's inputs
     ``x_t`` when needed -- no tensor of T states, decays or increments is ever formed.
 
     The first ``N = T // C`` chunks run as :func:`chunk_scan` does -- pass 1 computes every
@@ -115,8 +115,9 @@ def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
     Args:
         coefficients: ``f(*x) -> ((a, b), ...)``, one pair per state, for inputs ``x`` with any
             leading axes ``[..., H, ...]``; ``a`` broadcastable to ``b``, ``b`` the state's shape.
-        read: ``f(*states, *x) -> o``, the read of the states with the same leading axes.
-        xs: the token-local inputs ``[B, T, H, ...]`` both functions take.
+        read: ``f(*states, *y) -> o``, the read of the states with the same leading axes.
+        xs, ys: the token-local inputs ``[B, T, H, ...]`` of ``coefficients`` and of ``read``
+            (together at least one).
         h0: the initial states ``[B, H, *S_i]`` (a tuple, one per state).
         chunk: chunk size C.
         inclusive: True: ``o_t`` reads the states after token t's write; False: before it.
@@ -124,7 +125,9 @@ def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
     Returns:
         (o ``[B, T, H, ...]``, the final states as a tuple).
     """
-    B, T = xs[0].shape[:2]
+    B, T = (tuple(xs) + tuple(ys))[0].shape[:2]
+    nx = len(xs)
+    xs = tuple(xs) + tuple(ys)                                       # sliced together, split at nx
     dt = torch.promote_types(h0[0].dtype, torch.float32)
     hs = [h.to(dt) for h in h0]
     C = max(2, min(int(chunk), T)) if T > 1 else 1
@@ -135,7 +138,7 @@ def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
         xc = [x[:, :N * C].reshape((B, N, C) + x.shape[2:]).unbind(2) for x in xs]
         us, Ps = None, None
         for i in range(C):                                           # pass 1: each chunk from zero
-            pairs = coefficients(*[x[i] for x in xc])
+            pairs = coefficients(*[x[i] for x in xc[:nx]])
             if i == 0:
                 us, Ps = [b.to(dt) for _, b in pairs], [a.to(dt) for a, _ in pairs]
             else:
@@ -151,20 +154,22 @@ def chunk_scan_read(coefficients, read, xs, h0, chunk, inclusive=True):
         for i in range(C):                                           # pass 2: from every chunk's start state
             x = [x[i] for x in xc]
             if not inclusive:
-                outs.append(read(*starts, *x))
-            starts = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x), starts)]
+                outs.append(read(*starts, *x[nx:]))
+            starts = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x[:nx]), starts)]
             if inclusive:
-                outs.append(read(*starts, *x))
+                outs.append(read(*starts, *x[nx:]))
         o = torch.stack(outs, dim=2)                                 # [B, N, C, H, ...]
         outs = [o.reshape((B, N * C) + o.shape[3:])]
     for t in range(N * C, T):                                        # the tail, token by token
         x = [x[:, t:t + 1] for x in xs]                              # [B, 1, H, ...]
         states = [h.unsqueeze(1) for h in hs]
         if not inclusive:
-            outs.append(read(*states, *x))
-        states = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x), states)]
+            outs.append(read(*states, *x[nx:]))
+        states = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x[:nx]), states)]
         if inclusive:
-            outs.append(read(*states, *x))
+            outs.append(read(*states, *x[nx:]))
         hs = [s[:, 0] for s in states]
+    if not outs:                                                     # T = 0: an empty read
+        outs = [read(*[h.unsqueeze(1)[:, :0] for h in hs], *[x[:, :0] for x in xs[nx:]])]
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return o, tuple(h.to(h0_.dtype) for h, h0_ in zip(hs, h0))
