@@ -8,26 +8,34 @@ written get the same decision.
 
 Modules:
 
-* :mod:`.algebra`     the spec with lets and model inlined, shapes, simplification,
-                      the update program's normal forms (:class:`NotAdmitted`);
-* :mod:`.polynomial`  degrees, linear forms, linear probes, symbolic gradients;
-* :mod:`.ranges`      interval arithmetic (decays provably >= 0);
-* :mod:`.recurrence`  the update program as linear recurrences (mini-batch, dual form);
-* one module per family -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.scan`,
-  :mod:`.minibatch` (with :mod:`.dual`, its dual form), :mod:`.online`;
-* :mod:`.decide`      the ordered table of families, :func:`analyse`, :func:`explain`.
+* the shared analysis -- :mod:`.algebra` (the spec with lets and model inlined, shapes,
+  simplification; :class:`NotAdmitted`), :mod:`.polynomial` (degrees, linear forms, linear
+  probes, symbolic gradients), :mod:`.ranges` (interval arithmetic: decays provably >= 0),
+  :mod:`.recurrence` (the update program as linear recurrences), :mod:`.linear` (values
+  linear in the state, structurally), :mod:`.transition` (the normal form
+  ``S_t = T_t(S_{t-1}) + W_t``), :mod:`.backprop` (closed-form gradients of the inner loss);
+* one module per family, each a plan and its reasons or :class:`NotAdmitted` --
+  :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.dplr`, :mod:`.momentum`,
+  :mod:`.scan`, :mod:`.minibatch` (with :mod:`.dual`, its dual form, and :mod:`.window`, the
+  banded dual form of window losses), :mod:`.online`, :mod:`.apply_update`;
+* :mod:`.decide` -- the ordered table of families :data:`FAMILIES`, :func:`analyse`,
+  :func:`explain`.
 """
 from .additive import AdditivePlan, AdditiveState
 from .algebra import NotAdmitted
+from .apply_update import ApplyUpdatePlan
 from .cache import CachePlan
 from .decide import FAMILIES, ScheduleDecision, analyse, explain, render_plan
 from .delta import DeltaPlan
+from .dplr import DplrPlan, DplrStep
 from .dual import DualForm, NotDual
 from .minibatch import MinibatchPlan
+from .momentum import MomentumPlan
 from .online import OnlinePlan
 from .polynomial import Probe
 from .scan import ScanPlan, ScanState
+from .window import WindowDual
 
-__all__ = ["FAMILIES", "AdditivePlan", "AdditiveState", "CachePlan", "DeltaPlan", "DualForm", "MinibatchPlan",
-           "NotAdmitted", "NotDual", "OnlinePlan", "Probe", "ScanPlan", "ScanState", "ScheduleDecision", "analyse",
-           "explain", "render_plan"]
+__all__ = ["FAMILIES", "AdditivePlan", "AdditiveState", "ApplyUpdatePlan", "CachePlan", "DeltaPlan", "DplrPlan",
+           "DplrStep", "DualForm", "MinibatchPlan", "MomentumPlan", "NotAdmitted", "NotDual", "OnlinePlan", "Probe",
+           "ScanPlan", "ScanState", "ScheduleDecision", "WindowDual", "analyse", "explain", "render_plan"]
