@@ -148,7 +148,10 @@ class MemspecForCausalLM(PreTrainedModel, GenerationMixin):
     inputs (shifted inside: position t predicts token t + 1; -100 ignored), as transformers'
     causal LMs take them.  Padding is left padding only: a padded row's pads never reach its
     memory (its rows run without them; their logits are 0).  A call continuing a cache of one
-    token per row decodes through each memory's per-token ``step`` schedule.
+    token per row decodes through each memory's per-token ``step`` schedule.  ``past_key_values``
+    is the cache's older name; ``return_dict`` and the other keywords generation passes
+    (``output_attentions``, ...) are accepted and have no effect (the output is always a
+    ``MemspecCausalLMOutput``; a memory has no attention weights to return).
     """
 
     config_class = MemspecConfig
