@@ -366,3 +366,63 @@ def test_kernel_non_finite_token_stays_in_its_document():
         assert_same_function(res[0][:, :2], clean[0][:, :2])
         assert_same_function(res[0][:, 5:], clean[0][:, 5:])
         assert torch.isnan(res[1][0]).all() and torch.equal(res[1][1], clean[1][1]), name
+
+
+# ---------------------------------------------------------------- the layers and the wirings
+from memspec.pipeline.build import build  # noqa: E402
+
+LAYER_MIX = [1, 5, 3, 8, 2]
+WIRED = {"titans_mac": {"segment": 3}, "titans_mag": {"window": 4}, "titans_mal": {"window": 4}}
+
+
+def small_layer(name):
+    spec = load(f"specs/{name}.yaml")
+    if spec.wiring.kind != "none":   # short segments / windows: documents cross several
+        spec = spec.model_copy(update={"wiring": spec.wiring.model_copy(update={**WIRED[name], "persistent": 2})})
+    torch.manual_seed(0)
+    return build(spec, compile=False, d_model=8, heads=2, chunk=4,
+                 **{d: v for d, v in dict(d_k=4, d_v=4, hidden=4).items() if d in spec.dims}).double()
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "gla", "titans", "softmax_attention",
+                                  "titans_mac", "titans_mag", "titans_mal"])
+def test_layer_packed_equals_documents_alone(name):
+    """The Layer (projections, memory, output) and the wirings (MAC segments, sliding windows) over a
+    packed row equal each document alone: outputs and the gradients of every parameter and of x."""
+    layer = small_layer(name)
+    x = torch.randn(1, sum(LAYER_MIX), 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64,
+                    requires_grad=True)
+    y = layer(x, cu_seqlens=offsets(LAYER_MIX))
+    bounds = offsets(LAYER_MIX).tolist()
+    alone = torch.cat([layer(x[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    assert_same_function(y, alone)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    wrt = [x] + [p for p in layer.parameters() if p.requires_grad]
+    mine = torch.autograd.grad((y * w).sum(), wrt, allow_unused=True)
+    theirs = torch.autograd.grad((alone * w).sum(), wrt, allow_unused=True)
+    for a, b in zip(mine, theirs):
+        if b is None:
+            assert a is None or float(a.abs().max()) == 0.0
+        else:
+            assert_same_function(a, b)
+
+
+def test_bare_layer_packed_state():
+    """The bare Layer passes the documents' states [N, H, ...] through."""
+    layer = small_layer("gated_deltanet")
+    x = torch.randn(1, sum(LAYER_MIX), 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    _, state = layer(x, return_state=True, cu_seqlens=offsets(LAYER_MIX))
+    assert state["W"].shape == (len(LAYER_MIX), 2, 4, 4)
+    bounds = offsets(LAYER_MIX).tolist()
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        _, s = layer(x[:, a:b], return_state=True)
+        assert_same_function(state["W"][i:i + 1], s["W"])
+
+
+def test_wired_layer_packed_refuses_states():
+    layer = small_layer("titans_mag")
+    x = torch.zeros(1, 4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="returns no state"):
+        layer(x, return_state=True, cu_seqlens=offsets([2, 2]))
+    with pytest.raises(ValueError, match="offsets rising from 0 to T = 4"):
+        layer(x, cu_seqlens=offsets([2, 3]))

@@ -65,9 +65,11 @@ def layer_class(ctx, L):
             out = " * ".join(["heads", *rshape]) if rshape else "heads"
             L(f"self.o_proj = nn.Linear({out}, d_model, bias=False)")
         L()
-        L("def forward(self, x, state=None, return_state=False):")
+        L("def forward(self, x, state=None, return_state=False, cu_seqlens=None):")
         with L.indent():
-            L('"""' + "x [B, T, d_model] -> y [B, T, d_model] (and the memory's final state if return_state)." + '"""')
+            L('"""' + "x [B, T, d_model] -> y [B, T, d_model] (and the memory's final state if return_state).")
+            L("`cu_seqlens`: packed documents (B = 1, int offsets [N + 1]; state [N, H, ...]), each alone.")
+            L('"""')
             taken = set(ctx.spec_names)
             B, T = fresh("B", taken), fresh("T", taken)
             mem = "self.memory"
@@ -80,7 +82,7 @@ def layer_class(ctx, L):
                 L(f"logit = self.{g}_proj(x){view}", ctx.gate_text(g, "B, T, H"))
                 L(f"{g} = {em.emit(gate.formula)}", ctx.gate_text(g, "B, T, H"))
             kw = "".join(f"{g}={g}, " for g in ctx.gates)
-            L(f"o, state = self.memory({', '.join(ctx.views)}, {kw}state=state)",
+            L(f"o, state = self.memory({', '.join(ctx.views)}, {kw}state=state, cu_seqlens=cu_seqlens)",
               shape_text("B, T, H", rshape))
             L("y = self.o_proj(o.flatten(2))", "[B, T, d_model]")
             L("return (y, state) if return_state else y")

@@ -74,7 +74,8 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
         group: chunks per batched group G (default: as above); any G >= 1 gives the same numbers.
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
-            S0, M0, S_T, M_T ``[N, H, K, V]``): each starts at a chunk, from its own states; or None.
+            S0, M0, S_T, M_T ``[N, H, K, V]``): each starts at a chunk, from its own states; or
+            None.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T, M_T ``[B, H, K, V]``).

@@ -13,13 +13,15 @@ def _document_bounds(cu_seqlens, B, T):
             or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool):
         got = (f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
                else type(cu_seqlens).__name__)
-        raise ValueError(f"cu_seqlens: expected an integer tensor of offsets [N + 1] (0, ..., T), got {got}")
+        raise ValueError(f"cu_seqlens: expected an integer tensor of offsets [N + 1] (0, ..., T), "
+                         f"got {got}")
     if B != 1:
-        raise ValueError(f"cu_seqlens: the documents are packed into one row, so B must be 1, got B = {B}")
+        raise ValueError(f"cu_seqlens: the documents are packed into one row, so B must be 1, "
+                         f"got B = {B}")
     offsets = [int(x) for x in cu_seqlens.tolist()]   # one device sync per call
     if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"cu_seqlens: expected offsets rising from 0 to T = {T} without decreasing, "
-                         f"got {offsets}")
+        raise ValueError(f"cu_seqlens: expected offsets rising from 0 to T = {T} without "
+                         f"decreasing, got {offsets}")
     return list(zip(offsets[:-1], offsets[1:]))
 
 

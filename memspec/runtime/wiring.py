@@ -27,6 +27,10 @@ boolean mask (True = may attend), by default on l2-normalised queries and keys w
 learned per-head temperature (``qk_norm``, :class:`Attention`).  There are no
 positional encodings: order comes from the causal masks and from the memory.
 
+Packed documents: every wiring's ``forward`` takes ``cu_seqlens`` (B = 1, int offsets
+``[N + 1]``): each document runs alone from the initial state (:func:`each_document`), so that
+no segment, attention window or memory state crosses a document.
+
 Streaming: every wiring's ``forward(x, state=None, return_state=False)`` carries the
 memory state and the attention's keys/values (the last ``window - 1`` tokens for
 sliding windows; for MAC the current segment's retrieved and token keys/values and
@@ -42,6 +46,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+
+def each_document(run, x: torch.Tensor, cu_seqlens: torch.Tensor, state=None,
+                  return_state: bool = False):
+    """Packed documents ``x [1, T, d_model]`` at offsets ``cu_seqlens [N + 1]`` through ``run(x)``
+    (a wiring's own forward), each alone from the initial state: the documents of one length as one
+    batch ``[n, length, d_model]``.  Returns ``[1, T, d_model]``.  A packed call neither starts from
+    a state nor returns one (the wirings' states are per batch row, not per document)."""
+    if state is not None or return_state:
+        raise ValueError("cu_seqlens: a wired layer runs each packed document from the initial "
+                         "state and returns no state; pass state=None, return_state=False (or "
+                         "run the documents as a batch)")
+    offsets = [int(t) for t in cu_seqlens.tolist()]
+    if x.shape[0] != 1 or offsets[0] != 0 or offsets[-1] != x.shape[1] \
+            or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens: expected one row (B = 1) and offsets rising from 0 to "
+                         f"T = {x.shape[1]}, got B = {x.shape[0]} and {offsets}")
+    by_length = {}
+    for a, b in zip(offsets, offsets[1:]):
+        by_length.setdefault(b - a, []).append(a)
+    y = x.new_zeros(0, x.shape[-1])
+    order = []
+    for length, starts in by_length.items():
+        tokens = torch.tensor([a + t for a in starts for t in range(length)], dtype=torch.long,
+                              device=x.device)
+        out = run(x[0].index_select(0, tokens).view(len(starts), length, x.shape[-1]))
+        y = torch.cat([y, out.reshape(-1, x.shape[-1])])
+        order.append(tokens)
+    order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=x.device)
+    return y.index_select(0, torch.argsort(order)).unsqueeze(0)
 
 
 class Attention(nn.Module):
@@ -238,7 +272,9 @@ class MAC(nn.Module):
             st = {"mem": mem, "start": st["start"], "hk": hk, "hv": hv, "xk": xk, "xv": xv}
         return out, st
 
-    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False, cu_seqlens=None):
+        if cu_seqlens is not None:   # packed documents: each alone (segments and windows restart)
+            return each_document(self.forward, x, cu_seqlens, state, return_state)
         B, T, _ = x.shape
         st = state if state is not None else {"mem": None, "start": None,
                                               "hk": None, "hv": None, "xk": None, "xv": None}
@@ -280,7 +316,9 @@ class MAG(nn.Module):
         else:
             self.gate = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False, cu_seqlens=None):
+        if cu_seqlens is not None:   # packed documents: each alone (segments and windows restart)
+            return each_document(self.forward, x, cu_seqlens, state, return_state)
         st = state if state is not None else {"mem": None, "attn": None}
         y, attn_state = self.attn(x, st["attn"])
         m, mem = self.layer(x, state=st["mem"], return_state=True)
@@ -312,7 +350,9 @@ class MAL(nn.Module):
         self.attn = SlidingWindowAttention(d_model, heads, window, persistent, qk_norm)
         self.residual = residual
 
-    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False, cu_seqlens=None):
+        if cu_seqlens is not None:   # packed documents: each alone (segments and windows restart)
+            return each_document(self.forward, x, cu_seqlens, state, return_state)
         st = state if state is not None else {"mem": None, "attn": None}
         m, mem = self.layer(x, state=st["mem"], return_state=True)
         y, attn_state = self.attn(m, st["attn"])
@@ -347,15 +387,17 @@ def wrap(layer: nn.Module, kind: str, d_model: int, *, segment: int = 64, window
 
 
 def source(kind: str | None = None) -> str:
-    """The source of the wiring classes, in dependency order, for copying into generated files.
+    """The source of the wiring classes (and :func:`each_document`), in dependency order, for copying
+    into generated files.
 
     ``kind`` (``"mac"``, ``"mag"`` or ``"mal"``) keeps only the classes that wiring needs;
     ``None`` gives all of them."""
     import inspect
 
-    needs = {None: (Attention, SlidingWindowAttention, MAC, MAG, MAL), "mac": (Attention, MAC),
-             "mag": (Attention, SlidingWindowAttention, MAG),
-             "mal": (Attention, SlidingWindowAttention, MAL)}
+    needs = {None: (each_document, Attention, SlidingWindowAttention, MAC, MAG, MAL),
+             "mac": (each_document, Attention, MAC),
+             "mag": (each_document, Attention, SlidingWindowAttention, MAG),
+             "mal": (each_document, Attention, SlidingWindowAttention, MAL)}
     if kind not in needs:
         raise ValueError(f"unknown wiring {kind!r}: use mac, mag or mal")
     return "\n\n".join(inspect.getsource(c) for c in needs[kind])
