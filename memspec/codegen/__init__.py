@@ -1,14 +1,20 @@
 """Code generation: a spec and its schedule decision -> the text of ``compiled/<name>.py``.
 
-* :mod:`.exprs`    -- :class:`ExprEmitter`, one expression AST -> one line of torch;
-* :mod:`.context`  -- :class:`Context`, what every emitter of one module reads (the
+* :mod:`.module`     -- the module frame and the ``<Name>Memory`` class; :data:`EMITTERS`,
+  one emitter per schedule family (the rows of :data:`memspec.schedule.FAMILIES`);
+* the emitters -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.dplr`,
+  :mod:`.momentum` and :mod:`.scan` (the exact chunked ones sharing :mod:`.chunked`),
+  :mod:`.minibatch` (with :mod:`.dual`, its dual form, :mod:`.prestep`, the state-independent
+  part of a chunk step, and :mod:`.window`, window losses), :mod:`.online`,
+  :mod:`.apply_update`;
+* :mod:`.context`    -- :class:`Context`, what every emitter of one module reads (the
   decision's plans, names, the runtime pieces the code needs);
-* :mod:`.module`   -- the module frame and the ``<Name>Memory`` class; :data:`EMITTERS`,
-  one emitter per schedule family (the rows of :data:`memspec.schedule.FAMILIES`):
-  :mod:`.online`, :mod:`.minibatch` (with :mod:`.dual`), :mod:`.cache`, :mod:`.additive`
-  and :mod:`.delta` (sharing :mod:`.chunked`); :mod:`.program` emits the update program;
-* :mod:`.layer`    -- the ``<Name>Layer`` (projections, wiring);
-* :mod:`.text`     -- lines, shape comments, names.
+* :mod:`.exprs`      -- :class:`ExprEmitter`, one expression AST -> one line of torch;
+* :mod:`.program`    -- the update program as emitted statements;
+* :mod:`.layer`      -- the ``<Name>Layer`` (projections, wiring);
+* :mod:`.specialise` -- runtime functions specialised to the arguments a module passes;
+* :mod:`.layout`     -- lines within 100 columns, checked against the AST;
+* :mod:`.text`       -- lines, shape comments, names, the one escaping path of spec text.
 
 Generated modules import only torch and the standard library; the functions they carry
 are copied from :mod:`memspec.runtime`.
