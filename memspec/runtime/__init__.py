@@ -14,7 +14,10 @@ imports and no closures over module state.
 * :mod:`.momentum`  -- the momentum delta rule (``chunk_momentum_delta``: two states coupled
                        linearly);
 * :mod:`.scan`      -- elementwise linear recurrences ``h <- a * h + b`` (``chunk_scan``: every
-                       token's state, any state shape; HGRN, RG-LRU, Mamba-1);
+                       token's state, any state shape; ``chunk_scan_read``: the scan fused with
+                       its read for matrix states; HGRN, RG-LRU, Mamba-1);
+* :mod:`.varlen`    -- packed variable-length sequences (``cu_seqlens``): the document bounds,
+                       each document run alone, the documents' layout in the chunked kernels;
 * :mod:`.wiring`    -- MAC / MAG / MAL around a memory layer.
 
 Kernels
@@ -36,7 +39,7 @@ empty output and the initial state.  Chunks are processed in groups sized so tha
 temporaries stay small (about 512 KB on CPU): larger ones are page-faulted back on every
 call.
 
-Causality with non-finite inputs (the additive kernel; issue 10): a NaN or inf in token t's
+Causality with non-finite inputs (the additive kernel): a NaN or inf in token t's
 inputs must not reach the outputs of earlier tokens, so a causal mask is applied after the
 product it masks (``tril_``), never by multiplying a future value by zero; where a dense
 triangular matmul meets future values, their non-finite entries are taken out of it and put
