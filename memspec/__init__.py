@@ -6,7 +6,9 @@ The phases, one package each, importing only downward::
       --schedule.analyse--> ScheduleDecision --codegen--> compiled/<name>.py (imports only torch)
 
 :mod:`memspec.pipeline.build` is the one load -> check -> decide -> generate -> write path
-(:func:`build`, :func:`compile`); :mod:`memspec.tools` holds the command line and its tools.
+(:func:`build`, :func:`compile`); :mod:`memspec.reference` is the token-by-token oracle,
+:mod:`memspec.runtime` the torch-only code generated modules carry, :mod:`memspec.tools` the
+command line and its tools, :mod:`memspec.hf` the Hugging Face model (the ``hf`` extra).
 Importing memspec does not import torch: torch loads when code is generated or run, so
 reading, checking and comparing specs starts fast.
 """
