@@ -64,6 +64,8 @@ BEGIN, END = "<!-- report:speed -->", "<!-- /report:speed -->"
 FAMILY_SPECS = {"cache": "softmax_attention", "additive": "retention", "delta": "deltanet", "dplr": "kda",
                 "momentum": "momentum_deltanet", "scan": "mamba", "minibatch": "titans", "online": "mesa",
                 "apply_update": "lact"}
+# dims a spec keeps at its own size: Mamba-1's d_k is its state size N (16), not a head dim
+OWN_DIMS = {"mamba": ("d_k",)}
 
 
 def script(name: str):
@@ -119,7 +121,7 @@ def module_row(name: str, T: int, H: int, D: int, peer=None) -> Row:
     gates)`` -> o computes the same memory from the same inputs, or (name, None) when fla lacks it."""
     spec = load_checked(ROOT / "specs" / f"{name}.yaml").spec
     decision = decide(spec)
-    dims = {d: D for d in ("d_k", "d_v") if d in spec.dims}
+    dims = {d: D for d in ("d_k", "d_v") if d in spec.dims and d not in OWN_DIMS.get(name, ())}
     memory = build_memory(spec, compile=False, heads=H, **dims)
     views, gates = make_inputs(spec, 1, T, H, dims, "cpu", torch.float32)
     names = [*views, *gates]
@@ -154,7 +156,8 @@ def module_row(name: str, T: int, H: int, D: int, peer=None) -> Row:
             fns["peer"] = peer_call(grad)
         return fns
     chunk = memory.chunk if BY_NAME[decision.family].chunked else None
-    return Row(decision.family, name, f"{decision.family}({chunk})" if chunk else decision.family,
+    label = name + "".join(f" ({d} = {spec.dims[d]})" for d in OWN_DIMS.get(name, ()))
+    return Row(decision.family, label, f"{decision.family}({chunk})" if chunk else decision.family,
                decision.exact, calls, peer_name if peer_fn is not None else None, check)
 
 
