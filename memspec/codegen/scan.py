@@ -57,6 +57,14 @@ def _coefficients(ctx, em, spec, st, lets, like) -> tuple[str, str]:
     return a, b
 
 
+def _bound(L, code: str, name: str, comment: str) -> str:
+    """``code`` itself when it is a name, else a new local ``name`` bound to it."""
+    if code.isidentifier():
+        return code
+    L(f"{name} = {code}", comment)
+    return name
+
+
 def emit(ctx, L) -> None:
     spec, plan = ctx.spec, ctx.plans["scan"]
     sv = ctx.views + ctx.gates
@@ -66,12 +74,19 @@ def emit(ctx, L) -> None:
         L('"""' + "The exact scan over chunks of self.chunk tokens: every state S <- a * S + b, "
           + ("then the read of every token's state." if vector else "read as it is made.") + '"""')
         em = ctx.emitter()
+        top = len(L.lines)
         ctx.lets(L, em, "B, T, H")
         lets = list(ctx.decision.let_forms)
         taken = set(ctx.spec_names) | GENERATED_NAMES
         # a vector state's decay and increment are no larger than a view: computed for all tokens at once
-        whole = {st.name: (fresh(f"{st.name}_a", taken), fresh(f"{st.name}_b", taken)) for st in plan.states
-                 if len(spec.state[st.name].shape) <= 1}
+        whole = {}
+        for st in plan.states:
+            if len(spec.state[st.name].shape) <= 1:
+                codes = _coefficients(ctx, em, spec, st, lets, sv[0])
+                shape = f"[B, T, H, {', '.join(spec.state[st.name].shape)}]"
+                whole[st.name] = tuple(_bound(L, code, fresh(f"{st.name}_{ab}", taken), f"{shape}: {what}")
+                                       for code, ab, what in zip(codes, "ab", (f"decay of {st.name}, every token",
+                                                                               f"increment of {st.name}, every token")))
         coef_exprs = [f.value for st in plan.states if st.name not in whole for f in st.decay] \
             + [st.increment for st in plan.states if st.name not in whole]
         order = sv + ctx.let_order()
@@ -80,18 +95,13 @@ def emit(ctx, L) -> None:
             used = set().union(set(), *(names_in(_fold(e, lets)) for e in exprs))
             return [n for n in order if n in used]
 
-        inputs = [n for ab in whole.values() for n in ab] + names(coef_exprs)
+        inputs = list(dict.fromkeys([n for ab in whole.values() for n in ab] + names(coef_exprs)))
         read_inputs = names([plan.read]) or ([] if inputs else [ctx.first])   # (an input gives T)
-        for st in plan.states:
-            if st.name in whole:
-                a, b = _coefficients(ctx, em, spec, st, lets, sv[0])
-                L(f"{whole[st.name][0]} = {a}", f"[B, T, H, {', '.join(spec.state[st.name].shape)}]: decay of "
-                                                  f"{st.name}, every token")
-                L(f"{whole[st.name][1]} = {b}", "its increment")
         if vector:
             _whole(ctx, L, em, plan, whole, lets, taken)
             return
-        L()
+        if len(L.lines) > top:
+            L()
         coef, read = fresh("coefficients", taken), fresh("read_states", taken)
         L(f"def {coef}({', '.join(inputs)}):")
         with L.indent():
