@@ -426,3 +426,43 @@ def test_wired_layer_packed_refuses_states():
         layer(x, return_state=True, cu_seqlens=offsets([2, 2]))
     with pytest.raises(ValueError, match="offsets rising from 0 to T = 4"):
         layer(x, cu_seqlens=offsets([2, 3]))
+
+
+# ---------------------------------------------------------------- the language model
+from memspec.tools.nn import MemoryLM, ShortConv  # noqa: E402
+
+
+def test_short_conv_never_crosses_a_document():
+    conv = ShortConv(6, kernel=4).double()
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(6, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    x = torch.randn(1, sum(LAYER_MIX), 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    past = torch.randn(len(LAYER_MIX), 3, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    y, st = conv(x, past, cu_seqlens=offsets(LAYER_MIX))
+    bounds = offsets(LAYER_MIX).tolist()
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        yi, si = conv(x[:, a:b], past[i:i + 1])
+        assert_same_function(y[:, a:b], yi)
+        assert_same_function(st[i:i + 1], si)
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "titans_mag"])
+def test_memory_lm_packed_equals_documents_alone(name):
+    """MemoryLM (short convolutions, mixers, wirings) over packed documents: logits and gradients."""
+    spec = load(f"specs/{name}.yaml")
+    if spec.wiring.kind != "none":
+        spec = spec.model_copy(update={"wiring": spec.wiring.model_copy(update={"window": 4, "persistent": 2})})
+    torch.manual_seed(0)
+    lm = MemoryLM(spec, vocab_size=11, d_model=8, n_layers=2, heads=2, chunk=4,
+                  **{d: v for d, v in dict(d_k=4, d_v=4, hidden=4).items() if d in spec.dims}).double()
+    tokens = torch.randint(0, 11, (1, sum(LAYER_MIX)), generator=torch.Generator().manual_seed(1))
+    logits = lm(tokens, cu_seqlens=offsets(LAYER_MIX))
+    bounds = offsets(LAYER_MIX).tolist()
+    alone = torch.cat([lm(tokens[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    assert_same_function(logits, alone)
+    params = list(lm.parameters())
+    mine = torch.autograd.grad(logits.logsumexp(-1).sum(), params, allow_unused=True)
+    theirs = torch.autograd.grad(alone.logsumexp(-1).sum(), params, allow_unused=True)
+    for a, b in zip(mine, theirs):
+        if b is not None:
+            assert_same_function(a, b)

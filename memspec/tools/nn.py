@@ -42,7 +42,9 @@ class ShortConv(nn.Module):
 
     ``forward(x, state=None) -> (y, state)`` with x, y ``[B, T, d]``; state ``[B, kernel - 1, d]``
     holds the last inputs.  Fast-weight layers use it so that a token's key can see its
-    predecessor (the short convolution of DeltaNet / Zoology's models).
+    predecessor (the short convolution of DeltaNet / Zoology's models).  With ``cu_seqlens``
+    (packed documents, B = 1, offsets ``[N + 1]``) a document's taps never reach the document
+    before it: they start from its own row of state ``[N, kernel - 1, d]`` (zeros by default).
     """
 
     def __init__(self, d: int, kernel: int = 4):
@@ -53,20 +55,39 @@ class ShortConv(nn.Module):
         w[d - d // 2:, -2] = 1.0                                       # previous token (token shift)
         self.weight = nn.Parameter(w)                                  # [d, kernel]
 
-    def forward(self, x: torch.Tensor, state=None):
+    def forward(self, x: torch.Tensor, state=None, cu_seqlens=None):
+        if cu_seqlens is not None:
+            return self._packed(x, state, cu_seqlens)
         B, T, d = x.shape
         past = state if state is not None else x.new_zeros(B, self.kernel - 1, d)
         xx = torch.cat([past, x], dim=1)                               # [B, kernel - 1 + T, d]
         y = nn.functional.conv1d(xx.transpose(1, 2), self.weight.unsqueeze(1), groups=d)
         return y.transpose(1, 2), xx[:, xx.shape[1] - (self.kernel - 1):]
 
+    def _packed(self, x: torch.Tensor, state, cu_seqlens: torch.Tensor):
+        """Packed documents ``x [1, T, d]``: every document laid out after its own past inputs
+        (``[past_i | document_i]``, one row), one convolution, each token's output picked out."""
+        offsets = [int(t) for t in cu_seqlens.tolist()]
+        n, k1, d = len(offsets) - 1, self.kernel - 1, x.shape[-1]
+        past = state if state is not None else x.new_zeros(n, k1, d)
+        docs = list(enumerate(zip(offsets, offsets[1:])))
+        xx = torch.cat([p for i, (a, b) in docs for p in (past[i], x[0, a:b])])   # [n k1 + T, d]
+        # [n k1 + T - k1, d]
+        y = nn.functional.conv1d(xx.T.unsqueeze(0), self.weight.unsqueeze(1), groups=d)[0].T
+        # token t of document i sits at xx[i k1 + k1 + t], its output at y[i k1 + t]; its state: the last k1
+        outs = torch.tensor([i * k1 + t for i, (a, b) in docs for t in range(a, b)], dtype=torch.long)
+        last = torch.tensor([i * k1 + b + j for i, (a, b) in docs for j in range(k1)], dtype=torch.long)
+        new_state = xx.index_select(0, last.to(x.device)).view(n, k1, d)
+        return y.index_select(0, outs.to(y.device)).unsqueeze(0), new_state
+
 
 class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(conv(norm(x)))``, then ``x + mlp(norm(x))``.
 
     ``conv`` is an optional :class:`ShortConv` of ``conv`` taps (0 = none).
-    ``forward(x, state=None, return_state=False)`` with x ``[B, T, d_model]``; the state is
-    ``{"mixer": <the mixer's state>, "conv": [B, conv - 1, d_model]}``.
+    ``forward(x, state=None, return_state=False, cu_seqlens=None)`` with x ``[B, T, d_model]``; the
+    state is ``{"mixer": <the mixer's state>, "conv": [B, conv - 1, d_model]}``; ``cu_seqlens``: packed
+    documents (B = 1, offsets ``[N + 1]``), passed to the convolution and the mixer.
     """
 
     def __init__(self, mixer: nn.Module, d_model: int, mlp_ratio: int = 4, conv: int = 0):
@@ -77,12 +98,17 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(d_model)
         self.mlp = MLP(d_model, mlp_ratio)
 
-    def forward(self, x: torch.Tensor, state=None, return_state: bool = False):
+    def forward(self, x: torch.Tensor, state=None, return_state: bool = False, cu_seqlens=None):
         st = state if state is not None else {"mixer": None, "conv": None}
         u, conv_state = self.norm1(x), None
         if self.conv is not None:
-            u, conv_state = self.conv(u, st["conv"])
-        h, mixer_state = self.mixer(u, state=st["mixer"], return_state=True)
+            u, conv_state = self.conv(u, st["conv"], cu_seqlens=cu_seqlens)
+        if cu_seqlens is None:
+            h, mixer_state = self.mixer(u, state=st["mixer"], return_state=True)
+        elif return_state:
+            h, mixer_state = self.mixer(u, state=st["mixer"], return_state=True, cu_seqlens=cu_seqlens)
+        else:   # (a wired mixer returns no state for packed documents)
+            h, mixer_state = self.mixer(u, state=st["mixer"], cu_seqlens=cu_seqlens), None
         x = x + h
         x = x + self.mlp(self.norm2(x))
         return (x, {"mixer": mixer_state, "conv": conv_state}) if return_state else x
@@ -149,13 +175,17 @@ class MemoryLM(nn.Module):
         if tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, state=None, return_state: bool = False):
-        """tokens ``[B, T]`` (int) -> logits ``[B, T, vocab]``; state: one entry per block."""
+    def forward(self, tokens: torch.Tensor, state=None, return_state: bool = False, cu_seqlens=None):
+        """tokens ``[B, T]`` (int) -> logits ``[B, T, vocab]``; state: one entry per block.
+        ``cu_seqlens``: packed documents (B = 1, int offsets ``[N + 1]``), each alone."""
         x = self.embed(tokens)
         states = list(state) if state is not None else [None] * len(self.blocks)
         new = []
         for block, st in zip(self.blocks, states):
-            x, st = block(x, state=st, return_state=True)
+            if return_state or cu_seqlens is None:
+                x, st = block(x, state=st, return_state=True, cu_seqlens=cu_seqlens)
+            else:   # packed documents, no state asked for: a wired mixer returns none
+                x, st = block(x, state=st, cu_seqlens=cu_seqlens), None
             new.append(st)
         logits = self.head(self.norm(x))
         return (logits, new) if return_state else logits
