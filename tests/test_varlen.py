@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from _compiled_harness import (SPEC_FILES, initial_state, inputs, load, make, ref_params, small_dims)
+from _compiled_harness import (ROOT, SPEC_FILES, initial_state, inputs, load, make, ref_params, small_dims)
 from close import assert_same_function
 from memspec import reference
 
@@ -466,3 +466,20 @@ def test_memory_lm_packed_equals_documents_alone(name):
     for a, b in zip(mine, theirs):
         if b is not None:
             assert_same_function(a, b)
+
+
+def test_train_pack_gives_the_batch_losses():
+    """`memspec train --pack`: the batch's sequences in one row give the losses of the batch."""
+    from dataclasses import replace
+
+    from memspec.tools.cli import build_parser
+    from memspec.tools.train import TrainConfig, config_from_args, train
+
+    tiny = TrainConfig(steps=3, batch=4, seq_len=12, pairs=2, vocab=16, d_model=16, layers=1, heads=2,
+                       eval_size=8, warmup=1, progress=False)
+    path = str(ROOT / "specs" / "gated_deltanet.yaml")
+    plain = train(path, tiny)
+    packed = train(path, replace(tiny, pack=True))
+    torch.testing.assert_close(torch.tensor(packed.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-5)
+    args = build_parser().parse_args(["train", path, "--pack"])
+    assert config_from_args(args).pack

@@ -385,6 +385,8 @@ def _train_arguments(s, compare: bool) -> None:
     s.add_argument("--dim", action="append", metavar="NAME=N",
                    help="set a build-time dim of the memory (e.g. hidden=32, chunk=16); ignored by specs without it")
     s.add_argument("--compile", action="store_true", help="torch.compile the memory steps")
+    s.add_argument("--pack", action="store_true",
+                   help="train on the batch's sequences packed into one row (cu_seqlens: each runs alone)")
     s.add_argument("--out", help="folder for log.json and checkpoint.pt" + (" (one subfolder per spec)" if compare else ""))
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     if not compare:

@@ -62,6 +62,7 @@ class TrainConfig:
     seed: int = 0
     eval_size: int = 256
     compile: bool = False
+    pack: bool = False              # the batch's sequences packed into one row (cu_seqlens), each alone
     out: str | None = None
     save_hf: str | None = None      # also write the trained model as a Hugging Face folder (memspec export)
     progress: bool = True
@@ -268,7 +269,11 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        logits = net(x)
+        if cfg.pack:   # one row, the sequences at offsets 0, T, 2T, ...: the same numbers as the batch
+            offsets = torch.arange(0, x.numel() + 1, x.shape[1], device=device)
+            logits = net(x.reshape(1, -1), cu_seqlens=offsets).view(*x.shape, -1)
+        else:
+            logits = net(x)
         loss_sum = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1), ignore_index=-100,
                                    reduction="sum")
         opt.zero_grad(set_to_none=True)
@@ -544,7 +549,7 @@ def config_from_args(args, usage_error=ValueError) -> TrainConfig:
     if args.task == "text" and "vocab" in over and over["vocab"] != 256:
         raise usage_error(f"--vocab: the text task's vocabulary is the 256 byte values, got {over['vocab']}")
     cfg = TrainConfig(task=args.task, data=data, save_hf=getattr(args, "save_hf", None), compile=args.compile,
-                      out=args.out, progress=not args.no_progress,
+                      pack=getattr(args, "pack", False), out=args.out, progress=not args.no_progress,
                       dims=dims, **over)
     try:
         cfg.task_()
