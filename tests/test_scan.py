@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import memspec
+from memspec.lang.expr import unparse
 from memspec.runtime.scan import chunk_scan, chunk_scan_read, recurrent_scan
 from memspec.schedule import analyse, explain
 
@@ -212,6 +213,22 @@ def test_same_memory_any_way_written_same_decision(update):
         outs.append(call(m, spec, ins, initial_state(spec, m), "scan"))
     assert_same_function(outs[1][0], outs[0][0])
     assert_same_function(outs[1][1]["h"], outs[0][1]["h"])
+
+
+def test_a_decay_written_as_a_difference_is_one_row_decay():
+    text = VARIANTS["rows"].replace("S = e * (diag(g) @ S) * p + outer(k, v)",
+                                    "S = S - e * (diag(g) @ S) + outer(k, v)")
+    d = analyse(memspec.loads(text, "mem"))
+    assert d.family == "scan"
+    (f,) = d.plan.states[0].decay
+    assert f.on == "rows" and unparse(f.value) == "1 - g * e"
+    spec = memspec.loads(text, "mem")
+    m = make(spec, small_dims(spec))
+    ins, st = harness_inputs(spec, m, T=9), initial_state(spec, m)
+    o, fs = call(m, spec, ins, dict(st), "scan")
+    ro, rs = reference_run(spec, m, small_dims(spec), "online", st, ins)
+    assert_same_function(o, ro)
+    assert_same_function(fs["S"], rs["S"])
 
 
 @pytest.mark.parametrize("update,why", [

@@ -44,12 +44,13 @@ class ScanPlan:
     inclusive: bool             # write_read: token t reads the state after its own write
 
 
-def _scale(coef: tuple[Factor, ...] | None, f: Factor) -> tuple[Factor, ...] | None:
-    """``coef`` times one more factor (merged into a factor on the same axes when there is one)."""
+def _scale(coef: tuple[Factor, ...] | None, f: Factor, scalar: bool = False) -> tuple[Factor, ...] | None:
+    """``coef`` times one more factor: merged into a factor on the same axes when there is one (a
+    ``scalar`` into the first factor, whatever its axes)."""
     if coef is None:
         return None
     for i, g in enumerate(coef):
-        if g.on == f.on:
+        if g.on == f.on or scalar:
             return coef[:i] + (Factor(mul(g.value, f.value), g.on),) + coef[i + 1:]
     return coef + (f,)
 
@@ -88,11 +89,11 @@ class _Linear:
             return (), ZERO
         if isinstance(e, Neg):
             c, i = self(e.operand)
-            return _scale(c, Factor(Neg(ONE), "all")), simplify(Neg(i))
+            return _scale(c, Factor(Neg(ONE), "all"), scalar=True), simplify(Neg(i))
         if isinstance(e, BinOp) and e.op in "+-":
             (c1, i1), (c2, i2) = self(e.left), self(e.right)
             if e.op == "-":
-                c2 = _scale(c2, Factor(Neg(ONE), "all"))
+                c2 = _scale(c2, Factor(Neg(ONE), "all"), scalar=True)
             return self._add(c1, c2, e), simplify(BinOp(e.op, i1, i2))
         if isinstance(e, BinOp) and e.op in "*/":
             m, x = (e.left, e.right) if S not in names_in(e.left) else (e.right, e.left)
@@ -100,7 +101,7 @@ class _Linear:
                 raise NotAdmitted(f"{txt(e)} is not linear in {S}")
             c, i = self(x)
             f = m if e.op == "*" else BinOp("/", ONE, m)
-            return _scale(c, self.factor(f)), mul(f, i)
+            return _scale(c, self.factor(f), scalar=alg.rank(f) == 0), mul(f, i)
         if isinstance(e, BinOp) and e.op == "@" and (is_diag(e.left) or is_diag(e.right)):
             left = is_diag(e.left)
             d, x = (e.left.args[0], e.right) if left else (e.right.args[0], e.left)
@@ -108,7 +109,7 @@ class _Linear:
                 raise NotAdmitted(f"{txt(e)} is not linear in {S}")
             c, i = self(x)
             f = self.factor(d, rows=left)
-            return _scale(c, f), _apply(f, i) if left else simplify(BinOp("@", i, e.right))
+            return _scale(c, f, scalar=alg.rank(d) == 0), _apply(f, i) if left else simplify(BinOp("@", i, e.right))
         if isinstance(e, BinOp) and e.op == "@":
             raise NotAdmitted(f"the update of {S} multiplies it by a matrix ({txt(e)}): not elementwise")
         if isinstance(e, Transpose):
