@@ -483,3 +483,14 @@ def test_train_pack_gives_the_batch_losses():
     torch.testing.assert_close(torch.tensor(packed.losses), torch.tensor(plain.losses), rtol=1e-4, atol=1e-5)
     args = build_parser().parse_args(["train", path, "--pack"])
     assert config_from_args(args).pack
+
+
+@pytest.mark.parametrize("path", ["specs/gated_deltanet.yaml", "specs/gla.yaml", "specs/kda.yaml",
+                                  "specs/momentum_deltanet.yaml", "specs/titans.yaml"])
+def test_only_empty_documents_keep_their_states(path):
+    spec, dims, m, ins, st = setup(path, [0, 0, 0])
+    with torch.no_grad():
+        o, packed = run_packed(m, spec, ins, st, "auto", [0, 0, 0])
+    assert o.shape[:2] == (1, 0)
+    for k in spec.state:
+        assert torch.equal(packed[k], st[k]), k

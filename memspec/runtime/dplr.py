@@ -227,7 +227,8 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or documents is not None else S0.to(dt).reshape(BH, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
     if T == 0:
-        return (v.new_zeros(B, 0, H, V) if q is not None else None), S.reshape(B, H, K, V).to(s_dtype)
+        S_T = S0 if S0 is not None and documents is not None else S.reshape(B, H, K, V).to(s_dtype)
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), S_T
     C = max(1, min(int(chunk), T))
     if decay == "channel":                                           # a power of two: halved level by level
         C = 1 << (C.bit_length() - 1)
