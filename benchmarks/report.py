@@ -117,8 +117,9 @@ def _finish(out, grad):
 
 
 def module_row(name: str, T: int, H: int, D: int, peer=None) -> Row:
-    """A generated memory (eager), its inputs as ``memspec bench`` makes them; ``peer(memory, views,
-    gates)`` -> o computes the same memory from the same inputs, or (name, None) when fla lacks it."""
+    """A generated memory (eager) and its inputs as ``memspec bench`` makes them.  ``peer(memory, views,
+    gates)`` -> (what it is, fn(views, gates) -> o computing the same memory, how it is fed), or three
+    Nones when fla is not installed; its outputs are checked equal to memspec's before timing."""
     spec = load_checked(ROOT / "specs" / f"{name}.yaml").spec
     decision = decide(spec)
     dims = {d: D for d in ("d_k", "d_v") if d in spec.dims and d not in OWN_DIMS.get(name, ())}
@@ -162,7 +163,8 @@ def module_row(name: str, T: int, H: int, D: int, peer=None) -> Row:
 
 
 def _fla(op):
-    anchors = script("anchors")
+    """fla's ``ops/<op>/naive.py`` (benchmarks/anchors.py's loader), or None."""
+    anchors = sys.modules.get("_report_anchors") or script("anchors")
     return anchors.fla_peer(op)
 
 
