@@ -448,7 +448,7 @@ def test_shipped_ttt_mlp_to_titans():
         Added("let", ("let", "kn"), None, "l2norm(silu(k))"),
         Added("let", ("let", "vs"), None, "silu(v)"),
         Changed("model", ("model",), "f(u) = u + layernorm(gelu(u @ W1 + b1) @ W2 + b2, ln_w, ln_b)",
-                "f(u) = gelu(u @ W1) @ W2"),
+                "f(u) = l2norm(gelu(u @ W1)) @ W2"),
         Changed("loss", ("loss",), "0.5 * sum((f(k) - v)^2)", "0.5 * sum((f(kn) - vs)^2)"),
         # statements are aligned by target: TTT-MLP's gradient temporaries have no match in Titans
         Removed("update", ("update", 0), "gW1 = grad(loss, W1)", None),

@@ -211,6 +211,11 @@ def _mlp(u, W1, W2):
     return F.gelu(u @ W1) @ W2
 
 
+def _mlp_unit_hidden(u, W1, W2):
+    """Titans' memory: the hidden layer l2-normalised (its bounded step)."""
+    return _l2n(F.gelu(u @ W1)) @ W2
+
+
 def _grad(loss_fn, *ws):
     ws = [w.detach().requires_grad_(True) for w in ws]
     with torch.enable_grad():
@@ -285,12 +290,12 @@ def test_titans_muon_orthogonalises_the_surprise():
     w1, w2 = W1[0], W2[0]
     u1, u2 = torch.zeros_like(w1), torch.zeros_like(w2)
     for t in range(T):
-        g1, g2 = _grad(lambda a, b: 0.5 * ((_mlp(k[t], a, b) - v[t]) ** 2).sum(), w1, w2)
+        g1, g2 = _grad(lambda a, b: 0.5 * ((_mlp_unit_hidden(k[t], a, b) - v[t]) ** 2).sum(), w1, w2)
         mu, keep = g["mu"][0, t, 0], 1 - g["alpha"][0, t, 0]
         u1, u2 = mu * u1 + g1, mu * u2 + g2
         w1 = keep * w1 - g["eta1"][0, t, 0] * _ns(u1)
         w2 = keep * w2 - g["eta2"][0, t, 0] * _ns(u2)
-        torch.testing.assert_close(out[t], _mlp(q[t], w1, w2), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(out[t], _mlp_unit_hidden(q[t], w1, w2), rtol=1e-9, atol=1e-12)
 
 
 def test_memora_is_a_mirror_descent_step_on_the_simplex():
@@ -302,12 +307,16 @@ def test_memora_is_a_mirror_descent_step_on_the_simplex():
     c1, c2 = spec.constants["c1"], spec.constants["c2"]
     q, k, v = _l2n(x["q"][0, :, 0]), _l2n(x["k"][0, :, 0]), x["v"][0, :, 0]
     w1, w2 = W1[0], W2[0]
+    z1, z2 = torch.zeros_like(w1), torch.zeros_like(w2)   # the logits' learned start (zeros)
     for t in range(T):
         g1, g2 = _grad(lambda a, b: 0.5 * ((_mlp(k[t], a, b) - v[t]) ** 2).sum(), w1, w2)
         keep, eta = 1 - g["alpha"][0, t, 0], g["eta"][0, t, 0]
-        w1 = c1 * torch.softmax(keep * torch.log(w1) - eta * g1, dim=-1)   # each row of W1 sums to c1
-        w2 = c2 * torch.softmax(keep * torch.log(w2) - eta * g2, dim=-1)
+        z1, z2 = keep * z1 - eta * g1, keep * z2 - eta * g2    # the mirror step on the logits
+        w1 = c1 * torch.softmax(z1, dim=-1)                   # each row of W1 sums to c1
+        w2 = c2 * torch.softmax(z2, dim=-1)
         torch.testing.assert_close(out[t], _mlp(q[t], w1, w2), rtol=1e-9, atol=1e-12)
+        if t:   # from the second token on, W is on the simplex: the step is W = c softmax((1 - alpha) log W - eta g)
+            torch.testing.assert_close(z1.log_softmax(-1), torch.log(w1 / c1), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(st["W1"].sum(-1), torch.full((dk,), c1, dtype=DT), rtol=1e-12, atol=1e-12)
 
 
@@ -316,7 +325,7 @@ def test_hope_cms_levels_apply_their_summed_steps_every_block():
     spec, x, g, out, st = _run("hope_cms", T, {"d_k": d})
     q, k, v = _l2n(x["q"][0, :, 0]), _l2n(x["k"][0, :, 0]), x["v"][0, :, 0]
     eye = torch.eye(d, dtype=DT)
-    f = lambda u, a, b, c: u @ (eye + a) @ (eye + b) @ (eye + c)  # noqa: E731
+    f = lambda u, a, b, c: _l2n(_l2n(u @ (eye + a)) @ (eye + b)) @ (eye + c)  # noqa: E731  (unit inputs of levels 2, 3)
     W = [torch.zeros(d, d, dtype=DT) for _ in range(3)]
     acc = [torch.zeros(d, d, dtype=DT) for _ in range(3)]
     every = (1, 4, 8)
@@ -404,7 +413,7 @@ EXPECTED = {   # spec -> (family, exact, chunk, admits, a line of the mini-batch
     "atlas": ("minibatch", False, 16, ("minibatch", "online"), "window loss: the loss is a sum over the rows of K, V, G"),
     "omeganet": ("online", True, None, ("minibatch", "online"), "window loss: the loss is a sum over the rows of K, V"),
     "lact": ("apply_update", False, 64, ("online", "apply_update"), "one backward pass each"),
-    "memora": ("minibatch", False, 16, ("minibatch", "online"), "update of W1 is a mirror-descent step"),
+    "memora": ("minibatch", False, 16, ("minibatch", "online"), "W1 <- c1 * softmax(Z1, hidden) with Z1 (after the token)"),
     "hope_cms": ("online", True, None, ("minibatch", "online"), "a multiple of the chunk 4 (nested chunks)"),
     "titans_muon": ("minibatch", False, 64, ("minibatch", "online"),
                     "W1 <- (1 - alpha) * W1 - eta1 * newton_schulz(U1, 5) with U1 (after the token)"),

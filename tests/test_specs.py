@@ -312,12 +312,19 @@ def test_ttt_mlp_online_steps_match_autograd():
         torch.testing.assert_close(st[n], p[n])
 
 
-def _mlp(u, W1, W2):
+def _plain_mlp(u, W1, W2):
     return torch.einsum("bhi,bhij->bhj", F.gelu(torch.einsum("bhi,bhij->bhj", u, W1)), W2)
 
 
-def _mlp_memory_check(name, loss_fn, gates, momentum, qk, vv, schedule="online"):
-    """Run the spec and a hand-written loop of its recurrence, on a 2-layer MLP memory.
+def _mlp_unit_hidden(u, W1, W2):
+    """The MLP memory with an l2-normalised hidden layer (titans, moneta: their bounded step)."""
+    h = F.gelu(torch.einsum("bhi,bhij->bhj", u, W1))
+    return torch.einsum("bhi,bhij->bhj", h / torch.sqrt((h * h).sum(-1, keepdim=True) + 1e-6), W2)
+
+
+def _mlp_memory_check(name, loss_fn, gates, momentum, qk, vv, schedule="online", model=None):
+    """Run the spec and a hand-written loop of its recurrence, on a 2-layer MLP memory
+    (``model``: the memory's function, default the plain MLP).
 
     ``schedule="spec"`` (mini-batch 64, so T tokens are one chunk): Titans' gradients are
     all taken at the chunk start."""
@@ -329,6 +336,7 @@ def _mlp_memory_check(name, loss_fn, gates, momentum, qk, vv, schedule="online")
     out, st = _run(name, dims={"d_k": D, "d_v": D, "hidden": hidden}, schedule=schedule,
                    params={"W1": W1, "W2": W2}, **gates, **x)
     q, k, v = qk(x["q"]), qk(x["k"]), vv(x["v"])
+    _mlp = model or _plain_mlp
     p = {"W1": W1.expand(B, H, D, hidden).clone(), "W2": W2.expand(B, H, hidden, D).clone()}
     u1, u2 = torch.zeros_like(p["W1"]), torch.zeros_like(p["W2"])
     start = dict(p)
@@ -355,13 +363,14 @@ def test_titans_momentum_and_forgetting(schedule):
     assert _spec("titans").schedule == "minibatch(64)"
     gates = {"eta": _gate(22), "mu": _gate(23), "alpha": _gate(24, 0.0, 0.3)}
     _mlp_memory_check("titans", lambda p, v: 0.5 * ((p - v) ** 2).sum(), gates, True,
-                      lambda t: _l2n(F.silu(t)), F.silu, schedule)
+                      lambda t: _l2n(F.silu(t)), F.silu, schedule, model=_mlp_unit_hidden)
 
 
 def test_moneta_lp_loss():
     assert _spec("moneta").constants["p"] == 3.0
     gates = {"eta": _gate(25), "alpha": _gate(26, 0.0, 0.3)}
-    _mlp_memory_check("moneta", lambda p, v: ((p - v).abs() ** 3).sum(), gates, False, _l2n, lambda t: t)
+    _mlp_memory_check("moneta", lambda p, v: ((p - v).abs() ** 3).sum(), gates, False, _l2n, lambda t: t,
+                      model=_mlp_unit_hidden)
 
 
 def test_yaad_huber_loss():

@@ -260,7 +260,7 @@ def test_frontier_rows_read_like_the_papers():
     assert rs["atlas"].loss == "weighted squared error: ½ Σ(G · (f(K) − V)²)"
     assert rs["atlas"].step == "η, per token" and rs["titans_muon"].step == "η₁, per token"
     assert rs["atlas"].mechanism == "Momentum, decay, window loss"
-    assert "W₁ ← c₁ softmax_hidden((1 − α) log(W₁) − η g₁)" in rs["memora"].write
+    assert "Z₁ ← (1 − α) Z₁ − η g₁" in rs["memora"].write and "W₁ ← c₁ softmax_hidden(Z₁)" in rs["memora"].write
     assert "W₀ ← l2norm((W₀ − η₀ g₀)ᵀ)ᵀ ‖W₀‖_d_k" in rs["lact"].write
     assert rs["lact"].loss.startswith("dot product") and rs["lact"].step == "η₀, per token"
     assert rs["lact"].schedule == "apply_update chunk 64, approximate"

@@ -297,7 +297,8 @@ def features(spec: Spec) -> Features:
 
 def optimizer_kind(spec: Spec, ft: Features | None = None) -> str:
     """SGD, momentum, Muon or mirror, from the shape of the update program (never a name):
-    ``mirror`` when a state steps as ``softmax(a log S + ...)`` (exponentiated gradient),
+    ``mirror`` when a state steps as ``softmax(a log S + ...)`` (exponentiated gradient), or is
+    ``softmax(Z)`` of logits ``Z`` that a gradient step moves (the same step written on the logits),
     ``Muon`` when a Newton-Schulz iteration orthogonalises a gradient or a momentum before it
     moves a state, ``momentum`` when a decayed state feeds another state's update, else
     ``SGD``; ``, renormalised`` when a step is followed by a normalisation of the state."""
@@ -307,10 +308,13 @@ def optimizer_kind(spec: Spec, ft: Features | None = None) -> str:
     states = set(spec.state)
     kinds: list[str] = []
     renorm = False
+    stepped = {y for y, v in state_updates(spec) if mentions_gradient(v)}   # states a gradient step moves
     for x, value in state_updates(spec):
         for n in value.walk():
             if isinstance(n, Call) and n.fn == "softmax" and any(
                     isinstance(c, Call) and c.fn == "log" and c.args and _is_state(c.args[0], x) for c in n.args[0].walk()):
+                kinds.append("mirror")
+            elif isinstance(n, Call) and n.fn == "softmax" and names(n.args[0]) & (stepped - {x}):
                 kinds.append("mirror")
             if isinstance(n, Call) and n.fn == "newton_schulz":
                 inner = names(n.args[0]) & states
