@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from memspec.lang.errors import SpecError
 from memspec.pipeline.build import build, build_memory, decide, load_checked
 from memspec.schedule.decide import BY_NAME, NAMES
 from memspec.tools.bench import alternate, make_inputs
@@ -368,6 +369,10 @@ def _schedule(row: Row) -> str:
 # the scripts run as they are, each in its own process
 
 
+class CommandFailed(Exception):
+    """A benchmark command exited non-zero: its report section says so, the others still run."""
+
+
 def run_command(argv: list[str], threads: int | None) -> str:
     """Run one benchmark command (``memspec ...`` or ``python benchmarks/...``) from the checkout; its
     stdout.  The child gets OMP_NUM_THREADS = threads where given."""
@@ -378,7 +383,9 @@ def run_command(argv: list[str], threads: int | None) -> str:
     print("$ " + shlex.join(argv), flush=True)
     done = subprocess.run(exe, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
-        raise SystemExit(f"{shlex.join(argv)} failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+        print(done.stdout[-2000:] + done.stderr[-4000:], file=sys.stderr)
+        raise CommandFailed(f"exit {done.returncode}: {tail[0][:300]}")
     return done.stdout
 
 
@@ -513,49 +520,72 @@ def sizes(quick: bool) -> Sizes:
                  floor=["--T", "2048", "--repeat", "9"])
 
 
-def scripts_section(z: Sizes, threads: int) -> list[str]:
-    """The tables of the scripts run as they are (bench, anchors, floor): Markdown lines."""
+def checked_specs(paths: list[str]) -> tuple[list[str], list[str]]:
+    """(the spec files that check, 'path: first error line' of the others)."""
+    ok, bad = [], []
+    for p in paths:
+        try:
+            load_checked(ROOT / p)
+            ok.append(p)
+        except SpecError as err:   # a spec another change left invalid: said in the report
+            bad.append(f"{p}: {str(err).splitlines()[0][:200]}")
+    return ok, bad
+
+
+def scripts_section(z: Sizes, threads: int) -> tuple[list[str], list[str]]:
+    """The tables of the scripts run as they are (bench, anchors, floor): (Markdown lines, failures)."""
     t = ["--threads", str(threads)]
-    out = []
+    specs, unchecked = checked_specs(z.bench)
     with tempfile.TemporaryDirectory() as d:
         j = {k: str(Path(d) / f"{k}.json") for k in ("bench", "fwd", "bwd", "dplr", "dplr_bwd")}
-        argv = {"bench": ["memspec", "bench", *z.bench, *z.bench_argv, *t, "--json", j["bench"]],
+        argv = {"bench": ["memspec", "bench", *specs, *z.bench_argv, *t, "--json", j["bench"]],
                 "fwd": ["python", "benchmarks/anchors.py", *z.anchors, *t, "--json", j["fwd"]],
                 "bwd": ["python", "benchmarks/anchors.py", *z.anchors, *t, "--backward", "--json", j["bwd"]],
                 "dplr": ["python", "benchmarks/anchors.py", "--dplr", *z.dplr, *t, "--json", j["dplr"]],
                 "dplr_bwd": ["python", "benchmarks/anchors.py", "--dplr", *z.dplr, *t, "--backward",
                              "--json", j["dplr_bwd"]],
                 "floor": ["python", "benchmarks/floor.py", *z.floor, *t]}
-        texts = {k: run_command(a, threads) for k, a in argv.items()}
-        rec = {k: json.loads(Path(p).read_text()) for k, p in j.items()}
+        got, failed = {}, {}
+        for k, a in argv.items():
+            try:
+                text = run_command(a, threads)
+                got[k] = json.loads(Path(j[k]).read_text()) if k in j else text
+            except CommandFailed as err:
+                failed[k] = str(err)
 
     def cmd(k):
         shown = [a if not a.startswith(d) else Path(a).name for a in argv[k]]
         return f"`{shlex.join(shown)}`"
-    peak = rec["bench"]["machine"]["bmm_64x64_peak_gflops"]
-    out += ["## Every shipped spec, each schedule it carries (forward, no grad)", "",
-            (f"{cmd('bench')} (the generated memories, eager; schedules alternated round-robin in one process; "
+
+    def table(keys, render):
+        bad = [k for k in keys if k in failed]
+        return [f"{cmd(k)} failed ({failed[k]})." for k in bad] + ([] if bad else [render(*(got[k] for k in keys))])
+
+    peak = got["bench"]["machine"]["bmm_64x64_peak_gflops"] if "bench" in got else float("nan")
+    out = ["## Every shipped spec, each schedule it carries (forward, no grad)", "",
+           (f"{cmd('bench')} (the generated memories, eager; schedules alternated round-robin in one process; "
             f"% of this machine's `torch.bmm` 64×64 peak, {peak:.0f} GFLOP/s in this run):"), "",
-            bench_table(rec["bench"]),
-            "## Kernels against pure-PyTorch chunked forms", "",
-            (f"{cmd('fwd')} and {cmd('bwd')}: `memspec.runtime`'s kernels against the pure-PyTorch chunked forms "
+           *[f"* left out, it does not check: {b}" for b in unchecked], *([""] if unchecked else []),
+           *table(["bench"], bench_table),
+           "## Kernels against pure-PyTorch chunked forms", "",
+           (f"{cmd('fwd')} and {cmd('bwd')}: `memspec.runtime`'s kernels against the pure-PyTorch chunked forms "
             "written in the script as flash-linear-attention's references are, and against fla's own references "
             "where installed (`fla` rows), alternated in one process; per-channel decays against the chunked GLA "
             "written there, their own token recurrence and fla's `naive_chunk_simple_gla`:"), "",
-            anchors_table(rec["fwd"], rec["bwd"]),
-            "## The dplr and momentum kernels", "",
-            (f"{cmd('dplr')} and {cmd('dplr_bwd')}: `chunk_dplr` and `chunk_momentum_delta` against their own "
+           *table(["fwd", "bwd"], anchors_table),
+           "## The dplr and momentum kernels", "",
+           (f"{cmd('dplr')} and {cmd('dplr_bwd')}: `chunk_dplr` and `chunk_momentum_delta` against their own "
             "token loops and fla's chunked references (checked equal where they compute the same recurrence):"), "",
-            dplr_table(rec["dplr"], rec["dplr_bwd"]),
-            "## The eager floor of an exact chunked form", "",
-            (f"{cmd('floor')}: retention's online and chunked schedules next to the fewest eager ops an exact "
+           *table(["dplr", "dplr_bwd"], dplr_table),
+           "## The eager floor of an exact chunked form", "",
+           (f"{cmd('floor')}: retention's online and chunked schedules next to the fewest eager ops an exact "
             "chunked form of it needs and their batched matmuls alone (what any eager chunked form pays):"), "",
-            floor_table(texts["floor"])]
-    return out
+           *table(["floor"], floor_table)]
+    return out, [f"{shlex.join(argv[k])}: {why}" for k, why in failed.items()] + unchecked
 
 
-def report(z: Sizes, threads: int, argv_shown: str, sections: set[str]) -> tuple[str, str]:
-    """(docs/benchmarks.md, the README's speed block)."""
+def report(z: Sizes, threads: int, argv_shown: str, sections: set[str]) -> tuple[str, str, list[str]]:
+    """(docs/benchmarks.md, the README's speed block, what failed)."""
     m = machine(threads)
     load0 = _load()
     rows = []
@@ -563,10 +593,11 @@ def report(z: Sizes, threads: int, argv_shown: str, sections: set[str]) -> tuple
         print(f"one spec per family, T={z.T}", flush=True)
         rows = family_rows(z.T, 4, 64)
         run_family_rows(rows, z.repeat, z.budget_s)
-    rest = scripts_section(z, threads) if "scripts" in sections else []
+    rest, failed = scripts_section(z, threads) if "scripts" in sections else ([], [])
     where = (f"{m['cpu']}, {m['cores']} cores, {threads} thread{'s' if threads > 1 else ''}, torch {m['torch']}, "
              f"Python {m['python']}, {m['date']}")
     config = f"B=1, H=4, T={z.T}, D=64, float32"
+    own = "; ".join(f"{n} keeps its {', '.join(ds)}" for n, ds in OWN_DIMS.items())
     table = family_table(rows) if rows else ""
     readme = "\n".join([BEGIN, f"`{argv_shown}` ({config}; {where}):", "", readme_table(rows).rstrip() if rows else "",
                         END])
@@ -580,16 +611,18 @@ def report(z: Sizes, threads: int, argv_shown: str, sections: set[str]) -> tuple
            f"| {m['cpu']} | {m['cores']} | {threads} | {m['torch']} | {m['python']} | {load0} → {_load()} |", ""]
     if rows:
         doc += ["## One spec per schedule family", "",
-                (f"`{argv_shown}` ({config}): the generated memory's default schedule (eager), the same memory's "
+                (f"`{argv_shown}` ({config}, d_k = d_v = D; {own}): the generated memory's default schedule "
+                 "(eager), the same memory's "
                 "online schedule and a peer, forward (no grad) and forward + backward of the outputs' sum, "
                 f"round-robin in one process (at most {z.repeat} rounds within {z.budget_s:.0f} s; a call over a "
-                "quarter of that is timed once, after an untimed call; the README shows this table's ratios).  Peers, and how each was checked before timing:"), "",
+                "quarter of that is timed once, after an untimed call; the README shows this table's ratios).  "
+                "Peers, and how each was checked before timing:"), "",
                 *checks, "", table]
     doc += rest
     doc += ["## The shipped specs by family", "",
             "Each spec's default schedule as `memspec explain` decides it from the update's algebra:", "",
             families_table()]
-    return "\n".join(doc), readme
+    return "\n".join(doc), readme, failed
 
 
 def replace_block(path: Path, block: str) -> None:
@@ -616,7 +649,7 @@ def main(argv=None) -> int:
     shown = ["python", "benchmarks/report.py"] + (["--threads", str(a.threads)] if a.threads else []) \
         + (["--quick"] if a.quick else []) + (["--sections", a.sections] if a.sections != "family,scripts" else [])
     try:
-        doc, block = report(sizes(a.quick), threads, shlex.join(shown), set(a.sections.split(",")))
+        doc, block, failed = report(sizes(a.quick), threads, shlex.join(shown), set(a.sections.split(",")))
     finally:
         torch.set_num_threads(threads_before)
     Path(a.out).write_text(doc)
@@ -624,7 +657,9 @@ def main(argv=None) -> int:
     if a.readme:
         replace_block(Path(a.readme), block)
         print(f"updated the speed table of {a.readme}")
-    return 0
+    for why in failed:
+        print(f"report.py: failed: {why}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
