@@ -59,8 +59,8 @@ def each_document(run, x: torch.Tensor, cu_seqlens: torch.Tensor, state=None,
                          "state and returns no state; pass state=None, return_state=False (or "
                          "run the documents as a batch)")
     offsets = [int(t) for t in cu_seqlens.tolist()]
-    if x.shape[0] != 1 or offsets[0] != 0 or offsets[-1] != x.shape[1] \
-            or any(b < a for a, b in zip(offsets, offsets[1:])):
+    if (x.shape[0] != 1 or offsets[0] != 0 or offsets[-1] != x.shape[1]
+            or any(b < a for a, b in zip(offsets, offsets[1:]))):
         raise ValueError(f"cu_seqlens: expected one row (B = 1) and offsets rising from 0 to "
                          f"T = {x.shape[1]}, got B = {x.shape[0]} and {offsets}")
     by_length = {}
