@@ -268,3 +268,19 @@ def test_train_save_hf_writes_the_trained_model(tmp_path):
     lm.load_state_dict(torch.load(tmp_path / "run" / "checkpoint.pt")["state_dict"])
     x = torch.randint(1, VOCAB, (2, 10))
     assert torch.equal(trained(x, use_cache=False).logits, lm(x))
+
+
+def _random_initial_state(name: str) -> bool:
+    """A state drawn at random at every call (e.g. ``normal(1.0)``): no two forwards agree."""
+    return any(str(st.init).startswith(("normal", "uniform")) for st in load_spec(str(SPECS / f"{name}.yaml")).state.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(p.stem for p in SPECS.glob("*.yaml")))
+def test_greedy_generation_equals_full_forwards_for_every_shipped_spec(name):
+    if _random_initial_state(name):
+        pytest.skip(f"{name} draws its initial state at random at every call")
+    m = model(name)
+    prompt = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    out = m.generate(prompt, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, greedy_by_full_forwards(m, prompt, 7))
