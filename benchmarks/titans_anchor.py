@@ -23,6 +23,11 @@ projections, RMSNorms and learned gates): the same mini-batch learning, somewhat
 around it.
 
     OMP_NUM_THREADS=2 python benchmarks/titans_anchor.py --peer [--T 2048] [--repeat 7]
+
+Titans with Muon, as titans-pytorch's ``spectral_norm_surprises`` runs it (the momentum
+orthogonalised once per chunk), against memspec's ``titans_muon_chunked`` variant:
+
+    python benchmarks/titans_anchor.py --peer --spectral --spec specs/variants/titans_muon_chunked.yaml
 """
 from __future__ import annotations
 
@@ -108,11 +113,13 @@ def peer_rows(a):
     from titans_pytorch import NeuralMemory
 
     torch.manual_seed(0)
-    ours_layer = build.build(ROOT / "specs/titans.yaml", compile=False, d_model=256, heads=4, d_k=64, d_v=64, hidden=256)
+    ours_layer = build.build(ROOT / a.spec, compile=False, d_model=256, heads=4, d_k=64, d_v=64, hidden=256)
     # the spec's initial gate biases let this random (untrained) memory grow without bound over
     # 2048 tokens (NaN by the end, and NaN arithmetic is slow): a smaller step keeps it finite
-    ours_layer.eta_proj.bias.data.fill_(-5.0)
-    peer = NeuralMemory(dim=256, heads=4, dim_head=64, chunk_size=64)
+    for name, proj in ours_layer.named_children():
+        if name.startswith("eta") and name.endswith("_proj"):
+            proj.bias.data.fill_(-5.0)
+    peer = NeuralMemory(dim=256, heads=4, dim_head=64, chunk_size=64, spectral_norm_surprises=a.spectral)
     x = torch.randn(1, a.T, 256)
 
     def ours(grad):
@@ -134,8 +141,8 @@ def peer_rows(a):
     with torch.no_grad():
         y, st = ours_layer(x, return_state=True)
         assert torch.isfinite(y).all() and all(torch.isfinite(v).all() for v in st.values())
-    print(f"Titans layer, x [1, {a.T}, 256], heads 4 x 64, chunk 64, eager both, float32, "
-          f"threads={torch.get_num_threads()}")
+    print(f"{a.spec} vs NeuralMemory(spectral_norm_surprises={a.spectral}), x [1, {a.T}, 256], heads 4 x 64, "
+          f"chunk 64, eager both, float32, threads={torch.get_num_threads()}")
     print(f"{'':24} {'memspec ms':>11} {'peer ms':>10} {'memspec/peer':>13} {'(process cpu)':>14}")
     for grad in (False, True):
         fns = [ours(grad), theirs(grad)]
@@ -160,6 +167,9 @@ def main():
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--peer", action="store_true", help="memspec's layer vs titans-pytorch's NeuralMemory")
+    ap.add_argument("--spec", default="specs/titans.yaml", help="--peer: memspec's spec (e.g. "
+                    "specs/variants/titans_muon_chunked.yaml with --spectral)")
+    ap.add_argument("--spectral", action="store_true", help="--peer: NeuralMemory(spectral_norm_surprises=True)")
     ap.add_argument("--compile", action="store_true", help="torch.compile memspec's chunk step")
     ap.add_argument("--no-online", action="store_true")
     a = ap.parse_args()
