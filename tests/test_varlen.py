@@ -22,6 +22,11 @@ for _path in SPEC_FILES:
     for _sched in make(_spec, small_dims(_spec)).SCHEDULES:
         CASES.append((_path, _sched))
 IDS = [f"{p.split('/')[-1][:-5]}-{s}" for p, s in CASES]
+# the default run takes gradients and decodes for one spec per family (and block updates); the rest is slow
+FAST = {"deltanet", "gla", "kda", "momentum_deltanet", "titans", "lact", "sliding_window_attention", "mesa",
+        "hope_cms", "hgrn"}
+SOME = [pytest.param(p, s, id=i, marks=() if p.split("/")[-1][:-5] in FAST else pytest.mark.slow)
+        for (p, s), i in zip(CASES, IDS)]
 
 CHUNK = 4
 MIX = [1, 3, 4, 6, 9, 1, 1, 2]          # 1, below / equal to / above the chunk, not multiples, short ones
@@ -106,7 +111,7 @@ def test_packed_equals_documents_alone(path, schedule, lengths):
     check_states(spec, packed, finals)
 
 
-@pytest.mark.parametrize("path,schedule", CASES, ids=IDS)
+@pytest.mark.parametrize("path,schedule", SOME)
 def test_packed_gradients_equal_documents_alone(path, schedule):
     spec, dims, m, ins, st = setup(path, MIX, requires_grad=True)
     o, packed = run_packed(m, spec, ins, st, schedule, MIX)
@@ -133,7 +138,7 @@ def test_packed_gradients_equal_documents_alone(path, schedule):
     assert checked >= len(ins)
 
 
-@pytest.mark.parametrize("path,schedule", CASES, ids=IDS)
+@pytest.mark.parametrize("path,schedule", SOME)
 def test_decoding_after_a_packed_prefill(path, schedule):
     """Prefill packed documents, then decode one token of every document as a batch of N."""
     spec, dims, m, ins, st = setup(path, DECODE)
