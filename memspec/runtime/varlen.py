@@ -104,32 +104,38 @@ class _DocumentChunks:
     """
 
     def __init__(self, offsets, C, S0):
-        T = offsets[-1]
-        take, start, doc_of = [], [], []                   # per slot of the laid-out row
-        self.first, self.last = {}, {}                     # chunk -> the document it starts / ends
-        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-            if b == a:
-                continue
-            n = -(-(b - a) // C)                           # the document's chunks
-            self.first[len(take) // C] = i
-            self.last[len(take) // C + n - 1] = i
-            start += [len(take)] * (n * C)
-            take += list(range(a, b)) + [T] * (n * C - (b - a))   # T: the zero token
-            doc_of += [i] * (n * C)
         dev = S0.device
-        self.T = len(take)                                 # tokens of the laid-out row
-        self.take = torch.tensor(take, dtype=torch.long, device=dev)
-        self.give = torch.tensor([s for s, t in enumerate(take) if t < T], dtype=torch.long, device=dev)
-        self.start = torch.tensor(start, dtype=torch.long, device=dev)
-        self.doc_of = torch.tensor(doc_of, dtype=torch.long, device=dev)
+        self.first, self.last = {}, {}                     # chunk -> the document it starts / ends
+        slots, slot = [], 0                                # each document's first slot in the laid-out row
+        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+            n = -(-(b - a) // C)                           # the document's chunks
+            if n:
+                self.first[slot // C] = i
+                self.last[slot // C + n - 1] = i
+            slots.append(slot)
+            slot += n * C
+        self.T = slot                                      # tokens of the laid-out row
+        lengths = torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], device=dev)
+        padded = (lengths + C - 1) // C * C
+        first_slot = torch.tensor(slots, dtype=torch.long, device=dev)
+        shift = first_slot - torch.tensor(offsets[:-1], dtype=torch.long, device=dev)
+        # the slot of each packed token, and per slot its document and its document's first slot
+        self.give = torch.arange(offsets[-1], device=dev) + shift.repeat_interleave(lengths,
+                                                                                  output_size=offsets[-1])
+        self.doc_of = torch.arange(len(slots), device=dev).repeat_interleave(padded, output_size=slot)
+        self.start = first_slot.repeat_interleave(padded, output_size=slot)
+        filled = torch.zeros(slot, dtype=torch.bool, device=dev).index_fill_(0, self.give, True)
+        self.pads = (~filled).nonzero()[:, 0]              # the slots after each document's end
         self.S0 = S0
         self.finals = list(S0.unbind(0))                   # an empty document keeps its state
 
     def lay(self, x):
-        """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row (None stays None)."""
+        """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None stays
+        None)."""
         if x is None:
             return None
-        return torch.cat([x, x.new_zeros(1, 1, *x.shape[2:])], dim=1).index_select(1, self.take)
+        out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
+        return out.index_fill_(1, self.pads, 0)
 
     def unlay(self, o):
         """``[1, T', ...]`` -> ``[1, T, ...]``: the outputs of the real tokens, in packed order."""
