@@ -128,6 +128,7 @@ def test_report_quick_every_section(tmp_path):
     bench = _table_rows(text, "| spec | schedule | exact |")
     assert {(r[0], r[1]) for r in bench} == {("linear_attention", "additive"), ("linear_attention", "online"),
                                              ("hgrn", "scan"), ("hgrn", "online")}
+    assert all(_ms(r[4]) > 0 for r in bench) and "failed" not in text
     kernels = [r[0] for r in _table_rows(text, "| kernel | memspec, forward |")]
     assert kernels[:4] == ["delta rule", "gated delta rule", "linear attention", "decayed lin. attn"]
     assert [r[0] for r in _table_rows(text, "| row | median |")] == ["online", "chunked", "minimal", "matmuls"]
