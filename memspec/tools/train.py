@@ -269,11 +269,8 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        if cfg.pack:   # one row, the sequences at offsets 0, T, 2T, ...: the same numbers as the batch
-            offsets = torch.arange(0, x.numel() + 1, x.shape[1], device=device)
-            logits = net(x.reshape(1, -1), cu_seqlens=offsets).view(*x.shape, -1)
-        else:
-            logits = net(x)
+        offsets = torch.arange(0, x.numel() + 1, x.shape[1], device=device) if cfg.pack else None   # one row
+        logits = net(x.reshape(1, -1), cu_seqlens=offsets).view(*x.shape, -1) if cfg.pack else net(x)
         loss_sum = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1), ignore_index=-100,
                                    reduction="sum")
         opt.zero_grad(set_to_none=True)
