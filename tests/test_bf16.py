@@ -44,7 +44,7 @@ def memory_inputs(name: str, T: int = 37):
 
     def keep(module, args, kwargs):
         if not seen:
-            seen.append((args, {k: v for k, v in kwargs.items() if k != "state"}))
+            seen.append((args, {k: v for k, v in kwargs.items() if torch.is_tensor(v)}))   # views, gates
 
     handle = layer.memory.register_forward_pre_hook(keep, with_kwargs=True)
     layer(torch.randn(2, T, 16, dtype=torch.float64))
