@@ -128,12 +128,18 @@ def test_packed_gradients_equal_documents_alone(path, schedule):
     mine = torch.autograd.grad(scalar(o, packed), wrt, allow_unused=True)
     alone = {k: torch.cat([f[k] for f in finals], dim=0) for k in kept}
     theirs = torch.autograd.grad(scalar(ro, alone), wrt, allow_unused=True)
+    # Newton-Schulz multiplies small singular values by up to 3.4 a step: batched differently (a
+    # document among more or fewer rows), its float64 gradients differ by ~1e-12 (measured 1.1e-12)
+    muon = "newton_schulz" in (ROOT / path).read_text()
     checked = 0
     for a, b in zip(mine, theirs):
         if b is None or b.numel() == 0:
             assert a is None or a.numel() == 0 or float(a.abs().max()) == 0.0
             continue
-        assert_same_function(a, b)
+        if muon:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+        else:
+            assert_same_function(a, b)
         checked += float(b.abs().max()) > 0
     assert checked >= len(ins)
 

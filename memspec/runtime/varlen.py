@@ -26,8 +26,11 @@ def _document_bounds(cu_seqlens, B, T):
 
 
 def _by_document(run, tensors, state, bounds):
-    """Run packed documents, each alone: ``run(*tensors, state)`` on the documents of each length
-    as one batch ``[n, length, ...]`` (a mix of lengths costs one call per distinct length).
+    """Run packed documents, each alone, as one batch that shrinks as documents end: the documents
+    sorted longest first, ``run(*tensors, state)`` over the tokens between two consecutive document
+    ends on the documents still running, each from its own state (every schedule streams: a call
+    resumes exactly where the one before stopped).  A mix of lengths costs one call per distinct
+    length; the calls add up to the longest document's tokens.
 
     ``tensors``: ``[1, T, ...]`` each; ``state``: ``{name: [N, H, ...]}`` (a row per document;
     streaming entries such as a chunk position, plain ints, are passed to every call).  Returns
@@ -36,25 +39,37 @@ def _by_document(run, tensors, state, bounds):
     different positions) is left out of the final state, with the states it belongs to, so that
     a call continuing from it says what is missing instead of computing something else.
     """
-    by_length = {}
-    for i, (a, b) in enumerate(bounds):
-        by_length.setdefault(b - a, []).append(i)
-    outs, finals, order = [], [], []   # per group: outputs [n L, ...], final states, document ids
-    for length, docs in by_length.items():
-        rows = torch.tensor(docs, device=tensors[0].device)
-        tokens = torch.tensor([t for i in docs for t in range(bounds[i][0], bounds[i][1])],
-                              dtype=torch.long, device=tensors[0].device)
-        xs = [x[0].index_select(0, tokens).reshape(len(docs), length, *x.shape[2:]) for x in tensors]
-        group = {k: v.index_select(0, rows) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        o, final = run(*xs, group)
-        outs.append(o.reshape(len(docs) * length, *o.shape[2:]))
-        finals.append(final)
-        order += docs
-    # packed order: the outputs of document order[j] sit at its tokens; invert the gather once
-    tokens = torch.tensor([t for i in order for t in range(bounds[i][0], bounds[i][1])], dtype=torch.long)
+    dev = tensors[0].device
+    order = sorted(range(len(bounds)), key=lambda i: bounds[i][0] - bounds[i][1])   # longest first
+    lengths = [bounds[i][1] - bounds[i][0] for i in order]
+    rows = torch.tensor(order, dtype=torch.long, device=dev)
+    cur = {k: v.index_select(0, rows) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    outs, where, finals, finished = [], [], [], []   # outputs, their packed tokens; finished documents
+    n, done = len(order), 0                          # documents running (a prefix of order), tokens run
+    while n:
+        end = lengths[n - 1]                         # the next document end
+        if end > done:
+            tokens = torch.tensor([bounds[i][0] + t for i in order[:n] for t in range(done, end)],
+                                  dtype=torch.long, device=dev)
+            xs = [x[0].index_select(0, tokens).view(n, end - done, *x.shape[2:]) for x in tensors]
+            o, cur = run(*xs, cur)
+            outs.append(o.reshape(n * (end - done), *o.shape[2:]))
+            where.append(tokens)
+            done = end
+        k = n
+        while k and lengths[k - 1] == done:
+            k -= 1
+        finals.append({key: v[k:n] if isinstance(v, torch.Tensor) else v for key, v in cur.items()})
+        finished += order[k:n]
+        cur = {key: v[:k] if isinstance(v, torch.Tensor) else v for key, v in cur.items()}
+        n = k
+    if not outs:                                     # no tokens at all: the output is empty
+        outs = [run(*[x[:, :0] for x in tensors], {k: v[:1] if isinstance(v, torch.Tensor) else v
+                                                    for k, v in state.items()})[0][0]]
+        where = [torch.zeros(0, dtype=torch.long, device=dev)]
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
-    o = o.index_select(0, torch.argsort(tokens).to(o.device)).unsqueeze(0)
-    back = torch.argsort(torch.tensor(order)).to(o.device)
+    o = o.index_select(0, torch.argsort(torch.cat(where))).unsqueeze(0)   # packed order
+    back = torch.argsort(torch.tensor(finished, device=dev))
     return o, _stack_finals(finals, back)
 
 
