@@ -108,7 +108,7 @@ def test_closed_form_equals_autograd(model, loss):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
-SHIPPED_WITH_CLOSED_FORM = ["deltanet", "gated_deltanet", "longhorn", "moneta", "seed_titans", "titans",
+SHIPPED_WITH_CLOSED_FORM = ["deltanet", "gated_deltanet", "longhorn", "moneta", "lab/seed_titans", "titans",
                             "titans_mac", "titans_mag", "titans_mal", "ttt_linear", "ttt_mlp", "yaad"]
 
 

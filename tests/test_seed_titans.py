@@ -1,4 +1,4 @@
-"""specs/seed_titans.yaml reproduces the seed snippet (../shared/seeds/000_*.txt).
+"""specs/lab/seed_titans.yaml reproduces the seed snippet (../shared/seeds/000_*.txt).
 
 The snippet trains a two-layer GELU MLP memory online with momentum on a stream of
 16 normalised key/value pairs, each recurring 4 times, and prints the retrieval MSE
@@ -19,7 +19,7 @@ from torch.func import functional_call, grad
 import memspec
 from memspec import reference as R
 
-SPEC = Path(__file__).resolve().parent.parent / "specs" / "seed_titans.yaml"
+SPEC = Path(__file__).resolve().parent.parent / "specs" / "lab" / "seed_titans.yaml"
 
 
 def snippet():

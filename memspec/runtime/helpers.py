@@ -199,7 +199,9 @@ def _linear_scan(a, x, s0):
     L, P = _decay_matrix(a.expand(B, C, H).transpose(1, 2))                # [B, H, C, C], [B, H, C]
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
-    return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2)
+    # token-major and contiguous: products of the per-token matrices (a Newton-Schulz iteration,
+    # the reads) would otherwise copy the strided states at every call
+    return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2).contiguous()
 
 
 def _window_band(C, R, window, like):

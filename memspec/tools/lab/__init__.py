@@ -3,7 +3,7 @@
 Each experiment is one module with ``NAME``, ``SUMMARY`` and ``run(seed=0) -> Result``
 (a :class:`~memspec.lab.common.Result`: tables, numbers, an optional plot).
 :data:`REGISTRY` lists them in order.  Every number comes from a spec in
-``specs/lab/`` (or ``specs/seed_titans.yaml``) run by memspec.  Modules are imported
+``specs/lab/`` (``specs/lab/seed_titans.yaml`` among them) run by memspec.  Modules are imported
 on first use, so that ``import memspec.lab`` stays cheap.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ pairs (d = 32), each four times in a random order, into a two-layer GELU MLP mem
 retrieves 0) with momentum; it reports the retrieval MSE over the 16 pairs before
 and after the stream: 0.0312 -> 0.0023.
 
-Here the memory is ``specs/seed_titans.yaml`` through ``specs/lab/seed_memory.yaml``
+Here the memory is ``specs/lab/seed_titans.yaml`` through ``specs/lab/seed_memory.yaml``
 (the same memory reading before each write, so that one token is one retrieval
 probe), and two variants by ``extends``: ``seed_memory_no_momentum`` (mu = 0) and
 ``seed_memory_forget`` (every tensor keeps 1 - alpha of itself per token).  The
