@@ -17,7 +17,7 @@ from ..lang.fmt import to_yaml
 from ..lang.spec import parse_init
 from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled, _in_slices
-from ..runtime.varlen import _by_document, _document_bounds, _stack_finals
+from ..runtime.varlen import _by_document, _by_length, _document_bounds, _shrinking, _stack_finals
 from ..runtime.wiring import source as wiring_source
 from ..schedule.decide import ScheduleDecision
 from . import additive, apply_update, cache, delta, dplr, layer, minibatch, momentum, online, scan
@@ -89,7 +89,7 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
         runtime.append(part)
     parts = Lines()
     sliced = [runtime_source(_in_slices)] if compiles_chunked(ctx) else []
-    packed = [runtime_source(f) for f in (_document_bounds, _by_document, _stack_finals)]
+    packed = [runtime_source(f) for f in (_document_bounds, _by_document, _by_length, _shrinking, _stack_finals)]
     for part in ctx.helper_sources() + [runtime_source(_check), runtime_source(_Compiled)] + sliced + packed \
             + runtime + wiring:
         parts.block(part)
@@ -399,22 +399,24 @@ PACKED_KERNELS = {"additive", "delta", "dplr", "momentum"}   # kernels that take
 def forward_documents(ctx, L):
     """``_forward_documents``: packed documents.  An exact chunked kernel takes the packed row in one
     call (every document starts a chunk: :class:`memspec.runtime.varlen._Documents`); any other
-    schedule splits the row at the offsets and runs the documents of one length as one batch through
-    ``forward`` (so its chunks and blocks restart at each document)."""
+    schedule splits the row at the offsets and runs the documents through ``forward`` (so its chunks
+    and blocks restart at each document): online as one batch that shrinks as documents end, the
+    others the documents of one length as one batch."""
     args = ", ".join(ctx.views + ctx.gates + ["state"])
     L(f"def _forward_documents(self, {args}, schedule, cu_seqlens):")
     with L.indent():
         L('"""' + "Packed documents (B = 1, offsets cu_seqlens [N + 1]), each alone from its row of state")
-        L("[N, H, ...]: an exact chunked kernel takes the row in one call; any other schedule runs the")
-        L("documents of each length as one batch.  Returns (o [1, T, ...], the final state [N, H, ...];")
-        L("an entry the documents cannot share in one tensor is left out).")
+        L("[N, H, ...]: an exact chunked kernel takes the row in one call; the online schedule runs the")
+        L("documents as one batch that shrinks as they end, any other the documents of each length as")
+        L("one batch.  Returns (o [1, T, ...], the final state [N, H, ...]; an entry the documents")
+        L("cannot share in one tensor is left out).")
         L('"""')
         L(f"bounds = _document_bounds(cu_seqlens, {ctx.first}.shape[0], {ctx.first}.shape[1])")
         L(f"state = self._check_state(state, len(bounds), {ctx.first})")
+        L("schedule = self.DEFAULT_SCHEDULE if schedule == \"auto\" else schedule")
         exact = [f for f in ctx.schedules if f in PACKED_KERNELS]
         if exact:   # (at most one exact chunked family per module)
-            L(f"if (self.DEFAULT_SCHEDULE if schedule == \"auto\" else schedule) == {exact[0]!r}:",
-              "one kernel call over the packed row")
+            L(f"if schedule == {exact[0]!r}:", "one kernel call over the packed row")
             L(f"    return self._forward_chunk({args}, _Documents(cu_seqlens))")
         L()
         L(f"def run({args}):")
@@ -422,7 +424,8 @@ def forward_documents(ctx, L):
         L(f"    return self.forward({', '.join(ctx.views)}, {gate_kw}state=state, schedule=schedule)")
         L()
         tensors = ", ".join(ctx.views + ctx.gates) + ("," if len(ctx.views + ctx.gates) == 1 else "")
-        L(f"return _by_document(run, ({tensors}), state, bounds)")
+        L("# a token loop: one batch that shrinks as documents end; chunks: the documents of one length")
+        L(f"return _by_document(run, ({tensors}), state, bounds, shrink=schedule == \"online\")")
     L()
 
 
