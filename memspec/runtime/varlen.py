@@ -170,8 +170,8 @@ class _DocumentChunks:
         first_slot = torch.tensor(slots, dtype=torch.long, device=dev)
         shift = first_slot - torch.tensor(offsets[:-1], dtype=torch.long, device=dev)
         # the slot of each packed token, and per slot its document and its document's first slot
-        self.give = torch.arange(offsets[-1], device=dev) + shift.repeat_interleave(lengths,
-                                                                                  output_size=offsets[-1])
+        shift = shift.repeat_interleave(lengths, output_size=offsets[-1])
+        self.give = torch.arange(offsets[-1], device=dev) + shift
         self.doc_of = torch.arange(len(slots), device=dev).repeat_interleave(padded, output_size=slot)
         self.start = first_slot.repeat_interleave(padded, output_size=slot)
         filled = torch.zeros(slot, dtype=torch.bool, device=dev).index_fill_(0, self.give, True)
