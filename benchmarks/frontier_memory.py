@@ -1,0 +1,81 @@
+"""Peak memory and time of one forward + backward of each frontier layer, each in a process of its own.
+
+The layer of each spec (d_model 256, 4 heads of 64, hidden 128, eager, float32, x [1, T, 256]),
+one forward and backward of ``y.square().mean()``; printed: the process's peak resident memory
+(``ru_maxrss``, which includes torch's own ~0.3 GB), the wall time, and the ratio of the peak to
+the titans layer's (the issue's bound: within 3x).  A spec that runs out of the memory limit or
+the time limit is reported as such.
+
+    python benchmarks/frontier_memory.py [--T 2048] [--threads 1] [--limit-gb 20] [--timeout 600]
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ["titans", "lact", "variants/lact_swa", "omeganet", "memora", "hope_cms", "atlas", "titans_muon",
+         "variants/titans_muon_chunked"]
+
+CHILD = """
+import resource, sys, time, torch, memspec
+torch.set_num_threads({threads})
+layer = memspec.build({path!r}, compile=False, d_model=256, heads=4, **{dims!r})
+x = torch.randn(1, {T}, 256)
+start = time.perf_counter()
+layer(x).square().mean().backward()
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def run(name: str, a) -> tuple[str, float | None, float | None]:
+    import memspec
+
+    path = ROOT / "specs" / f"{name}.yaml"
+    spec = memspec.load(path)
+    dims = {k: v for k, v in {"d_k": 64, "d_v": 64, "hidden": 128}.items() if k in spec.dims}
+    code = CHILD.format(threads=a.threads, path=str(path), dims=dims, T=a.T)
+    limit = int(a.limit_gb * 2**30)
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=a.timeout,
+                             preexec_fn=cap)
+    except subprocess.TimeoutExpired:
+        return "timeout", None, None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return ("out of memory" if "memory" in last.lower() else last[:60]), None, None
+    seconds, kb = out.stdout.split()
+    return "ok", float(seconds), int(kb) / 2**20
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--limit-gb", type=float, default=20.0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("specs", nargs="*", default=SPECS)
+    a = ap.parse_args(argv)
+    print(f"forward + backward of each layer, x [1, {a.T}, 256], {a.threads} thread(s), "
+          f"memory limit {a.limit_gb:g} GB, {time.strftime('%Y-%m-%d')}")
+    print(f"{'spec':32} {'status':>14} {'seconds':>9} {'peak GB':>8} {'/ titans':>9}")
+    base = None
+    for name in a.specs:
+        status, seconds, gb = run(name, a)
+        if name == "titans" and gb is not None:
+            base = gb
+        ratio = f"{gb / base:9.2f}" if gb is not None and base else f"{'':>9}"
+        print(f"{name:32} {status:>14} {seconds if seconds is not None else float('nan'):9.1f} "
+              f"{gb if gb is not None else float('nan'):8.2f} {ratio}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
