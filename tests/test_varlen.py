@@ -505,3 +505,20 @@ def test_only_empty_documents_keep_their_states(path):
     assert o.shape[:2] == (1, 0)
     for k in spec.state:
         assert torch.equal(packed[k], st[k]), k
+
+
+@pytest.mark.parametrize("path", ["specs/gated_deltanet.yaml", "specs/titans.yaml"])
+def test_packed_bfloat16_keeps_float32_states(path):
+    """bfloat16 inputs: the packed states are float32 [N, H, ...] and equal each document's."""
+    spec, dims, m, ins, st = setup(path, MIX)
+    m = m.float()
+    ins = {k: x.to(torch.bfloat16) for k, x in ins.items()}
+    with torch.no_grad():
+        o, packed = m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, cu_seqlens=offsets(MIX))
+        ro, finals = run_alone(m, spec, ins, m.init_state(len(MIX)), "auto", MIX)
+    assert o.dtype == torch.bfloat16
+    for k in packed:
+        if k in spec.state:
+            assert packed[k].dtype == torch.float32 and packed[k].shape[0] == len(MIX)
+            torch.testing.assert_close(packed[k], torch.cat([f[k] for f in finals]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(o.float(), ro.float(), rtol=1.6e-2, atol=1e-5)
