@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import memspec
 from memspec import reference
 from memspec.lang.errors import SpecError
-from memspec.lang.expr import parse_expr
+from memspec.lang.expr import parse_expr, unparse
 from memspec.runtime import helpers
 from memspec.schedule import analyse, explain
 from memspec.schedule.algebra import Algebra
@@ -241,7 +241,7 @@ def test_omeganet_is_the_omega_rule_on_a_linear_memory():
     for t in range(T):
         lo = max(0, t - c + 1)
         Kw, Vw = k[lo:t + 1], v[lo:t + 1]
-        grad = Kw.T @ (Kw @ W - Vw)                    # sum over the window of k_i^T (k_i W - v_i)
+        grad = Kw.T @ (Kw @ W - Vw) / c                # the window's mean loss: sum of k_i^T (k_i W - v_i) / 8
         W = W - g["eta"][0, t, 0] * grad
         torch.testing.assert_close(out[t], q[t] @ W, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(st["W"], W, rtol=1e-10, atol=1e-12)
@@ -249,8 +249,10 @@ def test_omeganet_is_the_omega_rule_on_a_linear_memory():
 
 def test_omeganet_with_a_window_of_one_is_deltanet():
     base = _spec("omeganet")
+    assert unparse(base.loss) == "0.5 * sum((f(K) - V)^2) / 8"   # the window's mean; one pair: the plain loss
     one = base.model_copy(update={"state": {**base.state, "K": base.state["K"].model_copy(update={"window": 1}),
-                                            "V": base.state["V"].model_copy(update={"window": 1})}})
+                                            "V": base.state["V"].model_copy(update={"window": 1})},
+                                  "loss": base.loss.left})
     dims = {"d_k": 3, "d_v": 2}
     x = {n: _rand(1, 7, 2, 3 if n != "v" else 2, seed=i) for i, n in enumerate("qkv")}
     eta = _gate(1, 7, 2, seed=9)
