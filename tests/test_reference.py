@@ -363,6 +363,10 @@ def test_every_shipped_spec_runs_causally_and_minibatch_one_is_online(path):
                    for n, gt in spec.gates.items()})
     params = {n: torch.randn(H, *(spec.dims[d] for d in p.shape), generator=g, dtype=D64) * 0.1
               for n, p in spec.params.items() if "normal" in str(p.init)}
+    for n, p in spec.params.items():   # a random uniform init: a draw from its own range
+        if "uniform" in str(p.init):
+            lo, hi = (float(x) for x in str(p.init).split("(")[1].rstrip(")").split(","))
+            params[n] = lo + (hi - lo) * torch.rand(H, *(spec.dims[d] for d in p.shape), generator=g, dtype=D64)
     state = R.init_state(spec, B, H, dtype=D64, params=params, generator=g)
     out, _ = R.run(spec, state=state, params=params, **inputs)
     assert out.shape[:3] == (B, T, H) and torch.isfinite(out).all()
