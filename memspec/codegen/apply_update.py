@@ -16,6 +16,7 @@ from .exprs import CodegenError
 from .online import block_sums_in, block_sums_out
 from .program import assign_line, closed_grad_lines, live_steps, summed, weighted_grad_sum
 from .text import shape_text, tuple_text
+from .context import Emitter
 
 
 def emit(ctx, L) -> None:
@@ -128,15 +129,9 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs) -> None:
     taken = ctx.taken()
     carried = ctx.states + [a.name for a in accs]
     last = fresh("last", taken)
-    L(f"def _update_step(self, {', '.join(carried + inputs + [last])}):")
+    shapes = ", ".join(f"{x} " + shape_text("B, H, C", ctx.shape(Name(x))) for x in inputs)
+    step_header(ctx, L, carried + inputs + [last], accs, last, f"head-major: {shapes}", "B, H, C")
     with L.indent():
-        L('"""' + "A chunk (or a piece of one) of C tokens, head-major: " + ", ".join(
-            f"{x} " + shape_text("B, H, C", ctx.shape(Name(x))) for x in inputs) + ";")
-        L(", ".join(ctx.states) + ": the state every token of the chunk reads [B, H, ...]; "
-          + ", ".join(a.name for a in accs) + ": the chunk's gradient sums so far;")
-        L(f"{last}: does this piece end the chunk.  Returns (o " + shape_text("B, H, C", ctx.read_shape())
-          + ", the state and sums after it).")
-        L('"""')
         em = ctx.emitter(rows=True)
         L(f"o = {em.emit(spec.read)}", shape_text("B, H, C", ctx.read_shape()) + ": apply: every row reads the held state")
         # the loss's gradient program over the rows, once per distinct program
@@ -162,6 +157,18 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs) -> None:
         update_lines(ctx, L, plan, accs, last, rows=True)
         L(f"return o, {tuple_text(carried)}")
     L()
+
+
+def step_header(ctx, L, params: list, accs, last: str, inputs: str, prefix: str) -> None:
+    """``def _update_step(...)`` and its docstring (the body follows, indented)."""
+    L(f"def _update_step(self, {', '.join(params)}):")
+    with L.indent():
+        L('"""' + f"A chunk (or a piece of one) of C tokens, {inputs};")
+        L(", ".join(ctx.states) + ": the state every token of the chunk reads [B, H, ...]; "
+          + ", ".join(a.name for a in accs) + ": the chunk's gradient sums so far;")
+        L(f"{last}: does this piece end the chunk.  Returns (o " + shape_text(prefix, ctx.read_shape())
+          + ", the state and sums after it).")
+        L('"""')
 
 
 def update_lines(ctx, L, plan, accs, last: str, rows: bool) -> None:
@@ -211,16 +218,10 @@ def chunk_step(ctx, L, plan, accs) -> None:
     taken = ctx.taken()
     carried = ctx.states + [a.name for a in accs]
     last = fresh("last", taken)
-    L(f"def _update_step(self, {', '.join(carried + ctx.views + ctx.gates + [last])}):")
+    shapes = ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views) \
+        + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates)
+    step_header(ctx, L, carried + ctx.views + ctx.gates + [last], accs, last, shapes, "B, C, H")
     with L.indent():
-        L('"""' + "A chunk (or a piece of one) of C tokens: " + ", ".join(
-            f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
-          + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates) + ";")
-        L(", ".join(ctx.states) + ": the state every token of the chunk reads [B, H, ...]; "
-          + ", ".join(a.name for a in accs) + ": the chunk's gradient sums so far;")
-        L(f"{last}: does this piece end the chunk.  Returns (o " + shape_text("B, C, H", ctx.read_shape())
-          + ", the state and sums after it).")
-        L('"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, C, H")
         held = {s: fresh(f"{s}_held", taken) for s in ctx.states}
@@ -257,3 +258,10 @@ def _signed(refs: list) -> str:
         return ("+ " if sign > 0 else "- ") + ref
     text = " ".join(("+ " if sign > 0 else "- ") + ref for sign, ref in refs)
     return "+ (" + (text[2:] if text.startswith("+ ") else "-" + text[2:]) + ")"
+
+
+EMITTER = Emitter(
+    family="apply_update", emit=emit, forward_method="_forward_apply_update",
+    schedule_text="apply_update({chunk}): each chunk reads the state the previous chunk left, then every state "
+                  "updates once with the chunk's summed gradient terms (approximate; chunk 1 equals online)",
+    chunk_step=("_update_fn", "_update_step"), approximation="apply-then-update", block_sums=True)
