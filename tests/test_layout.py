@@ -57,3 +57,32 @@ def test_unbreakable_lines_are_left_alone():
     src = "x = '" + "a" * 150 + "'\n"
     assert lay.layout(src) == src
     ast.parse(lay.layout(src))
+
+
+OPERATORS = '''
+def g(x, groups, state, width_of_the_longest_name_here, another_long_name_for_the_test):
+    for j, (first_element, second_element) in enumerate(zip(width_of_the_longest_name_here, another_long_name_for_the_test)):
+        x = x + j
+    table = {key: value * 2 if isinstance(value, int) else value for key, value in state.items() if key}
+    return x.split([nc * c for nc, c, _ in groups], dim=1) if x is not None else [None] * len(groups)
+'''
+
+
+def test_lines_break_at_the_loosest_operator_and_never_in_a_loop_target():
+    out = lay.layout(OPERATORS)
+    lines = out.split("\n")
+    assert all(len(ln) <= lay.WIDTH for ln in lines), out
+    assert "    for j, (first_element, second_element) in enumerate(" in out
+    # a comprehension breaks before its for, a conditional before its else, not inside an operand
+    assert any(ln.strip().startswith("for key, value in state.items()") for ln in lines), out
+    assert "    return (x.split([nc * c for nc, c, _ in groups], dim=1) if x is not None" in out
+    assert any(ln.strip() == "else [None] * len(groups))" for ln in lines), out
+    assert lay._normalised_ast(out) == lay._normalised_ast(OPERATORS)
+    assert lay.layout(out) == out
+
+
+def test_a_value_continued_on_the_next_line_is_not_parenthesised():
+    src = ("def h(a, b):\n    return a + b + a + b + a + b + a + b + a + b + a + b + a + b + a + b + a + b + a + b"
+           " + a + max(a,\n        b)\n")
+    out = lay.layout(src)
+    assert lay._normalised_ast(out) == lay._normalised_ast(src)

@@ -2,14 +2,18 @@
 the same numbers as the general kernel for every binding, the decided branches gone."""
 from __future__ import annotations
 
+import ast
 import inspect
 import itertools
 from pathlib import Path
 
 import pytest
 import torch
+from test_generated_readable import docstring_mismatches, unused_assignments
 
 from memspec.codegen.specialise import specialise, specialise_calls, specialise_source
+from memspec.codegen.tidy import drop_dead
+from memspec.runtime import dplr
 from memspec.runtime.additive import chunk_additive
 from memspec.runtime.delta import chunk_delta
 from memspec.runtime.dplr import chunk_dplr, pair_index
@@ -106,6 +110,88 @@ def test_chunk_dplr_specialised_equals_general(decay, a_vec, b_kind, after):
         assert left not in body, left
     assert ("pair_index" in body) == (decay == "channel")
     assert ("Nbk" in body) == a_vec
+    _assert_readable(src)
+
+
+def _assert_readable(src: str):
+    """No dead assignment and no docstring entry of a parameter the specialised kernel lacks."""
+    fdef = ast.parse(src).body[0]
+    assert unused_assignments(fdef) == []
+    assert docstring_mismatches(fdef) == []
+
+
+@pytest.mark.parametrize("decay,rho,inclusive", list(itertools.product([False, True], [False, True], [False, True])))
+def test_specialised_delta_and_additive_kernels_read_cleanly(decay, rho, inclusive):
+    consts = {"inclusive": inclusive, "group": None}
+    if not decay:
+        consts["log_gamma"] = None
+    _assert_readable(specialise(chunk_additive, **consts))
+    if not rho:
+        consts["log_rho"] = None
+    _assert_readable(specialise(chunk_delta, **consts))
+
+
+def test_dead_assignments_go_and_live_or_effectful_ones_stay():
+    src = (
+        "def f(x, n, log):\n"
+        "    # the table, empty\n"
+        "    dec = {}\n"
+        "\n"
+        "    dec = {'a': x}\n"
+        "    g = [None] * n\n"
+        "    g = [x] * n\n"
+        "    pair = divmod(n, 2)\n"
+        "    noted = log.append(x)\n"
+        "    grown = x.add_(1)\n"
+        "    acc = 0\n"
+        "    for i in range(n):\n"
+        "        if i:\n"
+        "            continue\n"
+        "        acc = acc + i\n"
+        "    s = x\n"
+        "    s = s * 2\n"
+        "\n"
+        "    # a helper no one calls\n"
+        "    def helper(y):\n"
+        "        return y + 1\n"
+        "\n"
+        "    return dec, g, acc, s\n")
+    out = drop_dead(src)
+    assert "dec = {}" not in out and "the table" not in out and "g = [None]" not in out
+    assert "pair =" not in out and "\n\n\n" not in out and "helper" not in out
+    for kept in ("dec = {'a': x}", "g = [x] * n", "noted = log.append(x)", "grown = x.add_(1)", "acc = 0",
+                 "s = x\n", "s = s * 2"):
+        assert kept in out, kept
+    ns = {}
+    exec(out, ns)
+    log, x = [], torch.tensor(2.0)
+    dec, g, acc, s = ns["f"](x, 3, log)
+    assert len(log) == 1 and x.item() == 3.0 and acc == 0 and s.item() == 6.0   # the effects ran
+    assert dec["a"] is x and g == [x] * 3
+
+
+def test_a_specialised_docstring_documents_its_own_signature():
+    src = (
+        "def f(x, y, flag=None, form=None):\n"
+        '    """Add.\n'
+        "\n"
+        "    Args:\n"
+        "        x, flag: the tensors.\n"
+        "        y: another,\n"
+        "            on two lines.\n"
+        "        form: the form,\n"
+        "            on two lines too.\n"
+        "\n"
+        "    Returns:\n"
+        "        x + y.\n"
+        '    """\n'
+        "    if flag is not None:\n"
+        "        x = x + flag\n"
+        "    return x + y if form is None else x - y\n")
+    out = specialise_source(src, {"flag": None, "form": None})
+    assert "        x: the tensors." in out and "form" not in out.split("Specialised")[0]
+    assert "y: another,\n            on two lines.\n\n    Returns:\n        x + y." in out
+    _assert_readable(out)
 
 
 def test_a_string_local_is_folded_and_its_comment_goes_with_it():
@@ -179,3 +265,9 @@ def test_no_runtime_kernel_uses_a_backslash_continuation():
     for f in sorted(root.glob("*.py")):
         for i, line in enumerate(f.read_text().splitlines(), 1):
             assert not line.rstrip().endswith("\\"), f"{f.name}:{i}"
+
+
+def test_references_to_functions_a_module_does_not_carry_name_their_module():
+    src = specialise(chunk_dplr, inclusive=True)
+    assert ":func:`memspec.runtime.dplr.recurrent_dplr`" in src and ":func:`recurrent_dplr`" not in src
+    assert callable(dplr.recurrent_dplr)

@@ -5,8 +5,11 @@
 * a trailing comment that makes a line too long moves to its own line(s) above the
   statement it annotates;
 * a comment line too long is wrapped (same indentation, ``# `` on every line);
-* a code line too long is broken after commas inside brackets (Python's implicit line
-  continuation), the continuation indented 8 columns deeper than the statement;
+* a code line too long is broken inside brackets (Python's implicit line continuation) after
+  a comma or before a binary operator, a conditional's ``if`` / ``else`` or a comprehension's
+  ``for`` -- at the loosest-binding one that fits, never inside a loop's target -- the
+  continuation indented 8 columns deeper than the statement; an assignment's or a return's value
+  broken at its top level is parenthesised;
 * a docstring line too long is wrapped at spaces, at the docstring's indentation.
 
 The result is checked: its AST equals the input's (docstrings compared with their
@@ -40,7 +43,11 @@ def layout(text: str, width: int = WIDTH) -> str:
 
 
 OPERAND_END = (tokenize.NAME, tokenize.NUMBER, tokenize.STRING)
-BREAK_BEFORE = {"+", "-", "*", "@", "/", "if", "else", "and", "or"}
+# the operators a line breaks before, by how loosely they bind: at the same bracket depth a line
+# breaks at the loosest (after a comma first, then before a comprehension's ``for``, ...), so that a
+# break never splits an operand of a looser operator (``[None]`` / ``* n`` after ``else``)
+BREAK_BEFORE = {"for": 0.1, "if": 0.2, "else": 0.2, "or": 0.3, "and": 0.4, "+": 0.5, "-": 0.5,
+                "*": 0.6, "@": 0.6, "/": 0.6}
 
 
 def _layout(text: str, width: int) -> str:
@@ -50,12 +57,15 @@ def _layout(text: str, width: int) -> str:
     # (col, depth; depth 0 = in a right-hand side that gets parenthesised), the docstring
     # text it belongs to, and the first line of its logical line
     comment_of: dict[int, tokenize.TokenInfo] = {}
-    breaks: dict[int, list[tuple[int, int]]] = {}
+    breaks: dict[int, list[tuple[int, float]]] = {}
     rhs_of: dict[int, int] = {}                       # line -> column where its assignment's value starts
     text_lines: dict[int, int | None] = {}            # docstring line -> continuation column (None: own)
     logical_start: dict[int, int] = {}
     depth = fstring = 0
     opened: list[str] = []
+    targets: list[int] = []                           # the depths of the loop targets open
+    single: set[int] = set()                          # the logical lines of one physical line
+    returns: set[int] = set()                         # the lines that start with a return
     start = None
     prev = None                                       # the previous significant token
     logical: list[tokenize.TokenInfo] = []
@@ -77,19 +87,31 @@ def _layout(text: str, width: int) -> str:
                 opened.append(s_)
             elif s_ in ")]}" and tok.type == tokenize.OP:
                 depth -= 10 if opened.pop() == "[" else 1
-            elif s_ == "," and (depth >= 1 or line in rhs_of):
+            elif s_ == "for" and tok.type == tokenize.NAME:
+                if depth >= 1 and _after_operand(prev, line):      # a comprehension's
+                    breaks.setdefault(line, []).append((tok.start[1], depth + BREAK_BEFORE[s_]))
+                targets.append(depth)               # no break inside a loop's target
+            elif s_ == "in" and tok.type == tokenize.NAME and targets and targets[-1] == depth:
+                targets.pop()
+            elif targets:
+                pass
+            elif s_ == "," and (depth >= 1 or (line in rhs_of and line not in returns)):
                 breaks.setdefault(line, []).append((tok.end[1], depth))
-            elif s_ in BREAK_BEFORE and (depth >= 1 or line in rhs_of) and prev is not None \
-                    and (prev.type in OPERAND_END or prev.string in ")]}") and prev.end[0] == line:
-                breaks.setdefault(line, []).append((tok.start[1], depth))
+            elif s_ in BREAK_BEFORE and (depth >= 1 or line in rhs_of) and _after_operand(prev, line):
+                breaks.setdefault(line, []).append((tok.start[1], depth + BREAK_BEFORE[s_]))
             elif s_ == "=" and depth == 0 and tok.type == tokenize.OP and start == line \
                     and line not in rhs_of:
                 rhs_of[line] = tok.end[1] + 1
+            if s_ == "return" and tok.type == tokenize.NAME and not logical:   # its value, as an rhs
+                rhs_of[line] = tok.end[1] + 1   # (broken at its operators; a tuple at its commas)
+                returns.add(line)
         if tok.type == tokenize.COMMENT and prev is not None and prev.end[0] == tok.start[0]:
             comment_of[tok.start[0]] = tok
         if tok.type not in skip:
             logical.append(tok)
         if tok.type == tokenize.NEWLINE:
+            if start == tok.start[0]:
+                single.add(start)
             if len(logical) == 1 and logical[0].type == tokenize.STRING:     # a docstring
                 doc = logical[0]
                 for ln in range(doc.start[0], doc.end[0] + 1):
@@ -115,12 +137,19 @@ def _layout(text: str, width: int) -> str:
         elif body.lstrip().startswith("#"):
             new[i] = _comment_lines(body.lstrip(), _indent(body), width)
         else:
-            new[i] = _break_code(body, breaks.get(i, []), rhs_of.get(i), width)
+            # a value is parenthesised only where the statement ends on its line
+            rhs = rhs_of.get(i) if i in single else None
+            new[i] = _break_code(body, breaks.get(i, []), rhs, width)
     out: list[str] = []
     for i, line in enumerate(lines, 1):
         out.extend(above.get(i, []))
         out.extend(new.get(i, [line]))
     return "\n".join(out)
+
+
+def _after_operand(prev, line: int) -> bool:
+    """Does the previous token end an operand on this line (so that what follows is binary)?"""
+    return prev is not None and (prev.type in OPERAND_END or prev.string in ")]}") and prev.end[0] == line
 
 
 def _indent(line: str) -> str:
@@ -136,9 +165,10 @@ def _comment_lines(comment: str, indent: str, width: int) -> list[str]:
 
 def _wrap_text(line: str, doc_col: int | None, width: int) -> list[str]:
     """A line of docstring text wrapped at spaces; continuation lines at the docstring's
-    indentation (its first line's column, or this line's own indentation)."""
+    indentation (its first line's column), or at this line's own where that is deeper."""
     indent = _indent(line)
     cont = " " * doc_col if doc_col is not None else indent
+    cont = indent if len(indent) > len(cont) else cont      # an indented entry goes on as indented
     parts = textwrap.wrap(line.strip(), max(20, width - len(cont)), break_long_words=False,
                           break_on_hyphens=False, initial_indent="", subsequent_indent="")
     if not parts:
@@ -146,11 +176,12 @@ def _wrap_text(line: str, doc_col: int | None, width: int) -> list[str]:
     return [indent + parts[0]] + [cont + p for p in parts[1:]]
 
 
-def _break_code(line: str, cands: list[tuple[int, int]], rhs: int | None, width: int) -> list[str]:
+def _break_code(line: str, cands: list[tuple[int, float]], rhs: int | None, width: int) -> list[str]:
     """Break ``line`` at the candidate columns (after a comma, before an operator), each piece
-    as long as fits, shallow brackets first.  A candidate of depth 0 lies in an assignment's
+    as long as fits, shallow brackets and loose operators first (a candidate's depth: its bracket
+    depth plus its operator's :data:`BREAK_BEFORE` rank).  A candidate of depth 0 lies in an assignment's
     value, which is then parenthesised (``x = (...)``), so that every break is inside brackets."""
-    if rhs is not None and any(d == 0 for _, d in cands):
+    if rhs is not None and any(d < 1 for _, d in cands):
         line = line[:rhs] + "(" + line[rhs:] + ")"
         cands = [(c + 1, d + 1) for c, d in cands]
     cands = [(c, d) for c, d in cands if d >= 1]

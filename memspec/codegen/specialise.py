@@ -9,7 +9,9 @@ decided conditional expression keeps its branch, and a local assigned once from 
 values is folded into its uses.  The rest of the source -- comments, layout, names -- is
 kept line for line (a comment right above a statement that folds away goes with it), so
 the specialised kernel reads like the hand-written one with the cases this module cannot
-reach taken out.
+reach taken out.  Then what the folding left dead goes (:func:`drop_dead`: an assignment never
+read or overwritten before it is read, a local function never called, when evaluating it has no
+effect), and the docstring's ``Args:`` section loses the entries of the bound parameters.
 
 Only what is provably decided is folded (constants, strings included, ``is None`` /
 ``is not None``, ``not``, ``and`` / ``or`` with a decided prefix, ``==`` / ``!=`` between
@@ -21,15 +23,37 @@ from __future__ import annotations
 import ast
 import inspect
 import keyword
+import re
 import textwrap
+
+from .tidy import drop_dead, drop_documented
 
 UNKNOWN = object()
 
 
 def specialise(fn, **consts) -> str:
     """The source of ``fn`` with the parameters ``consts`` bound to those constants."""
+    return specialise_source(source(fn), consts)
+
+
+def source(fn) -> str:
+    """The source of ``fn`` as a generated module carries it: a docstring reference to a function
+    of its own module that ``fn`` does not use (so that the module does not carry it either) names
+    it with its module (``:func:`memspec.runtime.dplr.recurrent_dplr```)."""
     src = textwrap.dedent(inspect.getsource(fn))
-    return specialise_source(src, consts)
+    module = inspect.getmodule(fn)
+    if module is None:
+        return src
+    used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+
+    def qualify(m):
+        name = m.group(2)
+        other = getattr(module, name, None)
+        if name == fn.__name__ or name in used or not inspect.isfunction(other) \
+                or other.__module__ != module.__name__:
+            return m.group(0)
+        return f"{m.group(1)}{module.__name__}.{name}`"
+    return re.sub(r"(:func:`)(\w+)`", qualify, src)
 
 
 def specialise_source(src: str, consts: dict) -> str:
@@ -50,6 +74,7 @@ def specialise_source(src: str, consts: dict) -> str:
     w = _Writer(src.split("\n"), assigned)
     env = dict(consts)
     out = "\n".join(w.header(fdef, consts) + w.body(fdef.body, env, drop_docstring_note=consts)) + "\n"
+    out = drop_dead(out)
     left = sorted({n.id for n in ast.walk(ast.parse(out)) if isinstance(n, ast.Name)} & set(consts))
     if left:   # a use the folder did not reach (e.g. inside a loop over a tuple of parameters)
         raise TypeError(f"{fdef.name}: {', '.join(left)} still read after specialising; write each use "
@@ -312,6 +337,7 @@ class _Writer:
         closing = last.rstrip()
         assert closing.endswith('"""'), "docstrings use triple double quotes"
         text = closing[:-3]
+        lines = drop_documented(lines[:-1], set(consts)) + lines[-1:]
         if len(lines) == 1:
             return [text.rstrip(), "", f"{indent}Specialised for this module: {bound}.", f'{indent}"""']
         body = lines[:-1] + ([text] if text.strip() else [])
@@ -445,7 +471,7 @@ def specialise_calls(code: str, fn) -> tuple[str, str]:
              and n.func.id == fn.__name__]
     if not calls or any(isinstance(a, ast.Starred) for c in calls for a in c.args) \
             or any(k.arg is None for c in calls for k in c.keywords):
-        return code, textwrap.dedent(inspect.getsource(fn))
+        return code, source(fn)
     per_call = []
     for c in calls:
         bound = sig.bind(*c.args, **{k.arg: k.value for k in c.keywords})
@@ -466,7 +492,7 @@ def specialise_calls(code: str, fn) -> tuple[str, str]:
             if kind in ("const", "default") and (v[0] is None or isinstance(v[0], (bool, str))):
                 consts[name] = v[0]
     if not consts:
-        return code, textwrap.dedent(inspect.getsource(fn))
+        return code, source(fn)
     lines = code.split("\n")
     for c, args in sorted(zip(calls, per_call), key=lambda x: (x[0].lineno, x[0].col_offset), reverse=True):
         kept = []   # positions shift with the parameters the specialised signature drops
@@ -481,3 +507,4 @@ def specialise_calls(code: str, fn) -> tuple[str, str]:
         code = code[:a] + new + code[b:]
         lines = code.split("\n")
     return code, specialise(fn, **consts)
+

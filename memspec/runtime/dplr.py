@@ -186,8 +186,9 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     Outputs before such a token are exact and their gradients finite.
 
     Args:
-        q, k, v, a, b, log_decay, S0: as in :func:`recurrent_dplr` (``q [B, T, H, K]``,
-            ``k [B, T, H, R, K]``, ``v [B, T, H, R, V]``, ``a [B, T, H, R, K]`` or ``[B, T, H, R]``,
+        q, k, v, a, b, log_decay, S0: as in :func:`recurrent_dplr`
+            (``q [B, T, H, K]``, ``k [B, T, H, R, K]``, ``v [B, T, H, R, V]``,
+            ``a [B, T, H, R, K]`` or ``[B, T, H, R]``,
             ``b [B, T, H, R, K]`` or ``[B, T, H, R]`` or None, ``log_decay [B, T, H]`` or
             ``[B, T, H, K]`` or None, ``S0 [B, H, K, V]`` or None; without the R axis for R = 1).
         chunk: tokens per chunk C (C R sub-steps enter each solve).
