@@ -336,7 +336,7 @@ def _build(spec):
 
     d = analyse(spec)
     em = ExprEmitter(spec)
-    family = EMITTERS[d.family]
+    family = EMITTERS[d.family].module
     lines = forward_lines(spec, family.body, d.plan, em, d.let_forms, chunk="chunk", lets=True)
     args = ", ".join([*spec.views, *spec.gates])
     body = textwrap.indent("\n".join(lines), "    ")

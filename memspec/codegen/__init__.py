@@ -1,14 +1,16 @@
 """Code generation: a spec and its schedule decision -> the text of ``compiled/<name>.py``.
 
 * :mod:`.module`     -- the module frame and the ``<Name>Memory`` class; :data:`EMITTERS`,
-  one emitter per schedule family (the rows of :data:`memspec.schedule.FAMILIES`);
+  one :class:`Emitter` per schedule family (the rows of :data:`memspec.schedule.FAMILIES`),
+  each declared by its emitter module (``EMITTER``), from which the frame derives its tables;
+  :func:`register` adds one (with :func:`memspec.schedule.decide.register` for its row);
 * the emitters -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.dplr`,
   :mod:`.momentum` and :mod:`.scan` (the exact chunked ones sharing :mod:`.chunked`),
   :mod:`.minibatch` (with :mod:`.dual`, its dual form, :mod:`.prestep`, the state-independent
   part of a chunk step, and :mod:`.window`, window losses), :mod:`.online`,
   :mod:`.apply_update`;
 * :mod:`.context`    -- :class:`Context`, what every emitter of one module reads (the
-  decision's plans, names, the runtime pieces the code needs);
+  decision's plans, names, the runtime pieces the code needs), and :class:`Emitter`;
 * :mod:`.exprs`      -- :class:`ExprEmitter`, one expression AST -> one line of torch;
 * :mod:`.program`    -- the update program as emitted statements;
 * :mod:`.layer`      -- the ``<Name>Layer`` (projections, wiring);
@@ -20,7 +22,8 @@ Generated modules import only torch and the standard library; the functions they
 are copied from :mod:`memspec.runtime`.
 """
 from .exprs import CodegenError, ExprEmitter
-from .module import EMITTERS, generate
+from .context import Emitter
+from .module import EMITTERS, generate, register
 from .text import class_name
 
-__all__ = ["EMITTERS", "CodegenError", "ExprEmitter", "class_name", "generate"]
+__all__ = ["EMITTERS", "CodegenError", "Emitter", "ExprEmitter", "class_name", "generate", "register"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..lang.expr import Name, Num
 from ..runtime.additive import chunk_additive
 from . import chunked
+from .context import Emitter
 
 KERNEL = chunk_additive
 
@@ -144,3 +145,10 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, 
         if st.vector:
             w.lines.append(f"{state_out[st.name]} = {state_out[st.name]}.squeeze(-1)  # [B, H, "
                            f"{spec.state[st.name].shape[0]}]")
+
+
+# its halving loop over a decay per key channel took 586-745 s to compile on a 2-core CPU (gla,
+# slices of 512 tokens) and ran 2x slower after it (README): that kernel stays eager
+EMITTER = Emitter(family="additive", emit=emit, forward_method="_forward_chunk",
+                  schedule_text="additive chunked form, chunk {chunk} (exact)", kernel=True, packed=True,
+                  stays_eager=lambda ctx, plan: per_channel(plan, ctx.emitter()))

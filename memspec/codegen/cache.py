@@ -10,6 +10,7 @@ from ..lang.names import fresh
 from ..runtime.helpers import _causal_mask, _masked_attention
 from .exprs import P_ATOM, P_MUL, ExprEmitter
 from .text import dims_text, shape_text
+from .context import Emitter
 
 
 def emit(ctx, L) -> None:
@@ -58,3 +59,9 @@ def emit(ctx, L) -> None:
             items.append(f"{s!r}: {full[s]}{trim}")
         L(f"return o, {{{', '.join(items)}}}")
     L()
+
+
+EMITTER = Emitter(
+    family="cache", emit=emit, forward_method="_forward_cache",
+    schedule_text="cache: scaled_dot_product_attention over [past cache | new tokens] with a causal{window} mask "
+                  "(exact)")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.nn as nn
 
@@ -19,7 +21,7 @@ from ..lang.expr import Call, Name, unparse
 from ..lang.names import GENERATED_NAMES, LANGUAGE_NAMES, fresh
 from ..lang.shapes import ShapeEnv, let_order
 from ..runtime import helpers as runtime_helpers
-from ..schedule.decide import DEFAULT_CHUNK, ScheduleDecision
+from ..schedule.decide import BY_NAME, DEFAULT_CHUNK, ScheduleDecision
 from .exprs import ExprEmitter
 from .text import class_name, inert, shape_text
 
@@ -35,6 +37,32 @@ OWN_ATTRS = ("chunk", "compile", "forward", "step", "init_state", "inner_loss",
 def runtime_source(obj) -> str:
     """The source of a :mod:`memspec.runtime` function or class, as the module carries it."""
     return inspect.getsource(obj)
+
+
+@dataclass(frozen=True)
+class Emitter:
+    """What the module frame needs of one schedule family's emitter: each emitter module
+    declares one (``EMITTER``), :data:`memspec.codegen.module.EMITTERS` orders them.  What the
+    analysis knows of the family (exact, chunked) is its row of
+    :data:`memspec.schedule.decide.FAMILIES`, never repeated here."""
+
+    family: str                  # the name of its row in memspec.schedule.decide.FAMILIES
+    emit: Callable               # (ctx, L): the family's methods of the Memory class
+    forward_method: str          # the method `forward` dispatches the family's schedule to
+    schedule_text: str           # the header's "# schedule:" line ({chunk}, {window} filled in)
+    kernel: bool = False         # one exact chunked kernel call (compile=True compiles it in slices)
+    packed: bool = False         # the kernel takes packed documents (cu_seqlens) in one call
+    chunk_step: tuple | None = None   # (attribute, method) of its compiled chunk step
+    stays_eager: Callable | None = None   # (ctx, plan) -> True when its kernel must not be compiled
+    header: Callable | None = None    # (ctx, plan) -> an extra header line (without "# "), or None
+    approximation: str | None = None  # how an approximate family's module names its approximation
+    state_prefix: str | None = None   # state entries of its own (e.g. running sums) start with it
+    block_sums: bool = False     # carries the block sums (``every.<state>.<k>``) in the state
+
+    @property
+    def module(self):
+        """The emitter's module (an exact chunked family's ``body`` and ``KERNEL`` live there)."""
+        return sys.modules[self.emit.__module__]
 
 
 @dataclass(frozen=True)
@@ -91,9 +119,10 @@ class Context:
         self.plans = d.plans
         self.schedules = list(d.schedules)
         self.default = d.family
-        self.step_schedule = self.default if self.default in ("minibatch", "apply_update") else "online"
-        self.default_chunk = d.chunk or d.chunks.get("minibatch") or d.chunks.get("apply_update") or DEFAULT_CHUNK
-        online = d.plans["online"]
+        self.step_schedule = d.step
+        # a module whose default is unchunked takes the chunk of the approximate schedule it carries
+        self.default_chunk = d.chunk or next((c for f, c in d.chunks.items() if not BY_NAME[f].exact), DEFAULT_CHUNK)
+        online = d.plans[next(n for n, f in BY_NAME.items() if f.token)]   # the token-by-token plan
         self.loss_states = list(online.loss_states)
         self.grad_groups = online.grad_groups
         # unparse of a group's calls -> its closed-form gradient (memspec.schedule.backprop)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..runtime.delta import chunk_delta
 from . import chunked
+from .context import Emitter
 
 KERNEL = chunk_delta
 
@@ -31,3 +32,7 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
         if pc != "None":
             probe_names[plan.probes[pi].name] = o_name
             probe_shapes[o_name] = (spec.state[W].shape[1],)
+
+
+EMITTER = Emitter(family="delta", emit=emit, forward_method="_forward_chunk",
+                  schedule_text="delta rule chunked form (WY / UT), chunk {chunk} (exact)", kernel=True, packed=True)

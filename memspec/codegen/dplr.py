@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..lang.expr import Num
 from ..runtime.dplr import chunk_dplr, pair_index
 from . import chunked
+from .context import Emitter
 
 KERNEL = chunk_dplr
 
@@ -87,3 +88,8 @@ def _stack(w, codes: list[str], base: str, dims: str) -> str:
     name = w.fresh(base)
     w.lines.append(f"{name} = torch.stack([{', '.join(codes)}], dim=3)  # [B, T, H, {dims}]: the sub-steps in order")
     return name
+
+
+EMITTER = Emitter(family="dplr", emit=emit, forward_method="_forward_chunk",
+                  schedule_text="diagonal-plus-low-rank chunked form (WY / UT), chunk {chunk} (exact)",
+                  kernel=True, packed=True)

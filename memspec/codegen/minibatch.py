@@ -25,6 +25,7 @@ from .exprs import ExprEmitter
 from .online import block_sums_in, block_sums_out
 from .program import assign_line, emit_updates, grad_target, shadow_plan, summed
 from .text import Lines, shape_text, tuple_text
+from .context import Emitter
 
 
 @dataclass(frozen=True)
@@ -406,3 +407,10 @@ def block_chunk(ctx, L, grads: TokenGrads, ren: dict, seq: dict, taken: set) -> 
           f"*{b.target}.shape[1:]), {end}.unsqueeze(1)], dim=1)",
           shape_text("B, C, H", spec.state[b.target].shape) + f": {b.target} seen by each token")
 
+
+EMITTER = Emitter(
+    family="minibatch", emit=emit, forward_method="_forward_minibatch",
+    schedule_text="minibatch({chunk}): each chunk's gradients at its start state (approximate; chunk 1 = online)",
+    chunk_step=("_chunk_fn", "_chunk_step"), approximation="mini-batch", state_prefix="minibatch.",
+    header=lambda ctx, plan: "mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads"
+    if plan.dual is not None else None)

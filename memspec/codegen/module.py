@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Callable
 
 from ..lang.expr import Name, unparse
 from ..lang.fmt import to_yaml
@@ -19,53 +20,87 @@ from ..lang.names import fresh
 from ..runtime.helpers import _check, _Compiled, _in_slices
 from ..runtime.varlen import _by_document, _by_length, _document_bounds, _shrinking, _stack_finals
 from ..runtime.wiring import source as wiring_source
+from ..schedule import decide
 from ..schedule.decide import ScheduleDecision
 from . import additive, apply_update, cache, delta, dplr, layer, minibatch, momentum, online, scan
-from .context import Context, runtime_source
+from .context import Context, Emitter, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
 from .specialise import specialise_calls
 from .text import Lines, dims_text, inert, shape_text, string_pieces
 
-# one emitter per schedule family (the rows of memspec.schedule.decide.FAMILIES)
-EMITTERS = {"cache": cache, "additive": additive, "delta": delta, "dplr": dplr, "minibatch": minibatch,
-            "online": online, "momentum": momentum, "apply_update": apply_update, "scan": scan}
-# the order the families' methods appear in the generated class
-EMIT_ORDER = ("online", "minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum", "scan")
-CHUNKED = {"additive", "delta", "dplr", "momentum", "scan"}   # the exact chunked families (one kernel call each)
 SLICE_CHUNKS = 8   # compile=True: chunks per compiled call of an exact chunked forward
+
+# one emitter per schedule family (the rows of memspec.schedule.decide.FAMILIES), in the order the
+# families' methods appear in the generated class; every other table of the frame is derived from it
+EMITTERS: dict[str, Emitter] = {}
+CHUNKED: set = set()   # the families with one exact chunked kernel call
+
+
+def check_families() -> None:
+    """Every row of :data:`memspec.schedule.decide.FAMILIES` has an emitter and every emitter a row,
+    with one token-by-token family; a kernel family's row is exact and chunked."""
+    rows = decide.BY_NAME   # (kept with FAMILIES by memspec.schedule.decide.register)
+    missing = [n for n in rows if n not in EMITTERS]
+    unknown = [n for n in EMITTERS if n not in rows]
+    if missing or unknown:
+        why = ([f"no emitter for {', '.join(missing)}"] if missing else []) \
+            + ([f"no row in FAMILIES for {', '.join(unknown)}"] if unknown else [])
+        raise CodegenError(f"the schedule families and their emitters differ: {'; '.join(why)} "
+                           f"(memspec.codegen.register adds an emitter)")
+    if sum(f.token for f in rows.values()) != 1:
+        raise CodegenError("FAMILIES needs exactly one token-by-token family (token=True)")
+    wrong = [n for n, e in EMITTERS.items() if e.kernel and not (rows[n].exact and rows[n].chunked)]
+    if wrong:
+        raise CodegenError(f"kernel emitters of families that are not exact and chunked: {', '.join(wrong)}")
+
+
+def register(emitter: Emitter) -> Callable[[], None]:
+    """Add ``emitter`` (its family's methods last in the class) for a row already in
+    :data:`memspec.schedule.decide.FAMILIES` (:func:`memspec.schedule.decide.register`);
+    returns the function that takes it out again."""
+    if emitter.family not in decide.BY_NAME:
+        raise CodegenError(f"an emitter for {emitter.family!r}, which is not a row of FAMILIES "
+                           f"(memspec.schedule.decide.register adds one)")
+    if emitter.family in EMITTERS:
+        raise CodegenError(f"schedule family {emitter.family!r} already has an emitter")
+    EMITTERS[emitter.family] = emitter
+    CHUNKED.update([emitter.family] if emitter.kernel else [])
+
+    def unregister() -> None:
+        if EMITTERS.get(emitter.family) is emitter:
+            del EMITTERS[emitter.family]
+            CHUNKED.discard(emitter.family)
+
+    return unregister
+
+
+for _module in (online, minibatch, apply_update, cache, additive, delta, dplr, momentum, scan):
+    register(_module.EMITTER)
+check_families()
+
+
+def token_family() -> Emitter:   # the token-by-token family's emitter: forward's fallback
+    return next(e for n, e in EMITTERS.items() if decide.BY_NAME[n].token)
+
+
+def carried(ctx) -> list:   # the emitters of the schedules this module carries, in the class's order
+    return [e for n, e in EMITTERS.items() if n in ctx.schedules]
 
 
 def compiles_chunked(ctx) -> bool:
     """Does ``compile=True`` compile this module's exact chunked forward (slice by slice)?  Yes for
-    every chunked family but the additive one with a decay per key channel: its halving loop took
-    586-745 s to compile on a 2-core CPU (gla, slices of 512 tokens) and ran 2x slower after it
-    (README), so it stays eager."""
-    if not set(ctx.schedules) & CHUNKED:
-        return False
-    plan = ctx.plans.get("additive")
-    return plan is None or not additive.per_channel(plan, ctx.emitter())
-FORWARD_METHOD = {"minibatch": "_forward_minibatch", "cache": "_forward_cache",
-                  "additive": "_forward_chunk", "delta": "_forward_chunk", "dplr": "_forward_chunk",
-                  "momentum": "_forward_chunk", "scan": "_forward_chunk", "apply_update": "_forward_apply_update"}
-SCHEDULE_TEXT = {
-    "online": "online: one token at a time (exact)",
-    "cache": "cache: scaled_dot_product_attention over [past cache | new tokens] with a causal{window} mask (exact)",
-    "minibatch": "minibatch({chunk}): each chunk's gradients at its start state (approximate; chunk 1 = online)",
-    "additive": "additive chunked form, chunk {chunk} (exact)",
-    "delta": "delta rule chunked form (WY / UT), chunk {chunk} (exact)",
-    "dplr": "diagonal-plus-low-rank chunked form (WY / UT), chunk {chunk} (exact)",
-    "momentum": "momentum delta rule chunked form (two coupled states), chunk {chunk} (exact)",
-    "scan": "elementwise scan (h <- a * h + b, every token's state), chunk {chunk} (exact)",
-    "apply_update": "apply_update({chunk}): each chunk reads the state the previous chunk left, then every state "
-                    "updates once with the chunk's summed gradient terms (approximate; chunk 1 equals online)",
-}
+    every kernel family but one whose emitter says its kernel stays eager for this plan (e.g. a decay
+    per key channel: :data:`memspec.codegen.additive.EMITTER`)."""
+    eager = [e for n, e in EMITTERS.items() if e.stays_eager is not None and n in ctx.plans]
+    return bool(set(ctx.schedules) & CHUNKED) and not any(e.stays_eager(ctx, ctx.plans[e.family]) for e in eager)
 
 
 def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=None) -> str:
     """The full text of ``compiled/<spec.name>.py`` (deterministic) for ``decision``
     (from :func:`memspec.schedule.analyse`); ``source_path`` (as written in the header) and
     ``source_text`` (hashed into the header) describe the spec file."""
+    check_families()
     ctx = Context(spec, decision, source_path=source_path, source_text=source_text)
     L = Lines()
     header(ctx, L)
@@ -121,11 +156,13 @@ def header(ctx, L):
     L(f"# spec sha256: {hashlib.sha256(canonical.encode('utf-8')).hexdigest()}")
     if ctx.source_text is not None:
         L(f"# file sha256: {hashlib.sha256(ctx.source_text.encode('utf-8')).hexdigest()}")
-    text = SCHEDULE_TEXT[ctx.default].format(chunk=ctx.default_chunk, window=window_text(ctx))
+    text = EMITTERS[ctx.default].schedule_text.format(chunk=ctx.default_chunk, window=window_text(ctx))
     L(f"# schedule: {text}")
-    if "minibatch" in ctx.schedules and ctx.plans["minibatch"].dual is not None:
-        L("# mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads")
-    exact = "exact" if d.exact else f"approximate ({'mini-batch' if d.family == 'minibatch' else 'apply-then-update'})"
+    for e in carried(ctx):
+        note = e.header(ctx, ctx.plans[e.family]) if e.header is not None else None
+        if note:
+            L(f"# {note}")
+    exact = "exact" if d.exact else f"approximate ({EMITTERS[d.family].approximation})"
     L(f"# derived by memspec.schedule.analyse: {d.family}, {exact}; admits {', '.join(d.admits)}")
     L(f"# schedules of this module: {', '.join(ctx.schedules)}")
     if spec.wiring.kind != "none":
@@ -206,9 +243,8 @@ def memory_class(ctx, L):
         loss_method(ctx, L)
     if ctx.read_views() is not None:
         read_method(ctx, L)
-    for family in EMIT_ORDER:
-        if family in ctx.schedules:
-            EMITTERS[family].emit(ctx, L)
+    for e in carried(ctx):
+        e.emit(ctx, L)
     L.dedent()
 
 
@@ -253,8 +289,8 @@ def memory_init(ctx, L):
         L("`state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16")
         L("inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);")
         has_cache = any(st.cache for st in spec.state.values())   # a growing cache: no static shapes per token
-        steps = ([] if has_cache else ["per-token step"]) + [f"{f} chunk step" for f in ("minibatch", "apply_update")
-                                                             if f in ctx.schedules]
+        steps = ([] if has_cache else ["per-token step"]) + [f"{e.family} chunk step" for e in carried(ctx)
+                                                             if e.chunk_step]
         if compiles_chunked(ctx):
             steps.append(f"exact chunked forward (over slices of {SLICE_CHUNKS} chunks: one graph, compiled once)")
         if not steps:
@@ -286,10 +322,10 @@ def memory_init(ctx, L):
         L(f"self._token_fn = _Compiled(self._token_step) if {tok} else self._token_step")
         if compiles_chunked(ctx):
             L("self._chunked_fn = _Compiled(self._forward_chunk) if compile else self._forward_chunk")
-        if "minibatch" in ctx.schedules:
-            L("self._chunk_fn = _Compiled(self._chunk_step) if compile else self._chunk_step")
-        if "apply_update" in ctx.schedules:   # its own methods: a module may also carry minibatch
-            L("self._update_fn = _Compiled(self._update_step) if compile else self._update_step")
+        for e in carried(ctx):   # each its own methods: a module may carry several
+            if e.chunk_step:
+                fn, method = e.chunk_step
+                L(f"self.{fn} = _Compiled(self.{method}) if compile else self.{method}")
     L()
 
 
@@ -379,21 +415,20 @@ def forward(ctx, L):
         out_dims = "".join(f", self.{ctx.attr.get(x, x)}" for x in ctx.read_shape())
         L(f"if {T} == 0:", "no tokens: every schedule returns an empty output and the state as it was")
         L(f"    return {ctx.first}.new_zeros({B}, 0, {ctx.first}.shape[2]{out_dims}), state")
-        for fam in ("minibatch", "apply_update", "cache", "additive", "delta", "dplr", "momentum", "scan"):
-            if fam in ctx.schedules:
+        fallback = token_family()
+        for e in carried(ctx):
+            fam = e.family
+            if e is not fallback:
                 L(f"if schedule == {fam!r}:")
-                if fam in CHUNKED and compiles_chunked(ctx):
+                if e.kernel and compiles_chunked(ctx):
                     tensors = ", ".join(ctx.views + ctx.gates) + ("," if len(ctx.views + ctx.gates) == 1 else "")
                     L("    if self.compile:", f"slices of {SLICE_CHUNKS} chunks, one compiled graph; the tail eager")
                     L(f"        return _in_slices(self._chunked_fn, self._forward_chunk, {SLICE_CHUNKS} * self.chunk, "
                       f"({tensors}), state)")
-                L(f"    return self.{FORWARD_METHOD[fam]}({args})")
-        L(f"return self._forward_online({args})")
+                L(f"    return self.{e.forward_method}({args})")
+        L(f"return self.{fallback.forward_method}({args})")
     L()
     forward_documents(ctx, L)
-
-
-PACKED_KERNELS = {"additive", "delta", "dplr", "momentum"}   # kernels that take cu_seqlens (one call per row)
 
 
 def forward_documents(ctx, L):
@@ -414,10 +449,10 @@ def forward_documents(ctx, L):
         L(f"bounds = _document_bounds(cu_seqlens, {ctx.first}.shape[0], {ctx.first}.shape[1])")
         L(f"state = self._check_state(state, len(bounds), {ctx.first})")
         L("schedule = self.DEFAULT_SCHEDULE if schedule == \"auto\" else schedule")
-        exact = [f for f in ctx.schedules if f in PACKED_KERNELS]
-        if exact:   # (at most one exact chunked family per module)
-            L(f"if schedule == {exact[0]!r}:", "one kernel call over the packed row")
-            L(f"    return self._forward_chunk({args}, _Documents(cu_seqlens))")
+        packed = [e for e in carried(ctx) if e.packed]
+        if packed:   # (at most one exact chunked family per module)
+            L(f"if schedule == {packed[0].family!r}:", "one kernel call over the packed row")
+            L(f"    return self.{packed[0].forward_method}({args}, _Documents(cu_seqlens))")
         L()
         L(f"def run({args}):")
         gate_kw = "".join(f"{g}={g}, " for g in ctx.gates)
@@ -425,7 +460,8 @@ def forward_documents(ctx, L):
         L()
         tensors = ", ".join(ctx.views + ctx.gates) + ("," if len(ctx.views + ctx.gates) == 1 else "")
         L("# a token loop: one batch that shrinks as documents end; chunks: the documents of one length")
-        L(f"return _by_document(run, ({tensors}), state, bounds, shrink=schedule == \"online\")")
+        token = token_family().family
+        L(f"return _by_document(run, ({tensors}), state, bounds, shrink=schedule == \"{token}\")")
     L()
 
 
@@ -526,11 +562,13 @@ def validation(ctx, L):
         L("if not isinstance(state, dict):")
         L("    raise ValueError(\"state: expected a dict of tensors {name: [B, H, ...]}, \"")
         L("                     f\"got {type(state).__name__}\")")
-        if ctx.accs or "apply_update" in ctx.schedules:   # block sums ride along in the state
+        own = [f'"{e.state_prefix}"' for e in EMITTERS.values() if e.state_prefix]   # a family's own entries
+        if ctx.accs or any(e.block_sums for e in carried(ctx)):   # block sums ride along in the state
+            prefixes = ", ".join(own + ['"every."'])
             L("extra = [k for k in state if k not in self.STATE")
-            L("         and not str(k).startswith((\"minibatch.\", \"every.\"))]")
+            L(f"         and not str(k).startswith(({prefixes}))]")
         else:
-            L("extra = [k for k in state if k not in self.STATE and not str(k).startswith(\"minibatch.\")]")
+            L(f"extra = [k for k in state if k not in self.STATE and not str(k).startswith({', '.join(own)})]")
         L("missing = [k for k in self.STATE if k not in state]")
         L("if extra or missing:")
         L("    raise ValueError(f\"state: expected the entries {', '.join(self.STATE)}\"")

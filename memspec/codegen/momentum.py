@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..runtime.momentum import chunk_momentum_delta
 from . import chunked
+from .context import Emitter
 
 KERNEL = chunk_momentum_delta
 
@@ -53,3 +54,8 @@ def _log_decay(w, gamma, base: str) -> str:
     name = w.fresh(base)
     w.lines.append(f"{name} = torch.zeros_like({w.first_view}[..., 0])  # [B, T, H]: no decay")
     return name
+
+
+EMITTER = Emitter(family="momentum", emit=emit, forward_method="_forward_chunk",
+                  schedule_text="momentum delta rule chunked form (two coupled states), chunk {chunk} (exact)",
+                  kernel=True, packed=True)

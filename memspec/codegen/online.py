@@ -7,6 +7,7 @@ from ..lang.expr import unparse
 from ..lang.names import fresh
 from .program import emit_updates
 from .text import shape_text, tuple_text
+from .context import Emitter
 
 
 def emit(ctx, L) -> None:
@@ -107,3 +108,7 @@ def token_step(ctx, L) -> None:
             L(f"{o} = {em.emit(spec.read)}", shape_text("B, H", ctx.read_shape()))
         L(f"return {o}, {tuple_text(carried)}")
     L()
+
+
+EMITTER = Emitter(family="online", emit=emit, forward_method="_forward_online",
+                  schedule_text="online: one token at a time (exact)")

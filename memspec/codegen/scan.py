@@ -14,6 +14,7 @@ from ..lang.names import GENERATED_NAMES, fresh
 from ..runtime.scan import chunk_scan, chunk_scan_read
 from ..schedule.algebra import names_in, simplify
 from .exprs import P_ATOM, P_MUL, ExprEmitter
+from .context import Emitter
 
 KERNEL = chunk_scan_read
 
@@ -151,3 +152,8 @@ def _whole(ctx, L, em, plan, whole, lets, taken) -> None:
     L(f"return o, {{{', '.join([f'{s!r}: {new}' for s, (_, new) in names.items()] + rest)}}}")
     L()
     ctx.need_kernel(chunk_scan)
+
+
+EMITTER = Emitter(family="scan", emit=emit, forward_method="_forward_chunk",
+                  schedule_text="elementwise scan (h <- a * h + b, every token's state), chunk {chunk} (exact)",
+                  kernel=True)

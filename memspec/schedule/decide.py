@@ -3,8 +3,9 @@
 Reading :data:`FAMILIES` top to bottom tells the whole analysis: each row names a family,
 the module whose ``analyse_*`` function decides it from the spec's algebra (a plan and the
 reasons, or :class:`~.algebra.NotAdmitted` with one line of algebra), whether its
-schedule is exact, and the text ``memspec explain`` prints.  The code generator has the
-matching table of emitters (:data:`memspec.codegen.EMITTERS`), one per row.
+schedule is exact, the ``schedule:`` keyword that asks for it, and the text ``memspec explain``
+and the schedule errors print.  The code generator has the matching table of emitters
+(:data:`memspec.codegen.EMITTERS`), one per row; :func:`register` adds a row.
 
 ``schedule: auto`` takes the first admitted *exact* family; approximate ones (mini-batch)
 only when the spec asks for them (``schedule: minibatch(N)``).  An exception other than
@@ -39,6 +40,21 @@ class Family:
     hint_applies: Callable = lambda spec: True
     # (Algebra, plan) -> (chunk, reason) when the plan runs best at another default chunk, or None
     prefers: Callable = lambda alg, plan: None
+    keyword: str | None = None   # the `schedule:` keyword that asks for it (several exact chunked ones share "chunk")
+    token: bool = False          # token by token: the fallback of every module and the step of an exact one
+    block_chunk: bool = False    # its default chunk nests in the spec's block updates (every C)
+    needs: str | None = None     # what `schedule: <keyword>` needs, when the spec admits no family for it
+    instead: str | None = None   # the schedules to use instead
+    tells: Callable | None = None    # (spec) -> its rejection explains a refused `schedule: chunk(N)`
+    served: str | None = None    # admitted, why a refused `schedule: chunk(N)` is not needed
+    listed: Callable = lambda spec: True   # listed under "not faster" in explain when rejected
+    note: str | None = None      # explain's note when it is the decision
+    # (coupling, rejected) -> explain's note on coupled states when it is the decision, or None
+    coupled_note: Callable = lambda coupled, rej: None
+    # (Algebra, rejected) -> further reasons when it is the decision
+    more_reasons: Callable = lambda alg, rej: []
+    # (ScheduleDecision, spec) -> further explain notes when it is the decision
+    more_notes: Callable = lambda d, spec: []
 
 
 def _has_grads(spec) -> bool:
@@ -51,47 +67,110 @@ def _requested_apply_update(alg, chunk):
     return apply_update.analyse_apply_update(alg, chunk)
 
 
+def _additive_reasons(alg, rej) -> list:
+    if "additive" in rej and "scan" in rej and additive.additive_states_ok(alg):
+        return [f"the updates of {', '.join(alg.states)} are additive running sums (S <- g*S + A, A "
+                f"independent of the state), but {rej['additive']}: the read needs the full state of every "
+                f"token, so a chunk form would only batch the state materialisation while the per-token "
+                f"read dominates"]
+    return []
+
+
+def _minibatch_when_asked(d, spec) -> list:
+    if "minibatch" not in d.admits or spec.schedule_kind != "auto":
+        return []
+    lines = ["  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
+             "schedules, so ask for it with `schedule: minibatch(N)`"]
+    how = d.plans["minibatch"].how
+    if how:
+        lines.append(f"  mini-batch, when asked for (chunk {d.chunks.get('minibatch')}):")
+        lines += [f"    - {r}" for r in how]
+    return lines
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("cache", lambda alg, chunk: cache.analyse_cache(alg), exact=True, chunked=False, carried=True,
-           text="cache (softmax attention over the cache, exact, scaled_dot_product_attention)"),
+           text="cache (softmax attention over the cache, exact, scaled_dot_product_attention)",
+           served="the spec is a cache read by attention: it is served exactly by scaled_dot_product_attention",
+           listed=lambda spec: any(st.cache for st in spec.state.values())),
     Family("additive", lambda alg, chunk: additive.analyse_additive(alg), exact=True, chunked=True, carried=False,
-           text="additive (exact chunked form: S <- g*S + A)",
+           text="additive (exact chunked form: S <- g*S + A)", keyword="chunk", needs="an exact chunk form",
+           tells=lambda spec: not _has_grads(spec),
            hint="write the update as S = Diag(g) S + A (g a scalar, or one decay per key channel) with A "
                 "independent of every state (e.g. outer(k, v)) and read the state only through probes q @ S"),
     Family("delta", lambda alg, chunk: delta.analyse_delta(alg), exact=True, chunked=True, carried=False,
            text="delta (exact chunked form: WY / UT representation, triangular solve per chunk)",
+           keyword="chunk", needs="an exact chunk form", tells=_has_grads,
            hint="give one matrix state a transition T = gamma I - beta k kᵀ (a scalar decay and the delta "
                 "rule: a gradient step on a loss quadratic in a linear model, or the error written out)",
            hint_applies=lambda spec: len(spec.state) == 1),
     Family("dplr", lambda alg, chunk: dplr.analyse_dplr(alg), exact=True, chunked=True, carried=False,
            text="dplr (exact chunked form: diagonal plus low rank, WY / UT representation, triangular solve per chunk)",
+           keyword="chunk", needs="an exact chunk form",
            hint="give one matrix state a transition on its key side that is a decay (a scalar or one per key "
                 "channel) on the token's first step and rank-one corrections a (bᵀ S), each step writing an "
                 "outer(k, v) (delta-rule steps with per-channel decays, asymmetric keys, several steps per token)",
            hint_applies=lambda spec: len(spec.state) == 1, prefers=dplr.preferred_chunk),
     Family("momentum", lambda alg, chunk: momentum.analyse_momentum(alg), exact=True, chunked=True, carried=False,
            text="momentum (exact chunked form: two coupled states, one triangular solve per chunk)",
+           keyword="chunk", needs="an exact chunk form",
+           coupled_note=lambda coupled, rej: f"{coupled}, but triangular (the momentum feeds the memory, never "
+                                             f"back), which the momentum chunked form takes exactly",
            hint="give a memory S and a momentum M the momentum delta rule: M = mu M + eta outer(k, p @ S - v) and "
                 "S = gamma S - beta M (the new M), with token-local scalars mu, eta, gamma, beta",
            hint_applies=lambda spec: len(spec.state) == 2),
     Family("scan", lambda alg, chunk: scan.analyse_scan(alg), exact=True, chunked=True, carried=False,
            text="scan (exact chunked form: h <- a * h + b elementwise, every token's state materialised)",
+           keyword="chunk", needs="an exact chunk form",
            hint="write every state's update as a * S + b (a and b token-local: a scalar, per-channel or "
                 "per-entry decay, diag(a) @ S for rows) with no state in a or b",
            hint_applies=scan.hint_applies, prefers=scan.preferred_chunk),
     Family("minibatch", minibatch.analyse_minibatch, exact=False, chunked=True, carried=True,
-           text="mini-batch (approximate: gradients at the chunk-start state)",
+           text="mini-batch (approximate: gradients at the chunk-start state)", keyword="minibatch",
+           block_chunk=True, needs="gradient writes that form linear recurrences", instead="auto, chunk(N) or online",
+           note="mini-batch evaluates every grad(...) of a chunk at the chunk-start state; it approximates online "
+                "learning and equals it at chunk 1 (schedule minibatch(1))",
            hint="write the update as linear recurrences with token-local scalar coefficients "
                 "around grad(...) (momentum, decay)",
            hint_applies=_has_grads),
     Family("online", lambda alg, chunk: online.analyse_online(alg), exact=True, chunked=False, carried=True,
-           text="online (token by token, exact)"),
+           text="online (token by token, exact)", keyword="online", token=True,
+           coupled_note=lambda coupled, rej: f"{coupled}; the momentum chunked form does not apply (see momentum "
+                                             f"above), so the exact schedule is online" if "momentum" in rej else None,
+           more_reasons=_additive_reasons, more_notes=_minibatch_when_asked),
     # only when a spec asks for it (LaCT's large chunks): after online, so never in "not faster"
     Family("apply_update", _requested_apply_update, exact=False, chunked=True, carried=False,
-           text="apply-then-update chunks (approximate: every state updates once per chunk)"),
+           text="apply-then-update chunks (approximate: every state updates once per chunk)", keyword="apply_update",
+           needs="gradient writes whose chunk sums it can take", instead="auto, minibatch(N) or online",
+           note="apply-then-update reads every token of a chunk at the state the previous chunk left and updates "
+                "once per chunk; it approximates online learning and equals it at chunk 1 (schedule "
+                "apply_update(1))"),
 )
 BY_NAME = {f.name: f for f in FAMILIES}
 NAMES = tuple(f.name for f in FAMILIES)
+
+
+def register(family: Family, *, before: str | None = None) -> Callable[[], None]:
+    """Add ``family`` to :data:`FAMILIES` (before the row ``before``, else last); returns the
+    function that takes it out again.  The code generator needs its emitter too
+    (:func:`memspec.codegen.register`)."""
+    global FAMILIES, NAMES
+    if family.name in BY_NAME:
+        raise ValueError(f"schedule family {family.name!r} is already in FAMILIES")
+    if before is not None and before not in BY_NAME:
+        raise ValueError(f"register(before={before!r}): no such family; the families are {', '.join(NAMES)}")
+    at = NAMES.index(before) if before is not None else len(FAMILIES)
+    FAMILIES = FAMILIES[:at] + (family,) + FAMILIES[at:]
+    NAMES = tuple(f.name for f in FAMILIES)
+    BY_NAME[family.name] = family
+
+    def unregister() -> None:
+        global FAMILIES, NAMES
+        FAMILIES = tuple(f for f in FAMILIES if f is not family)
+        NAMES = tuple(f.name for f in FAMILIES)
+        BY_NAME.pop(family.name, None)
+
+    return unregister
 
 
 @dataclass(frozen=True)
@@ -110,6 +189,7 @@ class ScheduleDecision:
     normal_form: tuple[str, ...] = ()  # S <- T(S) + W of every state, printed (empty: not linear in the state)
     coupled: str | None = None  # how the normal form couples several states (None: independent)
     why: dict = field(default_factory=dict, compare=False)     # admitted family -> its reasons
+    step: str = ""              # the schedule `step` runs: the default when approximate, else token by token
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -128,11 +208,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
     # a spec with block updates (every C) runs mini-batches nested in its blocks by default
     blocks = [st.every for st in spec.state.values() if st.every and st.every > 1]
     mb_default = math.gcd(*blocks) if blocks else DEFAULT_CHUNK
-    chunks = {"minibatch": spec.schedule_size if kind == "minibatch" else mb_default,
-              "apply_update": spec.schedule_size if kind == "apply_update" else DEFAULT_CHUNK}
-    for f in FAMILIES:
-        if f.chunked and f.exact:
-            chunks[f.name] = spec.schedule_size if kind == "chunk" else DEFAULT_CHUNK
+    chunks = {f.name: spec.schedule_size if kind == f.keyword else mb_default if f.block_chunk else DEFAULT_CHUNK
+              for f in sorted(FAMILIES, key=lambda f: f.exact) if f.chunked}
     plans: dict[str, Any] = {}
     whys: dict[str, list[str]] = {}
     rejected: list[tuple[str, str]] = []
@@ -148,41 +225,14 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
             whys[f.name].append(pref[1])
     admits = tuple(f.name for f in FAMILIES if f.name in plans)
     rej = dict(rejected)
-    if kind == "chunk":
-        fam = next((f.name for f in FAMILIES if f.chunked and f.exact and f.name in plans), None)
-        if fam is None:
-            why = rej["delta"] if _has_grads(spec) else rej["additive"]
-            if "cache" in plans:
-                why = "the spec is a cache read by attention: it is served exactly by scaled_dot_product_attention"
-            raise SpecError([Diagnostic(
-                "error", f"schedule {spec.schedule} needs an exact chunk form (additive, delta, dplr, momentum or scan), "
-                         f"and this spec admits none", spec.span("schedule"),
-                hint=why + "; use " + ("minibatch(N) (approximate) or " if "minibatch" in plans else "")
-                + "online or auto", code="E-schedule")])
-    elif kind == "minibatch":
-        if "minibatch" not in plans:
-            raise SpecError([Diagnostic(
-                "error", f"schedule {spec.schedule} needs gradient writes that form linear recurrences",
-                spec.span("schedule"), hint=rej["minibatch"] + "; use auto, chunk(N) or online",
-                code="E-schedule")])
-        fam = "minibatch"
-    elif kind == "apply_update":
-        if "apply_update" not in plans:
-            raise SpecError([Diagnostic(
-                "error", f"schedule {spec.schedule} needs gradient writes whose chunk sums it can take",
-                spec.span("schedule"), hint=rej["apply_update"] + "; use auto, minibatch(N) or online",
-                code="E-schedule")])
-        fam = "apply_update"
-    elif kind == "online":
-        fam = "online"
-    else:   # auto: the first admitted exact family
+    if kind == "auto":   # the first admitted exact family
         fam = next(f.name for f in FAMILIES if f.exact and f.name in plans)
-    reasons = list(whys[fam])
-    if fam == "online" and "additive" in rej and "scan" in rej and additive.additive_states_ok(alg):
-        reasons.append(f"the updates of {', '.join(alg.states)} are additive running sums (S <- g*S + A, A "
-                       f"independent of the state), but {rej['additive']}: the read needs the full state of every "
-                       f"token, so a chunk form would only batch the state materialisation while the per-token "
-                       f"read dominates")
+    else:   # the first admitted family the keyword asks for
+        asked = [f for f in FAMILIES if f.keyword == kind]
+        fam = next((f.name for f in asked if f.name in plans), None)
+        if fam is None:
+            raise SpecError([_refused(spec, asked, plans, rej)])
+    reasons = list(whys[fam]) + BY_NAME[fam].more_reasons(alg, rej)
     if kind != "auto":
         reasons.insert(0, f"forced by schedule {spec.schedule}")
     schedules = tuple(f.name for f in FAMILIES if f.name in plans and (f.name == fam or f.carried))
@@ -191,11 +241,29 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
         normal, coupled = tuple(transition.describe(nf, alg)), transition.coupling(nf, alg)
     except NotAdmitted:
         normal, coupled = (), None
+    token = next(f.name for f in FAMILIES if f.token)
     return ScheduleDecision(fam, BY_NAME[fam].exact, chunks.get(fam), tuple(reasons), plans[fam], admits,
                             plans, tuple(rejected), schedules,
                             {f: c for f, c in chunks.items() if f in schedules},
                             tuple((inl, n) for n, inl in alg.lets.items()), normal, coupled,
-                            {f: tuple(w) for f, w in whys.items()})
+                            {f: tuple(w) for f, w in whys.items()}, token if BY_NAME[fam].exact else fam)
+
+
+def _refused(spec, asked: list, plans: dict, rej: dict) -> Diagnostic:
+    """The error of a ``schedule:`` that asks for families (``asked``) this spec admits none of."""
+    first = asked[0]
+    if len(asked) == 1:
+        return Diagnostic("error", f"schedule {spec.schedule} needs {first.needs}", spec.span("schedule"),
+                          hint=rej[first.name] + f"; use {first.instead}", code="E-schedule")
+    why = rej[next(f.name for f in asked if f.tells is not None and f.tells(spec))]
+    why = next((f.served for f in FAMILIES if f.served and f.name in plans), why)
+    approx = "".join(f"{f.keyword}(N) (approximate) or " for f in FAMILIES
+                     if not f.exact and f.keyword and f.name in plans)
+    token = next(f.keyword for f in FAMILIES if f.token)
+    names = [f.name for f in asked]
+    needs = f"{first.needs} ({', '.join(names[:-1])} or {names[-1]})"
+    return Diagnostic("error", f"schedule {spec.schedule} needs {needs}, and this spec admits none",
+                      spec.span("schedule"), hint=why + f"; use {approx}{token} or auto", code="E-schedule")
 
 
 def explain(spec, decision: ScheduleDecision | None = None) -> str:
@@ -205,8 +273,7 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     lines = [f"{spec.name}: {fam.text}"]
     lines.append(f"  exact: {'yes' if d.exact else 'no (an approximation of online learning)'}")
     if d.chunk is not None:
-        lines.append(f"  chunk: {d.chunk}" + ("  (chunk 1 equals online)" if d.family in ("minibatch", "apply_update")
-                                              else ""))
+        lines.append(f"  chunk: {d.chunk}" + ("" if fam.exact else "  (chunk 1 equals online)"))
     lines.append(f"  admits: {', '.join(d.admits)}")
     if d.normal_form:
         lines.append("  normal form (S_t = T_t(S_{t-1}) + W_t, in the states before the token):")
@@ -215,31 +282,17 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     lines += [f"    - {r}" for r in d.reasons]
     rej = dict(d.rejected)
     ahead = NAMES[:NAMES.index(d.family)]
-    better = [f for f in ahead if f in rej and (f != "cache" or any(st.cache for st in spec.state.values()))]
+    better = [f for f in ahead if f in rej and BY_NAME[f].listed(spec)]
     if better:
         lines.append("  not faster, because:")
         for f in better:
             lines.append(f"    - {f}: {rej[f]}")
-    if d.family == "minibatch":
-        lines.append("  note: mini-batch evaluates every grad(...) of a chunk at the chunk-start state;"
-                     " it approximates online learning and equals it at chunk 1 (schedule minibatch(1))")
-    elif d.family == "apply_update":
-        lines.append("  note: apply-then-update reads every token of a chunk at the state the previous chunk left"
-                     " and updates once per chunk; it approximates online learning and equals it at chunk 1"
-                     " (schedule apply_update(1))")
-    if d.coupled and d.family == "momentum":
-        lines.append(f"  note: {d.coupled}, but triangular (the momentum feeds the memory, never back), which "
-                     f"the momentum chunked form takes exactly")
-    elif d.coupled and d.family == "online" and "momentum" in rej:
-        lines.append(f"  note: {d.coupled}; the momentum chunked form does not apply (see momentum above), so "
-                     f"the exact schedule is online")
-    if d.family == "online" and "minibatch" in d.admits and spec.schedule_kind == "auto":
-        lines.append("  note: the approximate minibatch(N) schedule is admitted too; `auto` picks only exact "
-                     "schedules, so ask for it with `schedule: minibatch(N)`")
-        how = d.plans["minibatch"].how
-        if how:
-            lines.append(f"  mini-batch, when asked for (chunk {d.chunks.get('minibatch')}):")
-            lines += [f"    - {r}" for r in how]
+    if fam.note:
+        lines.append(f"  note: {fam.note}")
+    coupled = fam.coupled_note(d.coupled, rej) if d.coupled else None
+    if coupled:
+        lines.append(f"  note: {coupled}")
+    lines += fam.more_notes(d, spec)
     hints = [f for f in ahead if f in rej and BY_NAME[f].hint and BY_NAME[f].hint_applies(spec)]
     if hints:
         lines.append("  for a faster schedule:")

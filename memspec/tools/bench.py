@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from ..schedule.decide import FAMILIES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-APPROXIMATE = ("minibatch", "apply_update")   # schedules that approximate online learning
+APPROXIMATE = tuple(f.name for f in FAMILIES if not f.exact)   # schedules that approximate online learning
 
 
 def _sync(device: str) -> None:
