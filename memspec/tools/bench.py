@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..schedule.decide import FAMILIES
+from ..schedule.decide import BY_NAME, FAMILIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 APPROXIMATE = tuple(f.name for f in FAMILIES if not f.exact)   # schedules that approximate online learning
@@ -170,8 +170,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             "spec": spec.name,
             "schedule": schedule,
             "exact": schedule not in APPROXIMATE,
-            "chunk": memory.chunk if schedule in ("additive", "delta", "dplr", "momentum", "minibatch",
-                                                  "apply_update") else None,
+            "chunk": memory.chunk if BY_NAME[schedule].chunked else None,
             "median_ms": med * 1e3,
             "runs": n,
             "tokens_per_s": B * T / med,
