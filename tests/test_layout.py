@@ -86,3 +86,18 @@ def test_a_value_continued_on_the_next_line_is_not_parenthesised():
            " + a + max(a,\n        b)\n")
     out = lay.layout(src)
     assert lay._normalised_ast(out) == lay._normalised_ast(src)
+
+
+def test_a_statement_on_several_lines_is_broken_afresh_when_one_is_too_long():
+    src = ("def h(nba, rhs):\n"
+           "    x = torch.linalg.solve_triangular(nba.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,\n"
+           "                                      unitriangular=True).transpose(1, 2)   # [n, K + V]\n"
+           "    y = f(nba,  # a comment inside: left as it is\n"
+           "          rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs, rhs)\n"
+           "    return x, y\n")
+    out = lay.layout(src)
+    assert lay._normalised_ast(out) == lay._normalised_ast(src)
+    assert ("    # [n, K + V]\n    x = torch.linalg.solve_triangular(nba.transpose(1, 2), rhs.transpose(1, 2), "
+            "upper=True,\n            left=False, unitriangular=True).transpose(1, 2)\n") in out, out
+    assert "    y = f(nba,  # a comment inside: left as it is\n" in out
+    assert lay.layout(out) == out

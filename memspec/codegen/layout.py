@@ -36,7 +36,7 @@ def layout(text: str, width: int = WIDTH) -> str:
     lines = text.split("\n")
     if all(len(ln) <= width for ln in lines):
         return text
-    out = _layout(text, width)
+    out = _layout(_rejoin(text, width), width)
     if _normalised_ast(out) != _normalised_ast(text):
         raise LayoutError("the line layout changed the generated code's AST")
     return out
@@ -52,6 +52,39 @@ BREAK_BEFORE = {"for": 0.1, "if": 0.2, "else": 0.2, "or": 0.3, "and": 0.4, "+": 
 
 def _layout(text: str, width: int) -> str:
     lines = text.split("\n")
+    comment_of, breaks, rhs_of, text_lines, logical_start, single = _scan(text)
+    above: dict[int, list[str]] = {}
+    new: dict[int, list[str]] = {}
+    for i, line in enumerate(lines, 1):
+        if len(line) <= width:
+            continue
+        body = line
+        c = comment_of.get(i)
+        if c is not None:
+            body = line[:c.start[1]].rstrip()
+            first = logical_start.get(i, i)
+            above.setdefault(first, []).extend(_comment_lines(c.string, _indent(lines[first - 1]), width))
+        if len(body) <= width:
+            new[i] = [body]
+        elif i in text_lines:
+            new[i] = _wrap_text(body, text_lines[i], width)
+        elif body.lstrip().startswith("#"):
+            new[i] = _comment_lines(body.lstrip(), _indent(body), width)
+        else:
+            # a value is parenthesised only where the statement ends on its line
+            rhs = rhs_of.get(i) if i in single else None
+            new[i] = _break_code(body, breaks.get(i, []), rhs, width)
+    out: list[str] = []
+    for i, line in enumerate(lines, 1):
+        out.extend(above.get(i, []))
+        out.extend(new.get(i, [line]))
+    return "\n".join(out)
+
+
+def _scan(text: str):
+    """Per physical line of ``text``: its trailing comment, its break candidates, the column where
+    its assignment's or return's value starts, its docstring continuation column, the first line of
+    its logical line; and the logical lines written on one line."""
     toks = list(tokenize.generate_tokens(io.StringIO(text).readline))
     # per physical line (1-based): its trailing comment, the columns where the line may break
     # (col, depth; depth 0 = in a right-hand side that gets parenthesised), the docstring
@@ -119,32 +152,39 @@ def _layout(text: str, width: int) -> str:
             start, logical = None, []
         if tok.type not in skip:
             prev = tok
-    above: dict[int, list[str]] = {}
-    new: dict[int, list[str]] = {}
-    for i, line in enumerate(lines, 1):
-        if len(line) <= width:
+    return comment_of, breaks, rhs_of, text_lines, logical_start, single
+
+
+def _rejoin(text: str, width: int) -> str:
+    """``text`` with each statement written on several lines, one of them too long, joined into one
+    line (for :func:`_layout` to break afresh at its loosest operators), unless a comment or a
+    string spans its inner lines."""
+    lines = text.split("\n")
+    start, kept, comments = None, True, []
+    spans = []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
             continue
-        body = line
-        c = comment_of.get(i)
-        if c is not None:
-            body = line[:c.start[1]].rstrip()
-            first = logical_start.get(i, i)
-            above.setdefault(first, []).extend(_comment_lines(c.string, _indent(lines[first - 1]), width))
-        if len(body) <= width:
-            new[i] = [body]
-        elif i in text_lines:
-            new[i] = _wrap_text(body, text_lines[i], width)
-        elif body.lstrip().startswith("#"):
-            new[i] = _comment_lines(body.lstrip(), _indent(body), width)
-        else:
-            # a value is parenthesised only where the statement ends on its line
-            rhs = rhs_of.get(i) if i in single else None
-            new[i] = _break_code(body, breaks.get(i, []), rhs, width)
-    out: list[str] = []
-    for i, line in enumerate(lines, 1):
-        out.extend(above.get(i, []))
-        out.extend(new.get(i, [line]))
-    return "\n".join(out)
+        if start is None and tok.type not in (tokenize.COMMENT, tokenize.NEWLINE):
+            start, kept, comments = tok.start[0], True, []
+        if tok.type == tokenize.NEWLINE:
+            end = tok.start[0]           # (a comment at the end of the last line goes along)
+            if start is not None and kept and end > start and all(c == end for c in comments) \
+                    and any(len(ln) > width for ln in lines[start - 1:end]):
+                spans.append((start, end))
+            start = None
+        elif start is not None and tok.type == tokenize.COMMENT:
+            comments.append(tok.start[0])
+        elif start is not None and tok.end[0] > tok.start[0]:
+            kept = False                 # a string over several lines
+    for a, b in reversed(spans):
+        joined = lines[a - 1].rstrip()
+        for ln in lines[a:b]:
+            part = ln.strip()
+            glue = "" if joined.endswith(("(", "[", "{")) or part.startswith((")", "]", "}")) else " "
+            joined += glue + part
+        lines[a - 1:b] = [joined]
+    return "\n".join(lines)
 
 
 def _after_operand(prev, line: int) -> bool:
