@@ -186,11 +186,16 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     Outputs before such a token are exact and their gradients finite.
 
     Args:
-        q, k, v, a, b, log_decay, S0: as in :func:`recurrent_dplr`
-            (``q [B, T, H, K]``, ``k [B, T, H, R, K]``, ``v [B, T, H, R, V]``,
-            ``a [B, T, H, R, K]`` or ``[B, T, H, R]``,
-            ``b [B, T, H, R, K]`` or ``[B, T, H, R]`` or None, ``log_decay [B, T, H]`` or
-            ``[B, T, H, K]`` or None, ``S0 [B, H, K, V]`` or None; without the R axis for R = 1).
+        q: ``[B, T, H, K]`` probes, or None (state only).
+        k: ``[B, T, H, R, K]`` write keys, or ``[B, T, H, K]`` for R = 1.
+        v: ``[B, T, H, R, V]`` write values (``[B, T, H, V]`` for R = 1).
+        a: ``[B, T, H, R, K]`` left factors of the low-rank term, or ``[B, T, H, R]`` scalars
+            meaning ``a_{t,r} * k_{t,r}`` (R = 1: ``[B, T, H, K]`` / ``[B, T, H]``).
+        b: read vectors shaped like ``k``, or scalars shaped like a scalar ``a`` (meaning
+            ``b_{t,r} * k_{t,r}``), or None (``b = k``).
+        log_decay: ``[B, T, H]`` (scalar) or ``[B, T, H, K]`` (per key channel) log decays
+            (<= 0), or None (no decay).
+        S0: ``[B, H, K, V]`` initial state, or None for zeros.
         chunk: tokens per chunk C (C R sub-steps enter each solve).
         inclusive: True: o_t reads the state after token t; False: before it.
         simultaneous: the R terms of a token read the state before the token.
