@@ -71,7 +71,14 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     then its chunks in sequence, then its outputs.
 
     Args:
-        as :func:`recurrent_momentum_delta`, and chunk: tokens per chunk C.
+        q: ``[B, T, H, K]`` probes, or None (state only).
+        k, p: ``[B, T, H, K]`` write keys and error reads.
+        v: ``[B, T, H, V]`` write values.
+        log_gamma, log_mu: ``[B, T, H]`` log decays (<= 0) of S and of the momentum M.
+        beta, eta: ``[B, T, H]`` the step of S along M, the step of M along the error.
+        S0, M0: ``[B, H, K, V]`` initial states, or None (zeros).
+        chunk: tokens per chunk C.
+        inclusive: True: o_t reads S_t; False: S_{t-1}.
         group: chunks per batched group G (default: as above); any G >= 1 gives the same numbers.
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0, M0, S_T, M_T ``[N, H, K, V]``): each starts at a chunk, from its own states; or
