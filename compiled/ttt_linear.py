@@ -90,6 +90,137 @@ class _Compiled:
         return self.fn(*args)
 
 
+def _document_bounds(cu_seqlens, B, T):
+    """The ``(start, end)`` of each document, from offsets ``[N + 1]`` (checked: a 1-D integer
+    tensor from 0 to T, never decreasing, over a batch of one row)."""
+    if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+            or cu_seqlens.is_floating_point() or cu_seqlens.is_complex()
+            or cu_seqlens.dtype == torch.bool):
+        got = (f"{cu_seqlens.dtype} {list(cu_seqlens.shape)}"
+                if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens: expected an integer tensor of offsets [N + 1] (0, ..., T), "
+                         f"got {got}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: the documents are packed into one row, so B must be 1, "
+                         f"got B = {B}")
+    offsets = [int(x) for x in cu_seqlens.tolist()]   # one device sync per call
+    if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens: expected offsets rising from 0 to T = {T} without "
+                         f"decreasing, got {offsets}")
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def _by_document(run, tensors, state, bounds, shrink=False):
+    """Run packed documents, each alone (:func:`_by_length`; ``shrink``: :func:`_shrinking`, for a
+    token loop, whose time follows its steps: measured 3.65x faster on 26 documents of 2,048 tokens,
+    and 0.75-0.79x the time of one call per length for mini-batch chunks and caches)."""
+    return (_shrinking if shrink else _by_length)(run, tensors, state, bounds)
+
+
+def _by_length(run, tensors, state, bounds):
+    """Run packed documents, each alone: ``run(*tensors, state)`` on the documents of each length
+    as one batch ``[n, length, ...]`` (a mix of lengths costs one call per distinct length).
+
+    ``tensors``: ``[1, T, ...]`` each; ``state``: ``{name: [N, H, ...]}`` (a row per document;
+    streaming entries such as a chunk position, plain ints, are passed to every call).  Returns
+    ``(o [1, T, ...], the final state {name: [N, H, ...]})``.  An entry the documents cannot
+    share in one tensor (caches of different lengths; a mini-batch chunk or block left open at
+    different positions) is left out of the final state, with the states it belongs to, so that
+    a call continuing from it says what is missing instead of computing something else.
+    """
+    by_length = {}
+    for i, (a, b) in enumerate(bounds):
+        by_length.setdefault(b - a, []).append(i)
+    outs, finals, order = [], [], []   # per group: outputs [n L, ...], final states, document ids
+    for length, docs in by_length.items():
+        rows = torch.tensor(docs, device=tensors[0].device)
+        tokens = torch.tensor([t for i in docs for t in range(bounds[i][0], bounds[i][1])],
+                              dtype=torch.long, device=tensors[0].device)
+        xs = [x[0].index_select(0, tokens).reshape(len(docs), length, *x.shape[2:])
+                for x in tensors]
+        group = {k: v.index_select(0, rows) if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()}
+        o, final = run(*xs, group)
+        outs.append(o.reshape(len(docs) * length, *o.shape[2:]))
+        finals.append(final)
+        order += docs
+    # packed order: the outputs of document order[j] sit at its tokens; invert the gather once
+    tokens = torch.tensor([t for i in order for t in range(bounds[i][0], bounds[i][1])],
+            dtype=torch.long)
+    o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    o = o.index_select(0, torch.argsort(tokens).to(o.device)).unsqueeze(0)
+    back = torch.argsort(torch.tensor(order)).to(o.device)
+    return o, _stack_finals(finals, back)
+
+
+def _shrinking(run, tensors, state, bounds):
+    """As :func:`_by_length`, as one batch that shrinks as documents end: the documents
+    sorted longest first, ``run(*tensors, state)`` over the tokens between two consecutive document
+    ends on the documents still running, each from its own state (every schedule streams: a call
+    resumes exactly where the one before stopped).  A mix of lengths costs one call per distinct
+    length; the calls add up to the longest document's tokens.
+
+    Returns what :func:`_by_length` returns.
+    """
+    dev = tensors[0].device
+    order = sorted(range(len(bounds)), key=lambda i: bounds[i][0] - bounds[i][1])   # longest first
+    lengths = [bounds[i][1] - bounds[i][0] for i in order]
+    rows = torch.tensor(order, dtype=torch.long, device=dev)
+    cur = {k: v.index_select(0, rows) if isinstance(v, torch.Tensor) else v
+            for k, v in state.items()}
+    # outputs, their packed tokens; finished documents
+    outs, where, finals, finished = [], [], [], []
+    # documents running (a prefix of order), tokens run
+    n, done = len(order), 0
+    while n:
+        end = lengths[n - 1]                         # the next document end
+        if end > done:
+            tokens = torch.tensor([bounds[i][0] + t for i in order[:n] for t in range(done, end)],
+                                  dtype=torch.long, device=dev)
+            xs = [x[0].index_select(0, tokens).view(n, end - done, *x.shape[2:]) for x in tensors]
+            o, cur = run(*xs, cur)
+            outs.append(o.reshape(n * (end - done), *o.shape[2:]))
+            where.append(tokens)
+            done = end
+        k = n
+        while k and lengths[k - 1] == done:
+            k -= 1
+        finals.append({key: v[k:n] if isinstance(v, torch.Tensor) else v for key, v in cur.items()})
+        finished += order[k:n]
+        cur = {key: v[:k] if isinstance(v, torch.Tensor) else v for key, v in cur.items()}
+        n = k
+    if not outs:                                     # no tokens at all: the output is empty
+        outs = [run(*[x[:, :0] for x in tensors], {k: v[:1] if isinstance(v, torch.Tensor) else v
+                                                    for k, v in state.items()})[0][0]]
+        where = [torch.zeros(0, dtype=torch.long, device=dev)]
+    o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    o = o.index_select(0, torch.argsort(torch.cat(where))).unsqueeze(0)   # packed order
+    back = torch.argsort(torch.tensor(finished, device=dev))
+    return o, _stack_finals(finals, back)
+
+
+def _stack_finals(finals, back):
+    """Final states of the groups -> ``{name: [N, H, ...]}`` in document order (``back``: the
+    inverse of the groups' document order); entries the groups cannot share are left out."""
+    keys = list(dict.fromkeys(k for f in finals for k in f))
+    out, ragged = {}, set()
+    for k in keys:
+        vals = [f.get(k) for f in finals]
+        if all(isinstance(v, torch.Tensor)
+                for v in vals) and len({tuple(v.shape[1:]) for v in vals}) == 1:
+            out[k] = (torch.cat(vals, dim=0) if len(vals) > 1 else vals[0]).index_select(0, back)
+        elif all(v is not None and not isinstance(v, torch.Tensor)
+                for v in vals) and len(set(vals)) == 1:
+            out[k] = vals[0]
+        else:
+            ragged.add(k)
+    prefixes = {k.split(".")[0] for k in ragged if "." in k}
+    for k in keys:
+        if "." in k and k.split(".")[0] in prefixes:
+            ragged.add(k.split(".")[1])   # the state a streaming entry belongs to
+    return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
+
+
 def _finite_prefix(*xs):
     """The tokens of a chunk before its first token whose inputs hold a non-finite value:
     xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
@@ -108,8 +239,7 @@ def _finite_prefix(*xs):
 def _where_ok(ok, x, fill):
     """``x`` where ``ok`` (its leading axes), else ``fill`` (0.0 for inputs, nan for results)."""
     return torch.where(ok.reshape(ok.shape + (1,) * (x.dim() - ok.dim())), x,
-            torch.full((), fill, dtype=x.dtype,
-                       device=x.device))
+            torch.full((), fill, dtype=x.dtype, device=x.device))
 
 
 class TttLinearMemory(nn.Module):
@@ -135,8 +265,10 @@ class TttLinearMemory(nn.Module):
     DEFAULT_SCHEDULE = 'minibatch'
     STEP_SCHEDULE = 'minibatch'
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, chunk=16, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, chunk=16, compile=False, state_dtype=None):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
+        `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
+        inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the minibatch chunk step, with static shapes.
         """
         super().__init__()
@@ -145,6 +277,7 @@ class TttLinearMemory(nn.Module):
         self.d_k = d_k
         self.chunk = chunk
         self.compile = compile
+        self.state_dtype = state_dtype
         self.ln_w = nn.Parameter(torch.ones(self.heads, self.d_k))  # [H, d_k]
         self.ln_b = nn.Parameter(torch.zeros(self.heads, self.d_k))  # [H, d_k]
         # learned initial W: [H, d_k, d_k]
@@ -165,7 +298,8 @@ class TttLinearMemory(nn.Module):
         state['b'] = self.b_init.to(device=device, dtype=dtype).expand(batch, self.heads, self.d_k)
         return state
 
-    def forward(self, q, k, v, *, eta=None, state=None, schedule="auto", **unknown):
+    def forward(self, q, k, v, *, eta=None, state=None, schedule="auto", cu_seqlens=None,
+            **unknown):
         """Run the memory over a sequence.
 
         Args:
@@ -175,13 +309,28 @@ class TttLinearMemory(nn.Module):
             eta: [B, T, H] (gate value, after its formula)
             state: {name: [B, H, ...]} to continue from (default: init_state).
             schedule: "auto" (minibatch) or one of minibatch, online.
+            cu_seqlens: packed documents: B = 1, int offsets [N + 1] (0, ..., T); each document
+                runs alone from its own state row (state and the final state: [N, H, ...]).
         Returns: (o [B, T, H, d_k], the final state).
         """
         if unknown:
             raise ValueError(f"unknown argument(s) {', '.join(sorted(unknown))}: "
                              'TttLinearMemory.forward takes views q, k, v, gates eta, state, '
-                             'schedule')
+                             'schedule, cu_seqlens')
+        work = self._work_dtype(q)
+        if work is not None:  # states and sums in work, the output in the inputs' dtype
+            like = q
+            q, k, v, eta = (t.to(work) if torch.is_tensor(t) else t for t in (q, k, v, eta))
+            if isinstance(state, dict):
+                state = {n: s.to(work) if torch.is_tensor(s) and s.is_floating_point() else s
+                        for n, s in state.items()}
+            with torch.autocast(like.device.type, enabled=False):
+                out, state = self.forward(q, k, v, eta=eta, state=state, schedule=schedule,
+                        cu_seqlens=cu_seqlens)
+            return out.to(like.dtype), state
         B, T = self._check_inputs({'q': q, 'k': k, 'v': v}, {'eta': eta})
+        if cu_seqlens is not None:  # packed documents, each from its own state row
+            return self._forward_documents(q, k, v, eta, state, schedule, cu_seqlens)
         state = self._check_state(state, B, q)
         if schedule == "auto":
             schedule = self.DEFAULT_SCHEDULE
@@ -193,6 +342,33 @@ class TttLinearMemory(nn.Module):
         if schedule == 'minibatch':
             return self._forward_minibatch(q, k, v, eta, state)
         return self._forward_online(q, k, v, eta, state)
+
+    def _forward_documents(self, q, k, v, eta, state, schedule, cu_seqlens):
+        """Packed documents (B = 1, offsets cu_seqlens [N + 1]), each alone from its row of state
+        [N, H, ...]: an exact chunked kernel takes the row in one call; the online schedule runs the
+        documents as one batch that shrinks as they end, any other the documents of each length as
+        one batch.  Returns (o [1, T, ...], the final state [N, H, ...]; an entry the documents
+        cannot share in one tensor is left out).
+        """
+        bounds = _document_bounds(cu_seqlens, q.shape[0], q.shape[1])
+        state = self._check_state(state, len(bounds), q)
+        schedule = self.DEFAULT_SCHEDULE if schedule == "auto" else schedule
+
+        def run(q, k, v, eta, state):
+            return self.forward(q, k, v, eta=eta, state=state, schedule=schedule)
+
+        # a token loop: one batch that shrinks as documents end; chunks: the documents of one length
+        return _by_document(run, (q, k, v, eta), state, bounds, shrink=schedule == "online")
+
+    def _work_dtype(self, x):
+        """The dtype of the states and their sums for inputs like x (`state_dtype`, else float32 for
+        float16 / bfloat16), or None when the call runs as it is (that dtype is x's, no autocast).
+        """
+        if not torch.is_tensor(x):
+            return None
+        work = (self.state_dtype
+                or (torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype))
+        return work if work != x.dtype or torch.is_autocast_enabled(x.device.type) else None
 
     def step(self, q, k, v, *, eta=None, state=None, **unknown):
         """One token (decoding): views [B, H, D] (or [B, 1, H, D]), gates [B, H] (or [B, 1, H]).
@@ -262,6 +438,15 @@ class TttLinearMemory(nn.Module):
         M*(q) in MAC): q [B, T, H, d_k]; state {name: [B, H, ...]} (default: init_state).
         Every token reads the same state.  Returns [B, T, H, d_k].
         """
+        work = self._work_dtype(q)
+        if work is not None:  # states and sums in work, the output in the inputs' dtype
+            like = q
+            q, = (t.to(work) if torch.is_tensor(t) else t for t in (q,))
+            if isinstance(state, dict):
+                state = {n: s.to(work) if torch.is_tensor(s) and s.is_floating_point() else s
+                        for n, s in state.items()}
+            with torch.autocast(like.device.type, enabled=False):
+                return self.read(q, state=state).to(like.dtype)
         B, T = self._check_inputs({'q': q}, {})
         state = self._check_state(state, B, q)
         W_all = state['W'].unsqueeze(1)  # [B, 1, H, d_k, d_k]: the same state for every token
@@ -329,12 +514,12 @@ class TttLinearMemory(nn.Module):
         (q_chunks, k_chunks, v_chunks, eta_chunks) = (x.split(sizes, dim=2) for x in (q, k, v, eta))
         full = [i for i, n in enumerate(sizes) if n == C]  # the full chunks
         # what reads no state, for every full chunk at once (stacked on the batch axis)
-        pre = (self._chunk_pre(*(torch.cat([x[i] for i in full]) for x in (q_chunks, k_chunks,
-                eta_chunks))) if full else ())
+        pre = (self._chunk_pre(*(torch.cat([x[i] for i in full])
+                for x in (q_chunks, k_chunks, eta_chunks))) if full else ())
         pre_full = dict(zip(full, zip(*(x.unflatten(0, (len(full), -1)).unbind(0) for x in pre))))
         outputs = []
-        for i, (n, q_c, k_c, v_c,
-                eta_c) in enumerate(zip(sizes, q_chunks, k_chunks, v_chunks, eta_chunks)):
+        for i, (n, q_c, k_c, v_c, eta_c) in enumerate(zip(sizes, q_chunks, k_chunks, v_chunks,
+                eta_chunks)):
             if pos == 0:
                 W_start, b_start = W, b  # a new chunk starts here
             if n == C:  # static shapes: one compiled chunk size
@@ -424,8 +609,10 @@ class TttLinearLayer(nn.Module):
                 compile=compile)
         self.o_proj = nn.Linear(heads * d_k, d_model, bias=False)
 
-    def forward(self, x, state=None, return_state=False):
-        """x [B, T, d_model] -> y [B, T, d_model] (and the memory's final state if return_state)."""
+    def forward(self, x, state=None, return_state=False, cu_seqlens=None):
+        """x [B, T, d_model] -> y [B, T, d_model] (and the memory's final state if return_state).
+        `cu_seqlens`: packed documents (B = 1, int offsets [N + 1]; state [N, H, ...]), each alone.
+        """
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x: expected [B, T, d_model] = [B, T, {self.d_model}], got {got}")
@@ -435,7 +622,8 @@ class TttLinearLayer(nn.Module):
         v = self.v_proj(x).view(B, T, self.heads, self.memory.d_k)  # [B, T, H, d_k]
         logit = self.eta_proj(x)  # [B, T, H]
         eta = 1.0 * torch.sigmoid(logit) / self.memory.d_k  # [B, T, H]
-        o, state = self.memory(q, k, v, eta=eta, state=state)  # [B, T, H, d_k]
+        # [B, T, H, d_k]
+        o, state = self.memory(q, k, v, eta=eta, state=state, cu_seqlens=cu_seqlens)
         y = self.o_proj(o.flatten(2))  # [B, T, d_model]
         return (y, state) if return_state else y
 
