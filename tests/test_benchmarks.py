@@ -134,3 +134,18 @@ def test_report_quick_every_section(tmp_path):
     assert [r[0] for r in _table_rows(text, "| row | median |")] == ["online", "chunked", "minimal", "matmuls"]
     families = {r[0]: r[2] for r in _table_rows(text, "| family | exact | shipped specs")}
     assert "deltanet" in families["delta"].split(", ") and families["apply_update"] == "lact"
+
+
+def test_readme_speed_table_comes_from_the_report():
+    """The README's speed table is the block benchmarks/report.py writes, from the same run as
+    docs/benchmarks.md (the same times and ratios, family by family), never edited by hand."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- report:speed -->\n", 1)[1].split("<!-- /report:speed -->", 1)[0]
+    assert block.startswith("`python benchmarks/report.py")
+    doc = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert block.split("`")[1] in doc.split("\n", 3)[2]          # the same command made both
+    short = _table_rows(block, "| family | spec (default schedule) | forward |")
+    full = _table_rows(doc, "| family | spec (default schedule) | pass |")
+    assert [r[0] for r in short] == list(script("report").FAMILY_SPECS)
+    for line, fwd, bwd in zip(short, full[::2], full[1::2]):
+        assert line[2:5] == [fwd[3], fwd[5], fwd[7]] and line[5:8] == [bwd[3], bwd[5], bwd[7]]
