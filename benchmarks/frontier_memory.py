@@ -3,7 +3,7 @@
 The layer of each spec (d_model 256, 4 heads of 64, hidden 128, eager, float32, x [1, T, 256]),
 one forward and backward of ``y.square().mean()``; printed: the process's peak resident memory
 (``ru_maxrss``, which includes torch's own ~0.3 GB), the wall time, and the ratio of the peak to
-the titans layer's (the issue's bound: within 3x).  A spec that runs out of the memory limit or
+the titans layer's (the bound it is held to: within 3x).  A spec that runs out of the memory limit or
 the time limit is reported as such.
 
     python benchmarks/frontier_memory.py [--T 2048] [--threads 1] [--limit-gb 20] [--timeout 600]
