@@ -59,6 +59,7 @@ import networkx as nx
 
 from ..lang.errors import Collector
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, format_number, unparse
+from ..lang.fmt import mem_constant
 from ..lang.shapes import ShapeEnv, fmt_shape
 
 _BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "@": "matmul", "^": "pow"}
@@ -184,9 +185,8 @@ class _Lowering:
             self.add(f"dim:{n}", "dim", "dim", (), spec.key_span("dims", n), f"{n} = {spec.dims[n]}",
                      value=spec.dims[n])
         for n, c in spec.constants.items():
-            text = (f"{n} = [{', '.join('(' + ', '.join(format_number(x) for x in row) + ')' for row in c)}]"
-                    if isinstance(c, tuple) else f"{n} = {format_number(c)}")
-            self.add(f"const:{n}", "const", "const", (), spec.key_span("constants", n), text, value=c)
+            self.add(f"const:{n}", "const", "const", (), spec.key_span("constants", n), f"{n} = {mem_constant(c) if isinstance(c, tuple) else format_number(c)}",
+                     value=c)
         for n, v in spec.views.items():
             self.add(f"view:{n}", "view", "view", (v.dim,), spec.key_span("views", n), f"{n} = x·W_{n}",
                      ("input:x",))

@@ -150,9 +150,7 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs) -> None:
         for a in accs:
             k = [x for x in accs if x.index == a.index].index(a)
             refs = [(sign, sums[(i, s)]) for sign, i, s in plan.terms[(a.index, k)]]
-            first = _signed(refs)
-            first = first[2:] if first.startswith("+ ") else "-" + first[2:]
-            L(f"{a.name} = {first} if {a.name} is None else {a.name} {_signed(refs)}",
+            L(f"{a.name} = {_sum_text(refs)} if {a.name} is None else {a.name} {_signed(refs)}",
               shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
         update_lines(ctx, L, plan, accs, last, rows=True)
         L(f"return o, {tuple_text(carried)}")
@@ -251,13 +249,18 @@ def chunk_step(ctx, L, plan, accs) -> None:
     L()
 
 
+def _sum_text(refs: list) -> str:
+    """``a``, ``-a``, ``a - b``: the signed sum of ``refs`` [(sign, text)]."""
+    return " ".join(("" if i == 0 and sign > 0 else "-" if i == 0 else "+ " if sign > 0 else "- ") + ref
+                    for i, (sign, ref) in enumerate(refs))
+
+
 def _signed(refs: list) -> str:
     """``+ a``, ``- a``, ``+ (a - b)``: the signed sum of ``refs`` [(sign, text)] to add to a local."""
     if len(refs) == 1:
         sign, ref = refs[0]
         return ("+ " if sign > 0 else "- ") + ref
-    text = " ".join(("+ " if sign > 0 else "- ") + ref for sign, ref in refs)
-    return "+ (" + (text[2:] if text.startswith("+ ") else "-" + text[2:]) + ")"
+    return f"+ ({_sum_text(refs)})"
 
 
 EMITTER = Emitter(

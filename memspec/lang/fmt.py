@@ -282,8 +282,8 @@ def _mem_number(v) -> str:
     return format_number(v)
 
 
-def _mem_constant(c) -> str:
-    """A number, or a coefficient schedule ``[(a, b, c), ...]``."""
+def mem_constant(c) -> str:
+    """A constant as .mem writes it: a number, or a coefficient schedule ``[(a, b, c), ...]``."""
     if isinstance(c, tuple):
         return "[" + ", ".join("(" + ", ".join(_mem_number(x) for x in row) + ")" for row in c) + "]"
     return _mem_number(c)
@@ -364,7 +364,7 @@ def to_mem(spec: Spec) -> str:
     b = []
     if spec.dims:
         b.append("dims { " + ", ".join(f"{n} = {d}" for n, d in spec.dims.items()) + " }")
-    b += [f"const {n} = {_mem_constant(c)}" for n, c in spec.constants.items()]
+    b += [f"const {n} = {mem_constant(c)}" for n, c in spec.constants.items()]
     blocks.append(b)
     blocks.append([f"view {n} : {view.dim}" for n, view in spec.views.items()])
     b = []
