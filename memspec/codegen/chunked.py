@@ -23,6 +23,8 @@ from __future__ import annotations
 from ..lang.expr import Call, Expr, Name, rewrite
 from ..lang.names import GENERATED_NAMES, fresh
 from ..runtime.varlen import _DocumentChunks, _Documents
+from ..schedule.decide import BY_NAME
+from ..schedule.sides import transposed_spec
 from ..schedule.algebra import simplify
 
 LOG_FLOOR = 1e-30   # decays are clamped to >= 1e-30 before the log: log_gamma >= -69
@@ -101,8 +103,10 @@ class ChunkWriter:
 
 def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None = None,
                   state_out: dict | None = None, out: str = "o", chunk: str = "self.chunk", lets: bool = False,
-                  ret: bool = True, taken=()) -> list[str]:
-    """Lines of the chunked forward over all tokens, the kernel calls written by ``body``."""
+                  ret: bool = True, taken=(), flip=()) -> list[str]:
+    """Lines of the chunked forward over all tokens, the kernel calls written by ``body``;
+    the states in ``flip`` (used on their value side) go into the kernels transposed and come
+    back in the declared layout."""
     state_in = {n: state_in[n] if state_in and n in state_in else f'state["{n}"]' for n in spec.state}
     w = ChunkWriter(spec, emitter, taken, let_forms)
     state_out = {n: (state_out or {}).get(n) or w.fresh(f"{n}_new") for n in spec.state}
@@ -112,7 +116,11 @@ def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None
             w.lines.append(f"{n} = {emitter.emit(e)}  # {fmt_shape(emitter.shape(e))}")
     probe_names: dict[str, str] = {}
     probe_shapes: dict[str, tuple] = {}
-    body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes)
+    kernel_in, kernel_out = _transposed_in(w, spec, flip, state_in, state_out)
+    body(w, transposed_spec(spec, flip), plan, kernel_in, kernel_out, chunk, probe_names, probe_shapes)
+    for n in flip:
+        w.lines.append(f"{state_out[n]} = {kernel_out[n]}.transpose(-1, -2)  "
+                       f"# [B, H, {', '.join(spec.state[n].shape)}]: the declared layout")
     read = rewrite(plan.read, lambda n: Name(probe_names.get(n.id, n.id)) if isinstance(n, Name) else None)
     read = w.fold(read)
     em = emitter.with_scope(**probe_shapes)
@@ -120,6 +128,18 @@ def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None
     if ret:
         w.lines.append(f"return {out}, {{{', '.join(f'{n!r}: {state_out[n]}' for n in spec.state)}}}")
     return w.lines
+
+
+def _transposed_in(w, spec, flip, state_in: dict, state_out: dict) -> tuple[dict, dict]:
+    """The kernels' states: those in ``flip`` transposed (bound to fresh names), the others as they are."""
+    kernel_in, kernel_out = dict(state_in), dict(state_out)
+    for n in flip:
+        rows, cols = spec.state[n].shape
+        kernel_in[n], kernel_out[n] = w.fresh(f"{n}_t"), w.fresh(f"{n}_t_new")
+        w.lines.append(f"# {n} [{rows}, {cols}] is read and updated on its value side: the kernel runs the "
+                       f"same algebra on {n}ᵀ")
+        w.lines.append(f"{kernel_in[n]} = {state_in[n]}.transpose(-1, -2)  # [B, H, {cols}, {rows}]")
+    return kernel_in, kernel_out
 
 
 def emit_forward(ctx, L, body, kernel) -> None:
@@ -133,8 +153,9 @@ def emit_forward(ctx, L, body, kernel) -> None:
         em = ctx.emitter()
         ctx.lets(L, em, "B, T, H")
         call = f"{kernel.__name__}("
+        flip = ctx.decision.transposed if BY_NAME[ctx.default].sided else ()
         for line in forward_lines(ctx.spec, body, ctx.plans[ctx.default], em, ctx.decision.let_forms, lets=False,
-                                  taken=tuple(sorted(ctx.spec_names)) + (docs,)):
+                                  taken=tuple(sorted(ctx.spec_names)) + (docs,), flip=flip):
             if call in line and not line.lstrip().startswith("#"):   # every kernel call takes the documents
                 line = line.rstrip()[:-1] + f", documents={docs})"
             L.block(line)

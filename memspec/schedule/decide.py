@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, apply_update, cache, delta, dplr, minibatch, momentum, online, scan, transition
+from . import additive, apply_update, cache, delta, dplr, minibatch, momentum, online, scan, sides, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -55,6 +55,7 @@ class Family:
     more_reasons: Callable = lambda alg, rej: []
     # (ScheduleDecision, spec) -> further explain notes when it is the decision
     more_notes: Callable = lambda d, spec: []
+    sided: bool = False          # its kernel takes the key side: it sees states used on their value side transposed
 
 
 def _has_grads(spec) -> bool:
@@ -69,6 +70,11 @@ def _requested_apply_update(alg, chunk):
 
 def _additive_reasons(alg, rej) -> list:
     if "additive" in rej and "scan" in rej and additive.additive_states_ok(alg):
+        mixed = sides.orientation(alg).mixed
+        if mixed:
+            return [f"the updates of {', '.join(alg.states)} are additive running sums, but {mixed}"]
+        if sides.read_sites(alg, sides.matrix_states(alg))[1]:   # probes C @ q: the read is linear in the state
+            return [f"the updates of {', '.join(alg.states)} are additive running sums, but {rej['additive']}"]
         return [f"the updates of {', '.join(alg.states)} are additive running sums (S <- g*S + A, A "
                 f"independent of the state), but {rej['additive']}: the read needs the full state of every "
                 f"token, so a chunk form would only batch the state materialisation while the per-token "
@@ -95,25 +101,25 @@ FAMILIES: tuple[Family, ...] = (
            listed=lambda spec: any(st.cache for st in spec.state.values())),
     Family("additive", lambda alg, chunk: additive.analyse_additive(alg), exact=True, chunked=True, carried=False,
            text="additive (exact chunked form: S <- g*S + A)", keyword="chunk", needs="an exact chunk form",
-           tells=lambda spec: not _has_grads(spec),
+           tells=lambda spec: not _has_grads(spec), sided=True,
            hint="write the update as S = Diag(g) S + A (g a scalar, or one decay per key channel) with A "
                 "independent of every state (e.g. outer(k, v)) and read the state only through probes q @ S"),
     Family("delta", lambda alg, chunk: delta.analyse_delta(alg), exact=True, chunked=True, carried=False,
            text="delta (exact chunked form: WY / UT representation, triangular solve per chunk)",
-           keyword="chunk", needs="an exact chunk form", tells=_has_grads,
+           keyword="chunk", needs="an exact chunk form", tells=_has_grads, sided=True,
            hint="give one matrix state a transition T = gamma I - beta k kᵀ (a scalar decay and the delta "
                 "rule: a gradient step on a loss quadratic in a linear model, or the error written out)",
            hint_applies=lambda spec: len(spec.state) == 1),
     Family("dplr", lambda alg, chunk: dplr.analyse_dplr(alg), exact=True, chunked=True, carried=False,
            text="dplr (exact chunked form: diagonal plus low rank, WY / UT representation, triangular solve per chunk)",
-           keyword="chunk", needs="an exact chunk form",
+           keyword="chunk", needs="an exact chunk form", sided=True,
            hint="give one matrix state a transition on its key side that is a decay (a scalar or one per key "
                 "channel) on the token's first step and rank-one corrections a (bᵀ S), each step writing an "
                 "outer(k, v) (delta-rule steps with per-channel decays, asymmetric keys, several steps per token)",
            hint_applies=lambda spec: len(spec.state) == 1, prefers=dplr.preferred_chunk),
     Family("momentum", lambda alg, chunk: momentum.analyse_momentum(alg), exact=True, chunked=True, carried=False,
            text="momentum (exact chunked form: two coupled states, one triangular solve per chunk)",
-           keyword="chunk", needs="an exact chunk form",
+           keyword="chunk", needs="an exact chunk form", sided=True,
            coupled_note=lambda coupled, rej: f"{coupled}, but triangular (the momentum feeds the memory, never "
                                              f"back), which the momentum chunked form takes exactly",
            hint="give a memory S and a momentum M the momentum delta rule: M = mu M + eta outer(k, p @ S - v) and "
@@ -190,6 +196,8 @@ class ScheduleDecision:
     coupled: str | None = None  # how the normal form couples several states (None: independent)
     why: dict = field(default_factory=dict, compare=False)     # admitted family -> its reasons
     step: str = ""              # the schedule `step` runs: the default when approximate, else token by token
+    orientation: str = ""       # how the sided families see the matrix states (explain's line; "" when no side)
+    transposed: tuple[str, ...] = ()   # the states the sided families' plans read transposed (sides.transposed_spec)
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -213,13 +221,19 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
     plans: dict[str, Any] = {}
     whys: dict[str, list[str]] = {}
     rejected: list[tuple[str, str]] = []
+    side = sides.orientation(alg)
+    flipped = sides.transposed_algebra(alg, side.transposed) if side.transposed else alg
+    seen = {f.name: flipped if f.sided else alg for f in FAMILIES}   # the algebra each family reads
     for f in FAMILIES:
         try:
-            plans[f.name], whys[f.name] = f.analyse(alg, chunks.get(f.name))
+            plans[f.name], whys[f.name] = f.analyse(seen[f.name], chunks.get(f.name))
         except NotAdmitted as err:
-            rejected.append((f.name, str(err)))
+            rejected.append((f.name, sides.shown(str(err), side.transposed) if f.sided else str(err)))
+        else:
+            if f.sided:
+                whys[f.name] = [sides.shown(r, side.transposed) for r in whys[f.name]]
     for f in FAMILIES:   # a chunk the spec did not ask for: the family's preferred one
-        pref = f.prefers(alg, plans[f.name]) if f.name in plans and kind != "chunk" else None
+        pref = f.prefers(seen[f.name], plans[f.name]) if f.name in plans and kind != "chunk" else None
         if pref is not None:
             chunks[f.name] = pref[0]
             whys[f.name].append(pref[1])
@@ -237,8 +251,9 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
         reasons.insert(0, f"forced by schedule {spec.schedule}")
     schedules = tuple(f.name for f in FAMILIES if f.name in plans and (f.name == fam or f.carried))
     try:
-        nf = transition.normal_form(alg)
-        normal, coupled = tuple(transition.describe(nf, alg)), transition.coupling(nf, alg)
+        nf = transition.normal_form(flipped)
+        shown = {n: f"{n}ᵀ" for n in side.transposed}
+        normal, coupled = tuple(transition.describe(nf, flipped, shown)), transition.coupling(nf, flipped)
     except NotAdmitted:
         normal, coupled = (), None
     token = next(f.name for f in FAMILIES if f.token)
@@ -246,7 +261,8 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
                             plans, tuple(rejected), schedules,
                             {f: c for f, c in chunks.items() if f in schedules},
                             tuple((inl, n) for n, inl in alg.lets.items()), normal, coupled,
-                            {f: tuple(w) for f, w in whys.items()}, token if BY_NAME[fam].exact else fam)
+                            {f: tuple(w) for f, w in whys.items()}, token if BY_NAME[fam].exact else fam,
+                            side.text, side.transposed)
 
 
 def _refused(spec, asked: list, plans: dict, rej: dict) -> Diagnostic:
@@ -275,6 +291,8 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     if d.chunk is not None:
         lines.append(f"  chunk: {d.chunk}" + ("" if fam.exact else "  (chunk 1 equals online)"))
     lines.append(f"  admits: {', '.join(d.admits)}")
+    if d.orientation:
+        lines.append(f"  orientation: {d.orientation}")
     if d.normal_form:
         lines.append("  normal form (S_t = T_t(S_{t-1}) + W_t, in the states before the token):")
         lines += [f"    {ln}" for ln in d.normal_form]

@@ -19,6 +19,10 @@ are both ``T = I - eta k kᵀ``, ``W = eta k vᵀ``.
 before the token; ``explain`` prints it) and keeps each statement's own map (the families
 that run the program's sub-steps in order read those).  A value the decomposition cannot
 write this way raises :class:`NotAdmitted` with the algebra that fails.
+
+The chunk families take transitions on the key side; a state read and updated on its value
+side (``C <- C Diag(g) + outer(v, k)`` read ``C @ q``) is the same algebra on ``Cᵀ``, which
+:mod:`.sides` decides and writes (``describe`` then prints ``Cᵀ``).
 """
 from __future__ import annotations
 
@@ -447,18 +451,22 @@ def scaled_text(c: Expr, op: str) -> tuple[int, str]:
     return sign, f"{ct} {op}"
 
 
-def transition_text(m: Affine, state: str, states: list[str]) -> list[str]:
+def transition_text(m: Affine, state: str, states: list[str], shown: dict | None = None) -> list[str]:
     """``T = ...`` of a state's map: operator form when every factor acts on the key side
     (``T = (1 - alpha) I - eta k kᵀ``), else the map applied (``T(S) = ... S Diag(b)``); one line
-    per state read when the map reads several (``T[W <- U] = mu I``)."""
+    per state read when the map reads several (``T[W <- U] = mu I``).  ``shown``: how to print
+    some states' names (``Cᵀ`` for a state the analysis reads transposed)."""
+    shown = shown or {}
+    state = shown.get(state, state)
     by_state: dict[str, list[Term]] = {}
     for t in m.terms:
         by_state.setdefault(t.state, []).append(t)
     lines = []
-    for src in states:
-        ts = by_state.get(src)
+    for n in states:
+        ts = by_state.get(n)
         if not ts:
             continue
+        src = shown.get(n, n)
         name = "T" if src == state and len(by_state) == 1 else f"T[{state} <- {src}]"
         if all(t.right.kind in ("I", "vec") for t in ts):
             lines.append(f"{name} = {join_terms([scaled_text(t.coef, side_text(t.left)) for t in ts])}")
@@ -510,14 +518,15 @@ def coupling(nf: NormalForm, alg: Algebra) -> str | None:
             + (" plus rank-one terms" if rank1 else "") + ": a block decay that is not diagonal")
 
 
-def describe(nf: NormalForm, alg: Algebra) -> list[str]:
+def describe(nf: NormalForm, alg: Algebra, shown: dict | None = None) -> list[str]:
     """The normal form in the spec's own names, one line per state:
-    ``S <- T(S) + W with T = Diag(1 - alpha); W = k vᵀ``."""
+    ``S <- T(S) + W with T = Diag(1 - alpha); W = k vᵀ`` (``shown``: as in :func:`transition_text`)."""
     states = list(alg.states)
     inc = increment_name(alg)
     out = []
     for n in states:
         m = nf.maps[n]
-        ts = transition_text(m, n, states) or ["T = 0"]
-        out.append(f"{n} <- T({n}) + {inc} with " + "; ".join(ts + [f"{inc} = {increment_text(alg, m)}"]))
+        ts = transition_text(m, n, states, shown) or ["T = 0"]
+        s = (shown or {}).get(n, n)
+        out.append(f"{s} <- T({s}) + {inc} with " + "; ".join(ts + [f"{inc} = {increment_text(alg, m)}"]))
     return out

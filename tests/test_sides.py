@@ -1,0 +1,340 @@
+"""Side symmetry: a memory written on the value side of its state (``C <- C + outer(v, k)``
+read ``C @ q``, the delta rule ``C + eta outer(v - C k, k)``, a right-multiplied decay) gets the
+family and the chunk schedule of its row-written twin, runs the family's kernel on ``Cᵀ``
+and keeps the declared layout; a state used on both sides (fla's gated Oja rule) stays online
+with the true reason."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import memspec
+from memspec.schedule import analyse, explain
+
+from _compiled_harness import call, initial_state, inputs, make, reference_run, rel_err, small_dims
+from close import assert_same_function
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+VARIANTS = SPECS / "variants"
+
+
+def mem(text: str):
+    return memspec.loads(textwrap.dedent(text), "mem")
+
+
+HEAD = """
+memory m
+dims { d_model = 8, heads = 2, d_k = 6, d_v = 5 }
+view q : d_k
+view k : d_k
+view v : d_v
+gate eta = sigmoid(logit)
+gate alpha = sigmoid(logit) bias -2.0
+let qn = l2norm(q)
+let kn = l2norm(k)
+"""
+
+ROW_DELTA = HEAD + """
+state W : [d_k, d_v] = zeros
+update { W = (1 - alpha) * W
+         W = W + eta * outer(kn, v - kn @ W) }
+read = qn @ W
+"""
+
+# the same gated delta rule written on the value side of C = Wᵀ, several ways
+COLUMN_DELTA = {
+    "inline": """
+        state C : [d_v, d_k] = zeros
+        update { C = (1 - alpha) * C
+                 C = C + eta * outer(v - C @ kn, kn) }
+        read = C @ qn
+    """,
+    "temporaries": """
+        state C : [d_v, d_k] = zeros
+        update { C = C * (1 - alpha)
+                 err = v - C @ kn
+                 step = eta * err
+                 C = C + outer(step, kn) }
+        read = C @ qn
+    """,
+    "gradient": """
+        state C : [d_v, d_k] = zeros
+        model f(u) = C @ u
+        loss = 0.5 * sum((f(kn) - v)^2)
+        update { C = (1 - alpha) * C
+                 C = C - eta * grad(loss, C) }
+        read = f(qn)
+    """,
+    "transposes": """
+        state C : [d_v, d_k] = zeros
+        update { C = ((1 - alpha) * C.T).T
+                 C = (C.T + eta * outer(kn, v - kn @ C.T)).T }
+        read = qn @ C.T
+    """,
+    "renamed": """
+        state Mem : [d_v, d_k] = zeros
+        update { Mem = (1 - alpha) * Mem
+                 Mem = Mem + eta * outer(v - Mem @ kn, kn) }
+        read = Mem @ qn
+    """,
+}
+
+
+def test_column_delta_rules_get_the_row_decision():
+    row = analyse(mem(ROW_DELTA))
+    assert row.family == "delta" and row.transposed == ()
+    for name, body in COLUMN_DELTA.items():
+        d = analyse(mem(HEAD + textwrap.dedent(body)))
+        assert d.family == row.family and d.chunk == row.chunk, name
+        # (a gradient write admits mini-batch learning too, written on either side)
+        assert tuple(f for f in d.admits if f != "minibatch") == row.admits, name
+        state = "Mem" if name == "renamed" else "C"
+        assert d.transposed == (state,), name
+        assert "transposed" in d.orientation and "value side" in d.orientation, name
+        for field in ("k", "v", "beta", "gamma", "rho"):
+            assert str(getattr(d.plan, field)) == str(getattr(row.plan, field)), (name, field)
+        assert [str(p.vector) for p in d.plan.probes] == [str(p.vector) for p in row.plan.probes]
+
+
+def test_right_multiplied_per_channel_decay_is_the_additive_family_transposed():
+    row = analyse(mem(HEAD + """
+        gate a : [d_k] = sigmoid(logit) bias 2.0
+        state S : [d_k, d_v] = zeros
+        update { S = diag(a) @ S + outer(k, v) }
+        read = q @ S
+    """))
+    col = analyse(mem(HEAD + """
+        gate a : [d_k] = sigmoid(logit) bias 2.0
+        state C : [d_v, d_k] = zeros
+        update { C = C @ diag(a) + outer(v, k) }
+        read = C @ q
+    """))
+    assert row.family == col.family == "additive"
+    assert col.transposed == ("C",) and col.chunk == row.chunk
+    (rs,), (cs,) = row.plan.states, col.plan.states
+    assert str(rs.gamma) == str(cs.gamma) == "a"
+    assert [tuple(map(str, t)) for t in rs.terms] == [tuple(map(str, t)) for t in cs.terms] == [("k", "v")]
+
+
+def test_shipped_column_specs_get_their_twins_schedule():
+    for col, row in (("linear_attention_column", "linear_attention"), ("deltanet_column", "deltanet")):
+        dc = analyse(memspec.load(VARIANTS / f"{col}.yaml"))
+        dr = analyse(memspec.load(SPECS / f"{row}.yaml"))
+        assert (dc.family, dc.chunk, dc.exact) == (dr.family, dr.chunk, dr.exact), col
+        assert dc.schedules == dr.schedules or set(dc.schedules) - set(dr.schedules) == set(), col
+        assert dc.transposed and not dr.transposed
+
+
+def test_explain_prints_the_orientation_and_no_false_reason():
+    text = explain(memspec.load(VARIANTS / "linear_attention_column.yaml"))
+    assert "orientation: transposed (the state C is read on its value side" in text
+    assert "Cᵀ <- T(Cᵀ) + W with T = I; W = kf vᵀ" in text
+    assert "the read needs the full state of every token" not in text
+    row = explain(memspec.load(SPECS / "linear_attention.yaml"))
+    assert "orientation" not in row
+    # a linear gradient write read as W @ q: additive on Wᵀ, never "needs the full state"
+    d = mem("""
+        memory m
+        dims { d_k = 6, d_v = 5 }
+        view q : d_v
+        view k : d_k
+        view v : d_v
+        gate eta = sigmoid(logit)
+        state W : [d_k, d_v] = zeros
+        model f(u) = u @ W
+        loss = -sum(f(k) * v)
+        update { W = W - eta * grad(loss, W) }
+        read = W @ q
+    """)
+    assert analyse(d).family == "additive"
+    assert "the read needs the full state" not in explain(d)
+
+
+def test_a_state_used_on_both_sides_stays_with_the_true_reason():
+    # a key-side decay read on the value side: no kernel takes both sides
+    both = mem(HEAD + """
+        state C : [d_k, d_v] = zeros
+        update { C = (1 - alpha) * C
+                 C = C + eta * outer(kn, v - kn @ C) }
+        read = C @ v
+    """)
+    d = analyse(both)
+    assert d.transposed == () and d.family == "online"
+    assert d.orientation.startswith("as declared (the state C is used on the key side (kn knᵀ C")
+    assert "value side (C @ v)" in d.orientation
+    text = explain(both)
+    assert "the read needs the full state of every token" not in text
+    oja = analyse(memspec.load(VARIANTS / "gated_oja.yaml"))
+    assert oja.family == "online" and oja.transposed == ()
+    assert "used on the key side (q @ S) and on the value side (S Diag(g)" in oja.orientation
+
+
+# ------------------------------------------------------------------ compiled modules
+OJA_VALUE_READ = """
+memory oja_value_read
+dims { d_model = 8, heads = 2, d_k = 4, d_v = 5 }
+view k : d_k
+view v : d_v
+view u : d_v
+gate beta = sigmoid(logit)
+gate g : [d_v] = exp(-softplus(logit)) bias 2.0
+state S : [d_k, d_v] = zeros
+update { S = S @ diag(g)
+         S = S + beta * outer(k - S @ v, v) }
+read = S @ u
+"""
+
+COMPILED = {
+    "linear_attention_column": lambda: memspec.load(VARIANTS / "linear_attention_column.yaml"),
+    "deltanet_column": lambda: memspec.load(VARIANTS / "deltanet_column.yaml"),
+    "gated_column_delta": lambda: mem(HEAD + textwrap.dedent(COLUMN_DELTA["temporaries"])),
+    "oja_value_read": lambda: mem(OJA_VALUE_READ),
+}
+FAMILY = {"linear_attention_column": "additive", "deltanet_column": "delta", "gated_column_delta": "delta",
+          "oja_value_read": "dplr"}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_compiled_matches_reference_outputs_states_gradients(name):
+    spec = COMPILED[name]()
+    d = analyse(spec)
+    assert d.family == FAMILY[name] and d.transposed
+    dims = small_dims(spec)
+    m = make(spec, dims, dtype=torch.float64)
+    for n, st in spec.state.items():   # the declared layout everywhere
+        assert m.STATE[n] == tuple(st.shape)
+    ins = inputs(spec, m, T=11, dtype=torch.float64, requires_grad=True)
+    st = initial_state(spec, m, dtype=torch.float64)
+    ro, rs = reference_run(spec, m, dims, "online", st, ins)
+    wrt = list(ins.values())
+    g = torch.Generator().manual_seed(4)
+    w_o = torch.randn(ro.shape, generator=g, dtype=torch.float64)
+    ws = {n: torch.randn(t.shape, generator=g, dtype=torch.float64) for n, t in rs.items()}
+
+    def scalar(o, s):
+        return (o * w_o).sum() + sum((s[n] * w).sum() for n, w in ws.items())
+
+    ref = torch.autograd.grad(scalar(ro, rs), wrt)
+    assert d.family in m.SCHEDULES
+    for schedule in m.SCHEDULES:
+        o, fs = call(m, spec, ins, dict(st), schedule)
+        assert_same_function(o, ro)
+        for n in rs:
+            assert fs[n].shape == rs[n].shape
+            assert_same_function(fs[n], rs[n])
+        for a, b in zip(torch.autograd.grad(scalar(o, fs), wrt), ref):
+            assert_same_function(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_gradcheck_float64_chunked_schedule(name):
+    spec = COMPILED[name]()
+    dims = {k: v for k, v in {"d_model": 4, "heads": 1, "d_k": 2, "d_v": 3}.items() if k in spec.dims}
+    m = make(spec, dims, chunk=2, dtype=torch.float64)
+    ins = inputs(spec, m, B=1, T=5, dtype=torch.float64, requires_grad=True)
+    st = {n: t.requires_grad_() for n, t in initial_state(spec, m, B=1, dtype=torch.float64).items()}
+    names, states = list(ins), list(st)
+
+    def f(*xs):
+        o, s = call(m, spec, dict(zip(names, xs)), dict(zip(states, xs[len(names):])), FAMILY[name])
+        return (o,) + tuple(s[n] for n in spec.state)
+
+    assert torch.autograd.gradcheck(f, tuple(ins.values()) + tuple(st.values()))
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_streaming_step_and_causality(name):
+    spec = COMPILED[name]()
+    m = make(spec, small_dims(spec), dtype=torch.float32)
+    sched = FAMILY[name]
+    ins = inputs(spec, m, T=13, dtype=torch.float32)
+    st = initial_state(spec, m, dtype=torch.float32)
+    with torch.no_grad():
+        o, fs = call(m, spec, ins, dict(st), sched)
+        cut = 6
+        o1, s1 = call(m, spec, {k: x[:, :cut] for k, x in ins.items()}, dict(st), sched)
+        o2, s2 = call(m, spec, {k: x[:, cut:] for k, x in ins.items()}, s1, sched)
+        assert_same_function(torch.cat([o1, o2], 1), o)
+        s = dict(st)
+        outs = []
+        for t in range(13):
+            y, s = m.step(*[ins[v][:, t] for v in spec.views], **{g: ins[g][:, t] for g in spec.gates}, state=s)
+            outs.append(y)
+        torch.testing.assert_close(torch.stack(outs, 1), o, rtol=1e-4, atol=1e-5)
+        for n in spec.state:
+            assert_same_function(s2[n], fs[n])
+            torch.testing.assert_close(s[n], fs[n], rtol=1e-4, atol=1e-5)
+        bad = {k: x.clone() for k, x in ins.items()}
+        first = next(iter(spec.views))
+        bad[first][:, 7] = float("nan")
+        ob, _ = call(m, spec, bad, dict(st), sched)
+        assert torch.equal(ob[:, :7], o[:, :7])
+
+
+def test_column_linear_attention_is_row_linear_attention_with_the_state_transposed():
+    col_spec = memspec.load(VARIANTS / "linear_attention_column.yaml")
+    row_spec = memspec.load(SPECS / "linear_attention.yaml")
+    dims = small_dims(row_spec)
+    col, row = make(col_spec, dims, chunk=4), make(row_spec, dims, chunk=4)
+    assert col.SCHEDULES == row.SCHEDULES and col.DEFAULT_SCHEDULE == row.DEFAULT_SCHEDULE == "additive"
+    ins = inputs(row_spec, row, T=15)
+    st = initial_state(row_spec, row)
+    col_st = {"C": st["S"].transpose(-1, -2).contiguous(), "z": st["z"]}
+    assert col.init_state(2)["C"].shape == (2, 2, dims["d_v"], dims["d_k"])
+    for schedule in row.SCHEDULES:
+        ro, rs = call(row, row_spec, ins, dict(st), schedule)
+        co, cs = call(col, col_spec, ins, dict(col_st), schedule)
+        assert_same_function(co, ro)
+        assert cs["C"].shape == (2, 2, dims["d_v"], dims["d_k"])
+        assert_same_function(cs["C"].transpose(-1, -2), rs["S"])
+        assert_same_function(cs["z"], rs["z"])
+
+
+def test_column_deltanet_is_deltanet_with_the_state_transposed():
+    col_spec = memspec.load(VARIANTS / "deltanet_column.yaml")
+    row_spec = memspec.load(SPECS / "deltanet.yaml")
+    dims = small_dims(row_spec)
+    col, row = make(col_spec, dims, chunk=4), make(row_spec, dims, chunk=4)
+    ins = inputs(row_spec, row, T=15)
+    st = initial_state(row_spec, row)
+    assert col.DEFAULT_SCHEDULE == row.DEFAULT_SCHEDULE == "delta"
+    for schedule in col.SCHEDULES:   # (the row spec's gradient write carries mini-batch too)
+        ro, rs = call(row, row_spec, ins, dict(st), schedule)
+        co, cs = call(col, col_spec, ins, {"C": st["W"].transpose(-1, -2)}, schedule)
+        assert_same_function(co, ro)
+        assert_same_function(cs["C"].transpose(-1, -2), rs["W"])
+
+
+# ------------------------------------------------------------------ the gated Oja rule against fla's recurrence
+def oja_loop(q, k, v, g, beta, h0):
+    """fla's fused_recurrent_oja_fwd_kernel (fla/ops/gated_oja_rule/fused_recurrent.py) as a float64
+    token loop, with gv = log g, a head-wise beta, scale 1 and no l2norm inside (the spec's
+    conventions): h *= exp(gv)[None, :]; h += beta (k - h v) vᵀ; o = q h."""
+    q, k, v, g, beta, h = (x.double() for x in (q, k, v, g, beta, h0))
+    outs = []
+    for t in range(q.shape[1]):
+        h = h * g[:, t, :, None, :]
+        err = beta[:, t, :, None] * (k[:, t] - torch.einsum("bhkv,bhv->bhk", h, v[:, t]))
+        h = h + err[..., :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], h))
+    return torch.stack(outs, 1), h
+
+
+def test_gated_oja_matches_the_fla_recurrence():
+    spec = memspec.load(VARIANTS / "gated_oja.yaml")
+    dims = {"d_model": 16, "heads": 2, "d_k": 6, "d_v": 7}
+    m = make(spec, dims, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    B, T, H = 2, 40, 2
+    q, k = (0.5 * torch.randn(B, T, H, 6, generator=gen) for _ in range(2))
+    v = torch.nn.functional.normalize(torch.randn(B, T, H, 7, generator=gen), dim=-1)
+    g = torch.exp(-torch.rand(B, T, H, 7, generator=gen) * 0.3)
+    beta = torch.rand(B, T, H, generator=gen)
+    h0 = 0.1 * torch.randn(B, H, 6, 7, generator=gen)
+    ro, rh = oja_loop(q, k, v, g, beta, h0)
+    for schedule in m.SCHEDULES:
+        o, s = m(q, k, v, beta=beta, g=g, state={"S": h0}, schedule=schedule)
+        assert rel_err(o, ro) <= 1e-4 and rel_err(s["S"], rh) <= 1e-4
