@@ -22,7 +22,7 @@ UPDATE = os.environ.get("MEMSPEC_UPDATE_GOLDEN") == "1"
 
 # the phases, bottom to top: a module may import from its own layer and the ones below
 LAYERS = {"runtime": 0, "lang": 1, "check": 2, "reference": 2, "schedule": 3, "codegen": 4,
-          "pipeline": 5, "tools": 6, "hf": 6, "__init__": 7, "__main__": 7}
+          "pipeline": 5, "tools": 6, "hf": 6, "parallel": 6, "__init__": 7, "__main__": 7}
 
 
 def _modules() -> dict[str, Path]:

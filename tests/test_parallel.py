@@ -1,0 +1,168 @@
+"""Context parallelism (memspec.parallel): one sequence split into contiguous shards over P gloo
+processes equals one process -- outputs, the state at the end of every shard, and the gradients of
+the inputs, of rank 0's initial state and of the memory's parameters (summed over ranks) -- for
+the state maps' scan (additive scalar and per channel with a shared normaliser, delta with
+d_v < d_k, dplr, the momentum pair) and the relay (mini-batch Titans, with open chunks crossing
+ranks; a cache).  T is a multiple of neither P nor the chunk."""
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from close import assert_same_function
+from memspec.parallel import parallel_plan
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+# spec: (dims, path)
+CASES = {
+    "linear_attention": (dict(heads=2, d_k=6, d_v=6, chunk=4), "scan"),
+    "gla": (dict(heads=2, d_k=6, d_v=6, chunk=4), "scan"),
+    "gated_deltanet": (dict(heads=2, d_k=8, d_v=3, chunk=4), "scan"),
+    "momentum_deltanet": (dict(heads=2, d_k=5, d_v=5, chunk=4), "scan"),
+    "titans": (dict(heads=2, d_k=4, d_v=4, hidden=6, chunk=4), "relay"),
+}
+SLOW_CASES = {
+    "kda": (dict(heads=2, d_k=6, d_v=4, chunk=4), "scan"),
+    "softmax_attention": (dict(heads=2, d_k=4, d_v=4), "relay"),
+    "mesa": (dict(heads=1, d_k=4, d_v=4), "scan"),
+}
+
+
+def _inputs(mem, B, T, gen):
+    x = {n: torch.randn(B, T, mem.heads, getattr(mem, d), generator=gen, dtype=torch.float64)
+         for n, d in mem.VIEWS.items()}
+    gates = mem.GATES if isinstance(mem.GATES, dict) else {g: () for g in mem.GATES}
+    for g, shape in gates.items():
+        dims = tuple(getattr(mem, d) for d in shape)
+        x[g] = 0.1 + 0.8 * torch.rand(B, T, mem.heads, *dims, generator=gen, dtype=torch.float64)
+    return x
+
+
+def _case(name, dims, rank, world, group=None):
+    import torch.distributed as dist
+
+    from memspec.parallel import context_parallel, shard, shard_bounds
+    from memspec.pipeline.build import build_memory
+
+    torch.manual_seed(0)
+    mem = build_memory(SPECS / f"{name}.yaml", compile=False, **dims).double()
+    gen = torch.Generator().manual_seed(1)
+    B, T = 2, 23
+    full = _inputs(mem, B, T, gen)
+    state0 = {n: (0.3 * torch.randn(s.shape, generator=gen, dtype=torch.float64) if s.is_floating_point() else s)
+              for n, s in mem.init_state(B, dtype=torch.float64).items()}
+    probe = torch.randn(B, T, mem.heads, getattr(mem, next(iter(mem.VIEWS.values()))), generator=gen,
+                        dtype=torch.float64)
+    weights = {n: torch.randn(s.shape, generator=gen, dtype=torch.float64) for n, s in state0.items()}
+
+    def loss_of(o, state, w_o):
+        return (o * w_o).sum() + sum((state[n] * weights[n]).sum() for n in weights)
+
+    # one process
+    xs = {n: x.clone().requires_grad_() for n, x in full.items()}
+    s0 = {n: s.clone().requires_grad_() for n, s in state0.items()}
+    o_ref, s_ref = mem(**xs, state=s0)
+    w_o = probe[..., :o_ref.shape[-1]]
+    loss_of(o_ref, s_ref, w_o).backward()
+    g_ref = {n: x.grad for n, x in xs.items()}
+    g0_ref = {n: s.grad for n, s in s0.items()}
+    gp_ref = [p.grad.clone() for p in mem.parameters() if p.grad is not None]
+    mem.zero_grad(set_to_none=True)
+    a, b = shard_bounds(T, world)[rank]
+    with torch.no_grad():
+        _, s_end = mem(**{n: x[:, :b] for n, x in full.items()}, state=state0)   # the state where this shard ends
+
+    # P processes
+    mine = {n: shard(x).clone().requires_grad_() for n, x in full.items()}
+    s0 = {n: s.clone().requires_grad_() for n, s in state0.items()}
+    o, s = context_parallel(mem, **mine, state=s0, group=group)
+    loss = (o * shard(w_o)).sum()
+    if rank == world - 1:
+        loss = loss + sum((s[n] * weights[n]).sum() for n in weights)
+    loss.backward()
+    grads = [s0[n].grad if s0[n].grad is not None else torch.zeros_like(s0[n]) for n in s0]
+    grads += [p.grad if p.grad is not None else torch.zeros_like(p) for p in mem.parameters()]
+    for g in grads:
+        dist.all_reduce(g, group=group)
+
+    assert_same_function(o, o_ref[:, a:b], msg=lambda m: f"{name}: outputs of rank {rank}: {m}")
+    assert set(s) == set(s_end), f"{name}: state entries {sorted(s)} at the end of rank {rank}, {sorted(s_end)}"
+    for n in s_end:
+        if isinstance(s_end[n], torch.Tensor):
+            assert_same_function(s[n], s_end[n], msg=lambda m: f"{name}: state {n} at the end of rank {rank}: {m}")
+        else:   # a position in an open chunk
+            assert s[n] == s_end[n], f"{name}: state {n} at the end of rank {rank}: {s[n]} != {s_end[n]}"
+    for n in mine:
+        assert_same_function(mine[n].grad, g_ref[n][:, a:b], msg=lambda m: f"{name}: grad {n}, rank {rank}: {m}")
+    for n, g in zip(s0, grads):
+        assert_same_function(g, g0_ref[n], msg=lambda m: f"{name}: grad of the initial {n}: {m}")
+    for g, ref in zip(grads[len(s0):], gp_ref):
+        assert_same_function(g, ref, msg=lambda m: f"{name}: a parameter's grad: {m}")
+
+
+def _worker(rank, world, init, cases, out):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    failed = []
+    try:
+        for name, dims in cases:
+            try:   # the collectives run alike on every rank whatever the comparisons find
+                _case(name, dims, rank, world)
+            except AssertionError:
+                failed.append(traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.txt").write_text("\n".join(failed))
+
+
+def _spawn(world, cases, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases, str(tmp_path)), nprocs=world)
+    failed = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
+    assert not any(failed), "\n".join(failed)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_equals_one_process(world, tmp_path):
+    _spawn(world, [(n, d) for n, (d, _) in CASES.items()], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_more_families(world, tmp_path):
+    _spawn(world, [(n, d) for n, (d, _) in SLOW_CASES.items()], tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted({**CASES, **SLOW_CASES}))
+def test_plan_path(name):
+    dims, path = {**CASES, **SLOW_CASES}[name]
+    plan = parallel_plan(SPECS / f"{name}.yaml")
+    assert plan.path == path, plan.text()
+    assert plan.spec == name and plan.reason in plan.text()
+
+
+def test_plan_of_a_generated_module_finds_its_spec():
+    from memspec.pipeline.build import build_memory
+
+    mem = build_memory(SPECS / "gated_deltanet.yaml", compile=False, heads=1, d_k=4, d_v=4)
+    plan = parallel_plan(mem)
+    assert (plan.path, plan.schedule, plan.values) == ("scan", "delta", ("v",))
+    assert parallel_plan(mem, "minibatch").path == "relay"   # approximate: chunks are positions
+    assert "approximate" in parallel_plan(mem, "minibatch").reason
+
+
+def test_plan_reasons():
+    la = parallel_plan(SPECS / "linear_attention.yaml")
+    assert [(g.states, g.sharing) for g in la.groups] == [(("S",), ("z",))]
+    mom = parallel_plan(SPECS / "momentum_deltanet.yaml")
+    assert [g.states for g in mom.groups] == [("W", "U")]
+    assert "cache" in parallel_plan(SPECS / "softmax_attention.yaml").reason
+    assert "elementwise" in parallel_plan(SPECS / "mamba.yaml").reason
+    assert "blocks" in parallel_plan(SPECS / "hope_cms.yaml").reason
