@@ -29,7 +29,7 @@ from .text import class_name, inert, shape_text
 HELPER_FUNCTIONS = ("layernorm", "rmsnorm", "l2norm", "huber", "attend", "append", "newton_schulz")
 
 # attributes and methods of the generated Memory module besides nn.Module's own
-OWN_ATTRS = ("chunk", "compile", "forward", "step", "init_state", "inner_loss",
+OWN_ATTRS = ("chunk", "compile", "checkpoint", "forward", "step", "init_state", "inner_loss",
              "VIEWS", "GATES", "STATE", "CACHES", "SCHEDULES", "DEFAULT_SCHEDULE", "STEP_SCHEDULE",
              "CHUNK_SCHEDULES", "LOSS_STATES")
 
@@ -58,6 +58,8 @@ class Emitter:
     approximation: str | None = None  # how an approximate family's module names its approximation
     state_prefix: str | None = None   # state entries of its own (e.g. running sums) start with it
     block_sums: bool = False     # carries the block sums (``every.<state>.<k>``) in the state
+    recomputes: Callable | None = None   # (ctx, plan) -> True when its chunk step can run under
+    #   torch.utils.checkpoint (the module's `checkpoint` option: per-token states not kept for autograd)
 
     @property
     def module(self):

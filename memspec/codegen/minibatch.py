@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from ..lang.expr import Call, Name, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _decay_matrix, _finite_prefix, _linear_scan, _where_ok, _window_band, _window_sums
+from ..runtime.helpers import (_decay_matrix, _finite_prefix, _linear_scan, _recomputed, _where_ok, _window_band,
+                               _window_sums)
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
@@ -135,6 +136,10 @@ def emit(ctx, L) -> None:
                 args = list(starts.values()) + carried + [chunk_args[x] for x in core_in] + [f"*{pre_c}"]
             else:
                 L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
+                if recomputes(ctx, plan):
+                    ctx.need(_recomputed)
+                    L("if self.checkpoint and torch.is_grad_enabled():")
+                    L("    fn = _recomputed(fn)", "the backward recomputes the chunk: its per-token states are not kept")
                 args = list(starts.values()) + carried + list(chunk_args.values())
                 args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]
             L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
@@ -165,6 +170,15 @@ def emit(ctx, L) -> None:
         return
     grads = window_grads(ctx, L, plan.window) if plan.window is not None else token_grads(ctx, L)
     chunk_step(ctx, L, plan, grads)
+
+
+def recomputes(ctx, plan) -> bool:
+    """Can the chunk step run under ``torch.utils.checkpoint``: it materialises every token's state
+    (no dual form) and takes no ``torch.func.grad`` (which saved-tensor hooks do not support)?"""
+    if plan.dual is not None or plan.window is not None:
+        return False
+    groups = [g for g in ctx.grad_groups if g]
+    return all(ctx.closed_grads.get(tuple(unparse(c) for c in g)) is not None for g in groups)
 
 
 def chunk_starts(ctx) -> list:
@@ -372,7 +386,8 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
             read_names = {s: prev[s] for s in ctx.states}
         rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
         L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
-        after = [caches_after[s] if s in caches_after else seq[s] + '[:, -1]' for s in ctx.states]
+        # copies: a view of the last token would keep the chunk's per-token states alive
+        after = [caches_after[s] if s in caches_after else seq[s] + '[:, -1].clone()' for s in ctx.states]
         L(f"return o, {tuple_text(after + [a.name for a in ctx.accs])}")
     L()
 
@@ -412,5 +427,6 @@ EMITTER = Emitter(
     family="minibatch", emit=emit, forward_method="_forward_minibatch",
     schedule_text="minibatch({chunk}): each chunk's gradients at its start state (approximate; chunk 1 = online)",
     chunk_step=("_chunk_fn", "_chunk_step"), approximation="mini-batch", state_prefix="minibatch.",
+    recomputes=recomputes,
     header=lambda ctx, plan: "mini-batch in dual form (memspec.schedule.dual): outer-product gradients, [C, C] reads"
     if plan.dual is not None else None)

@@ -88,6 +88,13 @@ def carried(ctx) -> list:   # the emitters of the schedules this module carries,
     return [e for n, e in EMITTERS.items() if n in ctx.schedules]
 
 
+def recomputes(ctx) -> bool:
+    """Does the module take the `checkpoint` option (a carried family's chunk step materialises
+    per-token states and can run under ``torch.utils.checkpoint``)?"""
+    return any(e.recomputes is not None and e.family in ctx.plans and e.recomputes(ctx, ctx.plans[e.family])
+               for e in carried(ctx))
+
+
 def compiles_chunked(ctx) -> bool:
     """Does ``compile=True`` compile this module's exact chunked forward (slice by slice)?  Yes for
     every kernel family but one whose emitter says its kernel stays eager for this plan (e.g. a decay
@@ -283,7 +290,9 @@ def read_method(ctx, L):
 def memory_init(ctx, L):
     spec = ctx.spec
     sig = ctx.dims_signature()
-    L(f"def __init__(self, *, {', '.join(sig)}, chunk={ctx.default_chunk}, compile=False, state_dtype=None):")
+    ck = recomputes(ctx)
+    L(f"def __init__(self, *, {', '.join(sig)}, chunk={ctx.default_chunk}, compile=False, state_dtype=None"
+      + (", checkpoint=True):" if ck else "):"))
     with L.indent():
         L('"""' + "Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;")
         L("`state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16")
@@ -299,6 +308,10 @@ def memory_init(ctx, L):
             L(f"`compile`: torch.compile the {', the '.join(steps)}, with static shapes.")
         if set(ctx.schedules) & CHUNKED and not compiles_chunked(ctx):
             L("The exact chunked forward stays eager (with per-channel decays it takes minutes to compile).")
+        if ck:
+            L("`checkpoint`: the backward recomputes each chunk (torch.utils.checkpoint) instead of")
+            L("keeping its per-token states for autograd: peak memory of one chunk's states, not the")
+            L("sequence's (False: a faster backward, memory growing with T times the state).")
         L('"""')
         L("super().__init__()")
         names = list(spec.dims) if "heads" in spec.dims else ["heads", *spec.dims]
@@ -307,6 +320,8 @@ def memory_init(ctx, L):
         L("self.chunk = chunk")
         L("self.compile = compile")
         L("self.state_dtype = state_dtype")
+        if ck:
+            L("self.checkpoint = checkpoint")
         H = f"self.{ctx.attr.get('heads', 'heads')}"
         for p, prm in spec.params.items():
             dims = [f"self.{ctx.attr.get(x, x)}" for x in prm.shape]

@@ -204,6 +204,12 @@ def _linear_scan(a, x, s0):
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2).contiguous()
 
 
+def _recomputed(fn):
+    """``fn`` whose backward recomputes its forward (``torch.utils.checkpoint``, non-reentrant):
+    autograd keeps its inputs, not the per-token states it materialises inside."""
+    return lambda *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
 def _window_band(C, R, window, like):
     """[C, R]: 1 where row r is in the window of token i (rows R - C + i - window + 1 .. R - C + i;
     the last C rows are the chunk's own tokens), else 0; dtype and device of `like`."""
