@@ -59,17 +59,14 @@ def _case(name, dims, rank, world, group=None):
               for n, s in mem.init_state(B, dtype=torch.float64).items()}
     probe = torch.randn(B, T, mem.heads, getattr(mem, next(iter(mem.VIEWS.values()))), generator=gen,
                         dtype=torch.float64)
-    weights = {n: torch.randn(s.shape, generator=gen, dtype=torch.float64) for n, s in state0.items()}
-
-    def loss_of(o, state, w_o):
-        return (o * w_o).sum() + sum((state[n] * weights[n]).sum() for n in weights)
 
     # one process
     xs = {n: x.clone().requires_grad_() for n, x in full.items()}
     s0 = {n: s.clone().requires_grad_() for n, s in state0.items()}
     o_ref, s_ref = mem(**xs, state=s0)
     w_o = probe[..., :o_ref.shape[-1]]
-    loss_of(o_ref, s_ref, w_o).backward()
+    weights = {n: torch.randn(s_ref[n].shape, generator=gen, dtype=torch.float64) for n in state0}   # caches grow
+    ((o_ref * w_o).sum() + sum((s_ref[n] * weights[n]).sum() for n in weights)).backward()
     g_ref = {n: x.grad for n, x in xs.items()}
     g0_ref = {n: s.grad for n, s in s0.items()}
     gp_ref = [p.grad.clone() for p in mem.parameters() if p.grad is not None]
