@@ -26,6 +26,9 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     decay = "Diag(gamma) S" if per_channel_decay else "gamma * S"
     w.lines.append(f"# additive chunked schedule (exact): S <- {decay} + outer(a, b); "
                    "the read sees the state only through probes p @ S")
+    if any(st.log_input is not None for st in plan.states):
+        w.lines.append("# an exponential input weight exp(x) outer(a, b) goes to the kernel as x: it carries a max "
+                       "stabiliser m and returns exp(-m) p for each probe p")
     done = set()
     for group in _shared_calls(plan):
         _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, probe_shapes)
@@ -35,6 +38,7 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
             continue
         S = st.name
         lg = w.log_decay(st.gamma, f"{S}_log_gamma")
+        li = w.value(st.log_input, f"{S}_log_input", vector=False) if st.log_input is not None else None
         probes = [p for p in plan.probes if p.state == S]
         pcodes = [w.value(p.vector, f"{S}_probe{i}", vector=True) for i, p in enumerate(probes)] or ["None"]
         S0 = state_in[S] + (".unsqueeze(-1)" if st.vector else "")
@@ -55,10 +59,14 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
                 o_name = w.fresh(f"{S}_read{pi}" if len(st.terms) == 1 else f"{S}_read{pi}_{ti}") \
                     if pc != "None" else "_"
                 s_name = w.fresh(f"{S}_T{ti}") if pi == 0 else "_"
-                w.lines.append(f"{o_name}, {s_name} = chunk_additive({pc}, {ac}, {bc}, {lg}, {init}, "
-                               f"{chunk}, inclusive={plan.inclusive})")
+                m_name = (w.fresh(f"{S}_m") if pi == 0 and pc != "None" else "_") if li else None
+                w.lines.append(f"{o_name}, {s_name}{f', {m_name}' if li else ''} = chunk_additive({pc}, {ac}, "
+                               f"{bc}, {lg}, {init}, {chunk}, inclusive={plan.inclusive}"
+                               f"{f', log_input={li}' if li else ''})")
                 if pc != "None":
                     outs[pi].append(o_name)
+                if li and pi == 0 and pc != "None":
+                    stab = m_name
                 if pi == 0:
                     finals.append(s_name)
         total = " + ".join(finals) if finals else S0
@@ -69,9 +77,44 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
             w.lines.append(f"{name} = {' + '.join(outs[pi])}{'.squeeze(-1)' if st.vector else ''}")
             probe_names[p.name] = name
             probe_shapes[name] = () if st.vector else (spec.state[S].shape[1],)
+            if li:
+                w.stab_of[name] = stab
     for n in spec.state:
         if n not in {s.name for s in plan.states}:
             w.lines.append(f"{state_out[n]} = {state_in[n]}")
+    _stabilised_probes(w, plan, probe_names, probe_shapes)
+
+
+def _stabilised_probes(w, plan, probe_names, probe_shapes) -> None:
+    """Probes from stabilised kernel calls (``exp(-m) p``, one m per call): one stabiliser for
+    all of them (their maximum), and the read evaluated at that scale; a read that also uses
+    probes of unstabilised states gets every probe at its true scale."""
+    outs = [probe_names[p.name] for p in plan.probes]
+    scaled = [o for o in outs if o in w.stab_of]
+    if not scaled:
+        return
+
+    def times(o, factor):   # a probe output [B, T, H(, d)] times a factor [B, T, H]
+        return f"{o} = {o} * {factor}{'[..., None]' if probe_shapes[o] else ''}"
+
+    if len(scaled) < len(outs):
+        for o in scaled:
+            w.lines.append(times(o, f"torch.exp({w.stab_of[o]})") + "  # at its true scale")
+        return
+    ms = list(dict.fromkeys(w.stab_of[o] for o in scaled))
+    m = ms[0]
+    if len(ms) > 1:
+        m = w.fresh("m_all")
+        both = ms[0]
+        for other in ms[1:]:
+            both = f"torch.maximum({both}, {other})"
+        w.lines.append(f"{m} = {both}  # [B, T, H] one stabiliser for every probe")
+        for o in scaled:
+            w.lines.append(times(o, f"torch.exp({w.stab_of[o]} - {m})"))
+    inv = w.fresh("inv_scale")
+    w.lines.append(f"{inv} = torch.exp(-{m})  # [B, T, H] the probes' scale: the read sees exp(-m) p")
+    probe_shapes[inv] = ()
+    w.read_scale = (set(scaled), inv)
 
 
 def _shared_calls(plan) -> list[list]:
@@ -83,7 +126,7 @@ def _shared_calls(plan) -> list[list]:
     for st in plan.states:
         if len(st.terms) != 1:
             continue
-        key = (st.gamma, st.terms[0][0], tuple(p.vector for p in plan.probes if p.state == st.name))
+        key = (st.gamma, st.log_input, st.terms[0][0], tuple(p.vector for p in plan.probes if p.state == st.name))
         if key in keys:
             groups[keys.index(key)].append(st)
         else:
@@ -96,6 +139,7 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, 
     names = "_".join(st.name for st in group)
     first = group[0]
     lg = w.log_decay(first.gamma, f"{names}_log_gamma")
+    li = w.value(first.log_input, f"{names}_log_input", vector=False) if first.log_input is not None else None
     probes = {st.name: [p for p in plan.probes if p.state == st.name] for st in group}
     pcodes = [w.value(p.vector, f"{names}_probe{i}", vector=True) for i, p in enumerate(probes[first.name])]
     ac = w.value(first.terms[0][0], f"{names}_a", vector=True)
@@ -127,8 +171,11 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, 
     for pi, pc in enumerate(pcodes or ["None"]):
         o_name = w.fresh(f"{names}_read{pi}") if pc != "None" else "_"
         s_name = final if pi == 0 else "_"
-        w.lines.append(f"{o_name}, {s_name} = chunk_additive({pc}, {ac}, {bname}, {lg}, {sname}, {chunk}, "
-                       f"inclusive={plan.inclusive})")
+        m_name = (w.fresh(f"{names}_m") if pi == 0 and pc != "None" else "_") if li else None
+        w.lines.append(f"{o_name}, {s_name}{f', {m_name}' if li else ''} = chunk_additive({pc}, {ac}, {bname}, "
+                       f"{lg}, {sname}, {chunk}, inclusive={plan.inclusive}{f', log_input={li}' if li else ''})")
+        if li and pi == 0 and pc != "None":
+            stab = m_name
         if pc != "None":
             outs = [w.fresh(f"{st.name}_probe_out{pi}" if len(pcodes) > 1 else f"{st.name}_probe_out")
                     for st in group]
@@ -139,6 +186,8 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, 
                     w.lines.append(f"{out} = {out}.squeeze(-1)  # [B, T, H]")
                 probe_names[p.name] = out
                 probe_shapes[out] = () if st.vector else (spec.state[st.name].shape[1],)
+                if li:
+                    w.stab_of[out] = stab
     outs = [state_out[st.name] for st in group]
     w.lines.append(f"{', '.join(outs)} = torch.split({final}, {split}, dim=-1)")
     for st in group:

@@ -20,14 +20,12 @@ and ``KERNEL`` (the :mod:`memspec.runtime` function its module carries).
 """
 from __future__ import annotations
 
-from ..lang.expr import Call, Expr, Name, rewrite
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, rewrite
 from ..lang.names import GENERATED_NAMES, fresh
 from ..runtime.varlen import _DocumentChunks, _Documents
 from ..schedule.decide import BY_NAME
 from ..schedule.sides import transposed_spec
-from ..schedule.algebra import simplify
-
-LOG_FLOOR = 1e-30   # decays are clamped to >= 1e-30 before the log: log_gamma >= -69
+from ..schedule.algebra import is_num, simplify
 
 
 def fmt_shape(shape) -> str:
@@ -47,6 +45,10 @@ class ChunkWriter:
         # the lets, inlined (as the analysis saw them), for folding plan expressions back into let names
         self.let_of = list(let_forms)
         self.first_view = next(iter(spec.views), None)
+        # stabilised kernel calls: probe output -> its stabiliser m [B, T, H] (the output is exp(-m) p);
+        # read_scale: (the scaled outputs, the name of exp(-m)) when the read is evaluated at that scale
+        self.stab_of: dict[str, str] = {}
+        self.read_scale: tuple[set, str] | None = None
 
     def fresh(self, base: str) -> str:
         return fresh(base, self.taken)
@@ -88,17 +90,86 @@ class ChunkWriter:
         return name
 
     def log_decay(self, gamma: Expr | None, base: str) -> str:
-        """The log of a decay: ``[B, T, H]`` (a scalar per head) or ``[B, T, H, d]`` (per channel)."""
+        """The log of a decay: ``[B, T, H]`` (a scalar per head) or ``[B, T, H, d]`` (per channel),
+        in closed form where the decay's formula has one (:func:`closed_log`), else ``log`` of
+        its value: a decay of exactly 0 gives -inf, which the kernels take (no clamp)."""
         if gamma is None:
             return "None"
         gamma = simplify(gamma)
         shape = self.em.shape(self.fold(gamma))
-        if isinstance(gamma, Call) and gamma.fn == "exp":   # exp(x): its log is x (no clamp, no rounding)
-            return self.value(gamma.args[0], base, vector=bool(shape))
+        closed = closed_log(gamma)
+        if closed is not None:
+            return self.value(closed, base, vector=bool(shape))
         g = self.value(gamma, base.replace("log_", ""), vector=bool(shape))
         name = self.fresh(base)
-        self.lines.append(f"{name} = torch.log({g}.clamp(min={LOG_FLOOR}))  # {fmt_shape(shape)}")
+        self.lines.append(f"{name} = torch.log({g})  # {fmt_shape(shape)} (a decay of 0: -inf, taken as it is)")
         return name
+
+
+def closed_log(e: Expr) -> Expr | None:
+    """``log(e)`` written without a ``log`` of the value where the formula allows (no rounding
+    of the decay to 0 or 1 before the log): ``exp(x) -> x``, ``sigmoid(x) -> -softplus(-x)``,
+    ``1 - sigmoid(x) -> -softplus(x)``, products, quotients and numeric powers of those term
+    by term; None when no part has a closed form."""
+    if isinstance(e, Call) and e.fn == "exp":
+        return e.args[0]
+    if isinstance(e, Call) and e.fn == "sigmoid":
+        return Neg(Call("softplus", (Neg(e.args[0]),)))
+    if isinstance(e, BinOp) and e.op == "-" and is_num(e.left, 1) and isinstance(e.right, Call) \
+            and e.right.fn == "sigmoid":
+        return Neg(Call("softplus", e.right.args))
+    if isinstance(e, BinOp) and e.op == "^" and is_num(e.right):
+        base = closed_log(e.left)
+        return BinOp("*", e.right, base) if base is not None else None
+    if isinstance(e, BinOp) and e.op in ("*", "/"):
+        parts = [closed_log(e.left), closed_log(e.right)]
+        if parts == [None, None]:
+            return None
+        left, right = (p if p is not None else Call("log", (x,)) for p, x in zip(parts, (e.left, e.right)))
+        return BinOp("+" if e.op == "*" else "-", left, right)
+    return None
+
+
+def stabilised_read(read: Expr, scaled: set, inv: str) -> Expr:
+    """The read of probes ``p = exp(m) p_s`` written in the stabilised outputs ``p_s`` (the names in
+    ``scaled``; ``inv`` names ``exp(-m)``): a read homogeneous in the probes, of degree d, is
+    ``exp(d m)`` times itself in ``p_s`` with each probe-free term of a sum or a ``max`` / ``min``
+    scaled by ``exp(-d m)`` -- xLSTM's ``(q C) / max(|q n|, 1)`` becomes
+    ``(q C_s) / max(|q n_s|, exp(-m))``, degree 0: no factor ``exp(m)`` is ever formed.  A read
+    that is not homogeneous takes its probes at their true scale ``p_s / exp(-m)``."""
+    def power(d):
+        return Name(inv) if d == 1 else BinOp("^", Name(inv), Num(d))
+
+    def scaled_by(e: Expr, d) -> Expr:  # e * exp(-d m)
+        return e if d == 0 or is_num(e, 0) else power(d) if is_num(e, 1) else BinOp("*", e, power(d))
+
+    def hom(e: Expr):  # (e in the scaled probes, its degree d), or None
+        if not any(isinstance(n, Name) and n.id in scaled for n in e.walk()):
+            return e, 0
+        if isinstance(e, Name):
+            return e, 1
+        if isinstance(e, Neg) or (isinstance(e, Call) and e.fn == "abs" and len(e.args) == 1):
+            x = hom(e.operand if isinstance(e, Neg) else e.args[0])
+            return None if x is None else (Neg(x[0]) if isinstance(e, Neg) else Call("abs", (x[0],)), x[1])
+        if isinstance(e, BinOp) or (isinstance(e, Call) and e.fn in ("max", "min") and len(e.args) == 2):
+            pair = (e.left, e.right) if isinstance(e, BinOp) else e.args
+            a, b = hom(pair[0]), hom(pair[1])
+            if a is None or b is None:
+                return None
+            op = e.op if isinstance(e, BinOp) else e.fn
+            if op in ("*", "/"):
+                return BinOp(op, a[0], b[0]), a[1] + b[1] if op == "*" else a[1] - b[1]
+            if op in ("+", "-", "max", "min") and (a[1] == b[1] or 0 in (a[1], b[1])):
+                d = max(a[1], b[1], key=abs)
+                x, y = scaled_by(a[0], d - a[1]), scaled_by(b[0], d - b[1])
+                return (BinOp(op, x, y) if op in ("+", "-") else Call(op, (x, y))), d
+        return None
+
+    found = hom(read)
+    if found is None:   # at the true scale
+        return rewrite(read, lambda n: BinOp("/", n, Name(inv)) if isinstance(n, Name) and n.id in scaled else None)
+    e, d = found
+    return e if d == 0 else BinOp("/", e, power(d))
 
 
 def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None = None,
@@ -122,6 +193,8 @@ def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None
         w.lines.append(f"{state_out[n]} = {kernel_out[n]}.transpose(-1, -2)  "
                        f"# [B, H, {', '.join(spec.state[n].shape)}]: the declared layout")
     read = rewrite(plan.read, lambda n: Name(probe_names.get(n.id, n.id)) if isinstance(n, Name) else None)
+    if w.read_scale is not None:
+        read = stabilised_read(read, *w.read_scale)
     read = w.fold(read)
     em = emitter.with_scope(**probe_shapes)
     w.lines.append(f"{out} = {em.emit(read)}  # {fmt_shape(em.shape(read))}")

@@ -9,7 +9,7 @@ import torch
 
 
 
-def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
+def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True, log_input=None):
     """Token-loop reference for ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
 
     Args:
@@ -20,6 +20,8 @@ def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
             ``exp(log_gamma[..., i])``, as in GLA / RWKV-6 / HGRN-2); or None for no decay.
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
         inclusive: True: o_t reads S_t (write, then read); False: o_t reads S_{t-1}.
+        log_input: ``[B, T, H]``: the increment is ``exp(log_input_t) outer(k_t, v_t)`` (computed as
+            written, at the true scale), or None.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
@@ -33,7 +35,8 @@ def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
         S_prev = S
         if log_gamma is not None:
             S = torch.exp(log_gamma[:, t].to(dt)).view(B, H, -1, 1) * S   # [B, H, 1 | K, 1] row scaling
-        S = S + k[:, t].to(dt)[..., :, None] * v[:, t].to(dt)[..., None, :]   # [B, H, K, V]
+        w = torch.exp(log_input[:, t].to(dt)).view(B, H, 1, 1) if log_input is not None else 1.0
+        S = S + w * k[:, t].to(dt)[..., :, None] * v[:, t].to(dt)[..., None, :]   # [B, H, K, V]
         if q is not None:
             read = S if inclusive else S_prev
             outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t].to(dt), read))
@@ -45,7 +48,7 @@ def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True):
 
 
 def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, per_channel=None,
-                   documents=None):
+                   documents=None, log_input=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
 
     Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and
@@ -56,9 +59,19 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
     whatever the decays.
 
     * One log decay per head (``[B, T, H]``: RetNet, Mamba-2): the pair weights
-      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (zeroed above the diagonal before
-      ``exp``, masked after the product), applied to the scores ``q k^T``.  Log decays must be
-      finite here (the code generator clamps them at log(1e-30)).
+      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (masked after the product), applied
+      to the scores ``q k^T``.  Their exponents are segment sums of the log decays between s and
+      t (a masked cumulative sum, never a difference of two cumulative sums), so a log decay of
+      -inf (a decay of exactly 0) zeroes the past exactly and no ``-inf - -inf`` arises.
+    * An exponential input weight per head (``log_input``, ``[B, T, H]``: xLSTM's mLSTM,
+      ``S_t = gamma_t S_{t-1} + exp(log_input_t) outer(k_t, v_t)``): the weights are kept in log
+      space and the kernel carries a max stabiliser ``m`` (Beck et al. 2024, the mLSTM's m
+      state): the state between chunks is ``exp(-m) S``, ``m`` following
+      ``m <- max(L_C + m, max_s (L_C - L_s + log_input_s))``, and each output row is scaled by
+      ``exp(-m_t)``, ``m_t`` the running maximum of its own log weights (the start state's and
+      every pair's), so every ``exp`` has an exponent <= 0: finite for any log input.  The
+      stabilisers are constants to autograd (the true function does not depend on them).
+      Scalar decays only.
     * One per key channel (``[B, T, H, K]``: GLA, RWKV-6, HGRN-2): the weights differ per
       channel, so no ``[C, C]`` matrix serves.  The chunk (a power of two: ``chunk`` is rounded
       down to one, and a shorter tail is padded with zero tokens) is halved level by level:
@@ -103,9 +116,14 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             module passes its decay's kind, so that its specialised kernel keeps one path.
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
+        log_input: ``[B, T, H]`` log input weights (the increment of token t is
+            ``exp(log_input_t) outer(k_t, v_t)``), or None (weight 1).
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
+        With ``log_input``: (o, S_T, m), o the outputs scaled by ``exp(-m)`` (the true output
+        is ``exp(m) o``), m ``[B, T, H]`` the stabiliser of each token's output (None without
+        q), S_T at its true scale (inf in float32 where the true state exceeds 3.4e38).
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
@@ -113,11 +131,17 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
     BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
     out_dtype = S0.dtype if S0 is not None else vs[0].dtype
+    stab = log_input is not None                                     # max-stabilised exponential input weights
     if T == 0:
         o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
-        return o, (S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype))
+        S_T = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype)
+        if stab:
+            return o, S_T, (k.new_zeros(B, 0, H, dtype=dt) if q is not None else None)
+        return o, S_T
     # one log decay per key channel (decided operands first: the specialiser folds them)
     channel = per_channel if per_channel is not None else log_gamma is not None and log_gamma.dim() == 4
+    if stab and channel:
+        raise ValueError("log_input: the stabilised kernel takes one log decay per head [B, T, H]")
     C = max(1, min(int(chunk), T))
     if channel:                                                      # a power of two: halved level by level
         C = 1 << (C.bit_length() - 1)
@@ -126,14 +150,18 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
         S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
         docs = documents.for_kernel(C, S_docs)
         T = docs.T
-    q_in, k_in, lg_in = q, k, log_gamma                              # per-token inputs [B, T, H, ...]
+    q_in, k_in, lg_in, li_in = q, k, log_gamma, log_input            # per-token inputs [B, T, H, ...]
     if docs is not None:                                             # the laid-out row
         k_in = docs.lay(k)
         q_in = docs.lay(q) if q is not None else None
         lg_in = docs.lay(log_gamma) if log_gamma is not None else None
+        li_in = docs.lay(log_input) if stab else None
         vs = tuple(docs.lay(x) for x in vs)
     # (packed: every chunk that starts a document enters its initial state)
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None else S0.to(dt).reshape(BH, K, V)
+    if stab:   # the state is carried as exp(-ms) S: ms [BH], the stabiliser (0: S0 at its true scale)
+        ms = S.new_zeros(BH)
+        m_outs = []                                                  # [B, n, c, H, 1] per group
     N, r = divmod(T, C)
     if group is not None:
         G = int(group)
@@ -170,8 +198,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
         inplace = not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs))
     outs = []                                                        # [B, n, c, H, V] per group
     j0 = 0                                                           # chunks before this group
-    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in))
-    for (n, c, m), qp, kp, vp, lp in pieces:
+    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in), split(li_in))
+    for (n, c, m), qp, kp, vp, lp, ip in pieces:
         nBH = n * BH
         vg = block(vp, n, c, m)                                      # [nBH, c, V]
         if channel:
@@ -230,23 +258,42 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             g_end = P.view(n, BH, K, 1)                              # [n, BH, K, 1] decay over each chunk
         else:
             kg = block([kp], n, c, m)                                # [nBH, c, K]
-            if log_gamma is not None:
-                lg = block([lp[..., None]], n, c, m)                 # [nBH, c, 1]
-                L = torch.cumsum(lg, dim=1)                          # [nBH, c, 1] cumulative log decay
-                Lq = L if inclusive else L - lg                      # the log decay a probe sees
-                kd = kg * torch.exp(L[:, -1:] - L)                   # keys decayed to the chunk end
-                g_end = torch.exp(L[:, -1]).view(n, BH, 1, 1)        # [n, BH, 1, 1] decay over each chunk
+            if log_gamma is not None or stab:
+                lg = (block([lp[..., None]], n, c, m)[..., 0] if log_gamma is not None
+                      else kg.new_zeros(nBH, c))                     # [nBH, c] log decays (may be -inf)
+                L = torch.cumsum(lg, dim=1)                          # [nBH, c] cumulative log decay
+                # the log decay after each token to the chunk end: a reversed cumsum, shifted (no difference)
+                after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
+                g_log = L[:, -1].view(n, BH)                         # [n, BH] log decay over each chunk
+                if stab:                                             # log weight of each token in the chunk-end
+                    li = block([ip[..., None]], n, c, m)[..., 0]     # state; [nBH, c] log input weights
+                    w_end = after + li
+                    m_loc = w_end.detach().amax(1).clamp_min(-1e30)  # [nBH] its stabiliser (-inf rows: any)
+                    kd = kg * torch.exp(w_end - m_loc[:, None])[..., None]   # scaled by exp(-m_loc)
+                    m_loc = m_loc.view(n, BH)
+                else:
+                    kd = kg * torch.exp(after)[..., None]            # keys decayed to the chunk end
+                    g_end = torch.exp(g_log).view(n, BH, 1, 1)       # [n, BH, 1, 1] decay over each chunk
             else:
                 kd = kg
         kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
-        starts = []
+        starts, m_starts = [], []
         for j in range(n):  # forward in the chunks: a non-finite increment reaches only later chunks
             if docs is not None:
                 S = docs.enter(j0 + j, S)                            # a document's initial state
+                if stab and j0 + j in docs.first:
+                    ms = torch.zeros_like(ms)                        # ... at its true scale
             starts.append(S)
-            S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None else S + kv[j]   # [BH, K, V]
-            if docs is not None:
-                docs.leave(j0 + j, S)                                # a document's final state
+            if stab:  # exp(-m) S with m <- max(g + m, m_loc): every exponent <= 0
+                m_starts.append(ms)
+                m_new = torch.maximum(g_log[j].detach() + ms, m_loc[j])   # [BH]
+                S = (torch.exp(g_log[j] + ms - m_new).view(BH, 1, 1) * S
+                     + torch.exp(m_loc[j] - m_new).view(BH, 1, 1) * kv[j])   # [BH, K, V]
+                ms = m_new
+            else:
+                S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None else S + kv[j]   # [BH, K, V]
+            if docs is not None:                                     # a document's final state (true scale)
+                docs.leave(j0 + j, S * torch.exp(ms).view(BH, 1, 1) if stab else S)
         j0 += n
         if q is None:
             continue
@@ -257,12 +304,28 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             qg = block([qp], n, c, m)                                # [nBH, c, K]
             d = 0 if inclusive else -1                               # pairs s <= t (s < t)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
-            if log_gamma is not None:
-                Lq1, L1 = Lq[..., 0], L[..., 0]                      # [nBH, c]
-                # exp(Lq_t - L_s) on the pairs; the rest is zeroed before exp (exp(0) = 1, masked after)
-                decay = torch.exp((Lq1[:, :, None] - L1[:, None, :]).tril(d))
+            if log_gamma is not None or stab:
+                # segment sums seg[t, s] = sum of lg_u over s < u <= t (u < t if exclusive): the log
+                # decay of the pair, a masked cumulative sum (0 above the diagonal: exp(0) = 1, masked after)
+                later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
+                seg = torch.cumsum(lg[:, :, None].expand(nBH, c, c).masked_fill(~later, 0.0), dim=1)
+                Lq = L                                               # [nBH, c] the log decay a probe sees
+                if not inclusive:                                    # row t reads through t - 1
+                    seg = torch.nn.functional.pad(seg[:, :-1], (0, 0, 1, 0))
+                    Lq = torch.nn.functional.pad(L[:, :-1], (1, 0))
+                if stab:  # row t: its log weights (the start state's, each pair's), scaled by their max
+                    pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(d)
+                    lw = (seg + li[:, None, :]).masked_fill(~pairs, float("-inf"))   # [nBH, c, c]
+                    m0 = torch.stack(m_starts).view(nBH) if n > 1 else m_starts[0]
+                    a = Lq + m0[:, None]                             # [nBH, c]
+                    m_row = torch.maximum(a.detach(), lw.detach().amax(-1)).clamp_min(-1e30)
+                    decay = torch.exp(lw - m_row[..., None])
+                    qg = qg * torch.exp(a - m_row)[..., None]        # [nBH, c, K] decayed probes
+                    m_outs.append(m_row.view(n, B, H, c, 1).permute(1, 0, 3, 2, 4))   # [B, n, c, H, 1]
+                else:
+                    decay = torch.exp(seg)
+                    qg = qg * torch.exp(Lq)[..., None]               # [nBH, c, K] decayed probes
                 scores = (scores * decay).tril_(d)
-                qg = qg * torch.exp(Lq)                              # [nBH, c, K] decayed probes
             else:
                 scores = scores.tril_(d)
             # the triangular product with v: its non-finite entries go around it, from their row on
@@ -273,15 +336,22 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
                 v_bad = torch.nn.functional.pad(v_bad[:, :-1], (0, 0, 1, 0))   # ... from s + 1 on
             og = torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad)   # [nBH, c, V]
         outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))  # [B, n, c, H, V] (a view)
-    S_out = (S.view(B, H, K, V) if docs is None else docs.final()).to(out_dtype)
-    if q is None:
-        return None, S_out
-    # one copy into [B, T, H, V] (a second one only for a tail chunk)
-    full = outs[:len(outs) - (r > 0)]
-    o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else None
-    if r:
-        tail = outs[-1][:, :, :r].reshape(B, r, H, V)
-        o = torch.cat([o, tail], dim=1) if o is not None else tail
     if docs is not None:
-        o = docs.unlay(o)                                            # the documents' tokens, packed
-    return o.to(vs[0].dtype), S_out
+        S_out = docs.final().to(out_dtype)
+    else:                                                            # (stabilised: back to the true scale)
+        S_out = (S * torch.exp(ms).view(BH, 1, 1) if stab else S).view(B, H, K, V).to(out_dtype)
+    if q is None:
+        return (None, S_out, None) if stab else (None, S_out)
+
+    def join(parts, width):  # [B, n, c, H, width] per group -> one copy into [B, T, H, width]
+        full = parts[:len(parts) - (r > 0)]                         # (a second one only for a tail chunk)
+        x = torch.cat(full, dim=1).reshape(B, N * C, H, width) if full else None
+        if r:
+            tail = parts[-1][:, :, :r].reshape(B, r, H, width)
+            x = torch.cat([x, tail], dim=1) if x is not None else tail
+        return docs.unlay(x) if docs is not None else x              # the documents' tokens, packed
+
+    o = join(outs, V).to(vs[0].dtype)
+    if stab:
+        return o, S_out, join(m_outs, 1)[..., 0]
+    return o, S_out
