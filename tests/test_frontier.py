@@ -641,7 +641,7 @@ def _saved_bytes(fn):
     return total[0], out
 
 
-@pytest.mark.parametrize("name", ["titans_muon", "memora"])
+@pytest.mark.parametrize("name", ["titans_muon", "memora", "atlas"])
 def test_checkpointed_chunks_keep_no_per_token_state_and_give_the_same_gradients(name):
     # the materialising mini-batch chunk step under torch.utils.checkpoint: same outputs, states and
     # gradients as keeping every token's state; autograd saves far fewer bytes (the per-token states of

@@ -24,7 +24,7 @@ from . import dual
 from .window import cache_rows, emit_dual as emit_window_dual
 from .exprs import ExprEmitter
 from .online import block_sums_in, block_sums_out
-from .program import assign_line, emit_updates, grad_target, shadow_plan, summed
+from .program import assign_line, closed_grad_lines, emit_updates, grad_target, shadow_plan, summed
 from .text import Lines, shape_text, tuple_text
 from .context import Emitter
 
@@ -175,8 +175,10 @@ def emit(ctx, L) -> None:
 def recomputes(ctx, plan) -> bool:
     """Can the chunk step run under ``torch.utils.checkpoint``: it materialises every token's state
     (no dual form) and takes no ``torch.func.grad`` (which saved-tensor hooks do not support)?"""
-    if plan.dual is not None or plan.window is not None:
+    if plan.dual is not None:
         return False
+    if plan.window is not None:
+        return plan.window.dual is None and plan.window.closed is not None
     groups = [g for g in ctx.grad_groups if g]
     return all(ctx.closed_grads.get(tuple(unparse(c) for c in g)) is not None for g in groups)
 
@@ -198,19 +200,31 @@ def window_grads(ctx, L, window) -> TokenGrads:
     rows = [window.rows[c] for c in window.caches]
     scope = {window.rows[c]: tuple(spec.state[c].shape) for c in window.caches}
     em = ctx.emitter().with_scope(**scope)
-    L(f"def _row_loss(self, {', '.join(starts + rows)}):")
-    with L.indent():
-        L('"""' + f"The loss of one row of the window, {unparse(window.row_loss)}, summed over batch and heads:")
-        L("the states [B, H, ...] and one row of each cache (" + ", ".join(
-            f"{r} [B, H{''.join(', ' + d for d in scope[r])}]" for r in rows) + ") -> a scalar.")
-        L('"""')
-        L(f"return {em._emit(window.row_loss).at(9)}.sum()")
-    L()
     # per statement, its gradient calls -> the local of their target's window sum
     maps = [{unparse(c): f"grad_{grad_target(ctx, c)}" for c in st.value.walk()
              if isinstance(c, Call) and c.fn == "grad"} for st in spec.update]
     used = {local for mp in maps for local in mp.values()}
     targets = [s for s in ctx.states if f"grad_{s}" in used]     # the row gradients, in state order
+    row_text = ", ".join(f"{r} [B, H{''.join(', ' + d for d in scope[r])}]" for r in rows)
+    if window.closed is not None:
+        L(f"def _row_grads(self, {', '.join(starts + rows)}):")
+        with L.indent():
+            L('"""' + f"The closed-form gradients of one row's loss, {unparse(window.row_loss)}:")
+            L(f"the states [B, H, ...] and one row of each cache ({row_text}) -> (" + ", ".join(
+                f"grad(loss, {t}) " + shape_text("B, H", spec.state[t].shape) for t in targets) + ").")
+            L('"""')
+            outs = closed_grad_lines(ctx, L, em, window.closed, targets, ctx.taken() | set(rows),
+                                     "the row at the chunk-start state")
+            L(f"return {tuple_text([outs[t] for t in targets])}")
+        L()
+    else:
+        L(f"def _row_loss(self, {', '.join(starts + rows)}):")
+        with L.indent():
+            L('"""' + f"The loss of one row of the window, {unparse(window.row_loss)}, summed over batch and heads:")
+            L(f"the states [B, H, ...] and one row of each cache ({row_text}) -> a scalar.")
+            L('"""')
+            L(f"return {em._emit(window.row_loss).at(9)}.sum()")
+        L()
     locals_ = [f"grad_{t}" for t in targets]
     cumulative = {}
     out = []
@@ -225,12 +239,16 @@ def window_rows(ctx, L, em, plan, grads: TokenGrads, starts: dict, locals_: list
     spec, window = ctx.spec, plan.window
     c = window.window
     rows, new = cache_rows(spec, L, em, window, taken)
-    argnums = tuple(grads.starts.index(t) for t in grads.inputs)
-    an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
     row_g = [fresh(f"{g}_rows", taken) for g in grads.inputs]
     in_dims = ["None"] * len(grads.starts) + ["1"] * len(window.caches)
-    L(f"{', '.join(row_g)}{',' if len(row_g) == 1 else ''} = torch.func.vmap(torch.func.grad(self._row_loss, "
-      f"argnums={an}), in_dims=({', '.join(in_dims)}), out_dims=1)("
+    if window.closed is not None:
+        fn = "self._row_grads"
+    else:
+        argnums = tuple(grads.starts.index(t) for t in grads.inputs)
+        an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
+        fn = f"torch.func.grad(self._row_loss, argnums={an})"
+    L(f"{', '.join(row_g)}{',' if len(row_g) == 1 else ''} = torch.func.vmap({fn}, "
+      f"in_dims=({', '.join(in_dims)}), out_dims=1)("
       f"{', '.join([starts[s] for s in grads.starts] + [rows[k] for k in window.caches])})",
       "[B, R, H, ...]: each row's gradient at the chunk start")
     ctx.need(_window_band)

@@ -131,11 +131,14 @@ def spec_names(spec) -> set:
     return names | set(GENERATED_NAMES) | set(LANGUAGE_NAMES)
 
 
-def closed_grad(spec, loss: Expr, targets, taken: set) -> ClosedGrad:
+def closed_grad(spec, loss: Expr, targets, taken: set, scope: dict | None = None) -> ClosedGrad:
     """The closed-form gradient of ``loss`` (the spec's inner loss, or any scalar expression
-    of it) with respect to the states ``targets``; new step names avoid ``taken``.
+    of it) with respect to the states ``targets``; new step names avoid ``taken``; ``scope``:
+    the shapes of names the loss reads besides the spec's (e.g. a window's rows).
     Raises :class:`NoClosedForm`."""
-    return _Builder(spec, set(targets), set(taken)).build(loss)
+    b = _Builder(spec, set(targets), set(taken))
+    b.scope.update(scope or {})
+    return b.build(loss)
 
 
 class _Builder:

@@ -21,6 +21,7 @@ from ..lang.expr import ELEMENTWISE_FUNCTIONS, BinOp, Call, Expr, Name, Neg, Num
 from ..lang.names import fresh
 from ..lang.shapes import ShapeEnv
 from .algebra import Algebra, NotAdmitted, drop_grads, grad_calls, is_num, names_in
+from .backprop import ClosedGrad, NoClosedForm, closed_grad, spec_names
 
 ROWWISE = ELEMENTWISE_FUNCTIONS | {"l2norm", "layernorm", "rmsnorm", "huber", "min", "max", "clamp"}
 
@@ -58,11 +59,13 @@ class WindowLoss:
     rows: dict
     row_loss: Expr
     dual: WindowDual | None = None
+    closed: ClosedGrad | None = None   # the row loss's closed-form gradient (None: torch.func.grad)
 
     def describe(self) -> list[str]:
+        how = "in closed form" if self.closed is not None else "with torch.func.grad"
         return [f"window loss: the loss is a sum over the rows of {', '.join(self.caches)} (window "
                 f"{self.window}) of {unparse(self.row_loss)}, so each token's chunk-start gradient is a banded "
-                f"sum of per-row gradients: each row's gradient is taken once per chunk"]
+                f"sum of per-row gradients: each row's gradient is taken once per chunk, {how}"]
 
 
 def analyse_window(alg: Algebra) -> WindowLoss:
@@ -102,7 +105,14 @@ def analyse_window(alg: Algebra) -> WindowLoss:
                                                                   if st.target not in spec.state}
     row = _Rows(alg, env, rows, local)
     loss = row.loss(spec.loss)
-    return WindowLoss(caches, windows.pop(), rows, loss)
+    targets = list(dict.fromkeys(c.args[1].id if len(c.args) == 2 else spec.model_states()[0]
+                                 for st in spec.update for c in grad_calls(st.value)))
+    scope = {rows[c]: tuple(spec.state[c].shape) for c in caches}
+    try:
+        closed = closed_grad(spec, loss, targets, spec_names(spec) | set(rows.values()), scope)
+    except NoClosedForm:
+        closed = None
+    return WindowLoss(caches, windows.pop(), rows, loss, closed=closed)
 
 
 class _Rows:
