@@ -338,3 +338,48 @@ def test_gated_oja_matches_the_fla_recurrence():
     for schedule in m.SCHEDULES:
         o, s = m(q, k, v, beta=beta, g=g, state={"S": h0}, schedule=schedule)
         assert rel_err(o, ro) <= 1e-4 and rel_err(s["S"], rh) <= 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_packed_documents_equal_each_document_alone(name):
+    """cu_seqlens through the transposed kernel call: states [N, H, ...] in the declared layout."""
+    spec = COMPILED[name]()
+    m = make(spec, small_dims(spec), dtype=torch.float64)
+    lengths = [3, 7, 1]
+    ins = inputs(spec, m, B=1, T=sum(lengths), dtype=torch.float64)
+    st = initial_state(spec, m, B=len(lengths), dtype=torch.float64)
+    cu = torch.tensor([0, 3, 10, 11])
+    o, fs = m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, state=dict(st),
+              schedule=FAMILY[name], cu_seqlens=cu)
+    for i in range(len(lengths)):
+        a, b = int(cu[i]), int(cu[i + 1])
+        part = {n: x[:, a:b] for n, x in ins.items()}
+        oi, si = call(m, spec, part, {n: t[i:i + 1] for n, t in st.items()}, FAMILY[name])
+        assert_same_function(o[:, a:b], oi)
+        for n in spec.state:
+            assert fs[n].shape == st[n].shape
+            assert_same_function(fs[n][i:i + 1], si[n])
+
+
+def test_scalar_gated_oja_read_on_its_value_side_is_the_delta_rule_transposed():
+    """The Oja step S <- a S + beta (k - a S v) vᵀ is the gated delta rule on Sᵀ (key v, value k):
+    read on the value side too (S @ u), it gets the delta family; read q @ S, it stays online."""
+    body = """
+        memory oja
+        dims { d_k = 4, d_v = 5 }
+        view q : d_k
+        view k : d_k
+        view v : d_v
+        view u : d_v
+        gate beta = sigmoid(logit)
+        gate a = sigmoid(logit) bias 2.0
+        state S : [d_k, d_v] = zeros
+        update { S = a * S
+                 S = S + beta * outer(k - S @ v, v) }
+    """
+    d = analyse(mem(body + "    read = S @ u\n"))
+    assert d.family == "delta" and d.transposed == ("S",)
+    assert (str(d.plan.k), str(d.plan.v), str(d.plan.beta), str(d.plan.gamma)) == ("v", "k", "beta", "a")
+    keyside = analyse(mem(body + "    read = q @ S\n"))
+    assert keyside.family == "online" and keyside.transposed == ()
+    assert "used on the key side (q @ S) and on the value side" in keyside.orientation
