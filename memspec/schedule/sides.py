@@ -56,13 +56,14 @@ def _orientation(alg: Algebra) -> Orientation:
     upd_key, upd_value = update_sites(alg, mats)
     key, value = read_key + upd_key, read_value + upd_value
     if value and not key:
+        its = "its" if len(mats) == 1 else "their"
         what = []
         if read_value:
-            what.append(f"read on its value side ({', '.join(read_value)})")
+            what.append(f"read on {its} value side ({', '.join(read_value)})")
         if upd_value:
-            what.append(f"updated on its value side ({', '.join(upd_value)})")
+            what.append(f"updated on {its} value side ({', '.join(upd_value)})")
         elif read_value:
-            what.append("updated on no side of its own")
+            what.append(f"updated on no side of {its} own")
         names = ", ".join(mats)
         return Orientation(mats, f"transposed ({'the state' if len(mats) == 1 else 'the states'} {names} "
                                  f"{'is' if len(mats) == 1 else 'are'} {' and '.join(what)}: the normal form and "
