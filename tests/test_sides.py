@@ -405,3 +405,15 @@ def test_scalar_gated_oja_read_on_its_value_side_is_the_delta_rule_transposed():
     keyside = analyse(mem(body + "    read = q @ S\n"))
     assert keyside.family == "online" and keyside.transposed == ()
     assert "used on the key side (q @ S) and on the value side" in keyside.orientation
+
+
+def test_bfloat16_inputs_keep_float32_states_in_the_declared_layout():
+    spec = memspec.load(VARIANTS / "deltanet_column.yaml")
+    dims = small_dims(spec)
+    m = make(spec, dims, dtype=torch.float32)
+    ins = inputs(spec, m, T=9, dtype=torch.float32)
+    o32, s32 = call(m, spec, ins)
+    o, s = call(m, spec, {k: x.bfloat16() for k, x in ins.items()})
+    assert o.dtype == torch.bfloat16 and s["C"].dtype == torch.float32
+    assert s["C"].shape == (2, dims["heads"], dims["d_v"], dims["d_k"])
+    assert rel_err(o, o32) <= 2e-2 and rel_err(s["C"], s32["C"]) <= 2e-2
