@@ -93,15 +93,6 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
-def test_module_sizes():
-    """No module over ~600 lines unless its docstring says why."""
-    for name, path in _modules().items():
-        n = len(path.read_text().splitlines())
-        if n > 620:
-            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-            assert "Size:" in doc, f"{name}: {n} lines, and its docstring gives no reason (a 'Size:' line)"
-
-
 def test_one_table_of_families():
     names = tuple(f.name for f in FAMILIES)
     assert names == ("cache", "additive", "delta", "dplr", "momentum", "scan", "minibatch", "online",
@@ -155,3 +146,63 @@ def test_plan_printed_form_is_pinned_and_explained(name):
         golden.write_text(text, encoding="utf-8")
     assert text == golden.read_text(encoding="utf-8")
     assert "\n".join("    " + ln for ln in render_plan(d.plan)) in explain(spec, d)
+
+
+# The house's size rules, and the places that break them today with their size now: an entry
+# may only shrink, and goes when its place meets the rule (the list only gets shorter).
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 700, 400, 80
+SIZE_EXCEPTIONS = {
+    "check/graph.py:_Lowering.run": 81,
+    "codegen/exprs.py:ExprEmitter._call": 111,
+    "codegen/minibatch.py:emit": 130,
+    "codegen/minibatch.py:chunk_step": 123,
+    "codegen/prestep.py:split_pre": 85,
+    "lang/frontend/mem_frontend.py:read_mem": 173,
+    "lang/frontend/yaml_frontend.py:read_yaml": 116,
+    "lang/shapes.py": 869,
+    "lang/shapes.py:ShapeEnv": 669,
+    "runtime/additive.py:chunk_additive": 308,
+    "runtime/delta.py:chunk_delta": 218,
+    "runtime/dplr.py:chunk_dplr": 401,
+    "runtime/momentum.py:chunk_momentum_delta": 163,
+    "schedule/recurrence.py:minibatch_recurrence": 164,
+    "tools/bench.py:bench_spec": 85,
+    "tools/features.py:features": 88,
+    "tools/train.py:train": 99,
+}
+
+
+def _sizes() -> dict[str, tuple[int, int]]:
+    """``path`` / ``path:Qualified.name`` -> (lines, the rule's limit) for every module, class and
+    function (nested ones included) of the package."""
+    out = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        text = f.read_text(encoding="utf-8")
+        out[rel] = (len(text.splitlines()), MAX_MODULE_LINES)
+
+        def visit(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    name = f"{prefix}{child.name}"
+                    limit = MAX_CLASS_LINES if isinstance(child, ast.ClassDef) else MAX_FUNCTION_LINES
+                    out[f"{rel}:{name}"] = (child.end_lineno - child.lineno + 1, limit)
+                    visit(child, name + ".")
+                else:
+                    visit(child, prefix)
+
+        visit(ast.parse(text), "")
+    return out
+
+
+def test_size_rules():
+    """Modules <= 700 lines, classes <= 400, functions <= 80; the listed exceptions no larger
+    than they are today, and none listed that meets the rule."""
+    sizes = _sizes()
+    over = [f"{k}: {n} lines (the rule: {lim})" for k, (n, lim) in sizes.items()
+            if n > lim and k not in SIZE_EXCEPTIONS]
+    grown = [f"{k}: {sizes[k][0]} lines, listed at {cap}" for k, cap in SIZE_EXCEPTIONS.items()
+             if k in sizes and sizes[k][0] > cap]
+    mended = [f"{k}: now within the rule (or gone): remove it from SIZE_EXCEPTIONS" for k in SIZE_EXCEPTIONS
+              if k not in sizes or sizes[k][0] <= sizes[k][1]]
+    assert not (over or grown or mended), "\n".join(over + grown + mended)
