@@ -290,3 +290,18 @@ def test_against_mlstm_kernels(ig_scale):
         scale = torch.exp(m_r.double()).view(1, 2, 1, 1) * K ** -0.5
         assert _rel(s["C"], c_r.double() * scale) <= 1e-4
         assert _rel(s["n"], n_r.double() * scale[..., 0]) <= 1e-4
+
+
+def test_benchmark_script_times_the_same_function(capsys):
+    """benchmarks/mlstm.py at small sizes, one round: its self-check (online and the peer, when
+    installed, equal the chunked form) passes and it prints its ratios."""
+    import importlib.util
+    threads = torch.get_num_threads()
+    spec = importlib.util.spec_from_file_location("bench_mlstm", ROOT / "benchmarks" / "mlstm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        assert mod.main(["--T", "96", "--D", "16", "--chunk", "32", "--repeat", "1", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "memspec online / memspec chunked" in capsys.readouterr().out
