@@ -4,13 +4,17 @@ The layer of each spec (d_model 256, 4 heads of 64, hidden 128, eager, float32, 
 one forward and backward of ``y.square().mean()``; printed: the process's peak resident memory
 (``ru_maxrss``, which includes torch's own ~0.3 GB), the wall time, and the ratio of the peak to
 the titans layer's (the bound it is held to: within 3x).  A spec that runs out of the memory limit or
-the time limit is reported as such.
+the time limit is reported as such.  The children run with ``MALLOC_MMAP_THRESHOLD_=65536``: tensors
+of 64 KiB or more are mapped and unmapped, so the resident peak is the peak of live tensors (glibc's
+heap otherwise keeps freed chunks resident, and a run that frees many tensors of varying sizes -- a
+recomputed chunk -- reads several times its live peak).
 
     python benchmarks/frontier_memory.py [--T 2048] [--threads 1] [--limit-gb 20] [--timeout 600]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import subprocess
 import sys
@@ -45,8 +49,9 @@ def run(name: str, a) -> tuple[str, float | None, float | None]:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     try:
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(a.threads)}
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=a.timeout,
-                             preexec_fn=cap)
+                             preexec_fn=cap, env=env)
     except subprocess.TimeoutExpired:
         return "timeout", None, None
     if out.returncode != 0:

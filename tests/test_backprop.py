@@ -108,7 +108,18 @@ def test_closed_form_equals_autograd(model, loss):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
-SHIPPED_WITH_CLOSED_FORM = ["deltanet", "gated_deltanet", "longhorn", "moneta", "lab/seed_titans", "titans",
+@pytest.mark.parametrize("model", ["f(u) = tanh(u @ (P + W1) + b) @ W2", "f(u) = tanh(u @ (W1 + P) + b) @ W2"])
+def test_a_layer_through_a_state_plus_a_fixed_matrix(model):
+    # x @ (A + W) with A free of states (a residual `eye + W`, a learned base P) is x @ A + x @ W
+    text = BASE.replace("params: {w: {shape: [d_k], init: ones}}",
+                        "params:\n  P: {shape: [d_k, hidden]}")
+    spec = memspec.loads(text.replace("MODEL", f"model: {model}").replace("LOSS", LOSSES["half-square"]), "yaml")
+    got, want = closed_and_autograd(spec)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+SHIPPED_WITH_CLOSED_FORM = ["deltanet", "gated_deltanet", "hope_cms", "longhorn", "moneta", "lab/seed_titans", "titans",
                             "titans_mac", "titans_mag", "titans_mal", "ttt_linear", "ttt_mlp", "yaad"]
 
 

@@ -207,6 +207,16 @@ class _Builder:
             if e.id in self.targets:
                 raise NoClosedForm(f"the loss uses {e.id} other than through `x @ {e.id}` or `a + {e.id}`")
             return e
+        if isinstance(e, BinOp) and e.op == "@" and isinstance(e.right, BinOp) and e.right.op == "+":
+            # x @ (A + W), A free of states (a residual layer x @ (eye + W)): x @ A + x @ W
+            for w, a in ((e.right.right, e.right.left), (e.right.left, e.right.right)):
+                if isinstance(w, Name) and w.id in spec.state and not any(
+                        isinstance(n, Name) and (n.id in spec.state or n.id in spec.let) for n in a.walk()):
+                    x = self.lower(e.left)
+                    if not isinstance(x, Name):   # one step for both uses: their adjoints add up
+                        x = self.bind("expr", x, None, f"xk_{w.id}", self.is_active(x))
+                    fixed = x if isinstance(a, Call) and a.fn == "eye" else BinOp("@", x, a)
+                    return self.lower(BinOp("+", fixed, BinOp("@", x, w)))
         if isinstance(e, BinOp) and e.op == "@" and isinstance(e.right, Name) and e.right.id in spec.state:
             s = e.right.id
             if len(spec.state[s].shape) != 2:
