@@ -18,7 +18,9 @@ Writes two methods of the Memory class, in place of the materialising
   row C of the same sums.
 
 Layout: the spec's expressions are emitted in the usual ``[B, C, H, ...]`` prefix
-layout; the [C, C] algebra runs head-major, ``[B, H, C, ...]``.
+layout; the [C, C] algebra runs head-major, ``[B, H, C, ...]``.  The algebra itself (the
+recurrences over a chunk, the read, the state after the chunk) is :mod:`.dualchunk`, on the
+term objects of :mod:`.dualterms`.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from .text import shape_text, tuple_text
 
 
 class DualWriter:
-    """Emits ``_chunk_loss`` and ``_chunk_step`` for a :class:`memspec.dual.DualForm`."""
+    """Emits ``_chunk_loss`` and ``_chunk_step`` for a :class:`memspec.schedule.dual.DualForm`."""
 
     def __init__(self, writer, form):
         self.w = writer
@@ -269,7 +271,7 @@ def sequence_inputs(ctx, L) -> list:
 def emit(ctx, form, L) -> DualWriter:
     """Emit the dual-form ``_chunk_step`` (and ``_chunk_pre``, its state-independent part,
     when it has one; ``_chunk_loss`` when the plan has no closed-form gradient) of the Memory
-    class; returns the writer (its ``pre``: see :meth:`DualWriter.split`)."""
+    class; returns the writer (its ``pre``: see :meth:`DualWriter.chunk_step`)."""
     d = DualWriter(ctx, form)
     if form.grad is None:
         d.loss_method(L)
