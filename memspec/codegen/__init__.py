@@ -6,9 +6,9 @@
   :func:`register` adds one (with :func:`memspec.schedule.decide.register` for its row);
 * the emitters -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.dplr`,
   :mod:`.momentum` and :mod:`.scan` (the exact chunked ones sharing :mod:`.chunked`),
-  :mod:`.minibatch` (with :mod:`.dual`, its dual form, :mod:`.prestep`, the state-independent
-  part of a chunk step, and :mod:`.window`, window losses), :mod:`.online`,
-  :mod:`.apply_update`;
+  :mod:`.minibatch` (with :mod:`.dual`, its dual form -- the chunk algebra in :mod:`.dualchunk`
+  on the term objects of :mod:`.dualterms` --, :mod:`.prestep`, the state-independent part of a
+  chunk step, and :mod:`.window`, window losses), :mod:`.online`, :mod:`.apply_update`;
 * :mod:`.context`    -- :class:`Context`, what every emitter of one module reads (the
   decision's plans, names, the runtime pieces the code needs), and :class:`Emitter`;
 * :mod:`.exprs`      -- :class:`ExprEmitter`, one expression AST -> one line of torch;
