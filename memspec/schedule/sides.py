@@ -53,7 +53,7 @@ def _orientation(alg: Algebra) -> Orientation:
     if not mats or alg.caches:
         return Orientation((), "")
     read_key, read_value = read_sites(alg, mats)
-    upd_key, upd_value = update_sites(alg, mats)
+    upd_key, upd_value = update_sites(alg, mats, fallback=bool(read_value))   # (Sᵀ only for a read S @ q)
     key, value = read_key + upd_key, read_value + upd_value
     if value and not key:
         its = "its" if len(mats) == 1 else "their"
@@ -91,20 +91,23 @@ def read_sites(alg: Algebra, mats) -> tuple[list[str], list[str]]:
     for e in alg.inline(alg.spec.read).walk():
         if not (isinstance(e, BinOp) and e.op == "@"):
             continue
-        if isinstance(e.right, Name) and e.right.id in mats and alg.rank(e.left) == 1:
-            _add(key, txt(e))
-        if isinstance(e.left, Name) and e.left.id in mats and alg.rank(e.right) == 1:
-            _add(value, txt(e))
+        for mat, vec, side in ((e.right, e.left, key), (e.left, e.right, value)):
+            if isinstance(mat, Transpose):   # p @ Sᵀ = S p, Sᵀ q = q @ S
+                mat, side = mat.operand, (value if side is key else key)
+            if isinstance(mat, Name) and mat.id in mats and alg.rank(vec) == 1:
+                _add(side, txt(e))
     return key, value
 
 
-def update_sites(alg: Algebra, mats) -> tuple[list[str], list[str]]:
+def update_sites(alg: Algebra, mats, fallback: bool = True) -> tuple[list[str], list[str]]:
     """The factors of the normal form on each side of the states (``Diag(g) S``, ``S k kᵀ``),
-    printed in the declared orientation; read from the normal form of ``Sᵀ`` when the update
-    is linear only written that way (a gradient of a column model ``W @ u``)."""
+    printed in the declared orientation; with ``fallback``, read from the normal form of ``Sᵀ``
+    when the update is linear only written that way (a gradient of a column model ``W @ u``)."""
     try:
         nf, flip = normal_form(alg), False
     except NotAdmitted:
+        if not fallback:
+            return [], []
         try:
             nf, flip = normal_form(transposed_algebra(alg, mats)), True
         except NotAdmitted:
