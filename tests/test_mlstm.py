@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import memspec
+import memspec.lang.fmt
 from memspec.runtime.additive import chunk_additive, recurrent_additive
 from _compiled_harness import ROOT, call, make, reference_run
 from close import assert_same_function
@@ -60,6 +61,17 @@ def test_explain_picks_the_stabilised_chunked_form():
     assert d.family == "additive" and d.exact
     text = " ".join(d.reasons)
     assert "exponential input weight exp(ig)" in text and "max stabiliser" in text
+
+
+def test_explain_notes_an_exponential_gate_formula():
+    """``gate ig = exp(logit)`` is computed in the layer, before the memory: explain says that it
+    overflows float32 and how to write it so that the kernel stabilises it."""
+    from memspec.schedule import analyse
+    text = memspec.lang.fmt.to_mem(SPEC).replace("gate ig = logit", "gate ig = exp(logit)")
+    text = text.replace("exp(ig) / sqrt(d_k)", "ig / sqrt(d_k)")
+    reasons = " ".join(analyse(memspec.loads(text, "mem")).reasons)
+    assert "the gate ig = exp(logit) in the increment of C is computed before the memory" in reasons
+    assert "max stabiliser" not in reasons
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 64])

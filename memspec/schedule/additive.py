@@ -98,6 +98,7 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
                            f"keeps it in log space and carries a max stabiliser m (xLSTM's mLSTM: the state between "
                            f"chunks as exp(-m) {n}, each output row scaled by the running max of its own log "
                            f"weights), so no exp overflows and the numbers are the unstabilised function's")
+        reasons += _exp_gates(spec, terms, n)
         states.append(AdditiveState(n, None if is_num(gamma, 1) else gamma, terms, m.vector, log_input))
     read, probes = find_probes(alg, alg.inline(spec.read), set(alg.states))
     reasons.append("the read is a function of the linear probes "
@@ -114,6 +115,18 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
                        f"token): computed for all tokens at once beside the kernel's probe outputs")
     reasons.append("exact chunk form: intra-chunk masked decay-weighted products + inter-chunk state")
     return AdditivePlan(tuple(states), tuple(probes), read, spec.order == "write_read"), reasons
+
+
+def _exp_gates(spec, terms, n: str) -> list[str]:
+    """A note for each gate in the increment of ``n`` whose formula applies ``exp``: the layer
+    computes it before the memory, so in float32 its exp overflows above 88 (inf, then NaN
+    outputs) and the kernel cannot stabilise it."""
+    used = {x.id for a, b in terms for e in (a, b) for x in e.walk() if isinstance(x, Name)}
+    return [f"note: the gate {g} = {txt(spec.gates[g].formula)} in the increment of {n} is computed before the "
+            f"memory: in float32 its exp overflows above 88 (inf, then NaN outputs); a gate of its preactivation "
+            f"({g} = logit) with exp({g}) in the update runs in the stabilised kernel"
+            for g in sorted(used & set(spec.gates))
+            if any(isinstance(x, Call) and x.fn == "exp" for x in spec.gates[g].formula.walk())]
 
 
 def _exp_weight(alg: Algebra, terms) -> tuple[Expr, tuple] | None:
