@@ -91,8 +91,7 @@ def carried(ctx) -> list:   # the emitters of the schedules this module carries,
 def recomputes(ctx) -> bool:
     """Does the module take the `checkpoint` option (a carried family's chunk step materialises
     per-token states and can run under ``torch.utils.checkpoint``)?"""
-    return any(e.recomputes is not None and e.family in ctx.plans and e.recomputes(ctx, ctx.plans[e.family])
-               for e in carried(ctx))
+    return any(e.recomputes is not None and e.recomputes(ctx, ctx.plans.get(e.family)) for e in carried(ctx))
 
 
 def compiles_chunked(ctx) -> bool:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from ..lang.expr import unparse
 from ..lang.names import fresh
+from ..runtime.helpers import _recomputed
 from .program import emit_updates
 from .text import shape_text, tuple_text
 from .context import Emitter
+
+SEGMENT = 64   # tokens per recomputed segment of the online loop (the `checkpoint` option)
 
 
 def emit(ctx, L) -> None:
@@ -31,25 +34,26 @@ def emit(ctx, L) -> None:
         if ctx.accs:
             block_sums_in(ctx, L, pos, ctx.accs)
         outs = fresh("outputs", taken)
-        o_t = fresh("o_t", taken)
-        L(f"{outs} = []")
-        per_token = {x: fresh(f"{x}_t", taken) for x in sv}
-        tokens = (f"{sv[0]}.unbind(1)" if len(sv) == 1
-                  else f"zip({', '.join(f'{x}.unbind(1)' for x in sv)})")
-        names = ", ".join(per_token.values())
-        if ctx.flags:
-            t = fresh("t", taken)
-            L(f"for {t}, {names if len(sv) == 1 else f'({names})'} in enumerate({tokens}):",
-              "views (one stack of their gradients when training)")
+        seg = recomputes(ctx, None)
+        if seg:
+            T, t0, o_s, run, step = (fresh(x, taken) for x in ("T", "t0", "o_s", "run", "step"))
+            ctx.need(_recomputed)
+            L(f"{T} = {ctx.first}.shape[1]")
+            L(f"{step} = {SEGMENT} if self.checkpoint and torch.is_grad_enabled() else {T}",
+              f"segments of {SEGMENT} tokens, each recomputed in the backward")
+            L(f"{run} = _recomputed(self._online_tokens) if {step} < {T} else self._online_tokens")
+            L(f"{outs} = []")
+            L(f"for {t0} in range(0, {T}, {step}):")
+            with L.indent():
+                args = carried + [f"{x}[:, {t0}:{t0} + {step}]" for x in sv] + ([f"{pos} + {t0}"] if ctx.flags else [])
+                L(f"{o_s}, {tuple_text(carried)} = {run}({', '.join(args)})")
+                L(f"{outs}.append({o_s})")
+            L(f"o = {outs}[0] if len({outs}) == 1 else torch.cat({outs}, dim=1)", "(decoding: no copy)")
         else:
-            L(f"for {names} in {tokens}:", "views (one stack of their gradients when training)")
-        with L.indent():
-            args = carried + list(per_token.values())
-            args += [f"({pos} + {t} + 1) % {c} == 0" for c in ctx.flags]
-            L(f"{o_t}, {tuple_text(carried)} = self._token_fn({', '.join(args)})")
-            L(f"{outs}.append({o_t})")
+            L(f"{outs} = []")
+            token_loop(ctx, L, taken, outs, pos)
+            L(f"o = {outs}[0].unsqueeze(1) if len({outs}) == 1 else torch.stack({outs}, dim=1)", "(decoding: no copy)")
         o = "o"   # a reserved local name (lang.names)
-        L(f"{o} = {outs}[0].unsqueeze(1) if len({outs}) == 1 else torch.stack({outs}, dim=1)", "(decoding: no copy)")
         if ctx.accs:
             L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
             block_sums_out(ctx, L, f"({pos} + {ctx.first}.shape[1])", ctx.accs, ctx.block_period)
@@ -57,7 +61,59 @@ def emit(ctx, L) -> None:
         else:
             L(f"return {o}, {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
     L()
+    if seg:
+        segment_method(ctx, L, sv, carried)
     token_step(ctx, L)
+
+
+def recomputes(ctx, plan) -> bool:
+    """Does the online forward run in segments recomputed in the backward (the `checkpoint`
+    option)?  When it is the module's default schedule and its step takes no torch.func.grad
+    (which saved-tensor hooks do not support) and holds no growing cache."""
+    if ctx.default != "online" or any(st.cache for st in ctx.spec.state.values()):
+        return False
+    return all(ctx.closed_grads.get(tuple(unparse(c) for c in g)) is not None for g in ctx.grad_groups if g)
+
+
+def token_loop(ctx, L, taken, outs: str, pos: str) -> None:
+    """The loop over tokens: each runs the per-token step and appends its output to ``outs``."""
+    sv = ctx.views + ctx.gates
+    carried = ctx.states + [a.name for a in ctx.accs]
+    o_t = fresh("o_t", taken)
+    per_token = {x: fresh(f"{x}_t", taken) for x in sv}
+    tokens = (f"{sv[0]}.unbind(1)" if len(sv) == 1
+              else f"zip({', '.join(f'{x}.unbind(1)' for x in sv)})")
+    names = ", ".join(per_token.values())
+    if ctx.flags:
+        t = fresh("t", taken)
+        L(f"for {t}, {names if len(sv) == 1 else f'({names})'} in enumerate({tokens}):",
+          "views (one stack of their gradients when training)")
+    else:
+        L(f"for {names} in {tokens}:", "views (one stack of their gradients when training)")
+    with L.indent():
+        args = carried + list(per_token.values())
+        args += [f"({pos} + {t} + 1) % {c} == 0" for c in ctx.flags]
+        L(f"{o_t}, {tuple_text(carried)} = self._token_fn({', '.join(args)})")
+        L(f"{outs}.append({o_t})")
+
+
+def segment_method(ctx, L, sv, carried) -> None:
+    """``_online_tokens``: the token loop over one segment, a pure function of tensors (and the
+    segment's position in the blocks), so that torch.utils.checkpoint can recompute it."""
+    taken = ctx.taken() | set(carried)
+    outs, pos = fresh("outputs", taken), fresh("pos", taken)
+    params = carried + sv + ([pos] if ctx.flags else [])
+    L(f"def _online_tokens(self, {', '.join(params)}):")
+    with L.indent():
+        L('"""' + "A segment of S tokens of the loop (torch.utils.checkpoint recomputes it): the state")
+        L(("and the block sums" if ctx.accs else "tensors") + " [B, H, ...], the views and gates [B, S, H, ...]"
+          + (f", {pos}: the segment's position in the blocks" if ctx.flags else "") + ";")
+        L("-> (o " + shape_text("B, S, H", ctx.read_shape()) + ", the state after the segment).")
+        L('"""')
+        L(f"{outs} = []")
+        token_loop(ctx, L, taken, outs, pos)
+        L(f"return torch.stack({outs}, dim=1), {tuple_text(carried)}")
+    L()
 
 
 def block_sums_in(ctx, L, pos: str, accs) -> None:
@@ -111,4 +167,4 @@ def token_step(ctx, L) -> None:
 
 
 EMITTER = Emitter(family="online", emit=emit, forward_method="_forward_online",
-                  schedule_text="online: one token at a time (exact)")
+                  schedule_text="online: one token at a time (exact)", recomputes=recomputes)
