@@ -182,6 +182,20 @@ def test_extreme_gates_float32_chunked_finite_and_exact(chunk):
     torch.testing.assert_close(o.double(), want, rtol=1e-4, atol=1e-5)
 
 
+def test_extreme_gates_float32_gradients_finite_and_exact():
+    """The stabilisers are constants to autograd: the float32 gradients at gates of +-200 are
+    finite and equal the float64 loop's."""
+    m = make(SPEC, DIMS, chunk=8, dtype=torch.float32)
+    ins = {n: x.float().requires_grad_(True) for n, x in _extreme(torch.float64).items()}
+    call(m, SPEC, ins, schedule="additive")[0].sum().backward()
+    ref = {n: x.detach().double().requires_grad_(True) for n, x in ins.items()}
+    zeros = torch.zeros(2, 2, 4, 5, dtype=torch.float64), torch.zeros(2, 2, 4, dtype=torch.float64)
+    token_loop(*(ref[x] for x in ("q", "k", "v", "ig", "fg")), *zeros)[0].sum().backward()
+    for n in ins:
+        assert torch.isfinite(ins[n].grad).all(), n
+        assert float((ins[n].grad.double() - ref[n].grad).norm() / ref[n].grad.norm()) < 1e-4, n
+
+
 def test_kernel_log_input_against_token_loop():
     """chunk_additive with log input weights (scaled outputs exp(-m) o, true-scale state) equals
     recurrent_additive, exclusive reads and packed documents included."""
