@@ -97,7 +97,8 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
             reasons.append(f"the increment of {n} has an exponential input weight exp({txt(log_input)}): the kernel "
                            f"keeps it in log space and carries a max stabiliser m (xLSTM's mLSTM: the state between "
                            f"chunks as exp(-m) {n}, each output row scaled by the running max of its own log "
-                           f"weights), so no exp overflows and the numbers are the unstabilised function's")
+                           f"weights), so no exp overflows and the numbers are the unstabilised function's (the online "
+                           f"step computes exp({txt(log_input)}) as written: in float32 it overflows above 88)")
         reasons += _exp_gates(spec, terms, n)
         states.append(AdditiveState(n, None if is_num(gamma, 1) else gamma, terms, m.vector, log_input))
     read, probes = find_probes(alg, alg.inline(spec.read), set(alg.states))
