@@ -417,3 +417,49 @@ def test_bfloat16_inputs_keep_float32_states_in_the_declared_layout():
     assert o.dtype == torch.bfloat16 and s["C"].dtype == torch.float32
     assert s["C"].shape == (2, dims["heads"], dims["d_v"], dims["d_k"])
     assert rel_err(o, o32) <= 2e-2 and rel_err(s["C"], s32["C"]) <= 2e-2
+
+
+LA_HEAD = """
+memory la
+dims { d_k = 4, d_v = 5 }
+const eps = 1e-6
+view q : d_k
+view k : d_k
+view v : d_v
+let qf = elu(q) + 1
+let kf = elu(k) + 1
+state z : [d_k] = zeros
+"""
+
+
+@pytest.mark.parametrize("body", [
+    """state C : [d_v, d_k] = zeros
+       update { C = C + outer(v, kf)
+                z = z + kf }
+       read = C @ qf / (qf @ z + eps)""",
+    """state C : [d_v, d_k] = zeros
+       update { inc = outer(v, kf)
+                C = inc + C
+                z = z + kf }
+       read = (C @ qf) / (z @ qf + eps)""",
+    """state C : [d_v, d_k] = zeros
+       update { C = (C.T + outer(kf, v)).T
+                z = z + kf }
+       read = qf @ C.T / (qf @ z + eps)""",
+    """state Num : [d_v, d_k] = zeros
+       update { Num = Num + outer(v, kf)
+                z = z + kf }
+       read = Num @ qf / (qf @ z + eps)""",
+])
+def test_column_linear_attention_written_any_way_gets_linear_attentions_plan(body):
+    row = analyse(memspec.load(SPECS / "linear_attention.yaml"))
+    d = analyse(mem(LA_HEAD + textwrap.dedent("        " + body)))
+    assert (d.family, d.chunk, d.exact) == (row.family, row.chunk, row.exact)
+    assert {"additive", "online"} <= set(d.admits)   # (the scan family reads the spec as written)
+    assert len(d.transposed) == 1 and "transposed" in d.orientation
+
+    def terms(plan):
+        return sorted((st.vector, str(st.gamma), tuple(map(str, t))) for st in plan.states for t in st.terms)
+
+    assert terms(d.plan) == terms(row.plan) == [(False, "None", ("elu(k) + 1", "v")), (True, "None", ("elu(k) + 1", "1"))]
+    assert sorted(str(p.vector) for p in d.plan.probes) == sorted(str(p.vector) for p in row.plan.probes)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, unparse
+from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, unparse
 from ..lang.normalize import canon
 from .algebra import (ONE, SHOW_LETS, ZERO, Algebra, NotAdmitted, fold_lets, is_diag, is_num, mul, simplify,
                       state_updates, txt)
@@ -82,6 +82,8 @@ def increments(alg: Algebra, A: Expr, S: str, vector: bool) -> list[tuple[Expr, 
     if not vector:
         if isinstance(A, Call) and A.fn == "outer":
             return [(A.args[0], A.args[1])]
+        if isinstance(A, Transpose):   # (sum_i a_i b_iᵀ)ᵀ = sum_i b_i a_iᵀ
+            return [(b, a) for a, b in increments(alg, A.operand, S, vector)]
         if isinstance(A, BinOp) and A.op == "@" and (is_diag(A.left) or is_diag(A.right)):
             d = (A.left if is_diag(A.left) else A.right).args[0]
             inner = increments(alg, A.right if is_diag(A.left) else A.left, S, vector)
