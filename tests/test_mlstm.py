@@ -182,6 +182,17 @@ def test_extreme_gates_float32_chunked_finite_and_exact(chunk):
     torch.testing.assert_close(o.double(), want, rtol=1e-4, atol=1e-5)
 
 
+def test_compile_keeps_the_stabilised_kernel_in_one_call():
+    """compile=True runs other chunked forwards in compiled slices that pass the state at its true
+    scale; the stabilised kernel stays one eager call, so extreme gates stay finite past a slice."""
+    from memspec.pipeline.build import build_memory
+    ins = {n: x.float() for n, x in _inputs(B=1, T=300, dtype=torch.float32, seed=6, ig_scale=50.0).items()}
+    outs = [build_memory(ROOT / "specs" / "mlstm.yaml", compile=c, chunk=16, heads=2, d_k=4, d_v=5)(
+        ins["q"], ins["k"], ins["v"], ig=ins["ig"], fg=ins["fg"])[0] for c in (True, False)]
+    assert torch.isfinite(outs[0]).all()
+    assert_same_function(outs[0], outs[1])
+
+
 def test_extreme_gates_float32_gradients_finite_and_exact():
     """The stabilisers are constants to autograd: the float32 gradients at gates of +-200 are
     finite and equal the float64 loop's."""

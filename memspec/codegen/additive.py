@@ -196,8 +196,15 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, 
                            f"{spec.state[st.name].shape[0]}]")
 
 
-# its halving loop over a decay per key channel took 586-745 s to compile on a 2-core CPU (gla,
-# slices of 512 tokens) and ran 2x slower after it (README): that kernel stays eager
+def stays_eager(ctx, plan) -> bool:
+    """Its halving loop over a decay per key channel took 586-745 s to compile on a 2-core CPU
+    (gla, slices of 512 tokens) and ran 2x slower after it (README); a stabilised kernel (an
+    exponential input weight) would pass the state between compiled slices at its true scale,
+    which float32 cannot hold past 3.4e38 where the stabilised call over all tokens stays finite:
+    both kernels stay eager, one call over the whole sequence."""
+    return per_channel(plan, ctx.emitter()) or any(st.log_input is not None for st in plan.states)
+
+
 EMITTER = Emitter(family="additive", emit=emit, forward_method="_forward_chunk",
                   schedule_text="additive chunked form, chunk {chunk} (exact)", kernel=True, packed=True,
-                  stays_eager=lambda ctx, plan: per_channel(plan, ctx.emitter()))
+                  stays_eager=stays_eager)
