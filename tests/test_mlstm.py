@@ -236,6 +236,45 @@ def test_kernel_log_input_against_token_loop():
         torch.testing.assert_close(S[i:i + 1], S_want, rtol=1e-10, atol=0.0)
 
 
+TWO_SCALES = """
+memory two_scales
+dims { d_model = 8, heads = 2, d_k = 4, d_v = 5 }
+view q : d_k
+view k : d_k
+view u : d_k
+view v : d_v
+gate ig = logit
+gate jg = logit
+gate fg = logit
+state C : [d_k, d_v] = zeros
+state n : [d_k] = zeros
+update {
+  C = sigmoid(fg) * C + exp(ig) * outer(k, v)
+  n = n + exp(jg) * u
+}
+read = q @ C / max(abs(q @ n), 1) + 0.5 * (q @ C)
+"""
+
+
+def test_two_stabilised_calls_share_one_scale():
+    """Two kernel calls (different keys and input gates) carry two stabilisers: the probes are
+    brought to their maximum, and a read of degree 1 in the probes (the + 0.5 q C term) gets its
+    factor exp(m) once, at the end."""
+    spec = memspec.loads(TWO_SCALES, "mem")
+    dims = {"d_model": 8, "heads": 2, "d_k": 4, "d_v": 5}
+    m = make(spec, dims, chunk=4)
+    g = torch.Generator().manual_seed(0)
+    ins = {n: torch.randn(2, 13, 2, 5 if n == "v" else 4, generator=g, dtype=torch.float64) for n in "qkuv"}
+    ins.update({n: 3 * torch.randn(2, 13, 2, generator=g, dtype=torch.float64) for n in ("ig", "jg", "fg")})
+    st = {"C": torch.randn(2, 2, 4, 5, generator=g, dtype=torch.float64),
+          "n": torch.randn(2, 2, 4, generator=g, dtype=torch.float64)}
+    o_ref, s_ref = reference_run(spec, m, dims, "online", st, ins)
+    o, s = call(m, spec, ins, state=st, schedule="additive")
+    assert_same_function(o, o_ref)
+    for name in s:
+        assert_same_function(s[name], s_ref[name])
+
+
 # ---- exact log decays (no floor at 1e-30): a decay of 0 and decays of exp(-40) per token
 
 GATED_HEAD = """
