@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..lang.expr import unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _recomputed
-from .program import emit_updates
+from .program import emit_updates, grad_target, window_closed
 from .text import shape_text, tuple_text
 from .context import Emitter
 
@@ -69,10 +69,12 @@ def emit(ctx, L) -> None:
 def recomputes(ctx, plan) -> bool:
     """Does the online forward run in segments recomputed in the backward (the `checkpoint`
     option)?  When it is the module's default schedule and its step takes no torch.func.grad
-    (which saved-tensor hooks do not support) and holds no growing cache."""
-    if ctx.default != "online" or any(st.cache for st in ctx.spec.state.values()):
+    (which saved-tensor hooks do not support: every gradient in closed form, the spec's or its
+    window loss's) and holds no cache that grows without bound."""
+    if ctx.default != "online" or any(st.cache and st.window is None for st in ctx.spec.state.values()):
         return False
-    return all(ctx.closed_grads.get(tuple(unparse(c) for c in g)) is not None for g in ctx.grad_groups if g)
+    return all(ctx.closed_grads.get(tuple(unparse(c) for c in g)) is not None
+               or window_closed(ctx, [grad_target(ctx, c) for c in g]) is not None for g in ctx.grad_groups if g)
 
 
 def token_loop(ctx, L, taken, outs: str, pos: str) -> None:

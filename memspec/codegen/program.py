@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..lang.expr import BinOp, Call, Name, Transpose, rewrite, unparse
 from ..lang.names import fresh
-from ..schedule.algebra import is_num
+from ..schedule.algebra import ONE, is_num
 from .exprs import P_ATOM, P_MUL
 from .text import shape_text
 
@@ -33,12 +33,43 @@ def grad_call_line(ctx, L, group, taken: set, where: str, em=None) -> dict:
     if cg is not None and em is not None:
         outs = closed_grad_lines(ctx, L, em, cg, targets, taken, where)
         return {unparse(c): outs[grad_target(ctx, c)] for c in group}
+    window = window_closed(ctx, targets)
+    if window is not None and em is not None and not em.rows:
+        outs = window_grad_lines(ctx, L, window, targets, taken, where)
+        return {unparse(c): outs[grad_target(ctx, c)] for c in group}
     argnums = tuple(ctx.loss_args.index(t) for t in targets)
     outs = {t: fresh(f"grad_{t}", taken) for t in targets}
     lhs = ", ".join(outs[t] for t in targets) + ("," if len(targets) == 1 else "")
     an = f"({argnums[0]},)" if len(argnums) == 1 else repr(argnums)
     L(f"{lhs} = torch.func.grad(self.inner_loss, argnums={an})({', '.join(ctx.loss_args)})", where)
     return {unparse(c): outs[grad_target(ctx, c)] for c in group}
+
+
+def window_closed(ctx, targets):
+    """The window loss of the mini-batch plan (:class:`memspec.schedule.window.WindowLoss`) when
+    its row loss has a closed-form gradient for every target, else None."""
+    plan = ctx.plans.get("minibatch")
+    window = getattr(plan, "window", None)
+    if window is None or window.closed is None or not all(window.closed.of(t) for t in targets):
+        return None
+    return window
+
+
+def window_grad_lines(ctx, L, window, targets, taken: set, where: str) -> dict:
+    """A window loss's gradients at the current state: the row loss's closed-form program over the
+    caches' rows at once (rows mode, a cache [B, H, n, ...] as the rows), each gradient the sum
+    of its rows' outer products as one product ``x^T delta``; returns target -> local."""
+    names = {row: cache for cache, row in window.rows.items()}
+    scope = {row: tuple(ctx.spec.state[cache].shape) for cache, row in window.rows.items()}
+    em = ctx.emitter(rows=True, names=names).with_scope(**scope)
+    closed_grad_lines(ctx, L, em, window.closed, targets, taken, f"{where}, every row of the window",
+                      prefix="B, H, n")
+    outs = {}
+    for t in targets:
+        outs[t] = fresh(f"grad_{t}", taken)
+        L(f"{outs[t]} = {weighted_grad_sum(ctx, em, window.closed, t, ONE)}",
+          shape_text("B, H", ctx.spec.state[t].shape) + f": grad(loss, {t}), summed over the rows")
+    return outs
 
 
 def live_steps(cg, targets) -> list:
@@ -109,7 +140,8 @@ def weighted_grad_sum(ctx, em, cg, target: str, weight) -> str:
     for site in cg.of(target):
         d = sub._emit(Name(site.delta) if is_num(weight, 1) else BinOp("*", weight, Name(site.delta)))
         if site.input:
-            terms.append(f"{site.input}.transpose(-2, -1) @ {d.at(P_MUL + 1)}")
+            x = sub._emit(Name(site.input))
+            terms.append(f"{x.at(P_ATOM)}.transpose(-2, -1) @ {d.at(P_MUL + 1)}")
         else:
             terms.append(f"{d.at(P_ATOM)}.sum(-2)")
     return " + ".join(terms)
