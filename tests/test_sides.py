@@ -463,3 +463,33 @@ def test_column_linear_attention_written_any_way_gets_linear_attentions_plan(bod
 
     assert terms(d.plan) == terms(row.plan) == [(False, "None", ("elu(k) + 1", "v")), (True, "None", ("elu(k) + 1", "1"))]
     assert sorted(str(p.vector) for p in d.plan.probes) == sorted(str(p.vector) for p in row.plan.probes)
+
+
+# ------------------------------------------------------------------ the rewrite over Sᵀ keeps every value
+@pytest.mark.parametrize("name", ["linear_attention", "deltanet", "gated_deltanet", "kda", "momentum_deltanet",
+                                  "gla", "rwkv7", "titans", "ttt_mlp", "mesa"])
+def test_transposed_spec_is_the_same_memory_with_its_states_transposed(name):
+    """``transposed_spec`` run by the reference interpreter: the same outputs, the final states
+    the transposes of the original's (the rewrite of every value, model, loss and gradient)."""
+    from memspec import reference
+    from memspec.schedule.algebra import Algebra
+    from memspec.schedule.sides import matrix_states, transposed_spec
+    from _compiled_harness import ref_params
+
+    spec = memspec.load(SPECS / f"{name}.yaml")
+    flip = matrix_states(Algebra(spec))
+    assert flip
+    col = transposed_spec(spec, flip)
+    for n in flip:
+        assert col.state[n].shape == list(reversed(spec.state[n].shape))
+    dims = small_dims(spec)
+    m = make(spec, dims)
+    ins = inputs(spec, m, T=7)
+    st = initial_state(spec, m)
+    params = ref_params(spec, m)
+    ro, rs = reference.run(spec, state=dict(st), dims=dims, params=params, **ins)
+    tst = {n: t.transpose(-1, -2) if n in flip else t for n, t in st.items()}
+    to, ts = reference.run(col, state=tst, dims=dims, params=params, **ins)
+    assert_same_function(to, ro)
+    for n in rs:
+        assert_same_function(ts[n].transpose(-1, -2) if n in flip else ts[n], rs[n])

@@ -244,7 +244,8 @@ class _Pusher:
                 return self._probe(L, R, vec_left=True)
             if rl == 2 and rr == 1:   # M q = q @ Mᵀ
                 return self._probe(R, L, vec_left=False)
-            return BinOp("@", self.push(L), self.push(R), span=e.span)
+            out = BinOp("@", self.push(L), self.push(R), span=e.span)
+            return Transpose(out) if t else out
         if e.op in "+-^" or (e.op in "*/" and (rl == rr or 0 in (rl, rr))):
             if e.op == "^" or rl == rr or not t or 0 in (rl, rr):
                 return BinOp(e.op, self.push(L, t), self.push(R, t), span=e.span)
