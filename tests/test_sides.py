@@ -493,3 +493,21 @@ def test_transposed_spec_is_the_same_memory_with_its_states_transposed(name):
     assert_same_function(to, ro)
     for n in rs:
         assert_same_function(ts[n].transpose(-1, -2) if n in flip else ts[n], rs[n])
+
+
+@pytest.mark.parametrize("name", ["linear_attention", "retention", "gla", "hgrn2", "mamba2", "rwkv6", "deltanet",
+                                  "deltanet_textbook", "gated_deltanet", "longhorn", "kda", "rwkv7", "comba",
+                                  "gdn2", "gated_deltaproduct", "momentum_deltanet"])
+def test_every_key_side_memory_written_on_its_value_side_gets_the_same_plan(name):
+    """Each shipped memory of a key-side family, rewritten over Sᵀ (a column-written twin): the
+    same family, chunk and printed plan, its states seen transposed back."""
+    from memspec.schedule import render_plan
+    from memspec.schedule.algebra import Algebra
+    from memspec.schedule.sides import matrix_states, transposed_spec
+
+    spec = memspec.load(SPECS / f"{name}.yaml")
+    flip = matrix_states(Algebra(spec))
+    row, col = analyse(spec), analyse(transposed_spec(spec, flip))
+    assert (col.family, col.chunk, col.exact) == (row.family, row.chunk, row.exact)
+    assert col.transposed == flip and row.transposed == ()
+    assert render_plan(col.plan) == render_plan(row.plan)
