@@ -6,15 +6,16 @@ d_v < d_k, dplr, the momentum pair) and the relay (mini-batch Titans, with open 
 ranks; a cache).  T is a multiple of neither P nor the chunk."""
 from __future__ import annotations
 
-import os
+import datetime
+import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from close import assert_same_function
+
 from memspec.parallel import parallel_plan
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -92,27 +93,85 @@ def _case(name, dims, rank, world, group=None):
     assert set(s) == set(s_end), f"{name}: state entries {sorted(s)} at the end of rank {rank}, {sorted(s_end)}"
     for n in s_end:
         if isinstance(s_end[n], torch.Tensor):
-            assert_same_function(s[n], s_end[n], msg=lambda m: f"{name}: state {n} at the end of rank {rank}: {m}")
+            assert_same_function(s[n], s_end[n], msg=lambda m, n=n: f"{name}: state {n} at the end of rank {rank}: {m}")
         else:   # a position in an open chunk
             assert s[n] == s_end[n], f"{name}: state {n} at the end of rank {rank}: {s[n]} != {s_end[n]}"
     for n in mine:
-        assert_same_function(mine[n].grad, g_ref[n][:, a:b], msg=lambda m: f"{name}: grad {n}, rank {rank}: {m}")
+        assert_same_function(mine[n].grad, g_ref[n][:, a:b], msg=lambda m, n=n: f"{name}: grad {n}, rank {rank}: {m}")
     for n, g in zip(s0, grads):
-        assert_same_function(g, g0_ref[n], msg=lambda m: f"{name}: grad of the initial {n}: {m}")
+        assert_same_function(g, g0_ref[n], msg=lambda m, n=n: f"{name}: grad of the initial {n}: {m}")
     for g, ref in zip(grads[len(s0):], gp_ref):
         assert_same_function(g, ref, msg=lambda m: f"{name}: a parameter's grad: {m}")
+
+
+def _documents_case(name, dims, offsets, rank, world, group=None):
+    """Packed documents (B = 1) over the ranks, some spanning a rank boundary or a whole shard."""
+    import torch.distributed as dist
+
+    from memspec.parallel import context_parallel, local_documents, shard, shard_bounds
+    from memspec.pipeline.build import build_memory
+
+    torch.manual_seed(0)
+    mem = build_memory(SPECS / f"{name}.yaml", compile=False, **dims).double()
+    gen = torch.Generator().manual_seed(2)
+    T, N = offsets[-1], len(offsets) - 1
+    cu = torch.tensor(offsets)
+    full = _inputs(mem, 1, T, gen)
+    state0 = {n: 0.3 * torch.randn(s.shape, generator=gen, dtype=torch.float64)
+              for n, s in mem.init_state(N, dtype=torch.float64).items()}
+    xs = {n: x.clone().requires_grad_() for n, x in full.items()}
+    s0 = {n: s.clone().requires_grad_() for n, s in state0.items()}
+    o_ref, s_ref = mem(**xs, state=s0, cu_seqlens=cu)
+    w_o = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
+    # (a state the documents leave at different chunk positions is not in a packed final state)
+    weights = {n: torch.randn(s_ref[n].shape, generator=gen, dtype=torch.float64) for n in state0 if n in s_ref}
+    ((o_ref * w_o).sum() + sum((s_ref[n] * weights[n]).sum() for n in weights)).backward()
+    a, b = shard_bounds(T, world)[rank]
+    with torch.no_grad():   # the documents' states at b (those that end by b: their final states)
+        _, s_at_b = mem(**{n: x[:, :b] for n, x in full.items()}, state=state0,
+                        cu_seqlens=torch.tensor([min(o, b) for o in offsets]))
+
+    docs = local_documents(cu)
+    mine = {n: shard(x).clone().requires_grad_() for n, x in full.items()}
+    s0c = {n: s.clone().requires_grad_() for n, s in state0.items()}
+    o, s = context_parallel(mem, **mine, state=s0c, cu_seqlens=cu, group=group)
+    ends = [i for i in docs if offsets[i + 1] <= b]   # final states here
+    loss = (o * shard(w_o)).sum()
+    loss = loss + sum((s[n][[docs.index(i) for i in ends]] * weights[n][ends]).sum() for n in weights)
+    loss.backward()
+    grads = [s0c[n].grad if s0c[n].grad is not None else torch.zeros_like(s0c[n]) for n in s0c]
+    for g in grads:
+        dist.all_reduce(g, group=group)
+
+    assert_same_function(o, o_ref[:, a:b], msg=lambda m: f"{name} {offsets}: outputs of rank {rank}: {m}")
+    for n in weights:
+        assert n in s, f"{name} {offsets}: rank {rank} returns no state {n}"
+    for n in set(s_ref) & set(s_at_b):
+        assert_same_function(s[n], s_at_b[n][docs], msg=lambda m, n=n: f"{name} {offsets}: rows {docs} of {n}: {m}")
+    for n in mine:
+        assert_same_function(mine[n].grad, xs[n].grad[:, a:b], msg=lambda m, n=n: f"{name}: grad {n}, rank {rank}: {m}")
+    for n, g in zip(s0c, grads):
+        assert_same_function(g, s0[n].grad, msg=lambda m, n=n: f"{name} {offsets}: grad of the initial {n}: {m}")
+
+
+DOCUMENTS = [[0, 3, 10, 10, 17, 23], [0, 2, 20, 23]]   # documents across rank boundaries; one over a whole shard
 
 
 def _worker(rank, world, init, cases, out):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    # a collective that waits longer fails (a hang would otherwise stall the suite)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     failed = []
     try:
-        for name, dims in cases:
+        for name, dims, *documents in cases:
             try:   # the collectives run alike on every rank whatever the comparisons find
-                _case(name, dims, rank, world)
+                if documents:
+                    _documents_case(name, dims, documents[0], rank, world)
+                else:
+                    _case(name, dims, rank, world)
             except AssertionError:
                 failed.append(traceback.format_exc())
     finally:
@@ -120,8 +179,15 @@ def _worker(rank, world, init, cases, out):
     Path(out, f"rank{rank}.txt").write_text("\n".join(failed))
 
 
-def _spawn(world, cases, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases, str(tmp_path)), nprocs=world)
+def _spawn(world, cases, tmp_path, limit=300):
+    ctx = mp.start_processes(_worker, args=(world, str(tmp_path / "init"), cases, str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + limit
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{world} ranks did not finish in {limit} s")
     failed = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
     assert not any(failed), "\n".join(failed)
 
@@ -129,6 +195,13 @@ def _spawn(world, cases, tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_equals_one_process(world, tmp_path):
     _spawn(world, [(n, d) for n, (d, _) in CASES.items()], tmp_path)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_packed_documents(world, tmp_path):
+    """A document that spans ranks continues from the state the ranks before it left."""
+    cases = [(n, CASES[n][0], d) for n in ("gated_deltanet", "momentum_deltanet", "titans") for d in DOCUMENTS]
+    _spawn(world, cases, tmp_path)
 
 
 @pytest.mark.slow
@@ -139,7 +212,7 @@ def test_context_parallel_more_families(world, tmp_path):
 
 @pytest.mark.parametrize("name", sorted({**CASES, **SLOW_CASES}))
 def test_plan_path(name):
-    dims, path = {**CASES, **SLOW_CASES}[name]
+    path = {**CASES, **SLOW_CASES}[name][1]
     plan = parallel_plan(SPECS / f"{name}.yaml")
     assert plan.path == path, plan.text()
     assert plan.spec == name and plan.reason in plan.text()

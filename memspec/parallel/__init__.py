@@ -7,7 +7,9 @@ shards on the ranks of a ``torch.distributed`` group (gloo on CPU, nccl on CUDA)
 
 See docs/parallel.md.
 """
+from .documents import local_documents
+from .maps import shard_bounds
 from .plan import Group, ParallelPlan, parallel_plan
-from .run import ContextParallel, context_parallel, shard, shard_bounds
+from .run import ContextParallel, context_parallel, shard
 
-__all__ = ["ContextParallel", "Group", "ParallelPlan", "context_parallel", "parallel_plan", "shard", "shard_bounds"]
+__all__ = ["ContextParallel", "Group", "ParallelPlan", "context_parallel", "local_documents", "parallel_plan", "shard", "shard_bounds"]
