@@ -45,8 +45,8 @@ def _at_root(monkeypatch):
     ("f(q) * ln_w", "self.f(q, W) * self.ln_w"),
     ("-d_k^(-0.5)", "-self.d_k ** -0.5"),
     ("q @ solve(W @ W.T + lam * eye(d_k), W)",
-     "(q.unsqueeze(-2) @ torch.linalg.solve(W @ W.transpose(-2, -1) + 0.1 * torch.eye(self.d_k, dtype=q.dtype, "
-     "device=q.device), W)).squeeze(-2)"),
+     "(torch.linalg.solve(W @ W.transpose(-2, -1) + 0.1 * torch.eye(self.d_k, dtype=q.dtype, device=q.device), "
+     "q.unsqueeze(-2), left=False) @ W).squeeze(-2)"),   # v A^-1: one right-hand side, not W's columns
     ("max(k, 0)", "k.clamp(min=0)"),
     ("huber(v - f(k), eta)", "huber(v - self.f(k, W), eta[..., None])"),
     ("sum(W^2)", "(W ** 2).sum((-2, -1))"),

@@ -198,6 +198,12 @@ class ExprEmitter:
     def _binop(self, e: BinOp) -> Code:
         if e.op == "@" and (is_diag(e.left) or is_diag(e.right)):
             return self._diag_matmul(e)
+        if e.op == "@" and isinstance(e.right, Call) and e.right.fn == "solve" \
+                and len(self.shape(e.left)) == 1 and len(self.shape(e.right.args[1])) == 2:
+            # v @ solve(A, B) = (v A^-1) @ B: one right-hand side (a row) instead of B's columns
+            v, A, B = self._rowed([self._emit(e.left), self._emit(e.right.args[0]), self._emit(e.right.args[1])])
+            return Code(f"(torch.linalg.solve({A.text}, {v.at(P_ATOM)}.unsqueeze(-2), left=False) @ {B.at(P_MUL + 1)})"
+                        f".squeeze(-2)", P_ATOM, 1, row=v.row)
         a, b = self._emit(e.left), self._emit(e.right)
         if e.op == "@":
             return self._matmul(a, b, e)
