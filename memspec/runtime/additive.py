@@ -315,11 +315,11 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
                     Lq = torch.nn.functional.pad(L[:, :-1], (1, 0))
                 if stab:  # row t: its log weights (the start state's, each pair's), scaled by their max
                     pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(d)
-                    lw = (seg + li[:, None, :]).masked_fill(~pairs, float("-inf"))   # [nBH, c, c]
+                    lw = (seg + li[:, None, :]).masked_fill_(~pairs, float("-inf"))   # [nBH, c, c]
                     m0 = torch.stack(m_starts).view(nBH) if n > 1 else m_starts[0]
                     a = Lq + m0[:, None]                             # [nBH, c]
                     m_row = torch.maximum(a.detach(), lw.detach().amax(-1)).clamp_min(-1e30)
-                    decay = torch.exp(lw - m_row[..., None])
+                    decay = torch.exp(lw.sub_(m_row[..., None]))
                     qg = qg * torch.exp(a - m_row)[..., None]        # [nBH, c, K] decayed probes
                     m_outs.append(m_row.view(n, B, H, c, 1).permute(1, 0, 3, 2, 4))   # [B, n, c, H, 1]
                 else:
