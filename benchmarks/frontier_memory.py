@@ -9,7 +9,7 @@ of 64 KiB or more are mapped and unmapped, so the resident peak is the peak of l
 heap otherwise keeps freed chunks resident, and a run that frees many tensors of varying sizes -- a
 recomputed chunk -- reads several times its live peak).
 
-    python benchmarks/frontier_memory.py [--T 2048] [--threads 1] [--limit-gb 20] [--timeout 600]
+    python benchmarks/frontier_memory.py [--T 2048] [--threads 1] [--limit-gb 20] [--timeout 600] [--markdown]
 """
 from __future__ import annotations
 
@@ -67,16 +67,31 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--limit-gb", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
     ap.add_argument("specs", nargs="*", default=SPECS)
     a = ap.parse_args(argv)
-    print(f"forward + backward of each layer, x [1, {a.T}, 256], {a.threads} thread(s), "
-          f"memory limit {a.limit_gb:g} GB, {time.strftime('%Y-%m-%d')}")
-    print(f"{'spec':32} {'status':>14} {'seconds':>9} {'peak GB':>8} {'/ titans':>9}")
+    title = (f"forward + backward of each layer, x [1, {a.T}, 256], {a.threads} thread(s), "
+             f"memory limit {a.limit_gb:g} GB, {time.strftime('%Y-%m-%d')}")
+    if a.markdown:
+        print(f"`python benchmarks/frontier_memory.py --T {a.T} --threads {a.threads} --markdown` ({title}):\n")
+        print("| spec | schedule | peak GB | / titans | seconds |\n|---|---|---:|---:|---:|")
+    else:
+        print(title)
+        print(f"{'spec':32} {'status':>14} {'seconds':>9} {'peak GB':>8} {'/ titans':>9}")
     base = None
     for name in a.specs:
         status, seconds, gb = run(name, a)
         if name == "titans" and gb is not None:
             base = gb
+        if a.markdown:
+            import memspec
+            from memspec.schedule import analyse
+            d = analyse(memspec.load(ROOT / "specs" / f"{name}.yaml"))
+            sched = f"{d.family}({d.chunk})" if d.chunk else d.family
+            cells = [f"{gb:.2f}", f"{gb / base:.2f}" if base else "—", f"{seconds:.1f}"] if gb is not None \
+                else [status, "—", "—"]
+            print(f"| {name} | {sched} | " + " | ".join(cells) + " |", flush=True)
+            continue
         ratio = f"{gb / base:9.2f}" if gb is not None and base else f"{'':>9}"
         print(f"{name:32} {status:>14} {seconds if seconds is not None else float('nan'):9.1f} "
               f"{gb if gb is not None else float('nan'):8.2f} {ratio}", flush=True)
