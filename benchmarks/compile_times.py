@@ -51,7 +51,7 @@ def main():
             # exact chunked forward: one slice of SLICE_CHUNKS chunks (the graph it compiles)
             T = mem.chunk * (SLICE_CHUNKS if hasattr(mem, "_chunked_fn") else 1)
             views = {n: torch.randn(1, T, mem.heads, getattr(mem, d)).requires_grad_(grad) for n, d in mem.VIEWS.items()}
-            shapes = mem.GATES if isinstance(mem.GATES, dict) else dict.fromkeys(mem.GATES, ())   # per channel: dims
+            shapes = mem.GATES   # per channel: dims
             gates = {n: 0.1 * torch.rand(1, T, mem.heads, *(getattr(mem, d) for d in dims))
                      for n, dims in shapes.items()}
             t0, c0 = time.perf_counter(), cpu_seconds()

@@ -193,7 +193,7 @@ def test_chunk_pre_is_local_to_batch_rows_and_holds_what_reads_no_state(name):
     B, T = 2, 3 * 4 + 1
     ins = {v: torch.randn(B, T, 2, getattr(mem, d), dtype=torch.float64) for v, d in mem.VIEWS.items()}
     ins.update({g: torch.rand(B, T, 2, *(getattr(mem, d) for d in dg), dtype=torch.float64)
-                for g, dg in (mem.GATES.items() if isinstance(mem.GATES, dict) else ((g, ()) for g in mem.GATES))})
+                for g, dg in mem.GATES.items()})
     calls, real = [], mem._chunk_pre
 
     def spy(*xs):

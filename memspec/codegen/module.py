@@ -223,10 +223,8 @@ def memory_class(ctx, L):
     L('"""')
     L()
     L(f"VIEWS = {{{', '.join(f'{v!r}: {spec.views[v].dim!r}' for v in ctx.views)}}}")
-    if ctx.vector_gates:   # name -> the dims of a per-channel gate (() for a scalar one)
-        L(f"GATES = {{{', '.join(f'{g!r}: {ctx.gate_shapes[g]!r}' for g in ctx.gates)}}}")
-    else:
-        L(f"GATES = ({''.join(f'{g!r}, ' for g in ctx.gates)})")
+    # name -> the dims of a per-channel gate (() for a scalar one)
+    L(f"GATES = {{{', '.join(f'{g!r}: {tuple(ctx.gate_shapes[g]) if ctx.vector_gates else ()!r}' for g in ctx.gates)}}}")
     state_items = ", ".join(f"{s!r}: ({''.join(f'{x!r}, ' for x in st.shape)})" for s, st in spec.state.items())
     L(f"STATE = {{{state_items}}}")
     caches = {s: st.window for s, st in spec.state.items() if st.cache}
