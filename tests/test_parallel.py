@@ -32,13 +32,17 @@ SLOW_CASES = {
     "kda": (dict(heads=2, d_k=6, d_v=4, chunk=4), "scan"),
     "softmax_attention": (dict(heads=2, d_k=4, d_v=4), "relay"),
     "mesa": (dict(heads=1, d_k=4, d_v=4), "scan"),
+    **{n: (dict(heads=2, d_k=4, d_v=3, chunk=4), "scan")
+       for n in ("retention", "rwkv6", "hgrn2", "mamba2", "deltanet_textbook", "longhorn", "comba", "gdn2", "rwkv7",
+                 "gated_deltaproduct")},
+    "hgrn": (dict(heads=2, d_v=4, chunk=4), "relay"),
 }
 
 
 def _inputs(mem, B, T, gen):
     x = {n: torch.randn(B, T, mem.heads, getattr(mem, d), generator=gen, dtype=torch.float64)
          for n, d in mem.VIEWS.items()}
-    gates = mem.GATES if isinstance(mem.GATES, dict) else {g: () for g in mem.GATES}
+    gates = mem.GATES
     for g, shape in gates.items():
         dims = tuple(getattr(mem, d) for d in shape)
         x[g] = 0.1 + 0.8 * torch.rand(B, T, mem.heads, *dims, generator=gen, dtype=torch.float64)
