@@ -277,23 +277,24 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             else:
                 kd = kg
         kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
-        starts, m_starts = [], []
+        if stab:  # the state carried as exp(-m) S, m <- max(g + m, m_loc) (a scale: no gradient)
+            m_list = []
+            for j in range(n):
+                if docs is not None and j0 + j in docs.first:
+                    ms = torch.zeros_like(ms)                        # a document's state: its true scale
+                m_list.append(ms)
+                ms = torch.maximum(g_log[j].detach() + ms, m_loc[j])   # [BH]
+            m_all = torch.stack(m_list + [ms])                       # [n + 1, BH] at each chunk's start
+            g_end = torch.exp(g_log + m_all[:-1] - m_all[1:]).view(n, BH, 1, 1)   # every exponent <= 0
+            kv = kv * torch.exp(m_loc - m_all[1:]).view(n, BH, 1, 1)
+        starts = []
         for j in range(n):  # forward in the chunks: a non-finite increment reaches only later chunks
             if docs is not None:
                 S = docs.enter(j0 + j, S)                            # a document's initial state
-                if stab and j0 + j in docs.first:
-                    ms = torch.zeros_like(ms)                        # ... at its true scale
             starts.append(S)
-            if stab:  # exp(-m) S with m <- max(g + m, m_loc): every exponent <= 0
-                m_starts.append(ms)
-                m_new = torch.maximum(g_log[j].detach() + ms, m_loc[j])   # [BH]
-                S = (torch.exp(g_log[j] + ms - m_new).view(BH, 1, 1) * S
-                     + torch.exp(m_loc[j] - m_new).view(BH, 1, 1) * kv[j])   # [BH, K, V]
-                ms = m_new
-            else:
-                S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None else S + kv[j]   # [BH, K, V]
+            S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None or stab else S + kv[j]   # [BH, K, V]
             if docs is not None:                                     # a document's final state (true scale)
-                docs.leave(j0 + j, S * torch.exp(ms).view(BH, 1, 1) if stab else S)
+                docs.leave(j0 + j, S * torch.exp(m_all[j + 1]).view(BH, 1, 1) if stab else S)
         j0 += n
         if q is None:
             continue
@@ -316,7 +317,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
                 if stab:  # row t: its log weights (the start state's, each pair's), scaled by their max
                     pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(d)
                     lw = (seg + li[:, None, :]).masked_fill_(~pairs, float("-inf"))   # [nBH, c, c]
-                    m0 = torch.stack(m_starts).view(nBH) if n > 1 else m_starts[0]
+                    m0 = m_all[:-1].reshape(nBH)                     # [nBH] the chunks' start stabilisers
                     a = Lq + m0[:, None]                             # [nBH, c]
                     m_row = torch.maximum(a.detach(), lw.detach().amax(-1)).clamp_min(-1e30)
                     decay = torch.exp(lw.sub_(m_row[..., None]))
