@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, apply_update, cache, delta, dplr, minibatch, momentum, online, scan, sides, transition
+from . import additive, apply_update, cache, chained, delta, dplr, minibatch, momentum, online, scan, sides, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -177,6 +177,13 @@ def register(family: Family, *, before: str | None = None) -> Callable[[], None]
         BY_NAME.pop(family.name, None)
 
     return unregister
+
+
+# reads that chain probes of additive states (gated slot attention): after additive, ahead of the
+# one-state families, whose rejections of such a spec say nothing about it
+register(Family("chained", lambda alg, chunk: chained.analyse_chained(alg), exact=True, chunked=True, carried=False,
+                text="chained (exact multi-pass chunked form: the read chains probes of additive states)",
+                keyword="chunk", needs="an exact chunk form", listed=chained.chains), before="delta")
 
 
 @dataclass(frozen=True)

@@ -315,7 +315,7 @@ def one_state(alg: Algebra, nf: NormalForm, family: str) -> tuple[str, Affine]:
     states = list(alg.states)
     if len(states) != 1:
         links = [line for n in states for line in transition_text(nf.maps[n], n, states)
-                 if not line.startswith((f"T[{n} <- {n}]", "T ="))]
+                 if not line.startswith((f"T[{n} <- {n}]", "T =", f"T({n})"))]
         if links:
             raise NotAdmitted(f"the states {', '.join(states)} are coupled linearly ({'; '.join(links)}): the "
                               f"{family} form has one state")

@@ -1,0 +1,99 @@
+"""The chained family's own kernel: an additive state whose decay acts on its *columns* (the
+output channels of its probe), ``S_t = S_{t-1} Diag(exp(g_t)) + outer(k_t, w_t)`` read
+``o_t = q_t @ S_t`` -- gated slot attention's first memory (``K̃ <- K̃ Diag(alpha) + k (1 - alpha)ᵀ``,
+probed ``q @ K̃``); flash-linear-attention's GLA kernels call this decay ``gv``.  A decay on the
+rows (the key side) is :func:`memspec.runtime.additive.chunk_additive`'s.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_value_decay(q, k, w, log_decay, S0, inclusive=True):
+    """Token loop of ``S_t = S_{t-1} Diag(exp(log_decay_t)) + outer(k_t, w_t)``, ``o_t = q_t @ S_t``
+    (``inclusive=False``: ``q_t @ S_{t-1}``): the oracle of :func:`chunk_value_decay`.
+
+    Args: q, k ``[B, T, H, K]``; w, log_decay ``[B, T, H, V]``; S0 ``[B, H, K, V]`` or None.
+    Returns: (o ``[B, T, H, V]``, the final state ``[B, H, K, V]``)."""
+    B, T, H, K = k.shape
+    S = k.new_zeros(B, H, K, w.shape[-1]) if S0 is None else S0
+    outs = []
+    for t in range(T):
+        before = S
+        S = S * torch.exp(log_decay[:, t]).unsqueeze(-2) + k[:, t].unsqueeze(-1) * w[:, t].unsqueeze(-2)
+        outs.append((q[:, t].unsqueeze(-2) @ (S if inclusive else before)).squeeze(-2))
+    return torch.stack(outs, 1), S
+
+
+def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
+    """Exact chunked form of ``S_t = S_{t-1} Diag(exp(log_decay_t)) + outer(k_t, w_t)``,
+    ``o_t = q_t @ S_t``: the decay on the columns of S, so every pair of tokens has its own weight
+    per output channel, ``o_t = sum_{s <= t} (q_t . k_s) exp(L_t - L_s) * w_s`` (``L`` the
+    cumulative log decays, per channel).
+
+    Inside a chunk of ``chunk`` tokens (rounded down to a power of two; a shorter tail is padded
+    with zero tokens), with ``L`` the cumulative log decays from the chunk's start (``Lq = L``, or
+    ``L_{t-1}`` and pairs ``s < t`` when ``inclusive=False``):
+
+    * the chunk-start state: ``(q_t @ S_start) * exp(Lq_t)``;
+    * the pairs ``s < t``, level by level: the chunk is halved into blocks of 2h tokens, and a
+      pair (t in a block's second half, s in its first, ``R`` the log decay at the first half's
+      end) weighs ``exp(Lq_t - R) * exp(R - L_s)``: one batched matmul of the scores
+      ``q_t . k_s`` with ``w_s * exp(R - L_s)`` per level, scaled by ``exp(Lq_t - R)``; the
+      pairs s = t (inclusive) weigh 1;
+    * the next chunk's state: ``S_start Diag(exp(L_C)) + kᵀ (w * exp(L_C - L_s))``.
+
+    Every exponent is a decay from an earlier point to a later one (``<= 0``): nothing
+    overflows, finite for any finite log decays (-40 per token and below), and no ``[C, C, V]``
+    tensor is formed.  No pair with s > t enters any product, so a NaN or inf in token t's inputs
+    changes no output before t.
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None (the final state only).
+        k: ``[B, T, H, K]``; w: ``[B, T, H, V]``.
+        log_decay: ``[B, T, H, V]`` log decays (<= 0) of the state's columns.
+        S0: ``[B, H, K, V]`` initial state, or None for zeros.
+        chunk: tokens per chunk.
+    Returns: (o ``[B, T, H, V]`` or None, the final state ``[B, H, K, V]``).
+    """
+    B, T, H, K = k.shape
+    V = w.shape[-1]
+    C = 1 << (max(int(chunk), 1).bit_length() - 1)   # a power of two (chunk rounded down)
+    N = -(-T // C)
+    pad = N * C - T
+
+    def blocks(x):  # [B, T, H, D] -> [B, H, N, C, D], the tail padded with zero tokens
+        x = x.transpose(1, 2)
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.reshape(B, H, N, C, x.shape[-1])
+
+    kb, wb, gb = blocks(k), blocks(w), blocks(log_decay)
+    L = gb.cumsum(-2)                                        # [B, H, N, C, V] from the chunk's start
+    end = L[..., -1:, :]                                     # [B, H, N, 1, V]
+    inc = kb.transpose(-1, -2) @ (wb * torch.exp(end - L))   # [B, H, N, K, V] each chunk's own writes
+    decay = torch.exp(end.squeeze(-2))                       # [B, H, N, V] the chunk's decay of S
+    S = kb.new_zeros(B, H, K, V) if S0 is None else S0.to(kb.dtype)
+    starts = []
+    for n in range(N):
+        starts.append(S)
+        S = S * decay[:, :, n].unsqueeze(-2) + inc[:, :, n]
+    if q is None:
+        return None, S
+    qb = blocks(q)
+    Lq = L if inclusive else torch.cat([torch.zeros_like(L[..., :1, :]), L[..., :-1, :]], -2)   # through t - 1
+    o = (qb @ torch.stack(starts, 2)) * torch.exp(Lq)       # [B, H, N, C, V] the chunk-start states
+    h = 1
+    while h < C:   # pairs across the halves of blocks of 2h tokens, R the log decay at the first half's end
+        nb = C // (2 * h)
+        Lh, Lqh, wh = (x.reshape(B, H, N, nb, 2, h, V) for x in (L, Lq, wb))
+        qh, kh = qb.reshape(B, H, N, nb, 2, h, K), kb.reshape(B, H, N, nb, 2, h, K)
+        R = Lh[..., 0, h - 1:, :]                                            # [B, H, N, nb, 1, V]
+        scores = qh[..., 1, :, :] @ kh[..., 0, :, :].transpose(-1, -2)       # [B, H, N, nb, h, h] t after s
+        out = (scores @ (wh[..., 0, :, :] * torch.exp(R - Lh[..., 0, :, :]))) * torch.exp(Lqh[..., 1, :, :] - R)
+        o = o + torch.stack([torch.zeros_like(out), out], -3).reshape(B, H, N, C, V)
+        h *= 2
+    if inclusive:   # the pairs s = t weigh 1
+        o = o + (qb * kb).sum(-1, keepdim=True) * wb
+    o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+    return o, S
