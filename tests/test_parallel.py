@@ -158,6 +158,36 @@ def _documents_case(name, dims, offsets, rank, world, group=None):
         assert_same_function(g, s0[n].grad, msg=lambda m, n=n: f"{name} {offsets}: grad of the initial {n}: {m}")
 
 
+def _model_case(name, dims, rank, world, group=None):
+    """A MemoryLM (two layers, short convolutions) over shards of its sequences: logits and every
+    parameter's gradient (summed over ranks) as one process."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from memspec.parallel import shard
+    from memspec.parallel.model import ShardedLM
+    from memspec.tools.nn import MemoryLM
+
+    torch.manual_seed(0)
+    dims = {k: v for k, v in dims.items() if k != "heads"}
+    model = MemoryLM(SPECS / f"{name}.yaml", vocab_size=16, d_model=8, n_layers=2, heads=2, **dims).double()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 16, (2, 23), generator=gen)
+    y = torch.randint(0, 16, (2, 23), generator=gen)
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, 16), y.reshape(-1), reduction="sum").backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    mine = ShardedLM(model, model, group)(shard(x))
+    F.cross_entropy(mine.reshape(-1, 16), shard(y).reshape(-1), reduction="sum").backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g, group=group)
+    assert_same_function(mine, shard(logits), msg=lambda m: f"{name}: logits of rank {rank}: {m}")
+    for (pname, _), g, r in zip(model.named_parameters(), grads, ref):
+        assert_same_function(g, r, msg=lambda m, pname=pname: f"{name}: grad of {pname}: {m}")
+
+
 DOCUMENTS = [[0, 3, 10, 10, 17, 23], [0, 2, 20, 23]]   # documents across rank boundaries; one over a whole shard
 
 
@@ -172,7 +202,9 @@ def _worker(rank, world, init, cases, out):
     try:
         for name, dims, *documents in cases:
             try:   # the collectives run alike on every rank whatever the comparisons find
-                if documents:
+                if documents == ["model"]:
+                    _model_case(name, dims, rank, world)
+                elif documents:
                     _documents_case(name, dims, documents[0], rank, world)
                 else:
                     _case(name, dims, rank, world)
@@ -206,6 +238,12 @@ def test_context_parallel_packed_documents(world, tmp_path):
     """A document that spans ranks continues from the state the ranks before it left."""
     cases = [(n, CASES[n][0], d) for n in ("gated_deltanet", "momentum_deltanet", "titans") for d in DOCUMENTS]
     _spawn(world, cases, tmp_path)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_language_model(world, tmp_path):
+    """memspec train --context-parallel's model: memories (scan and relay) and short convolutions."""
+    _spawn(world, [(n, CASES[n][0], "model") for n in ("gated_deltanet", "titans")], tmp_path)
 
 
 @pytest.mark.slow

@@ -1,0 +1,135 @@
+"""A whole language model over shards of its sequences: :class:`ShardedLM` (``memspec train
+--context-parallel P``).
+
+Every rank holds all sequences of the batch, but only its contiguous shard of their tokens.  What is
+token-local (embedding, norms, projections, MLPs, the head) runs on the shard as it is; what reads
+earlier tokens crosses the shard boundary:
+
+* each memory runs through :func:`~.run.context_parallel` (the scan of state maps or the relay);
+* each short convolution takes its past inputs (``kernel - 1`` tokens) from the rank before
+  (:class:`_Halo`; rank 0 from zeros), and hands its last ones on; in backward their gradient goes back.
+
+Wired layers (MAC / MAG / MAL: attention windows and segments) are refused: their attention would need
+the keys of earlier shards.  The model's loss on a rank is its share of the sequence's loss; the
+gradients of the parameters summed over ranks (DDP's average times the world size, as ``train``
+scales its loss) are the one-process gradients.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch import nn
+
+from . import comm
+from .plan import plan_for
+from .run import context_parallel, shard
+
+
+class _ShardedMemory(nn.Module):
+    """A memory whose forward is :func:`context_parallel` over this rank's shard."""
+
+    def __init__(self, memory, group, plan):
+        super().__init__()
+        self.inner = memory
+        self.group, self.plan = group, plan
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)   # dims (d_k, d_v, heads, ...) as the Layer reads them
+
+    def forward(self, *views, state=None, cu_seqlens=None, schedule="auto", **named):
+        return context_parallel(self.inner, *views, state=state, schedule=schedule, cu_seqlens=cu_seqlens,
+                                group=self.group, plan=self.plan, **named)
+
+
+class _Halo(nn.Module):
+    """A short convolution over this rank's shard, its past inputs from the rank before."""
+
+    def __init__(self, conv, group):
+        super().__init__()
+        self.inner, self.group = conv, group
+
+    def forward(self, x, state=None, cu_seqlens=None):
+        if cu_seqlens is not None:
+            raise ValueError("context parallel training takes no packed documents")
+        rank, size = comm.rank_and_size(self.group)
+        k1 = self.inner.kernel - 1
+        if x.shape[1] < k1:
+            raise ValueError(f"a shard of {x.shape[1]} tokens is shorter than the convolution's {k1} past inputs")
+        carried = []
+        if rank < size - 1:   # sent first: the last rank only receives, so the chain never waits on itself
+            token = comm.send([x[:, x.shape[1] - k1:]], rank + 1, self.group)
+            carried += [token] if token is not None else []
+        if rank > 0:
+            (state,) = comm.recv([((x.shape[0], k1, x.shape[2]), x.dtype, x.device)], rank - 1, self.group)
+            carried.append(state)
+        y, last = self.inner(x, state)
+        return comm.attach([y], carried)[0], last
+
+
+@contextmanager
+def sharded(model, group=None, plan=None):
+    """Inside, ``model`` (a :class:`~memspec.tools.nn.MemoryLM`) runs this rank's shard of its
+    sequences: memories through :func:`context_parallel`, short convolutions with their halo."""
+    if model.spec.wiring.kind != "none":
+        raise ValueError(f"context parallel training runs unwired memories; {model.spec.name} is wired "
+                         f"{model.spec.wiring.kind.upper()} (its attention reads earlier shards)")
+    swaps = []
+    try:
+        for block in model.blocks:
+            mem = getattr(block.mixer, "memory", None)
+            if mem is None or not hasattr(mem, "VIEWS"):
+                raise ValueError(f"context parallel training needs a generated memory layer, got "
+                                 f"{type(block.mixer).__name__}")
+            p = plan if plan is not None else plan_for(model.spec, mem.DEFAULT_SCHEDULE)
+            swaps.append((block.mixer, "memory", mem))
+            block.mixer.memory = _ShardedMemory(mem, group, p)
+            if block.conv is not None:
+                swaps.append((block, "conv", block.conv))
+                block.conv = _Halo(block.conv, group)
+        yield model
+    finally:
+        for owner, name, module in reversed(swaps):
+            setattr(owner, name, module)
+
+
+class ShardedLM(nn.Module):
+    """``net`` (the model, or DDP around it) whose forward takes this rank's shard of every sequence
+    ``tokens [B, T_r]`` and returns its logits ``[B, T_r, vocab]``; ``model`` is the MemoryLM inside."""
+
+    def __init__(self, net, model, group=None):
+        super().__init__()
+        self.net, self.group = net, group
+        object.__setattr__(self, "model", model)   # not a second registration of the same parameters
+
+    def forward(self, tokens):
+        with sharded(self.model, self.group):
+            return self.net(tokens)
+
+
+def shard_tokens(net, model, cfg):
+    """``net`` unchanged for ``cfg.context_parallel == 1``; else :class:`ShardedLM` over a group of
+    every rank (its own group: the collectives of the memories never interleave with DDP's)."""
+    import torch.distributed as dist
+
+    if cfg.context_parallel == 1:
+        return net
+    if not dist.is_initialized() or dist.get_world_size() != cfg.context_parallel:
+        raise ValueError(f"--context-parallel {cfg.context_parallel} runs under torchrun with as many processes "
+                         f"(torchrun --nproc-per-node {cfg.context_parallel} -m memspec train ...)")
+    if cfg.pack:
+        raise ValueError("--context-parallel takes no --pack")
+    return ShardedLM(net, model, dist.new_group(list(range(cfg.context_parallel))))
+
+
+def split_batch(x, y, rank, world, cfg, device):
+    """This rank's part of the batch: its rows (data parallel), or every row's shard of tokens."""
+    if cfg.context_parallel == 1:
+        local = cfg.batch // world
+        return x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
+    return shard(x.to(device)), shard(y.to(device))
+
+
+__all__ = ["ShardedLM", "shard_tokens", "sharded", "split_batch"]
