@@ -154,7 +154,8 @@ def test_explain_prints_the_orientation_and_no_false_reason():
 
 
 def test_a_state_used_on_both_sides_stays_with_the_true_reason():
-    # a key-side decay read on the value side: no kernel takes both sides
+    # a key-side transition read on the value side: no key-side kernel takes both sides (the oja
+    # family does, on the transpose)
     both = mem(HEAD + """
         state C : [d_k, d_v] = zeros
         update { C = (1 - alpha) * C
@@ -162,13 +163,13 @@ def test_a_state_used_on_both_sides_stays_with_the_true_reason():
         read = C @ v
     """)
     d = analyse(both)
-    assert d.transposed == () and d.family == "online"
+    assert d.transposed == () and d.family == "oja" and d.plan.transposed
     assert d.orientation.startswith("as declared (the state C is used on the key side (kn knᵀ C")
     assert "value side (C @ v)" in d.orientation
     text = explain(both)
     assert "the read needs the full state of every token" not in text
     oja = analyse(memspec.load(VARIANTS / "gated_oja.yaml"))
-    assert oja.family == "online" and oja.transposed == ()
+    assert oja.family == "oja" and oja.transposed == () and not oja.plan.transposed
     assert "used on the key side (q @ S) and on the value side (S Diag(g)" in oja.orientation
 
 
@@ -385,7 +386,7 @@ def test_packed_documents_equal_each_document_alone(name):
 
 def test_scalar_gated_oja_read_on_its_value_side_is_the_delta_rule_transposed():
     """The Oja step S <- a S + beta (k - a S v) vᵀ is the gated delta rule on Sᵀ (key v, value k):
-    read on the value side too (S @ u), it gets the delta family; read q @ S, it stays online."""
+    read on the value side too (S @ u), it gets the delta family; read q @ S, the oja family."""
     body = """
         memory oja
         dims { d_k = 4, d_v = 5 }
@@ -403,7 +404,7 @@ def test_scalar_gated_oja_read_on_its_value_side_is_the_delta_rule_transposed():
     assert d.family == "delta" and d.transposed == ("S",)
     assert (str(d.plan.k), str(d.plan.v), str(d.plan.beta), str(d.plan.gamma)) == ("v", "k", "beta", "a")
     keyside = analyse(mem(body + "    read = q @ S\n"))
-    assert keyside.family == "online" and keyside.transposed == ()
+    assert keyside.family == "oja" and keyside.transposed == ()
     assert "used on the key side (q @ S) and on the value side" in keyside.orientation
 
 

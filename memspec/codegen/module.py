@@ -22,7 +22,7 @@ from ..runtime.varlen import _by_document, _by_length, _document_bounds, _shrink
 from ..runtime.wiring import source as wiring_source
 from ..schedule import decide
 from ..schedule.decide import ScheduleDecision
-from . import additive, apply_update, cache, chained, delta, dplr, layer, minibatch, momentum, online, scan
+from . import additive, apply_update, cache, chained, delta, dplr, layer, minibatch, momentum, oja, online, scan
 from .context import Context, Emitter, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
@@ -75,7 +75,7 @@ def register(emitter: Emitter) -> Callable[[], None]:
     return unregister
 
 
-for _module in (online, minibatch, apply_update, cache, additive, delta, dplr, momentum, scan, chained):
+for _module in (online, minibatch, apply_update, cache, additive, delta, dplr, momentum, scan, chained, oja):
     register(_module.EMITTER)
 check_families()
 

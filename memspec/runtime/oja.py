@@ -250,7 +250,10 @@ def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_de
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
-        w: ``[B, T, H, V]``; u: ``[B, T, H, V]`` or None (``w``); c: ``[B, T, H]``; a: ``[B, T, H, K]``.
+        w: ``[B, T, H, V]`` the vector the transition acts with and writes along.
+        u: ``[B, T, H, V]`` the vector the correction reads the state with, or None (``w``).
+        c: ``[B, T, H]`` the correction's scalar.
+        a: ``[B, T, H, K]`` the write.
         log_decay: ``[B, T, H]`` or ``[B, T, H, V]`` log decays (<= 0, -inf allowed), or None.
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
         chunk: tokens per chunk C (rounded up to a multiple of the sub-chunk).

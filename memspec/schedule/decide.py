@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
-from . import additive, apply_update, cache, chained, delta, dplr, minibatch, momentum, online, scan, sides, transition
+from . import additive, apply_update, cache, chained, delta, dplr, minibatch, momentum, oja, online, scan, sides, \
+    transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -184,6 +185,15 @@ def register(family: Family, *, before: str | None = None) -> Callable[[], None]
 register(Family("chained", lambda alg, chunk: chained.analyse_chained(alg), exact=True, chunked=True, carried=False,
                 text="chained (exact multi-pass chunked form: the read chains probes of additive states)",
                 keyword="chunk", needs="an exact chunk form", listed=chained.chains), before="delta")
+# a state transformed on its value side and read on its key side (the gated Oja rule): after the
+# key-side families, which take every spec it could share with them
+register(Family("oja", lambda alg, chunk: oja.analyse_oja(alg), exact=True, chunked=True, carried=False,
+                text="oja (exact chunked form: a value-side transition read on the key side, one triangular solve "
+                     "per chunk)", keyword="chunk", needs="an exact chunk form",
+                hint="give one matrix state a transition on its value side, S Diag(g) plus one rank-one correction "
+                     "c (S u) wᵀ, writing outer(a, w) along the same w, and read it through probes q @ S (the "
+                     "gated Oja rule)",
+                hint_applies=lambda spec: len(spec.state) == 1), before="momentum")
 
 
 @dataclass(frozen=True)
