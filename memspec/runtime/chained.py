@@ -38,15 +38,16 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
     * the chunk-start state: ``(q_t @ S_start) * exp(Lq_t)``;
     * the pairs ``s < t``, level by level: the chunk is halved into blocks of 2h tokens, and a
       pair (t in a block's second half, s in its first, ``R`` the log decay at the first half's
-      end) weighs ``exp(Lq_t - R) * exp(R - L_s)``: one batched matmul of the scores
-      ``q_t . k_s`` with ``w_s * exp(R - L_s)`` per level, scaled by ``exp(Lq_t - R)``; the
-      pairs s = t (inclusive) weigh 1;
+      end) weighs ``exp(Lq_t - R) * exp(R - L_s)``: the block's scores ``q_t . k_s`` (from one
+      ``q kᵀ`` per chunk) times ``w_s * exp(R - L_s)``, one batched matmul per level (elementwise
+      for blocks of 2 and 4 tokens), scaled by ``exp(Lq_t - R)``; the pairs s = t (inclusive)
+      weigh 1;
     * the next chunk's state: ``S_start Diag(exp(L_C)) + kᵀ (w * exp(L_C - L_s))``.
 
     Every exponent is a decay from an earlier point to a later one (``<= 0``): nothing
     overflows, finite for any finite log decays (-40 per token and below), and no ``[C, C, V]``
     tensor is formed.  No pair with s > t enters any product, so a NaN or inf in token t's inputs
-    changes no output before t.
+    changes no output before t (its scores with earlier queries are computed, then never read).
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (the final state only).
@@ -83,15 +84,20 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
     qb = blocks(q)
     Lq = L if inclusive else torch.cat([torch.zeros_like(L[..., :1, :]), L[..., :-1, :]], -2)   # through t - 1
     o = (qb @ torch.stack(starts, 2)) * torch.exp(Lq)       # [B, H, N, C, V] the chunk-start states
+    A = qb @ kb.transpose(-1, -2)                            # [B, H, N, C, C] scores q_t . k_s
     h = 1
     while h < C:   # pairs across the halves of blocks of 2h tokens, R the log decay at the first half's end
         nb = C // (2 * h)
         Lh, Lqh, wh = (x.reshape(B, H, N, nb, 2, h, V) for x in (L, Lq, wb))
-        qh, kh = qb.reshape(B, H, N, nb, 2, h, K), kb.reshape(B, H, N, nb, 2, h, K)
         R = Lh[..., 0, h - 1:, :]                                            # [B, H, N, nb, 1, V]
-        scores = qh[..., 1, :, :] @ kh[..., 0, :, :].transpose(-1, -2)       # [B, H, N, nb, h, h] t after s
-        out = (scores @ (wh[..., 0, :, :] * torch.exp(R - Lh[..., 0, :, :]))) * torch.exp(Lqh[..., 1, :, :] - R)
-        o = o + torch.stack([torch.zeros_like(out), out], -3).reshape(B, H, N, C, V)
+        # the scores of t in the second half with s in the first: [B, H, N, nb, h, h]
+        scores = A.reshape(B, H, N, nb, 2 * h, nb, 2 * h).diagonal(dim1=3, dim2=5)[..., h:, :h, :].movedim(-1, 3)
+        first = wh[..., 0, :, :] * torch.exp(R - Lh[..., 0, :, :])           # [B, H, N, nb, h, V]
+        if h <= 2:   # a few pairs per block: elementwise beats a batched matmul of tiny matrices
+            out = (scores.unsqueeze(-1) * first.unsqueeze(-3)).sum(-2)
+        else:
+            out = scores @ first
+        o.view(B, H, N, nb, 2, h, V)[..., 1, :, :] += out * torch.exp(Lqh[..., 1, :, :] - R)
         h *= 2
     if inclusive:   # the pairs s = t weigh 1
         o = o + (qb * kb).sum(-1, keepdim=True) * wb
