@@ -92,7 +92,7 @@ class ChunkWriter:
     def log_decay(self, gamma: Expr | None, base: str) -> str:
         """The log of a decay: ``[B, T, H]`` (a scalar per head) or ``[B, T, H, d]`` (per channel),
         in closed form where the decay's formula has one (:func:`closed_log`), else ``log`` of
-        its value: a decay of exactly 0 gives -inf, which the kernels take (no clamp)."""
+        its value: a decay of exactly 0 gives -inf, which the kernels take (a negative one counts as 0)."""
         if gamma is None:
             return "None"
         gamma = simplify(gamma)
@@ -102,7 +102,9 @@ class ChunkWriter:
             return self.value(closed, base, vector=bool(shape))
         g = self.value(gamma, base.replace("log_", ""), vector=bool(shape))
         name = self.fresh(base)
-        self.lines.append(f"{name} = torch.log({g})  # {fmt_shape(shape)} (a decay of 0: -inf, taken as it is)")
+        # a decay of 0: -inf, taken as it is; one below 0 (a gate outside its formula's range) counts
+        # as 0: a NaN log would reach the earlier tokens of its chunk through the [C, C] products
+        self.lines.append(f"{name} = torch.log({g}.clamp(min=0))  # {fmt_shape(shape)}")
         return name
 
 
