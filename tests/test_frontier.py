@@ -651,7 +651,7 @@ def test_checkpointed_chunks_keep_no_per_token_state_and_give_the_same_gradients
     spec = _spec(name)
     dims = {d: n for d, n in {"d_model": 8, "heads": 2, "d_k": 4, "d_v": 4, "hidden": 6}.items() if d in spec.dims}
     runs = {}
-    for checkpoint in (True, False):
+    for checkpoint in (True, False, None):   # None (the default): only past 256 tokens
         torch.manual_seed(0)
         m = memspec.build(spec, compile=False, chunk=4, **dims).memory.to(DT)
         m.checkpoint = checkpoint
@@ -662,6 +662,7 @@ def test_checkpointed_chunks_keep_no_per_token_state_and_give_the_same_gradients
         leaves = [*ins.values(), *gates.values(), *m.parameters()]
         runs[checkpoint] = (saved, o, s, torch.autograd.grad(loss, leaves))
     (saved_ck, o_ck, s_ck, g_ck), (saved, o, s, g) = runs[True], runs[False]
+    assert runs[None][0] == saved   # T <= 256: the default keeps the states
     assert_same_function(o_ck, o)
     assert s_ck.keys() == s.keys()
     for k in s:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ..lang.expr import Call, Name, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import (_decay_matrix, _finite_prefix, _linear_scan, _recomputed, _where_ok, _window_band,
-                               _window_sums)
+from ..runtime.helpers import (_decay_matrix, _finite_prefix, _linear_scan, _recomputed, _recomputing, _where_ok,
+                               _window_band, _window_sums)
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import input_name, term_add, term_mul
 from . import dual
@@ -137,8 +137,9 @@ def emit(ctx, L) -> None:
             else:
                 L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
                 if recomputes(ctx, plan):
+                    ctx.need(_recomputing)
                     ctx.need(_recomputed)
-                    L("if self.checkpoint and torch.is_grad_enabled():")
+                    L(f"if _recomputing(self.checkpoint, {T}):")
                     L("    fn = _recomputed(fn)", "the backward recomputes the chunk: its per-token states are not kept")
                 args = list(starts.values()) + carried + list(chunk_args.values())
                 args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]

@@ -289,7 +289,7 @@ def memory_init(ctx, L):
     sig = ctx.dims_signature()
     ck = recomputes(ctx)
     L(f"def __init__(self, *, {', '.join(sig)}, chunk={ctx.default_chunk}, compile=False, state_dtype=None"
-      + (", checkpoint=True):" if ck else "):"))
+      + (", checkpoint=None):" if ck else "):"))
     with L.indent():
         L('"""' + "Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;")
         L("`state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16")
@@ -308,7 +308,8 @@ def memory_init(ctx, L):
         if ck:
             L("`checkpoint`: the backward recomputes each chunk (torch.utils.checkpoint) instead of")
             L("keeping its per-token states for autograd: peak memory of one chunk's states, not the")
-            L("sequence's (False: a faster backward, memory growing with T times the state).")
+            L("sequence's; None: when training on more than 256 tokens; False: a faster backward, memory")
+            L("growing with T times the state.")
         L('"""')
         L("super().__init__()")
         names = list(spec.dims) if "heads" in spec.dims else ["heads", *spec.dims]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..lang.expr import unparse
 from ..lang.names import fresh
-from ..runtime.helpers import _recomputed
+from ..runtime.helpers import _recomputed, _recomputing
 from .program import emit_updates, grad_target, window_closed
 from .text import shape_text, tuple_text
 from .context import Emitter
@@ -37,9 +37,10 @@ def emit(ctx, L) -> None:
         seg = recomputes(ctx, None)
         if seg:
             T, t0, o_s, run, step = (fresh(x, taken) for x in ("T", "t0", "o_s", "run", "step"))
+            ctx.need(_recomputing)
             ctx.need(_recomputed)
             L(f"{T} = {ctx.first}.shape[1]")
-            L(f"{step} = {SEGMENT} if self.checkpoint and torch.is_grad_enabled() else {T}",
+            L(f"{step} = {SEGMENT} if _recomputing(self.checkpoint, {T}) else {T}",
               f"segments of {SEGMENT} tokens, each recomputed in the backward")
             L(f"{run} = _recomputed(self._online_tokens) if {step} < {T} else self._online_tokens")
             L(f"{outs} = []")

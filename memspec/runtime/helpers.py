@@ -208,6 +208,13 @@ def _linear_scan(a, x, s0):
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2).contiguous()
 
 
+def _recomputing(option, T):
+    """Does a call over T tokens recompute its per-token states in the backward?  ``option``: the
+    module's `checkpoint` (True, False, or None: when training on more than 256 tokens, where the
+    per-token states start to outweigh the rest of the layer)."""
+    return torch.is_grad_enabled() and (option if option is not None else T > 256)
+
+
 def _recomputed(fn):
     """``fn`` whose backward recomputes its forward (``torch.utils.checkpoint``, non-reentrant):
     autograd keeps its inputs, not the per-token states it materialises inside."""
