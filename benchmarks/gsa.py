@@ -11,7 +11,8 @@ float32.  Prints the median wall and process-CPU time of ``--repeat`` runs after
 ratios to the chained form, and the largest relative difference of the outputs (online and fla against
 the chained form; exit status 1 when one is above 1e-4).
 
-    python benchmarks/gsa.py [--B 1] [--H 4] [--T 2048] [--D 64] [--m 64] [--chunk 64] [--threads 2] [--repeat 5] [--grad]
+    python benchmarks/gsa.py [--B 1] [--H 4] [--T 2048] [--D 64] [--m 64] [--chunk 64] [--threads 2]
+        [--repeat 5] [--grad]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
   each declared by its emitter module (``EMITTER``), from which the frame derives its tables;
   :func:`register` adds one (with :func:`memspec.schedule.decide.register` for its row);
 * the emitters -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.dplr`,
-  :mod:`.momentum` and :mod:`.scan` (the exact chunked ones sharing :mod:`.chunked`),
+  :mod:`.momentum`, :mod:`.scan` and :mod:`.chained` (the exact chunked ones sharing :mod:`.chunked`),
   :mod:`.minibatch` (with :mod:`.dual`, its dual form -- the chunk algebra in :mod:`.dualchunk`
   on the term objects of :mod:`.dualterms` --, :mod:`.prestep`, the state-independent part of a
   chunk step, and :mod:`.window`, window losses), :mod:`.online`, :mod:`.apply_update`;

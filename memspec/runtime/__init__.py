@@ -7,6 +7,8 @@ imports and no closures over module state.
 * :mod:`.helpers`   -- the language's functions (layernorm, l2norm, ...), input checks, the
                        compile wrapper, scan helpers of the mini-batch and cache schedules;
 * :mod:`.additive`  -- the additive family's exact chunked kernel;
+* :mod:`.chained`   -- an additive state decayed on its columns (``chunk_value_decay``: gated slot
+                       attention's key memory, the chained family's first pass);
 * :mod:`.delta`     -- the delta family's exact chunked kernel;
 * :mod:`.dplr`      -- diagonal-plus-low-rank transitions (``chunk_dplr``: R rank-1 sub-steps per
                        token, scalar or per-key-channel decays; DeltaNet, gated DeltaNet, KDA, GDN-2,
