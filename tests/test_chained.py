@@ -342,3 +342,21 @@ def test_gsa_matches_fla_naive_recurrent_gsa():
         assert rel_err(o, ro) <= 1e-4 and rel_err(s["K"], rk) <= 1e-4 and rel_err(s["V"], rv) <= 1e-4
         for a, b in zip(torch.autograd.grad((o * w).sum() + s["K"].sum() + s["V"].sum(), wrt), ref):
             assert rel_err(a, b) <= 1e-4
+
+
+def test_packed_documents_run_each_from_its_own_state():
+    """cu_seqlens: each document alone from its own state row, as separate calls (the chained kernels take
+    no packed row: the module runs the documents of each length as one batch)."""
+    spec = spec_of("gsa")
+    m = make(spec, DIMS, dtype=torch.float64)
+    bounds = [0, 5, 12, 20]
+    ins = harness_inputs(spec, m, B=1, T=20)
+    st = initial_state(spec, m, B=3)
+    o, fs = m(*[ins[v] for v in spec.views], **{g: ins[g] for g in spec.gates}, state=dict(st),
+              cu_seqlens=torch.tensor(bounds))
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        part = {n: x[:, a:b] for n, x in ins.items()}
+        oi, si = call(m, spec, part, {n: s[i:i + 1] for n, s in st.items()}, "chained")
+        assert_same_function(o[:, a:b], oi)
+        for n in spec.state:
+            assert_same_function(fs[n][i:i + 1], si[n])
