@@ -136,11 +136,7 @@ def emit(ctx, L) -> None:
                 args = list(starts.values()) + carried + [chunk_args[x] for x in core_in] + [f"*{pre_c}"]
             else:
                 L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-                if recomputes(ctx, plan):
-                    ctx.need(_recomputing)
-                    ctx.need(_recomputed)
-                    L(f"if _recomputing(self.checkpoint, {T}):")
-                    L("    fn = _recomputed(fn)", "the backward recomputes the chunk: its per-token states are not kept")
+                recompute_lines(ctx, L, plan, T)
                 args = list(starts.values()) + carried + list(chunk_args.values())
                 args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]
             L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
@@ -171,6 +167,15 @@ def emit(ctx, L) -> None:
         return
     grads = window_grads(ctx, L, plan.window) if plan.window is not None else token_grads(ctx, L)
     chunk_step(ctx, L, plan, grads)
+
+
+def recompute_lines(ctx, L, plan, T: str) -> None:
+    """Under the `checkpoint` option, the chunk step ``fn`` wrapped so that the backward recomputes it."""
+    if recomputes(ctx, plan):
+        ctx.need(_recomputing)
+        ctx.need(_recomputed)
+        L(f"if _recomputing(self.checkpoint, {T}):")
+        L("    fn = _recomputed(fn)", "the backward recomputes the chunk: its per-token states are not kept")
 
 
 def recomputes(ctx, plan) -> bool:

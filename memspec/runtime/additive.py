@@ -353,6 +353,4 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
         return docs.unlay(x) if docs is not None else x              # the documents' tokens, packed
 
     o = join(outs, V).to(vs[0].dtype)
-    if stab:
-        return o, S_out, join(m_outs, 1)[..., 0]
-    return o, S_out
+    return (o, S_out, join(m_outs, 1)[..., 0]) if stab else (o, S_out)
