@@ -121,7 +121,7 @@ def oja_spec():
 
 def test_auto_picks_oja_and_explain_says_why(oja_spec):
     d = analyse(oja_spec)
-    assert (d.family, d.exact, d.chunk) == ("oja", True, 64)
+    assert (d.family, d.exact, d.chunk) == ("oja", True, 32)
     assert d.admits == ("oja", "online")
     text = explain(oja_spec)
     assert text.startswith("gated_oja: oja (exact chunked form")
@@ -129,6 +129,7 @@ def test_auto_picks_oja_and_explain_says_why(oja_spec):
            "z = (-beta) (S Diag(g)) v + (beta * k) (the correction reads the state after the decay)" in text
     assert "the read is a function of the key-side probes q @ S" in text
     assert "the decay g of S lies in [0, 1]" in text
+    assert "the decay acts on the value side: chunks of 32 tokens in sub-chunks of 8" in text
     plan = d.plan
     assert (plan.state, plan.u, plan.read_after_decay, plan.transposed, plan.inclusive) == ("S", None, True, False, True)
 

@@ -81,62 +81,71 @@ def recurrent_oja(q, w, u, c, a, log_decay, S0, inclusive=True, read_after_decay
     return o, S.to(S0.dtype if S0 is not None else w.dtype)
 
 
-def oja_decays(lg, sub, pairs=("in", "ex")):
+def oja_constants(C, sub, dtype, device):
+    """The 0 / 1 matrices of :func:`oja_decays` for chunks of C tokens in sub-chunks of ``sub`` (n = C / sub):
+    ``sums_in`` / ``sums_ex`` ``[s s, s]`` (pair (t, s) sums the tokens s < r <= t / s < r < t),
+    ``tail`` ``[s, s]`` (token s sums those after it in its sub-chunk), ``between`` ``[n n, n]`` (target I =
+    1..n, source J: the sub-chunks J < K < I), ``upto`` ``[n, n]`` (I = 1..n: the sub-chunks K < I) and
+    ``blocks`` ``[1, n, 1, n, 1]`` (the pairs of one sub-chunk, True)."""
+    n = C // sub
+    ti = torch.arange(sub, device=device)
+    t_, s_, r_ = ti[:, None, None], ti[None, :, None], ti[None, None, :]
+    I = torch.arange(1, n + 1, device=device)[:, None, None]
+    J = torch.arange(n, device=device)[None, :, None]
+    Kk = torch.arange(n, device=device)[None, None, :]
+    return {"sums_in": ((s_ < r_) & (r_ <= t_)).to(dtype).reshape(sub * sub, sub),
+            "sums_ex": ((s_ < r_) & (r_ < t_)).to(dtype).reshape(sub * sub, sub),
+            "tail": (ti[None, :] > ti[:, None]).to(dtype),
+            "between": ((Kk > J) & (Kk < I)).to(dtype).reshape(n * n, n),
+            "upto": (Kk[0] < I[:, 0]).to(dtype),
+            "blocks": torch.eye(n, dtype=torch.bool, device=device)[None, :, None, :, None]}
+
+
+def oja_decays(lg, sub, consts, pairs=("in", "ex")):
     """The decay factors of every chunk, split at sub-chunks (nothing exponentiated is positive).
+
+    Every exponent is a sum of log decays (<= 0) taken as a product with a 0 / 1 matrix, never a
+    difference of cumulative sums; log decays are finite here (-1e4 stands for anything lower, -inf
+    included: the exp of either is exactly 0 in float32 and float64 alike).
 
     Args:
         lg: ``[X, C, V]`` log decays of X chunks of C tokens (C a multiple of ``sub``).
         sub: tokens per sub-chunk s (n = C / s sub-chunks).
+        consts: :func:`oja_constants` of (C, sub).
         pairs: which pair weights to form (``"in"``, ``"ex"``); the others are None.
 
     Returns:
         a dict of ``[X, C, V]`` row factors ``e^{L_t - L_b}`` (``row_in``: after the token's decay,
         ``row_ex``: before it; ``L_b`` the log decay at the start of t's sub-chunk), ``[X, n, s, s, V]``
         pair weights inside a sub-chunk (``pair_in``: ``e^{L_t - L_s}`` for s <= t, ``pair_ex``:
-        ``e^{L_{t-1} - L_s}`` for s < t; 1 for the pairs outside those masks), ``[X, n, C, V]`` column factors ``e^{L_b(I) - L_s}`` for the tokens before
-        sub-chunk I (zero for the others; I = n: the chunk end, ``e^{L_C - L_s}``), and ``[X, n, 1, V]``
-        ``e^{L_b}`` (``start``: from the chunk start to each sub-chunk) and ``[X, V]`` ``e^{L_C}``.
+        ``e^{L_{t-1} - L_s}`` for s < t; 1 for the pairs outside those masks, which the users mask),
+        ``[X, n, C, V]`` column factors ``e^{L_b(I) - L_s}`` for the tokens of the sub-chunks before
+        sub-chunk I (I = n: the chunk end, ``e^{L_C - L_s}``; for the other tokens a factor <= 1 that
+        the users mask), ``[X, n, 1, V]`` ``e^{L_b}`` (``start``: from the chunk start to each sub-chunk)
+        and ``[X, V]`` ``e^{L_C}`` (``end``).
     """
     X, C, V = lg.shape
     n = C // sub
-    dev = lg.device
-    # every exponent below is a sum of log decays (<= 0), never a difference: masked entries need no
-    # care before exp, and a mask is a product with 0 or 1 (log decays are finite: -1e4 stands for
-    # anything lower, -inf included, whose exp is exactly 0 in float32 and float64 as well)
-    g = lg.clamp_min(-1e4).reshape(X, n, sub, V)
-    inc = torch.cumsum(g, dim=2)                                          # L_t - L_b, t after its decay
-    exc = torch.nn.functional.pad(inc[:, :, :-1], (0, 0, 1, 0))           # ... before it
-    total = inc[:, :, -1]                                                 # [X, n, V] each sub-chunk's log
-    # inside a sub-chunk: sum_{s < r <= t} lg_r (and sum_{s < r < t}) as one product with a 0 / 1
-    # matrix over (t, s) x r, no difference; a pair outside the mask (t <= s) sums nothing, weight 1 (the
-    # users mask the pair's other factor)
-    ti = torch.arange(sub, device=dev)
-    t_, s_, r_ = ti[:, None, None], ti[None, :, None], ti[None, None, :]
+    g = lg.clamp_min(-1e4).reshape(X * n, sub, V)
+    inc = torch.cumsum(g, dim=1)                                          # L_t - L_b, t after its decay
+    exc = torch.nn.functional.pad(inc[:, :-1], (0, 0, 1, 0))              # ... before it
+    total = inc[:, -1].reshape(X, n, V)                                   # each sub-chunk's log decay
     pair_in = pair_ex = None
     if "in" in pairs:
-        sums = ((s_ < r_) & (r_ <= t_)).to(lg.dtype).reshape(sub * sub, sub)           # [t s, r]
-        pair_in = torch.exp(torch.matmul(sums, g)).reshape(X, n, sub, sub, V)      # e^{L_t - L_s}
+        pair_in = torch.exp(torch.matmul(consts["sums_in"], g)).reshape(X, n, sub, sub, V)
     if "ex" in pairs:
-        sums = ((s_ < r_) & (r_ < t_)).to(lg.dtype).reshape(sub * sub, sub)
-        pair_ex = torch.exp(torch.matmul(sums, g)).reshape(X, n, sub, sub, V)      # e^{L_{t-1} - L_s}
-    # from token s to the end of its sub-chunk J: sum_{s < r in J} lg_r (a reverse cumulative sum)
-    tail = torch.flip(torch.cumsum(torch.flip(torch.nn.functional.pad(g[:, :, 1:], (0, 0, 0, 1)), [2]), 2), [2])
-    # between sub-chunks: sum_{J < K < I} total_K for targets I = 1..n and sources J
-    I = torch.arange(1, n + 1, device=dev)[:, None, None]
-    J = torch.arange(n, device=dev)[None, :, None]
-    Kk = torch.arange(n, device=dev)[None, None, :]
-    between = ((Kk > J) & (Kk < I)).to(lg.dtype)                          # [n(I), n(J), n(K)]
-    gap = torch.einsum("ijk,xkv->xijv", between, total)                   # [X, n(I), n(J), V]
-    before = (J < I).to(lg.dtype)[None, :, :, :, None]                    # [1, n(I), n(J), 1, 1]
-    col = (torch.exp(tail[:, None] + gap[:, :, :, None]) * before).reshape(X, n, C, V)
-    upto = torch.einsum("ik,xkv->xiv", (Kk[0] < I[:, 0]).to(lg.dtype), total)   # [X, n(I), V] sum_{K < I}
-    start = torch.nn.functional.pad(upto[:, :-1], (0, 0, 1, 0))           # sub-chunk I's start
+        pair_ex = torch.exp(torch.matmul(consts["sums_ex"], g)).reshape(X, n, sub, sub, V)
+    tail = torch.matmul(consts["tail"], g).reshape(X, 1, n, sub, V)      # from s to the end of its sub-chunk
+    gap = torch.matmul(consts["between"], total).reshape(X, n, n, 1, V)   # between the sub-chunks J and I
+    col = torch.exp(tail + gap).reshape(X, n, C, V)
+    upto = torch.matmul(consts["upto"], total)                            # [X, n(I), V]: sum_{K < I}
+    start = torch.nn.functional.pad(upto[:, :-1], (0, 0, 1, 0))           # each sub-chunk's start
     return {"row_in": torch.exp(inc).reshape(X, C, V), "row_ex": torch.exp(exc).reshape(X, C, V),
             "pair_in": pair_in, "pair_ex": pair_ex, "col": col,
             "start": torch.exp(start)[:, :, None], "end": torch.exp(upto[:, -1])}
 
 
-def oja_prepare(w, u, c, a, lg, sub, read_after_decay=True, inclusive=True):
+def oja_prepare(w, u, c, a, lg, sub, consts, read_after_decay=True, inclusive=True):
     """The intra-chunk preparation of every chunk at once: the corrections ``Z = Z_A + Z_P S_0ᵀ`` as
     functions of the chunk's start state (one triangular solve per chunk) and the chunk's affine map
     ``S_C = S_0 M + D``.
@@ -144,7 +153,7 @@ def oja_prepare(w, u, c, a, lg, sub, read_after_decay=True, inclusive=True):
     Args:
         w, u: ``[X, C, V]`` (u None: w); c: ``[X, C]``; a: ``[X, C, K]``; lg: ``[X, C, V]`` log decays
             or None -- X chunks of C tokens (C a multiple of ``sub``), in the kernel's dtype.
-        sub: tokens per sub-chunk (:func:`oja_decays`).
+        sub: tokens per sub-chunk; consts: :func:`oja_constants` (:func:`oja_decays`).
         read_after_decay: the correction reads the state after the token's decay.
         inclusive: the outputs read the state after their token (which pair weights to keep).
 
@@ -161,7 +170,7 @@ def oja_prepare(w, u, c, a, lg, sub, read_after_decay=True, inclusive=True):
         N = torch.matmul(r, w.transpose(1, 2)).tril(-1)                    # [X, C, C]
         P, w_end, dec, wcol = r, w, None, None
     else:
-        dec = oja_decays(lg, sub, pairs=("in" if read_after_decay or inclusive else "",
+        dec = oja_decays(lg, sub, consts, pairs=("in" if read_after_decay or inclusive else "",
                                          "ex" if not (read_after_decay and inclusive) else ""))
         rowf = dec["row_in" if read_after_decay else "row_ex"]             # [X, C, V]
         rd = (r * rowf).reshape(X, n, sub, V)                              # rows decayed from their sub-chunk's start
@@ -172,8 +181,9 @@ def oja_prepare(w, u, c, a, lg, sub, read_after_decay=True, inclusive=True):
         wcol = w[:, None] * dec["col"][:, :n - 1]                          # [X, n - 1, C, V]
         cross = torch.matmul(rd[:, 1:], wcol.transpose(-1, -2))            # [X, n - 1, s, C]
         cross = torch.cat([cross.new_zeros(X, 1, sub, C), cross], dim=1).reshape(X, n, sub, n, sub)
-        same = torch.eye(n, dtype=torch.bool, device=w.device)[None, :, None, :, None]
-        N = torch.where(same, inner[:, :, :, None, :], cross).reshape(X, C, C)   # [X, C, C]
+        # [X, C, C]: the pairs inside a sub-chunk from inner, the others from cross (where the column
+        # factors are no weights, after the row's sub-chunk, the solve reads nothing)
+        N = torch.where(consts["blocks"], inner[:, :, :, None, :], cross).reshape(X, C, C)
         P = (rd * dec["start"]).reshape(X, C, V)                           # c_t e^{L_r(t)} u_t
         w_end = w * dec["col"][:, n - 1]                                   # W~: w decayed to the chunk end
     # the one triangular solve per chunk, (I - N) [Z_A | Z_P] = [A | P], in the layout that batches
@@ -189,7 +199,7 @@ def oja_prepare(w, u, c, a, lg, sub, read_after_decay=True, inclusive=True):
             "pw": pw if lg is not None and read_after_decay == inclusive else None}
 
 
-def oja_pass(M, D, S, docs=None):
+def oja_pass(M, D, S, docs=None, first=0):
     """The state passing over chunks, the only sequential part: ``S <- S M_j + D_j``.
 
     Args:
@@ -197,6 +207,7 @@ def oja_pass(M, D, S, docs=None):
         S: ``[BH, K, V]`` the state before the first chunk.
         docs: packed documents laid out in chunks (``_DocumentChunks``: a document's initial state
             enters where it starts, its final state is kept where it ends), or None.
+        first: the index of the first of these chunks in the row (for ``docs``).
 
     Returns:
         (the start state of every chunk ``[NC, BH, K, V]``, the state after the last).
@@ -204,21 +215,21 @@ def oja_pass(M, D, S, docs=None):
     starts = []
     for j in range(M.shape[0]):
         if docs is not None:
-            S = docs.enter(j, S)
+            S = docs.enter(first + j, S)
         starts.append(S)
         S = torch.baddbmm(D[j], S, M[j])                                   # [BH, K, V]
         if docs is not None:
-            docs.leave(j, S)
+            docs.leave(first + j, S)
     return torch.stack(starts), S
 
 
-def oja_outputs(q, w, prep, S_start, sub, inclusive=True):
+def oja_outputs(q, w, prep, S_start, sub, consts, inclusive=True):
     """The outputs of every chunk at once from its start state.
 
     Args:
         q: ``[X, C, K]`` probes; w: ``[X, C, V]``; prep: :func:`oja_prepare`'s dict; S_start:
-            ``[X, K, V]`` each chunk's start state; sub: tokens per sub-chunk; inclusive: o_t reads
-            the state after token t.
+            ``[X, K, V]`` each chunk's start state; sub: tokens per sub-chunk; consts:
+            :func:`oja_constants`; inclusive: o_t reads the state after token t.
 
     Returns:
         o ``[X, C, V]``: ``e^{L_o(t)} * (q_t S_0) + sum_s F[t, s] (e^{L_o(t) - L_s} * w_s)``, ``F = Q Zᵀ``.
@@ -238,14 +249,16 @@ def oja_outputs(q, w, prep, S_start, sub, inclusive=True):
     Fb = F.reshape(X, n, sub, n, sub)
     inner = torch.diagonal(Fb, dim1=1, dim2=3).permute(0, 3, 1, 2)         # [X, n, s, s] F's diagonal blocks
     o = torch.matmul(inner[:, :, :, None, :], pw)[:, :, :, 0]             # [X, n, s, V]
-    cross = torch.matmul(Fb.reshape(X, n, sub, C)[:, 1:], prep["wcol"])    # [X, n - 1, s, V]
+    # across sub-chunks: F without its diagonal blocks (the column factors there are no weights)
+    Fx = torch.where(consts["blocks"], torch.zeros((), dtype=F.dtype, device=F.device), Fb)
+    cross = torch.matmul(Fx.reshape(X, n, sub, C)[:, 1:], prep["wcol"])   # [X, n - 1, s, V]
     o = o + torch.cat([cross.new_zeros(X, 1, sub, V), cross], dim=1) * rowf
     o = o + qS.reshape(X, n, sub, V) * rowf * dec["start"]
     return o.reshape(X, C, V)
 
 
-def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_decay=True, sub=16,
-              documents=None):
+def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_decay=True, sub=8,
+              group=None, documents=None):
     """Exact chunked value-side transition (the module docstring; arguments as :func:`recurrent_oja`).
 
     Args:
@@ -260,6 +273,8 @@ def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_de
         inclusive: True: o_t reads the state after token t; False: before it.
         read_after_decay: the correction reads the state after the token's decay.
         sub: tokens per sub-chunk (per-channel decays; any value gives the same numbers).
+        group: chunks per group G (default: temporaries near 2 MB on CPU, 64 elsewhere); any G >= 1
+            gives the same numbers.
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``; S0 and
             S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
@@ -302,12 +317,30 @@ def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_de
 
     qc, wc, cc, ac, lgc = (lay(x) for x in xs[:5])
     uc = lay(xs[5]) if u is not None else None
-    prep = oja_prepare(wc, uc, cc[..., 0], ac, lgc, s, read_after_decay, inclusive)
-    starts, S = oja_pass(prep["M"].reshape(NC, BH, V, V), prep["D"].reshape(NC, BH, K, V), S, docs)
+    consts = oja_constants(C, s, dt, w.device)
+    # groups of G consecutive chunks (every head): prepared, passed and read one group at a time, so
+    # that the temporaries stay near 2 MB on CPU (larger ones are page-faulted back on every call; smaller
+    # groups pay more per operation: measured fastest at T = 2048, H = 4, D = 64)
+    if group is not None:
+        G = int(group)
+    elif w.device.type == "cpu":
+        G = round((1 << 19) / (BH * C * (s if lgc is not None else 1) * V))
+    else:
+        G = 64
+    G = max(1, min(NC, G))
+    outs = []
+    for j in range(0, NC, G):
+        nc = min(G, NC - j)
+        at = slice(j * BH, (j + nc) * BH)
+        prep = oja_prepare(wc[at], uc[at] if uc is not None else None, cc[at, :, 0], ac[at],
+                           lgc[at] if lgc is not None else None, s, consts, read_after_decay, inclusive)
+        starts, S = oja_pass(prep["M"].reshape(nc, BH, V, V), prep["D"].reshape(nc, BH, K, V), S, docs, j)
+        if q is not None:
+            outs.append(oja_outputs(qc[at], wc[at], prep, starts.reshape(nc * BH, K, V), s, consts, inclusive))
     S_T = docs.final() if docs is not None else S.reshape(B, H, K, V)
     if q is None:
         return None, S_T.to(s_dtype)
-    o = oja_outputs(qc, wc, prep, starts.reshape(NC * BH, K, V), s, inclusive)   # [NC B H, C, V]
+    o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]                    # [NC B H, C, V]
     o = o.reshape(NC, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, NC * C, H, V)
     o = docs.unlay(o) if docs is not None else o[:, :T]
     return o.to(w.dtype), S_T.to(s_dtype)

@@ -193,7 +193,7 @@ register(Family("oja", lambda alg, chunk: oja.analyse_oja(alg), exact=True, chun
                 hint="give one matrix state a transition on its value side, S Diag(g) plus one rank-one correction "
                      "c (S u) wᵀ, writing outer(a, w) along the same w, and read it through probes q @ S (the "
                      "gated Oja rule)",
-                hint_applies=lambda spec: len(spec.state) == 1), before="momentum")
+                hint_applies=lambda spec: len(spec.state) == 1, prefers=oja.preferred_chunk), before="momentum")
 
 
 @dataclass(frozen=True)
