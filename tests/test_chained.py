@@ -207,6 +207,26 @@ def test_what_is_not_a_chain_of_additive_probes_is_refused_with_its_algebra(body
     assert d.family != "chained" and why in dict(d.rejected)["chained"], dict(d.rejected)["chained"]
 
 
+def test_the_paper_orientation_is_the_same_memory_transposed():
+    """The paper's K~ [m, d_k] decayed on its rows and read K~ q: the kernels run on K~ᵀ, the same
+    plan as the shipped orientation's, the same outputs, the key state transposed."""
+    paper, plain = memspec.loads(VARIANTS["paper_orientation"], "mem"), way("plain")
+    d, d0 = analyse(paper), analyse(plain)
+    assert d.family == "chained" and [(s.name, s.side, s.transposed) for s in d.plan.states] == \
+        [("K", "columns", True), ("V", "rows", False)]
+    assert [p.columns for p in d.plan.probes] == [True, False]
+    assert [(s.decay, s.terms) for s in d.plan.states] == [(s.decay, s.terms) for s in d0.plan.states]
+    assert "the read probes K on its columns (K @ p): the kernels run on Kᵀ" in explain(paper)
+    mp, m0 = make(paper, DIMS), make(plain, DIMS)
+    ins = harness_inputs(paper, mp, T=9)
+    st = initial_state(paper, mp)
+    outs = [call(mp, paper, ins, dict(st), "chained"),
+            call(m0, plain, ins, {"K": st["K"].transpose(-1, -2), "V": st["V"]}, "chained")]
+    assert_same_function(outs[0][0], outs[1][0])
+    assert_same_function(outs[0][1]["K"], outs[1][1]["K"].transpose(-1, -2))
+    assert_same_function(outs[0][1]["V"], outs[1][1]["V"])
+
+
 def test_shipped_decisions_do_not_change():
     for name, family in (("linear_attention", "additive"), ("gla", "additive"), ("deltanet", "delta"),
                          ("hgrn", "scan"), ("mamba", "scan"), ("momentum_deltanet", "momentum")):
@@ -239,6 +259,12 @@ VARIANTS = {   # beyond the shipped spec: read before write, a vector normaliser
         }
         read = tanh(softmax(q @ K, m) @ V) @ W""", extra="state W : [d_v, d_v] = zeros\ngate e : [] = sigmoid(logit)"),
 }
+VARIANTS["paper_orientation"] = gsa_text("""
+        update {
+          K = diag(1 - alpha) @ K + outer(alpha, k)
+          V = diag(1 - alpha) @ V + outer(alpha, v)
+        }
+        read = V.T @ softmax(d_k^-0.5 * (K @ q), m)""").replace("state K : [d_k, m]", "state K : [m, d_k]")
 DIMS = {"heads": 2, "d_k": 4, "d_v": 5, "m": 3}
 ALL = ["gsa"] + list(VARIANTS)
 

@@ -47,6 +47,14 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     from the first call that carries it."""
     w.lines.append("# chained chunked schedule (exact): every state additive, the read a chain of probes p @ S "
                    "whose vectors may read earlier probes: one chunked pass per stage")
+    state_in = dict(state_in)
+    for st in plan.states:
+        if st.transposed:   # probed on its columns (S @ p = p @ Sᵀ): the kernels run on Sᵀ
+            rows, cols = spec.state[st.name].shape
+            name = w.fresh(f"{st.name}_t")
+            w.lines.append(f"{name} = {state_in[st.name]}.transpose(-1, -2)  # [B, H, {cols}, {rows}]: "
+                           f"{st.name} is probed on its columns, the kernels run on {st.name}ᵀ")
+            state_in[st.name] = name
     logs: dict = {}   # decay -> the code of its log, bound once for the states that share it
     coef = {st.name: _coefficients(w, st, logs) for st in plan.states}
     finals: dict = {st.name: [] for st in plan.states}
@@ -66,14 +74,22 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
                 w.lines.append(f"{pc} = {em.emit(e)}  # {fmt_shape(em.shape(e))}")
             out = _calls(w, spec, st, coef[st.name], pc, state_in, state_out, chunk, plan.inclusive, finals)
             probe_names[p.name] = out
-            probe_shapes[out] = () if st.vector else (spec.state[st.name].shape[1],)
+            probe_shapes[out] = () if st.vector else (_width(spec, st),)
     for st in plan.states:
         if not finals[st.name]:   # a state no probe reads: its final value only
             _calls(w, spec, st, coef[st.name], "None", state_in, state_out, chunk, plan.inclusive, finals)
         if finals[st.name] != [state_out[st.name]]:
             total = " + ".join(finals[st.name])
+            if st.transposed:
+                total = f"({total})" if len(finals[st.name]) > 1 else total
+                total += ".transpose(-1, -2)"
             w.lines.append(f"{state_out[st.name]} = {total}{'.squeeze(-1)' if st.vector else ''}  "
                            f"# [B, H, {', '.join(spec.state[st.name].shape)}]")
+
+
+def _width(spec, st) -> str:
+    """The dim of a matrix state's probe output: its columns, or its rows when it is probed on its columns."""
+    return spec.state[st.name].shape[0 if st.transposed else 1]
 
 
 def _coefficients(w, st, logs: dict) -> tuple[str, list]:
@@ -105,11 +121,11 @@ def _calls(w, spec, st, coef, pc, state_in, state_out, chunk, inclusive, finals)
     S0 = state_in[S] + (".unsqueeze(-1)" if st.vector else "")
     keep = not finals[S]
     one = len(terms) == 1 and not st.vector   # one call: its outputs are the probe and the final state
-    shape = f"[B, T, H{'' if st.vector else ', ' + spec.state[S].shape[1]}]"
+    shape = f"[B, T, H{'' if st.vector else ', ' + _width(spec, st)}]"
     outs = []
     for ti, (ac, bc) in enumerate(terms):
         o_name = (w.fresh(f"{S}_probe_out" if one else f"{S}_read")) if pc != "None" else "_"
-        s_name = (state_out[S] if one else w.fresh(f"{S}_T")) if keep else "_"
+        s_name = (state_out[S] if one and not st.transposed else w.fresh(f"{S}_T")) if keep else "_"
         w.lines.append(f"{o_name}, {s_name} = {kernel}({pc}, {ac}, {bc}, {lg}, {S0 if ti == 0 else 'None'}, {chunk}, "
                        f"inclusive={inclusive})" + (f"  # {shape}" if one and pc != "None" else ""))
         outs.append(o_name)

@@ -26,8 +26,9 @@ from .transition import normal_form, side_text
 
 @dataclass(frozen=True)
 class ChainedState:
-    """``S_t = Diag(decay_t) S_{t-1} + sum_i outer(a_i, b_i)`` (``side`` "rows": a scalar or one
-    decay per row), ``S_t = S_{t-1} Diag(decay_t) + ...`` (``side`` "columns"), or a vector state
+    """The state the kernels run on (``Sᵀ`` when ``transposed``: S is probed on its columns,
+    ``S @ p``): ``Diag(decay_t) S_{t-1} + sum_i outer(a_i, b_i)`` (``side`` "rows": a scalar or
+    one decay per row), ``S_{t-1} Diag(decay_t) + ...`` (``side`` "columns"), or a vector state
     ``z_t = decay_t * z_{t-1} + sum_i b_i * a_i``; ``decay`` None: no decay."""
 
     name: str
@@ -35,6 +36,7 @@ class ChainedState:
     side: str
     terms: tuple[tuple[Expr, Expr], ...]
     vector: bool
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class ChainedProbe:
     state: str
     vector: Expr
     stage: int
+    columns: bool = False   # the probe is S @ vector (it contracts the columns of a matrix state)
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,20 @@ def analyse_chained(alg: Algebra) -> tuple[ChainedPlan, list[str]]:
     reasons, states = [], []
     for n in alg.states:
         st, why = _additive_state(alg, n, nf.maps[n])
+        sides = {p.columns for p in probes if p.state == n}
+        if len(sides) > 1:
+            raise NotAdmitted(f"the read probes {n} on its rows (p @ {n}) and on its columns ({n} @ p): the kernels "
+                              f"contract one axis of a state")
+        if sides == {True}:   # S @ p is p @ Sᵀ: the kernels run on Sᵀ, the decay on the other axis
+            st = ChainedState(n, st.decay, {"rows": "columns", "columns": "rows"}[st.side] if st.decay is not None
+                              and alg.rank(st.decay) else st.side, tuple((b, a) for a, b in st.terms), st.vector,
+                              transposed=True)
+            why.append(f"the read probes {n} on its columns ({n} @ p): the kernels run on {n}ᵀ, the decay on its "
+                       f"{'rows' if st.side == 'rows' else 'columns'}")
         states.append(st)
         reasons += why
-    by = {p.name: BinOp("@", p.vector, Name(p.state)) for p in probes}
+    by = {p.name: BinOp("@", Name(p.state), p.vector) if p.columns else BinOp("@", p.vector, Name(p.state))
+          for p in probes}
 
     def shown(e: Expr) -> Expr:   # probes written out again, for the reasons
         return rewrite(e, lambda x: shown(by[x.id]) if isinstance(x, Name) and x.id in by else None)
@@ -83,12 +97,13 @@ def analyse_chained(alg: Algebra) -> tuple[ChainedPlan, list[str]]:
                    + "; each probe vector is token-local or a token-local function of earlier probes")
     for stage in range(max(p.stage for p in probes) + 1):
         here = [p for p in probes if p.stage == stage]
-        what = ", ".join(f"{txt(shown(p.vector))} @ {p.state}" for p in here)
+        what = ", ".join(txt(shown(Name(p.name))) for p in here)
         reasons.append(f"pass {stage + 1}: a chunked kernel call per probe ({what}) for every token"
                        + (", after its vectors' token-local functions over the whole sequence" if stage else ""))
     for st in states:
         if st.side == "columns":
-            reasons.append(f"{st.name} decays on its columns and is probed on its rows: the value-decay kernel "
+            reasons.append(f"{st.name}{'ᵀ' if st.transposed else ''} decays on its columns and is probed on its "
+                           f"rows: the value-decay kernel "
                            f"(decay factors on the probe's output channels, log-space cumulative sums) takes it as "
                            f"it is, no transpose")
     if spec.order == "read_write":
@@ -146,32 +161,39 @@ def _update_text(alg: Algebra, n: str, gamma: Expr | None, side: str, m) -> str:
         return f"{n} <- {n} + {inc} (no decay)"
     g = txt(gamma)
     if side == "columns":
-        return f"{n} <- {n} Diag({g}) + {inc}, a decay per column (the output channels of its probes p @ {n})"
+        return f"{n} <- {n} Diag({g}) + {inc}, a decay per column"
     if alg.rank(gamma):
-        return f"{n} <- Diag({g}) {n} + {inc}, a decay per row (the key side of its probes p @ {n})"
+        return f"{n} <- Diag({g}) {n} + {inc}, a decay per row"
     return f"{n} <- {g} * {n} + {inc}, a scalar decay"
 
 
 def chain_probes(alg: Algebra, read: Expr, states: set[str], prefix: str = "_p") -> tuple[Expr, list[ChainedProbe]]:
-    """Replace every linear probe ``p @ S`` (S a state, p a vector that reads no state outside
-    probes) by a placeholder name, innermost first: a probe vector may itself read probes
-    (``softmax(q @ K) @ V``).  Raises NotAdmitted when a state is used other than through probes."""
+    """Replace every linear probe ``p @ S`` or ``S @ p`` (S a state, p a vector that reads no state
+    outside probes) by a placeholder name, innermost first: a probe vector may itself read probes
+    (``softmax(q @ K) @ V``, ``V.T @ softmax(K @ q)``).  Raises NotAdmitted when a state is used other than through probes."""
     probes: list[ChainedProbe] = []
 
     def walk(e: Expr) -> Expr:
         if isinstance(e, BinOp) and e.op == "@":
+            for i, side in enumerate((e.left, e.right)):   # Sᵀ @ p is p @ S, p @ Sᵀ is S @ p
+                if isinstance(side, Transpose) and isinstance(side.operand, Name) and side.operand.id in states:
+                    other = e.right if i == 0 else e.left
+                    if alg.rank(other) == 1:
+                        e = BinOp("@", other, side.operand) if i == 0 else BinOp("@", side.operand, other)
+                        break
             for vec, st in ((e.left, e.right), (e.right, e.left)):
                 if isinstance(st, Name) and st.id in states and not (isinstance(vec, Name) and vec.id in states):
                     rank_s = alg.rank(st)
-                    if alg.rank(vec) == 1 and (rank_s == 1 or (rank_s == 2 and st is e.right)):
+                    if alg.rank(vec) == 1 and rank_s in (1, 2):
                         inner = walk(vec)
+                        columns = rank_s == 2 and st is e.left
                         stage = max((p.stage + 1 for p in probes if any(
                             isinstance(x, Name) and x.id == p.name for x in inner.walk())), default=0)
                         for p in probes:
-                            if p.state == st.id and p.vector == inner:
+                            if p.state == st.id and p.vector == inner and p.columns == columns:
                                 return Name(p.name)
                         name = f"{prefix}{len(probes)}"
-                        probes.append(ChainedProbe(name, st.id, inner, stage))
+                        probes.append(ChainedProbe(name, st.id, inner, stage, columns))
                         return Name(name)
         if isinstance(e, Name) and e.id in states:
             raise NotAdmitted(f"the read uses the state {e.id} other than through a linear probe p @ {e.id}")
