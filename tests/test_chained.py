@@ -386,3 +386,25 @@ def test_packed_documents_run_each_from_its_own_state():
         assert_same_function(o[:, a:b], oi)
         for n in spec.state:
             assert_same_function(fs[n][i:i + 1], si[n])
+
+
+def test_the_benchmark_script_runs_and_checks_its_peers():
+    """benchmarks/gsa.py at a tiny size: the chained form, its online schedule and fla's naive recurrence
+    agree (exit status 0) and the ratios are printed."""
+    import importlib.util
+    import contextlib
+    import io
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gsa.py"
+    spec = importlib.util.spec_from_file_location("bench_gsa", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            assert module.main(["--T", "40", "--H", "1", "--D", "8", "--m", "4", "--chunk", "16", "--threads", "1",
+                                "--repeat", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    text = out.getvalue()
+    assert "memspec online" in text and "x the chained form" in text

@@ -184,7 +184,10 @@ def register(family: Family, *, before: str | None = None) -> Callable[[], None]
 # one-state families, whose rejections of such a spec say nothing about it
 register(Family("chained", lambda alg, chunk: chained.analyse_chained(alg), exact=True, chunked=True, carried=False,
                 text="chained (exact multi-pass chunked form: the read chains probes of additive states)",
-                keyword="chunk", needs="an exact chunk form", listed=chained.chains), before="delta")
+                keyword="chunk", needs="an exact chunk form", listed=chained.chains,
+                note="the chained kernels take each state on the side its probes contract (a decay on the other "
+                     "axis runs in the value-decay kernel), whatever the orientation above says of the one-state "
+                     "families"), before="delta")
 # a state transformed on its value side and read on its key side (the gated Oja rule): after the
 # key-side families, which take every spec it could share with them
 register(Family("oja", lambda alg, chunk: oja.analyse_oja(alg), exact=True, chunked=True, carried=False,
