@@ -278,3 +278,28 @@ def test_plan_reasons():
     assert "cache" in parallel_plan(SPECS / "softmax_attention.yaml").reason
     assert "elementwise" in parallel_plan(SPECS / "mamba.yaml").reason
     assert "blocks" in parallel_plan(SPECS / "hope_cms.yaml").reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["gated_deltanet", "titans"])
+def test_train_context_parallel_matches_one_process(spec, tmp_path):
+    """torchrun --nproc-per-node 2 memspec train --context-parallel 2: the loss curve of one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    args = ["train", str(SPECS / f"{spec}.yaml"), "--steps", "3", "--batch", "4", "--seq-len", "24", "--pairs", "3",
+            "--vocab", "16", "--d-model", "16", "--layers", "2", "--heads", "2", "--eval-size", "8", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    runs = {}
+    for name, launch in (("one", []), ("cp", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+        cmd = [sys.executable, *launch, "-m", "memspec", *args, "--out", str(tmp_path / name)]
+        cmd += ["--context-parallel", "2"] if name == "cp" else []
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "log.json").read_text())
+    torch.testing.assert_close(torch.tensor([e["loss"] for e in runs["cp"]["log"]]),
+                               torch.tensor([e["loss"] for e in runs["one"]["log"]]), rtol=1e-5, atol=1e-6)

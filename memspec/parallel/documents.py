@@ -114,9 +114,9 @@ def run_documents(memory, inputs, state, cu_seqlens, schedule, plan, group, rank
     order = [k for k in ("first", "middle", "last") if k in pieces]
     if not order:                                                # an empty shard with no document
         o = run(a, b, rows([0]))[0]                              # no tokens: the state stays as it was
-        return attached(o, {}, carried)
+        return attached(memory, o, {}, carried)
     o = torch.cat([pieces[k][0] for k in order], dim=1) if len(order) > 1 else pieces[order[0]][0]
-    return attached(o, _rows([pieces[k][1] for k in order]), carried)
+    return attached(memory, o, _rows([pieces[k][1] for k in order]), carried)
 
 
 def _rows(finals: list[dict]) -> dict:

@@ -15,10 +15,13 @@ def shard_bounds(T: int, size: int) -> list[tuple[int, int]]:
     return [(r * T // size, (r + 1) * T // size) for r in range(size)]
 
 
-def attached(o, final: dict, carried: list) -> tuple:
-    """``(o, final)`` with ``carried`` in their graph (:func:`.comm.attach`)."""
+def attached(memory, o, final: dict, carried: list) -> tuple:
+    """``(o, final)`` with ``carried`` and the memory's parameters in their graph (:func:`.comm.attach`):
+    a rank that never reads the learned initial state still gives it a (zero) gradient, as DDP
+    expects of every parameter on every rank."""
     names = [n for n, v in final.items() if isinstance(v, torch.Tensor)]
-    out = comm.attach([o] + [final[n] for n in names], carried)
+    params = [p for p in memory.parameters() if p.requires_grad]
+    out = comm.attach([o] + [final[n] for n in names], carried + params)
     return out[0], {**final, **dict(zip(names, out[1:]))}
 
 

@@ -109,6 +109,20 @@ class ShardedLM(nn.Module):
             return self.net(tokens)
 
 
+def data_world(cfg, world: int) -> int:
+    """The ranks that split the batch's rows: ``world``, or 1 when ``cfg.context_parallel`` ranks
+    (all of them) share every sequence; ValueError for any other count."""
+    cp = cfg.context_parallel
+    if cp == 1:
+        return world
+    if cp < 1 or cp != world:
+        raise ValueError(f"--context-parallel {cp} runs under torchrun with {max(cp, 1)} processes (torchrun "
+                         f"--nproc-per-node {max(cp, 1)} -m memspec train ...), not {world}")
+    if cfg.pack:
+        raise ValueError("--context-parallel takes no --pack")
+    return 1
+
+
 def shard_tokens(net, model, cfg):
     """``net`` unchanged for ``cfg.context_parallel == 1``; else :class:`ShardedLM` over a group of
     every rank (its own group: the collectives of the memories never interleave with DDP's)."""
@@ -116,20 +130,16 @@ def shard_tokens(net, model, cfg):
 
     if cfg.context_parallel == 1:
         return net
-    if not dist.is_initialized() or dist.get_world_size() != cfg.context_parallel:
-        raise ValueError(f"--context-parallel {cfg.context_parallel} runs under torchrun with as many processes "
-                         f"(torchrun --nproc-per-node {cfg.context_parallel} -m memspec train ...)")
-    if cfg.pack:
-        raise ValueError("--context-parallel takes no --pack")
+    data_world(cfg, dist.get_world_size())
     return ShardedLM(net, model, dist.new_group(list(range(cfg.context_parallel))))
 
 
 def split_batch(x, y, rank, world, cfg, device):
     """This rank's part of the batch: its rows (data parallel), or every row's shard of tokens."""
-    if cfg.context_parallel == 1:
+    if data_world(cfg, world) == world:
         local = cfg.batch // world
         return x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
     return shard(x.to(device)), shard(y.to(device))
 
 
-__all__ = ["ShardedLM", "shard_tokens", "sharded", "split_batch"]
+__all__ = ["ShardedLM", "data_world", "shard_tokens", "sharded", "split_batch"]

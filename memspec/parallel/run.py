@@ -118,7 +118,7 @@ def _scan(memory, inputs, state, schedule, plan, group, rank, size):
         for j in range(1, rank):
             S = layout.apply(*layout.unflat(pieces[j]), S)
         o, final = memory(**inputs, state=S, schedule=schedule)
-    return attached(o, final, list(pieces))
+    return attached(memory, o, final, list(pieces))
 
 
 # ------------------------------------------------------------------ the relay
@@ -141,4 +141,4 @@ def _relay(memory, inputs, state, schedule, plan, group, rank, size):
         if tensors:
             token = comm.send(tensors, rank + 1, group)
             carried += [token] if token is not None else []
-    return attached(o, final, carried)
+    return attached(memory, o, final, carried)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..parallel.model import data_world, shard_tokens, split_batch
 from .tasks import MQAR, TextTask
 
 
@@ -63,6 +64,7 @@ class TrainConfig:
     eval_size: int = 256
     compile: bool = False
     pack: bool = False              # the batch's sequences packed into one row (cu_seqlens), each alone
+    context_parallel: int = 1       # ranks that share every sequence, each its shard of tokens (torchrun)
     out: str | None = None
     save_hf: str | None = None      # also write the trained model as a Hugging Face folder (memspec export)
     progress: bool = True
@@ -232,7 +234,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
     task = cfg.task_()
     rank, world = dist_env()
     distributed = world > 1
-    if cfg.batch % world:
+    if cfg.batch % data_world(cfg, world):
         raise ValueError(f"the global batch {cfg.batch} is not divisible by the {world} processes")
     device = torch.device("cpu")
     if distributed:
@@ -255,10 +257,9 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
     if distributed:
         from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(model)
+        net = shard_tokens(DistributedDataParallel(model), model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
-    local = cfg.batch // world
     bar = Progress(label, cfg.steps, enabled=cfg.progress and main_process)
     losses, log_steps = [], []
     tokens, t_train = 0, 0.0
@@ -266,7 +267,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         t0 = time.perf_counter()
         x, y = task.batch(cfg.batch, train_seed(cfg, step))
         n_targets = (y != -100).sum().item()                 # global count, same on every rank
-        x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
+        x, y = split_batch(x, y, rank, world, cfg, device)   # its rows, or (context parallel) its tokens
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         offsets = torch.arange(0, x.numel() + 1, x.shape[1], device=device) if cfg.pack else None   # one row
@@ -512,7 +513,7 @@ def json_table(results: list[RunResult], cfg: TrainConfig | None = None) -> str:
 
 # ------------------------------------------------------------------ command line
 _OPTIONS = ("steps", "batch", "seq_len", "pairs", "gap", "vocab", "d_model", "layers", "heads", "lr", "seed",
-            "eval_size", "lr_schedule")
+            "eval_size", "lr_schedule", "context_parallel")
 
 
 def config_from_args(args, usage_error=ValueError) -> TrainConfig:
@@ -551,7 +552,7 @@ def config_from_args(args, usage_error=ValueError) -> TrainConfig:
     try:
         cfg.task_()
         _, world = dist_env()
-        if cfg.batch % world:
+        if cfg.batch % data_world(cfg, world):
             raise ValueError(f"--batch {cfg.batch} is not divisible by the {world} processes")
         if cfg.d_model % cfg.heads:
             raise ValueError(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}")
