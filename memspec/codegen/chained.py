@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..lang.expr import Name, Num, rewrite
 from ..runtime.additive import chunk_additive
-from ..runtime.chained import chunk_value_decay
+from ..runtime.chained import _value_decay_reads, chunk_value_decay
 from . import chunked
 from .context import Emitter
 from .chunked import fmt_shape
@@ -40,6 +40,8 @@ def emit(ctx, L) -> None:
     L()
     for kernel in kernels(plan):
         ctx.need_kernel(kernel)
+        if kernel is chunk_value_decay:
+            ctx.need(_value_decay_reads)
 
 
 def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -> None:

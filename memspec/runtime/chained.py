@@ -44,6 +44,10 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
       weigh 1;
     * the next chunk's state: ``S_start Diag(exp(L_C)) + kᵀ (w * exp(L_C - L_s))``.
 
+    Chunks are processed G at a time (G chosen so that each temporary stays near 512 KB in float32:
+    larger per-call allocations are returned to the OS and page-faulted back on every call), the
+    carried state passing from group to group.
+
     Every exponent is a decay from an earlier point to a later one (``<= 0``): nothing
     overflows, finite for any finite log decays (-40 per token and below), and no ``[C, C, V]``
     tensor is formed.  No pair with s > t enters any product, so a NaN or inf in token t's inputs
@@ -61,45 +65,57 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
     V = w.shape[-1]
     C = 1 << (max(int(chunk), 1).bit_length() - 1)   # a power of two (chunk rounded down)
     N = -(-T // C)
-    pad = N * C - T
+    G = max(1, (1 << 17) // (B * H * C * max(K, V, C)))   # chunks per group: temporaries near 512 KB in float32
+    S = k.new_zeros(B, H, K, V) if S0 is None else S0.to(k.dtype)
+    outs = []
+    for c0 in range(0, N, G):
+        t0, t1 = c0 * C, min(T, (c0 + G) * C)
+        n = -(-(t1 - t0) // C)
 
-    def blocks(x):  # [B, T, H, D] -> [B, H, N, C, D], the tail padded with zero tokens
-        x = x.transpose(1, 2)
-        if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        return x.reshape(B, H, N, C, x.shape[-1])
+        def blocks(x):  # tokens t0..t1 of [B, T, H, D] -> [B, H, n, C, D], a short tail padded with zero tokens
+            x = x[:, t0:t1].transpose(1, 2)
+            if n * C > t1 - t0:
+                x = torch.nn.functional.pad(x, (0, 0, 0, n * C - (t1 - t0)))
+            return x.reshape(B, H, n, C, x.shape[-1])
 
-    kb, wb, gb = blocks(k), blocks(w), blocks(log_decay)
-    L = gb.cumsum(-2)                                        # [B, H, N, C, V] from the chunk's start
-    end = L[..., -1:, :]                                     # [B, H, N, 1, V]
-    inc = kb.transpose(-1, -2) @ (wb * torch.exp(end - L))   # [B, H, N, K, V] each chunk's own writes
-    decay = torch.exp(end.squeeze(-2))                       # [B, H, N, V] the chunk's decay of S
-    S = kb.new_zeros(B, H, K, V) if S0 is None else S0.to(kb.dtype)
-    starts = []
-    for n in range(N):
-        starts.append(S)
-        S = S * decay[:, :, n].unsqueeze(-2) + inc[:, :, n]
+        kb, wb, gb = blocks(k), blocks(w), blocks(log_decay)
+        L = gb.cumsum(-2)                                        # [B, H, n, C, V] from the chunk's start
+        end = L[..., -1:, :]                                     # [B, H, n, 1, V]
+        inc = kb.transpose(-1, -2) @ (wb * torch.exp(end - L))   # [B, H, n, K, V] each chunk's own writes
+        decay = torch.exp(end.squeeze(-2))                       # [B, H, n, V] the chunk's decay of S
+        starts = []
+        for j in range(n):
+            starts.append(S)
+            S = S * decay[:, :, j].unsqueeze(-2) + inc[:, :, j]
+        if q is not None:
+            outs.append(_value_decay_reads(blocks(q), kb, wb, L, torch.stack(starts, 2), inclusive))
     if q is None:
         return None, S
-    qb = blocks(q)
+    return torch.cat(outs, 2)[:, :, :T].transpose(1, 2), S
+
+
+def _value_decay_reads(qb, kb, wb, L, starts, inclusive):
+    """The outputs of :func:`chunk_value_decay` for chunks ``[B, H, n, C, *]`` (probes ``qb``, keys
+    ``kb``, values ``wb``, cumulative log decays ``L``, the chunk-start states ``starts``
+    ``[B, H, n, K, V]``): ``[B, H, n C, V]``."""
+    B, H, n, C, V = wb.shape
     Lq = L if inclusive else torch.cat([torch.zeros_like(L[..., :1, :]), L[..., :-1, :]], -2)   # through t - 1
-    o = (qb @ torch.stack(starts, 2)) * torch.exp(Lq)       # [B, H, N, C, V] the chunk-start states
-    A = qb @ kb.transpose(-1, -2)                            # [B, H, N, C, C] scores q_t . k_s
+    o = (qb @ starts) * torch.exp(Lq)                        # [B, H, n, C, V] the chunk-start states
+    A = qb @ kb.transpose(-1, -2)                            # [B, H, n, C, C] scores q_t . k_s
     h = 1
     while h < C:   # pairs across the halves of blocks of 2h tokens, R the log decay at the first half's end
         nb = C // (2 * h)
-        Lh, Lqh, wh = (x.reshape(B, H, N, nb, 2, h, V) for x in (L, Lq, wb))
-        R = Lh[..., 0, h - 1:, :]                                            # [B, H, N, nb, 1, V]
-        # the scores of t in the second half with s in the first: [B, H, N, nb, h, h]
-        scores = A.reshape(B, H, N, nb, 2 * h, nb, 2 * h).diagonal(dim1=3, dim2=5)[..., h:, :h, :].movedim(-1, 3)
-        first = wh[..., 0, :, :] * torch.exp(R - Lh[..., 0, :, :])           # [B, H, N, nb, h, V]
+        Lh, Lqh, wh = (x.reshape(B, H, n, nb, 2, h, V) for x in (L, Lq, wb))
+        R = Lh[..., 0, h - 1:, :]                                            # [B, H, n, nb, 1, V]
+        # the scores of t in the second half with s in the first: [B, H, n, nb, h, h]
+        scores = A.reshape(B, H, n, nb, 2 * h, nb, 2 * h).diagonal(dim1=3, dim2=5)[..., h:, :h, :].movedim(-1, 3)
+        first = wh[..., 0, :, :] * torch.exp(R - Lh[..., 0, :, :])           # [B, H, n, nb, h, V]
         if h <= 2:   # a few pairs per block: elementwise beats a batched matmul of tiny matrices
             out = (scores.unsqueeze(-1) * first.unsqueeze(-3)).sum(-2)
         else:
             out = scores @ first
-        o.view(B, H, N, nb, 2, h, V)[..., 1, :, :] += out * torch.exp(Lqh[..., 1, :, :] - R)
+        o.view(B, H, n, nb, 2, h, V)[..., 1, :, :] += out * torch.exp(Lqh[..., 1, :, :] - R)
         h *= 2
     if inclusive:   # the pairs s = t weigh 1
         o = o + (qb * kb).sum(-1, keepdim=True) * wb
-    o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
-    return o, S
+    return o.reshape(B, H, n * C, V)
