@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _compiled_harness import call, initial_state, inputs, make, reference_run, rel_err, small_dims
+from close import assert_same_function
 
 import memspec
 from memspec.pipeline.build import build_memory
 from memspec.runtime.oja import chunk_oja, recurrent_oja
 from memspec.schedule import analyse, explain
-
-from _compiled_harness import call, initial_state, inputs, make, reference_run, rel_err, small_dims
-from close import assert_same_function
 
 ROOT = Path(__file__).resolve().parent.parent
 OJA = ROOT / "specs" / "variants" / "gated_oja.yaml"
@@ -62,26 +61,29 @@ KERNEL_CASES = [  # T, chunk, sub
 ]
 
 
+def check_kernel(T, C, sub, decay, inclusive, after, other_u):
+    q, k, v, beta, lg, S0 = oja_inputs(2, T, 3, 4, 5, decay=decay, seed=T + C)
+    u = 0.5 * torch.randn_like(v) if other_u else None
+    xs = [x.requires_grad_() for x in (q, v, beta, k, S0) + ((lg,) if lg is not None else ())]
+
+    def args():   # (each run its own graph of the derived inputs)
+        return xs[0], xs[1], u, -xs[2], xs[2][..., None] * xs[3], xs[5] if lg is not None else None, xs[4]
+
+    ref = recurrent_oja(*args(), inclusive=inclusive, read_after_decay=after)
+    got = chunk_oja(*args(), C, sub=sub, inclusive=inclusive, read_after_decay=after)
+    for x, y in zip(got, ref):
+        assert_same_function(x, y)
+    for x, y in zip(torch.autograd.grad(weighted(*got), xs), torch.autograd.grad(weighted(*ref), xs)):
+        assert_same_function(x, y)
+
+
 @pytest.mark.parametrize("T,C,sub", KERNEL_CASES)
 @pytest.mark.parametrize("decay", ["channel", "scalar", None])
 def test_kernel_matches_loop(T, C, sub, decay):
     """Outputs, final states and gradients of the chunked kernel equal its token loop (float64),
     for every read / correction convention and a correction vector u other than w."""
     for inclusive, after, other_u in itertools.product([True, False], [True, False], [False, True]):
-        q, k, v, beta, lg, S0 = oja_inputs(2, T, 3, 4, 5, decay=decay, seed=T + C)
-        u = 0.5 * torch.randn_like(v) if other_u else None
-        xs = [x.requires_grad_() for x in (q, v, beta, k, S0) + ((lg,) if lg is not None else ())]
-
-        def run(fn, *extra):
-            args = (xs[0], xs[1], u, -xs[2], xs[2][..., None] * xs[3], xs[5] if lg is not None else None, xs[4])
-            return fn(*args, *extra, inclusive=inclusive, read_after_decay=after)
-
-        ref = run(recurrent_oja)
-        got = run(lambda *a, **kw: chunk_oja(*a[:7], C, sub=sub, **kw))
-        for x, y in zip(got, ref):
-            assert_same_function(x, y)
-        for x, y in zip(torch.autograd.grad(weighted(*got), xs), torch.autograd.grad(weighted(*ref), xs)):
-            assert_same_function(x, y)
+        check_kernel(T, C, sub, decay, inclusive, after, other_u)
 
 
 def test_kernel_sub_chunk_is_a_free_choice():

@@ -257,9 +257,19 @@ def oja_outputs(q, w, prep, S_start, sub, consts, inclusive=True):
     return o.reshape(X, C, V)
 
 
+def oja_chunks(x, NC, C, dt):
+    """``[B, T, H, d]`` -> ``[NC B H, C, d]`` chunk-major in dtype ``dt``, the tail padded with identity
+    tokens (zeros); None stays None."""
+    if x is None:
+        return None
+    B, T, H, d = x.shape
+    x = torch.nn.functional.pad(x.to(dt), (0, 0, 0, 0, 0, NC * C - T))
+    return x.reshape(B, NC, C, H, d).permute(1, 0, 3, 2, 4).reshape(NC * B * H, C, d)
+
+
 def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_decay=True, sub=8,
               group=None, documents=None):
-    """Exact chunked value-side transition (the module docstring; arguments as :func:`recurrent_oja`).
+    """Exact chunked value-side transition (:mod:`memspec.runtime.oja`; arguments as :func:`recurrent_oja`).
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
@@ -294,41 +304,21 @@ def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_de
     C = -(-C // s) * s                                                     # a multiple of the sub-chunk
     if log_decay is not None and log_decay.dim() == 3:                     # one decay per head: every channel
         log_decay = log_decay[..., None].expand(B, T, H, V)
-    if u is None:
-        xs = [q, w, c[..., None], a, log_decay]
-    else:
-        xs = [q, w, c[..., None], a, log_decay, u]
-    docs = None
+    xs, docs = [q, w, u, c[..., None], a, log_decay], None
     S = S0.to(dt).reshape(BH, K, V) if S0 is not None and documents is None else w.new_zeros(BH, K, V, dtype=dt)
     if documents is not None:   # packed documents: each starts at a chunk, from its own state
         S_docs = S0.to(dt) if S0 is not None else w.new_zeros(documents.count, H, K, V, dtype=dt)
         docs = documents.for_kernel(C, S_docs)
         xs = [docs.lay(x) for x in xs]
-        T_run = docs.T
-    else:
-        T_run = T
-    NC = -(-T_run // C)
-
-    def lay(x):  # [B, T, H, d] -> [NC B H, C, d] chunk-major, the tail padded with identity tokens (zeros)
-        if x is None:
-            return None
-        x = torch.nn.functional.pad(x.to(dt), (0, 0, 0, 0, 0, NC * C - x.shape[1]))
-        return x.reshape(B, NC, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(NC * BH, C, x.shape[-1])
-
-    qc, wc, cc, ac, lgc = (lay(x) for x in xs[:5])
-    uc = lay(xs[5]) if u is not None else None
+    NC = -(-xs[1].shape[1] // C)
+    qc, wc, uc, cc, ac, lgc = (oja_chunks(x, NC, C, dt) for x in xs)   # [NC B H, C, d]
     consts = oja_constants(C, s, dt, w.device)
-    # groups of G consecutive chunks (every head): prepared, passed and read one group at a time, so
-    # that the temporaries stay near 2 MB on CPU (larger ones are page-faulted back on every call; smaller
+    # groups of G consecutive chunks (every head), prepared, passed and read one at a time:
+    # temporaries near 2 MB on CPU (larger ones are page-faulted back on every call; smaller
     # groups pay more per operation: measured fastest at T = 2048, H = 4, D = 64)
-    if group is not None:
-        G = int(group)
-    elif w.device.type == "cpu":
-        G = round((1 << 19) / (BH * C * (s if lgc is not None else 1) * V))
-    else:
-        G = 64
-    G = max(1, min(NC, G))
-    outs = []
+    G = int(group) if group is not None else \
+        round((1 << 19) / (BH * C * (s if lgc is not None else 1) * V)) if w.device.type == "cpu" else 64
+    G, outs = max(1, min(NC, G)), []
     for j in range(0, NC, G):
         nc = min(G, NC - j)
         at = slice(j * BH, (j + nc) * BH)

@@ -31,7 +31,8 @@ from .linear import times
 from .polynomial import Probe, find_probes
 from .ranges import check_decay
 from .sides import transposed_algebra
-from .transition import describe, normal_form, ratio, side_text, split_scalar, vec_text, without_factor
+from .transition import (describe, normal_form, ratio, side_text, split_scalar, vec_text,
+                         without_factor)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class OjaPlan:
 CHANNEL_CHUNK = 32
 
 
-def preferred_chunk(alg: Algebra, plan: "OjaPlan"):
+def preferred_chunk(alg: Algebra, plan: OjaPlan):
     """(chunk, reason) for a decay; None (the default chunk) without one."""
     if plan.decay is None:
         return None
