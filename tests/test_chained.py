@@ -408,3 +408,20 @@ def test_the_benchmark_script_runs_and_checks_its_peers():
         torch.set_num_threads(threads)
     text = out.getvalue()
     assert "memspec online" in text and "x the chained form" in text
+
+
+@pytest.mark.parametrize("inclusive", [False, True])
+def test_the_specialised_value_decay_kernel_equals_the_general_one(inclusive):
+    """The kernel as a generated module carries it (``inclusive`` bound): the same numbers, bit for bit."""
+    import inspect
+    from memspec.codegen.context import runtime_source
+    from memspec.codegen.specialise import specialise
+    from memspec.runtime.chained import _value_decay_reads
+    ns = {"torch": torch}
+    exec(runtime_source(_value_decay_reads), ns)
+    exec(specialise(chunk_value_decay, inclusive=inclusive), ns)
+    fn = ns["chunk_value_decay"]
+    assert "inclusive" not in inspect.signature(fn).parameters
+    xs = kernel_inputs(2, 37, 2, 3, 4)
+    for a, b in zip(fn(*xs, 8), chunk_value_decay(*xs, 8, inclusive=inclusive)):
+        assert torch.equal(a, b)
