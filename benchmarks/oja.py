@@ -7,7 +7,7 @@ Forward only (no autograd), eager, float32.  Prints the median wall and process-
 ``--repeat`` runs after one warm-up each, the ratio online / chunked, and the relative difference of
 the outputs (exit status 1 when it is above 1e-4).  ``--grad`` times forward + backward instead.
 
-    python benchmarks/oja.py [--B 1] [--H 4] [--T 2048] [--D 64] [--chunk 64] [--threads 2] [--repeat 5] [--grad]
+    python benchmarks/oja.py [--B 1] [--H 4] [--T 2048] [--D 64] [--chunk N] [--threads 2] [--repeat 5] [--grad]
 """
 from __future__ import annotations
 
@@ -44,15 +44,16 @@ def main(argv=None) -> int:
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--D", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=None, help="default: the module's (32 with a decay)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--grad", action="store_true", help="time forward + backward")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     B, H, T, D = args.B, args.H, args.T, args.D
-    memory = build_memory(ROOT / "specs" / "variants" / "gated_oja.yaml", compile=False, chunk=args.chunk,
-                          heads=H, d_k=D, d_v=D)
+    sizes = {"chunk": args.chunk} if args.chunk else {}
+    memory = build_memory(ROOT / "specs" / "variants" / "gated_oja.yaml", compile=False, heads=H, d_k=D, d_v=D,
+                          **sizes)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=g) * D ** -0.5 for _ in range(3))
     beta = torch.rand(B, T, H, generator=g)
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
 
     times = timed_alternately({"oja": run("oja"), "online": run("online")}, args.repeat)
     what = "forward + backward" if args.grad else "forward"
-    print(f"gated Oja rule {what}, B={B} H={H} T={T} D={D}, float32, chunk {args.chunk}, {args.threads} "
+    print(f"gated Oja rule {what}, B={B} H={H} T={T} D={D}, float32, chunk {memory.chunk}, {args.threads} "
           f"thread(s), median of {args.repeat}")
     for name, (wall, cpu) in times.items():
         print(f"  memspec {name:10s} {wall:9.2f} ms wall {cpu:9.2f} ms CPU")

@@ -269,7 +269,8 @@ def oja_chunks(x, NC, C, dt):
 
 def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_decay=True, sub=8,
               group=None, documents=None):
-    """Exact chunked value-side transition (:mod:`memspec.runtime.oja`; arguments as :func:`recurrent_oja`).
+    """Exact chunked value-side transition: :func:`recurrent_oja`'s recurrence (the same arguments) in
+    chunks -- :func:`oja_prepare` for every chunk, :func:`oja_pass` over them, :func:`oja_outputs`.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
