@@ -89,6 +89,8 @@ def test_value_decay_kernel_gradcheck_causality_streaming():
     assert_same_function(S2, S)
     none, S_only = chunk_value_decay(None, k, w, lg, S0, 16)
     assert none is None and torch.equal(S_only, S)
+    empty, S_empty = chunk_value_decay(q[:, :0], k[:, :0], w[:, :0], lg[:, :0], S0, 16)
+    assert empty.shape == (1, 0, 2, 4) and torch.equal(S_empty, S0)
 
 
 # ------------------------------------------------------------------ the decision
@@ -391,8 +393,8 @@ def test_packed_documents_run_each_from_its_own_state():
 def test_the_benchmark_script_runs_and_checks_its_peers():
     """benchmarks/gsa.py at a tiny size: the chained form, its online schedule and fla's naive recurrence
     agree (exit status 0) and the ratios are printed."""
-    import importlib.util
     import contextlib
+    import importlib.util
     import io
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "gsa.py"
     spec = importlib.util.spec_from_file_location("bench_gsa", path)

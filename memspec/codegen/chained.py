@@ -13,8 +13,8 @@ from ..lang.expr import Name, Num, rewrite
 from ..runtime.additive import chunk_additive
 from ..runtime.chained import _value_decay_reads, chunk_value_decay
 from . import chunked
-from .context import Emitter
 from .chunked import fmt_shape
+from .context import Emitter
 
 
 def kernels(plan) -> list:

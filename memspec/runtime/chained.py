@@ -68,17 +68,17 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
     G = max(1, (1 << 17) // (B * H * C * max(K, V, C)))   # chunks per group: temporaries near 512 KB in float32
     S = k.new_zeros(B, H, K, V) if S0 is None else S0.to(k.dtype)
     outs = []
+
+    def blocks(x, t0, t1, n):  # tokens t0..t1 of [B, T, H, D] -> [B, H, n, C, D], a short tail padded with zeros
+        x = x[:, t0:t1].transpose(1, 2)
+        if n * C > t1 - t0:
+            x = torch.nn.functional.pad(x, (0, 0, 0, n * C - (t1 - t0)))
+        return x.reshape(B, H, n, C, x.shape[-1])
+
     for c0 in range(0, N, G):
         t0, t1 = c0 * C, min(T, (c0 + G) * C)
         n = -(-(t1 - t0) // C)
-
-        def blocks(x):  # tokens t0..t1 of [B, T, H, D] -> [B, H, n, C, D], a short tail padded with zero tokens
-            x = x[:, t0:t1].transpose(1, 2)
-            if n * C > t1 - t0:
-                x = torch.nn.functional.pad(x, (0, 0, 0, n * C - (t1 - t0)))
-            return x.reshape(B, H, n, C, x.shape[-1])
-
-        kb, wb, gb = blocks(k), blocks(w), blocks(log_decay)
+        kb, wb, gb = (blocks(x, t0, t1, n) for x in (k, w, log_decay))
         L = gb.cumsum(-2)                                        # [B, H, n, C, V] from the chunk's start
         end = L[..., -1:, :]                                     # [B, H, n, 1, V]
         inc = kb.transpose(-1, -2) @ (wb * torch.exp(end - L))   # [B, H, n, K, V] each chunk's own writes
@@ -88,9 +88,11 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
             starts.append(S)
             S = S * decay[:, :, j].unsqueeze(-2) + inc[:, :, j]
         if q is not None:
-            outs.append(_value_decay_reads(blocks(q), kb, wb, L, torch.stack(starts, 2), inclusive))
+            outs.append(_value_decay_reads(blocks(q, t0, t1, n), kb, wb, L, torch.stack(starts, 2), inclusive))
     if q is None:
         return None, S
+    if not outs:   # T = 0
+        return w.new_zeros(B, 0, H, V), S
     return torch.cat(outs, 2)[:, :, :T].transpose(1, 2), S
 
 

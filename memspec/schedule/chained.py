@@ -147,8 +147,8 @@ def _additive_state(alg: Algebra, n: str, m) -> tuple[ChainedState, list[str]]:
                           f"need a write")
     side = "columns" if cols and alg.rank(gamma) == 1 else "rows"
     gamma = None if is_num(gamma, 1) else gamma
-    why = [f"the update of {n} is additive: {_update_text(alg, n, gamma, side, m)}, the increment independent of "
-           f"every state"]
+    why = [(f"the update of {n} is additive: {_update_text(alg, n, gamma, side, m)}, the increment independent of "
+            f"every state")]
     bound = check_decay(alg, gamma, f"of {n}")
     if bound:
         why.append(bound)
