@@ -230,20 +230,13 @@ def _spawn(world, cases, tmp_path, limit=300):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_equals_one_process(world, tmp_path):
-    _spawn(world, [(n, d) for n, (d, _) in CASES.items()], tmp_path)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_context_parallel_packed_documents(world, tmp_path):
-    """A document that spans ranks continues from the state the ranks before it left."""
-    cases = [(n, CASES[n][0], d) for n in ("gated_deltanet", "momentum_deltanet", "titans") for d in DOCUMENTS]
+    """One spawn of ``world`` processes (the start-up is most of the time) runs every case: each memory
+    over shards; packed documents across rank boundaries (a document that spans ranks continues from
+    the state the ranks before it left); a MemoryLM with short convolutions (memories by scan and relay)."""
+    cases = [(n, d) for n, (d, _) in CASES.items()]
+    cases += [(n, CASES[n][0], d) for n in ("gated_deltanet", "momentum_deltanet", "titans") for d in DOCUMENTS]
+    cases += [(n, CASES[n][0], "model") for n in ("gated_deltanet", "titans")]
     _spawn(world, cases, tmp_path)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_context_parallel_language_model(world, tmp_path):
-    """memspec train --context-parallel's model: memories (scan and relay) and short convolutions."""
-    _spawn(world, [(n, CASES[n][0], "model") for n in ("gated_deltanet", "titans")], tmp_path)
 
 
 @pytest.mark.slow
