@@ -72,8 +72,8 @@ def _orientation(alg: Algebra) -> Orientation:
     if value and key:
         why = (f"{'the state' if len(mats) == 1 else 'the states'} {', '.join(mats)} "
                f"{'is' if len(mats) == 1 else 'are'} used on the key side ({', '.join(key)}) and on the value "
-               f"side ({', '.join(value)}): the chunk kernels take the transitions and the probes on one side, the "
-               f"key side of the state or of its transpose")
+               f"side ({', '.join(value)}): the key-side chunk kernels take the transitions and the probes on one "
+               f"side, the key side of the state or of its transpose")
         return Orientation((), f"as declared ({why})", why)
     return Orientation((), "")   # as declared: explain has nothing to add
 
