@@ -362,3 +362,17 @@ def test_correction_before_the_decay_and_a_scalar_decay():
         ro, rf = reference_run(spec, m, dims, "online", st, ins)
         assert_same_function(o, ro)
         assert_same_function(final["S"], rf["S"])
+
+
+def test_bfloat16_inputs_keep_a_float32_state():
+    """bfloat16 inputs: the state and the kernel's sums stay float32, the output is bfloat16 and close
+    to the float64 run of the same (rounded) inputs."""
+    T, H, D = 70, 2, 16
+    memory = build_memory(OJA, compile=False, heads=H, d_k=D, d_v=D)
+    q, k, v, beta, gv, h0 = fla_case(T, H, D)
+    xs = [x.to(torch.bfloat16) for x in (q, k, v, beta, torch.exp(gv))]
+    o, s = memory(*xs[:3], beta=xs[3], g=xs[4], state={"S": h0})
+    assert o.dtype == torch.bfloat16 and s["S"].dtype == torch.float32
+    o64, s64 = memory.double()(*[x.double() for x in xs[:3]], beta=xs[3].double(), g=xs[4].double(),
+                               state={"S": h0.double()})
+    assert rel_err(o, o64) < 5e-3 and rel_err(s["S"], s64["S"]) < 1e-5
