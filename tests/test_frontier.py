@@ -660,7 +660,8 @@ def test_checkpointed_chunks_keep_no_per_token_state_and_give_the_same_gradients
         saved, (o, s) = _saved_bytes(lambda: m(*ins.values(), **gates, schedule=schedule))
         loss = o.square().sum() + sum(x.square().sum() for x in s.values() if torch.is_tensor(x))
         leaves = [*ins.values(), *gates.values(), *m.parameters()]
-        runs[checkpoint] = (saved, o, s, torch.autograd.grad(loss, leaves))
+        loss.backward()   # (a reentrant checkpoint takes .backward(), not torch.autograd.grad)
+        runs[checkpoint] = (saved, o.detach(), s, [x.grad for x in leaves])
     (saved_ck, o_ck, s_ck, g_ck), (saved, o, s, g) = runs[True], runs[False]
     assert runs[None][0] == saved   # T <= 256: the default keeps the states
     assert_same_function(o_ck, o)
@@ -670,6 +671,6 @@ def test_checkpointed_chunks_keep_no_per_token_state_and_give_the_same_gradients
             assert_same_function(s_ck[k], s[k])
         else:   # a position in the blocks
             assert s_ck[k] == s[k]
-    for a, b in zip(g_ck, g):
-        assert_same_function(a, b)
+    for a, b in zip(g_ck, g):   # float64; the recomputed chunks' backward adds in another order
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     assert saved_ck * 4 < saved, (saved_ck, saved)

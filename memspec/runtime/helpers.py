@@ -216,9 +216,20 @@ def _recomputing(option, T):
 
 
 def _recomputed(fn):
-    """``fn`` whose backward recomputes its forward (``torch.utils.checkpoint``, non-reentrant):
-    autograd keeps its inputs, not the per-token states it materialises inside."""
-    return lambda *args: torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``): autograd keeps its
+    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
+    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
+    when an input requires grad -- its gradients then come through ``.backward()``, which
+    ``torch.autograd.grad`` cannot drive -- else non-reentrant (parameters read inside)."""
+    def flat(*args):   # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
+        o, states = fn(*args)
+        return (o, *states)
+
+    def run(*args):
+        reentrant = any(torch.is_tensor(a) and a.requires_grad for a in args)
+        o, *states = torch.utils.checkpoint.checkpoint(flat, *args, use_reentrant=reentrant)
+        return o, tuple(states)
+    return run
 
 
 def _window_band(C, R, window, like):
