@@ -23,7 +23,7 @@ from ..runtime.wiring import source as wiring_source
 from ..schedule import decide
 from ..schedule.decide import ScheduleDecision
 from . import additive, apply_update, cache, chained, delta, dplr, layer, minibatch, momentum, oja, online, scan
-from .context import Context, Emitter, runtime_source
+from .context import Context, Emitter, phase_sources, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
 from .specialise import specialise_calls
@@ -128,6 +128,7 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
         if callable(part):   # a kernel: specialised to the constant arguments of its calls
             code, part = specialise_calls(code, part)
         runtime.append(part)
+    runtime = phase_sources(runtime) + runtime   # the shared kernel phases they call
     parts = Lines()
     sliced = [runtime_source(_in_slices)] if compiles_chunked(ctx) else []
     packed = [runtime_source(f) for f in (_document_bounds, _by_document, _by_length, _shrinking, _stack_finals)]
@@ -308,8 +309,9 @@ def memory_init(ctx, L):
         if ck:
             L("`checkpoint`: the backward recomputes each chunk (torch.utils.checkpoint) instead of")
             L("keeping its per-token states for autograd: peak memory of one chunk's states, not the")
-            L("sequence's; None: when training on more than 256 tokens; False: a faster backward, memory")
-            L("growing with T times the state.")
+            L("sequence's; None: when training on more than 256 tokens; False: memory growing with T")
+            L("times the state (and gradients through torch.autograd.grad, which a recomputed chunk")
+            L("whose inputs require grad does not support: use .backward()).")
         L('"""')
         L("super().__init__()")
         names = list(spec.dims) if "heads" in spec.dims else ["heads", *spec.dims]
