@@ -57,8 +57,9 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
             w.lines.append(f"{name} = {state_in[st.name]}.transpose(-1, -2)  # [B, H, {cols}, {rows}]: "
                            f"{st.name} is probed on its columns, the kernels run on {st.name}ᵀ")
             state_in[st.name] = name
+    decays = [st.decay for st in plan.states]
     logs: dict = {}   # decay -> the code of its log, bound once for the states that share it
-    coef = {st.name: _coefficients(w, st, logs) for st in plan.states}
+    coef = {st.name: _coefficients(w, st, logs, decays.count(st.decay) > 1) for st in plan.states}
     finals: dict = {st.name: [] for st in plan.states}
     last = max(p.stage for p in plan.probes)
     for stage in range(last + 1):
@@ -94,11 +95,12 @@ def _width(spec, st) -> str:
     return spec.state[st.name].shape[0 if st.transposed else 1]
 
 
-def _coefficients(w, st, logs: dict) -> tuple[str, list]:
-    """Codes of a state's log decay (``"None"``: no decay) and increment terms ``(a, b)``."""
+def _coefficients(w, st, logs: dict, shared: bool) -> tuple[str, list]:
+    """Codes of a state's log decay (``"None"``: no decay; ``shared`` by several states: named for
+    none of them) and increment terms ``(a, b)``."""
     S = st.name
     if st.decay not in logs:
-        logs[st.decay] = w.log_decay(st.decay, f"{S}_log_decay")
+        logs[st.decay] = w.log_decay(st.decay, "log_decay" if shared else f"{S}_log_decay")
     lg = logs[st.decay]
     terms = []
     for ti, (a, b) in enumerate(st.terms):
