@@ -20,18 +20,21 @@ the decay, ``t - 1`` before it):
 * inside the chunk ``S_t = S_0 Diag(e^{L_t}) + sum_{s <= t} z_s (e^{L_t - L_s} * w_s)ᵀ``, so the
   corrections solve one unit-lower-triangular system ``(I - N) Z = P S_0ᵀ + A`` with
   ``N[t, s] = c_t sum_j u_tj w_sj e^{L_r(t),j - L_sj}`` (``s < t``) and ``P_t = c_t e^{L_r(t)} * u_t``:
-  ``Z = Z_A + Z_P S_0ᵀ`` (:func:`oja_prepare`, all chunks at once);
+  ``Z = Z_A + Z_P S_0ᵀ`` (:func:`oja_prepare`, batched over chunks);
 * the chunk's effect on the state is the affine map ``S_C = S_0 M + D`` with
   ``M = Diag(e^{L_C}) + Z_Pᵀ W~``, ``D = Z_Aᵀ W~`` (``W~_s = e^{L_C - L_s} * w_s``): the only
   sequential part, one product per chunk (:func:`oja_pass`);
 * the outputs ``o_t = e^{L_t} * (q_t S_0) + sum_{s <= t} F[t, s] (e^{L_t - L_s} * w_s)`` with
-  ``F = Q Zᵀ`` masked causally (:func:`oja_outputs`, all chunks at once).
+  ``F = Q Zᵀ`` masked causally (:func:`oja_outputs`, batched over chunks).
 
+Chunks are prepared, passed and read G at a time (:func:`chunk_oja`), so that temporaries stay small.
 Per-channel decays never form a positive exponent nor a difference of cumulative sums: a chunk is
-cut into sub-chunks of ``sub`` tokens; a pair inside one sub-chunk takes the sum of its own log decays
-(a masked cumulative sum), a pair across sub-chunks the product of two factors split at the
-boundary of the later one's sub-chunk (each ``<= 1``) -- one batched product per sub-chunk
-(:func:`oja_decays`).  Log decays may be any value ``<= 0``, -inf included (a decay of 0): no clamp.
+cut into sub-chunks of ``sub`` tokens; a pair inside one sub-chunk takes the sum of the log decays
+between its tokens (a product with a 0 / 1 matrix), a pair across sub-chunks the product of two
+factors split at the start of the later one's sub-chunk (each ``<= 1``) -- one batched product per
+sub-chunk (:func:`oja_decays`).  Log decays may be any value ``<= 0``, -inf included (a decay of
+0): -1e4 stands for anything lower, whose exp is exactly 0 in float32 and float64 alike, so no
+number changes.
 
 Non-finite inputs are not screened: one poisons the outputs of its chunk and every later state.
 See :mod:`memspec.runtime` for the rules every kernel here follows.
@@ -146,7 +149,7 @@ def oja_decays(lg, sub, consts, pairs=("in", "ex")):
 
 
 def oja_prepare(w, u, c, a, lg, sub, consts, read_after_decay=True, inclusive=True):
-    """The intra-chunk preparation of every chunk at once: the corrections ``Z = Z_A + Z_P S_0ᵀ`` as
+    """The intra-chunk preparation of X chunks at once: the corrections ``Z = Z_A + Z_P S_0ᵀ`` as
     functions of the chunk's start state (one triangular solve per chunk) and the chunk's affine map
     ``S_C = S_0 M + D``.
 
@@ -224,7 +227,7 @@ def oja_pass(M, D, S, docs=None, first=0):
 
 
 def oja_outputs(q, w, prep, S_start, sub, consts, inclusive=True):
-    """The outputs of every chunk at once from its start state.
+    """The outputs of X chunks at once, each from its start state.
 
     Args:
         q: ``[X, C, K]`` probes; w: ``[X, C, V]``; prep: :func:`oja_prepare`'s dict; S_start:
