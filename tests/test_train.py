@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -279,3 +280,22 @@ def test_ddp_two_processes_match_one(tmp_path):
     torch.testing.assert_close(torch.tensor([e["loss"] for e in ddp["log"]]), torch.tensor(one.losses),
                                rtol=1e-5, atol=1e-6)
     assert abs(ddp["accuracy"] - one.accuracy) < 1e-9
+
+
+@pytest.mark.slow
+def test_ddp_with_recomputed_chunks(tmp_path):
+    """Sequences past 256 tokens recompute their per-token states in the backward (the memory's
+    checkpoint option): under torchrun the chunks stay non-reentrant, and DDP trains."""
+    spec = str(ROOT / "specs" / "hope_cms.yaml")
+    args = ["--steps", "2", "--batch", "2", "--seq-len", "300", "--pairs", "3", "--vocab", "16",
+            "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-size", "4", "--no-progress",
+            "--dim", "d_k=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "memspec", "train", spec, *args, "--out", str(tmp_path / "ddp")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = json.loads((tmp_path / "ddp" / "log.json").read_text())
+    assert log["world_size"] == 2 and all(math.isfinite(e["loss"]) for e in log["log"])
