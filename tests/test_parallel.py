@@ -189,6 +189,24 @@ def _model_case(name, dims, rank, world, group=None):
         assert_same_function(g, r, msg=lambda m, pname=pname: f"{name}: grad of {pname}: {m}")
 
 
+def _bf16_case(name, dims, rank, world, group=None):
+    """bfloat16 views: the states stay float32 through the maps and the scan, as in one process."""
+    from memspec.parallel import context_parallel, shard, shard_bounds
+    from memspec.pipeline.build import build_memory
+
+    torch.manual_seed(0)
+    mem = build_memory(SPECS / f"{name}.yaml", compile=False, **dims)
+    full = {n: x.to(torch.bfloat16) for n, x in _inputs(mem, 2, 23, torch.Generator().manual_seed(4)).items()}
+    a, b = shard_bounds(23, world)[rank]
+    o_ref, _ = mem(**full)
+    _, s_end = mem(**{n: x[:, :b] for n, x in full.items()})
+    o, s = context_parallel(mem, **{n: shard(x) for n, x in full.items()}, group=group)
+    assert o.dtype == torch.bfloat16 and all(v.dtype == torch.float32 for v in s.values())
+    assert_same_function(o, o_ref[:, a:b], msg=lambda m: f"{name} bfloat16: outputs of rank {rank}: {m}")
+    for n in s_end:
+        assert_same_function(s[n], s_end[n], msg=lambda m, n=n: f"{name} bfloat16: state {n}, rank {rank}: {m}")
+
+
 DOCUMENTS = [[0, 3, 10, 10, 17, 23], [0, 2, 20, 23]]   # documents across rank boundaries; one over a whole shard
 
 
@@ -203,7 +221,9 @@ def _worker(rank, world, init, cases, out):
     try:
         for name, dims, *documents in cases:
             try:   # the collectives run alike on every rank whatever the comparisons find
-                if documents == ["short"]:   # fewer tokens than ranks: empty shards
+                if documents == ["bf16"]:
+                    _bf16_case(name, dims, rank, world)
+                elif documents == ["short"]:   # fewer tokens than ranks: empty shards
                     _case(name, dims, rank, world, T=2)
                 elif documents == ["model"]:
                     _model_case(name, dims, rank, world)
@@ -240,6 +260,7 @@ def test_context_parallel_equals_one_process(world, tmp_path):
     cases += [(n, CASES[n][0], d) for n in ("gated_deltanet", "momentum_deltanet", "titans") for d in DOCUMENTS]
     cases += [(n, CASES[n][0], "model") for n in ("gated_deltanet", "titans")]
     cases += [(n, CASES[n][0], "short") for n in ("momentum_deltanet", "titans")]
+    cases += [(n, CASES[n][0], "bf16") for n in ("gated_deltanet", "linear_attention")]
     _spawn(world, cases, tmp_path)
 
 
