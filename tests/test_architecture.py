@@ -77,7 +77,8 @@ def test_phases_import_downward_only():
         for dep in _imports(name, path):
             if _layer(dep) > _layer(name):
                 bad.append(f"{name} (layer {_layer(name)}) imports {dep} (layer {_layer(dep)})")
-            if name.startswith("runtime"):
+            # (the kernels' shared phases, torch only themselves, are carried with the kernels that call them)
+            if name.startswith("runtime") and (dep != "runtime.phases" or name == "runtime.phases"):
                 bad.append(f"{name} imports {dep}: runtime code is copied into generated modules, torch only")
     assert not bad, "\n".join(bad)
 
@@ -161,10 +162,10 @@ SIZE_EXCEPTIONS = {
     "lang/frontend/yaml_frontend.py:read_yaml": 116,
     "lang/shapes.py": 869,
     "lang/shapes.py:ShapeEnv": 669,
-    "runtime/additive.py:chunk_additive": 308,
-    "runtime/delta.py:chunk_delta": 218,
-    "runtime/dplr.py:chunk_dplr": 401,
-    "runtime/momentum.py:chunk_momentum_delta": 163,
+    "runtime/additive.py:chunk_additive": 288,
+    "runtime/delta.py:chunk_delta": 203,
+    "runtime/dplr.py:chunk_dplr": 383,
+    "runtime/momentum.py:chunk_momentum_delta": 148,
     "schedule/recurrence.py:minibatch_recurrence": 164,
     "tools/bench.py:bench_spec": 85,
     "tools/features.py:features": 88,

@@ -321,12 +321,18 @@ def test_gradcheck_float64(fn):
 
 
 def test_kernels_are_standalone():
-    """The code generator copies these functions' source: only torch, no closures over memspec."""
+    """The code generator copies these functions' source (and the shared phases they call): only
+    torch, no closures over memspec."""
+    from memspec.codegen.context import phase_sources
+
     for fn in (chunk_additive, chunk_delta, recurrent_additive, recurrent_delta):
         src = inspect.getsource(fn)
         assert "memspec" not in src
         assert fn.__doc__ and "[B, T, H" in fn.__doc__
         namespace = {"torch": torch}
+        for part in phase_sources([src]):
+            assert "memspec" not in part
+            exec(part, namespace)
         exec(src, namespace)
         assert callable(namespace[fn.__name__])
 

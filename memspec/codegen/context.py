@@ -9,6 +9,7 @@ emitter writes at the top of the file.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 import sys
@@ -21,6 +22,7 @@ from ..lang.expr import Call, Name, unparse
 from ..lang.names import GENERATED_NAMES, LANGUAGE_NAMES, fresh
 from ..lang.shapes import ShapeEnv, let_order
 from ..runtime import helpers as runtime_helpers
+from ..runtime import phases as runtime_phases
 from ..schedule.decide import BY_NAME, DEFAULT_CHUNK, ScheduleDecision
 from .exprs import ExprEmitter
 from .text import class_name, inert, shape_text
@@ -37,6 +39,14 @@ OWN_ATTRS = ("chunk", "compile", "checkpoint", "forward", "step", "init_state", 
 def runtime_source(obj) -> str:
     """The source of a :mod:`memspec.runtime` function or class, as the module carries it."""
     return inspect.getsource(obj)
+
+
+def phase_sources(runtime: list) -> list:
+    """The sources of the kernels' shared phases (:mod:`memspec.runtime.phases`) that the runtime
+    sources ``runtime`` call (after specialising: only those a kernel still uses), in their order."""
+    used = {n.id for src in runtime for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+    return [runtime_source(f) for name, f in vars(runtime_phases).items()
+            if inspect.isfunction(f) and f.__module__ == runtime_phases.__name__ and name in used]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@ imports and no closures over module state.
 * :mod:`.dplr`      -- diagonal-plus-low-rank transitions (``chunk_dplr``: R rank-1 sub-steps per
                        token, scalar or per-key-channel decays; DeltaNet, gated DeltaNet, KDA, GDN-2,
                        Comba, RWKV-7, gated DeltaProduct);
+* :mod:`.phases`    -- the phases the exact chunked kernels share: their chunks and groups, the
+                       layout of a sequence into chunks and back (carried with the kernels that
+                       call them);
 * :mod:`.momentum`  -- the momentum delta rule (``chunk_momentum_delta``: two states coupled
                        linearly);
 * :mod:`.scan`      -- elementwise linear recurrences ``h <- a * h + b`` (``chunk_scan``: every

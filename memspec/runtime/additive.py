@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
 
 
 def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True, log_input=None):
@@ -163,33 +164,18 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
         ms = S.new_zeros(BH)
         m_outs = []                                                  # [B, n, c, H, 1] per group
     N, r = divmod(T, C)
-    if group is not None:
-        G = int(group)
-    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * C * max(K, V, C)))
-    else:                          # caching allocators: fewer, larger launches
-        G = 64
-    G = max(1, min(N, G))                                            # chunks per group
+    G = _group_size(N, BH * C * max(K, V, C), group, k.device)     # chunks per group
     # groups of n chunks of c slots holding m tokens each (m < c only in a per-channel tail,
     # padded with zero tokens: they follow every real token, so they change no output or state)
-    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
-    if r:
-        groups.append((1, 1 << (r - 1).bit_length() if channel else r, r))
-    sizes = [n * m for n, _, m in groups]
+    groups = _chunk_groups(T, C, G, "power of two" if channel else None)
 
-    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group (a split, not slices: the
-        # backward of a slice fills a zero tensor of the whole input, once per group)
-        return x.split(sizes, dim=1) if x is not None else [None] * len(groups)
+    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group
+        return _split_groups(x, groups)
 
     def block(xs, n, c, m, pad=0.0):  # pieces [B, n m, H, D_i] -> [n B H, c, sum D_i], one copy;
         # chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH); a tail of m < c
         # tokens is padded with c - m tokens of value pad
-        parts = []
-        for x in xs:
-            x = x.to(dt)
-            if m < c:
-                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, c - m), value=pad)
-            parts.append(x.reshape(B, n, c, H, x.shape[-1]).permute(1, 0, 3, 2, 4))
+        parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return x.reshape(n * BH, c, x.shape[-1]).contiguous()
 
@@ -199,7 +185,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
     outs = []                                                        # [B, n, c, H, V] per group
     j0 = 0                                                           # chunks before this group
     pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in), split(li_in))
-    for (n, c, m), qp, kp, vp, lp, ip in pieces:
+    for (n, m, c), qp, kp, vp, lp, ip in pieces:
         nBH = n * BH
         vg = block(vp, n, c, m)                                      # [nBH, c, V]
         if channel:
@@ -322,7 +308,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
                     m_row = torch.maximum(a.detach(), lw.detach().amax(-1)).clamp_min(-1e30)
                     decay = torch.exp(lw.sub_(m_row[..., None]))
                     qg = qg * torch.exp(a - m_row)[..., None]        # [nBH, c, K] decayed probes
-                    m_outs.append(m_row.view(n, B, H, c, 1).permute(1, 0, 3, 2, 4))   # [B, n, c, H, 1]
+                    m_outs.append(_token_major(m_row[..., None], B, H, m))   # [B, n, m, H, 1]
                 else:
                     decay = torch.exp(seg)
                     qg = qg * torch.exp(Lq)[..., None]               # [nBH, c, K] decayed probes
@@ -336,7 +322,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             if not inclusive:
                 v_bad = torch.nn.functional.pad(v_bad[:, :-1], (0, 0, 1, 0))   # ... from s + 1 on
             og = torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad)   # [nBH, c, V]
-        outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))  # [B, n, c, H, V] (a view)
+        outs.append(_token_major(og, B, H, m))                     # [B, n, m, H, V] (a view)
     if docs is not None:
         S_out = docs.final().to(out_dtype)
     else:                                                            # (stabilised: back to the true scale)
@@ -344,13 +330,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
     if q is None:
         return (None, S_out, None) if stab else (None, S_out)
 
-    def join(parts, width):  # [B, n, c, H, width] per group -> one copy into [B, T, H, width]
-        full = parts[:len(parts) - (r > 0)]                         # (a second one only for a tail chunk)
-        x = torch.cat(full, dim=1).reshape(B, N * C, H, width) if full else None
-        if r:
-            tail = parts[-1][:, :, :r].reshape(B, r, H, width)
-            x = torch.cat([x, tail], dim=1) if x is not None else tail
+    def join(parts):  # [B, n, m, H, width] per group -> [B, T, H, width]
+        x = _join_chunks(parts)
         return docs.unlay(x) if docs is not None else x              # the documents' tokens, packed
 
-    o = join(outs, V).to(vs[0].dtype)
-    return (o, S_out, join(m_outs, 1)[..., 0]) if stab else (o, S_out)
+    o = join(outs).to(vs[0].dtype)
+    return (o, S_out, join(m_outs)[..., 0]) if stab else (o, S_out)

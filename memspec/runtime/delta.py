@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
 
 
 def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
@@ -103,13 +104,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         docs = documents.for_kernel(C, S_docs)
         T = docs.T
     N, r = divmod(T, C)
-    if group is not None:
-        G = int(group)
-    elif k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * C * max(K + V, C)))
-    else:                          # caching allocators: fewer, larger launches
-        G = 64
-    G = max(1, min(N, G))                                            # chunks per group
+    G = _group_size(N, BH * C * max(K + V, C), group, dev)          # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
     bt, lgt, lrt = beta, log_gamma, log_rho                          # per-token scalars [B, T, H]
@@ -123,10 +118,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
 
     def per_chunk(x):  # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
-        x = x.to(dt)
-        if Np * C > T:
-            x = torch.nn.functional.pad(x, (0, 0, 0, Np * C - T))
-        return x.reshape(B, Np, C, H).permute(1, 0, 3, 2).contiguous().reshape(Np, BH, C)
+        return _chunk_major(x.to(dt), Np, C).reshape(Np, BH, C)
 
     # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity token
     # (torch.where, never a product), and every output reading a state at or after it, and the final
@@ -170,17 +162,15 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         # a slow exp path for every masked entry; callers never read the entries above)
         return torch.exp((rows[:, :, None] - cols[:, None, :]).tril(diagonal))   # [nBH, c, c]
 
-    # groups of n chunks of c tokens; every per-group piece comes from one split (not from slices:
-    # the backward of a slice fills a zero tensor of the whole input, once per group)
-    groups = [(min(G, N - j), C) for j in range(0, N, G)] + ([(1, r)] if r else [])
-    t_pieces = [n * c for n, c in groups]
-    c_pieces = [n for n, _ in groups]
+    # groups of n chunks of c tokens; every per-group piece comes from one split
+    groups = _chunk_groups(T, C, G)
+    c_pieces = [n for n, _, _ in groups]
 
     def t_split(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
-        return x.split(t_pieces, dim=1) if x is not None else [None] * len(groups)
+        return _split_groups(x, groups)
 
     def c_split(x):  # [Np, BH, ...] -> one [n, BH, ...] piece per group ([n B H, c] for c < C: the tail)
-        return [p[..., :c] for p, (n, c) in zip(x.split(c_pieces, dim=0), groups)]
+        return [p[..., :c] for p, (n, c, _) in zip(x.split(c_pieces, dim=0), groups)]
 
     pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc), c_split(ok)]
     pieces.append(c_split(read_bad) if qq is not None else [None] * len(groups))
@@ -189,15 +179,14 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                    g_end.split(c_pieces, dim=0)]
     outs = []                                                        # [B, n, c, H, V] per group
     j0 = 0                                                           # chunks before this group
-    for gi, (n, c) in enumerate(groups):
+    for gi, (n, c, _) in enumerate(groups):
         kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
         flat = lambda x: x.reshape(nBH, c)  # noqa: E731  [n, BH, c] -> [n B H, c]
         b = flat(b)[:, :, None]                                      # [nBH, c, 1]
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1) BH)),
         # bad tokens zeroed
-        kv = torch.cat([kp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4),
-                        vp.reshape(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1)
+        kv = torch.cat([_chunk_major(kp, n, c), _chunk_major(vp, n, c)], dim=-1)
         kv = torch.where(okg.reshape(n, B, H, c, 1), kv, zero).reshape(nBH, c, K + V)
         kg = kv[:, :, :K]                                            # [nBH, c, K] (a view)
         if decayed:
@@ -242,7 +231,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         if qq is not None:
             u = torch.stack(us).reshape(nBH, c, V) if n > 1 else us[0]
             S_starts = torch.stack(starts).reshape(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
-            qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4)    # [n, B, H, c, K]
+            qg = _chunk_major(qp, n, c)                              # [n, B, H, c, K]
             qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
             if decayed:
@@ -252,12 +241,9 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                 qg = qg * q_fac_g[:, :, None]
             og = torch.baddbmm(torch.bmm(scores.tril_(0 if inclusive else -1), u), qg, S_starts)   # Qd S + P u
             og = torch.where(rbad.reshape(nBH, c, 1), nan_value, og)
-            outs.append(og.reshape(n, B, H, c, V).permute(1, 0, 3, 2, 4))   # [B, n, c, H, V] (a view)
-    if qq is not None:  # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
-        full = [x for x, (_, c) in zip(outs, groups) if c == C]
-        o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
-        if len(full) < len(outs):
-            o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
+            outs.append(_token_major(og, B, H, c))                   # [B, n, c, H, V] (a view)
+    if qq is not None:
+        o = _join_chunks(outs) if outs else kk.new_zeros(B, 0, H, V)   # [B, T, H, V]
         if docs is not None:
             o = docs.unlay(o)                                        # the documents' tokens, packed
     if docs is not None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
 
 
 def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=False, read_after_decay=False):
@@ -251,26 +252,15 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     w = 2 if a_vec else 1                                            # column factor sets: [-a | k] or [k]
     n_full = C * R
     width = max(K + V, w * n_full)
-    if group is not None:
-        G = int(group)
-    elif dev.type == "cpu":         # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * n_full * width))
-    else:                           # caching allocators: fewer, larger launches
-        G = 64
-    G = max(1, min(N, G)) if N else 1
+    G = _group_size(N, BH * n_full * width, group, dev)            # chunks per group
     # groups (chunks nc, tokens c, tokens after padding cp): a per-channel tail chunk is padded with
     # identity tokens (zeros, decay 1) to a power of two
-    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
-    if rem:
-        groups.append((1, rem, 1 << (rem - 1).bit_length() if decay == "channel" else rem))
+    groups = _chunk_groups(T, C, G, "power of two" if decay == "channel" else None)
     after = read_after_decay and decay is not None
 
     # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
-        x = x.reshape(B, T, H, r)
-        if Np * C > T:
-            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, Np * C - T))
-        return x.reshape(B, Np, C, H, r).permute(1, 0, 3, 2, 4).contiguous().reshape(Np, BH, C * r)
+        return _chunk_major(x.reshape(B, T, H, r), Np, C).reshape(Np, BH, C * r)
 
     # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
     total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
@@ -330,7 +320,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         pair_cache = {c: pair_index(c, sl, w, R, same, mask_cache[c]) for c in mask_cache}
 
     def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
-        return x.split([nc * c for nc, c, _ in groups], dim=1) if x is not None else [None] * len(groups)
+        return _split_groups(x, groups)
 
     def split_c(x):  # [Np, BH, ...] -> one [nc, BH, ...] piece per group
         return x.split([nc for nc, _, _ in groups], dim=0) if x is not None else [None] * len(groups)
@@ -368,10 +358,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         dg_ = {key: x[gi] for key, x in dec_p.items()}               # this group's decay factors
 
         def lay(x, rr=R):  # piece [B, nc c, H(, rr), d] -> [nc, B, H, cp, rr, d] chunk-major view (tail padded)
-            x = x.reshape(B, nc, c, H, rr, x.shape[-1]).permute(1, 0, 3, 2, 4, 5)
-            if cp > c:
-                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, cp - c))
-            return x
+            return _chunk_major(x.reshape(B, nc * c, H, rr, x.shape[-1]), nc, cp)
 
         def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
             return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
@@ -534,17 +521,13 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         else:       # o = Q~ S + P z
             og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
         og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan_value, og)
-        outs.append(og.reshape(nc, B, H, cp, V)[:, :, :, :c].permute(1, 0, 3, 2, 4))   # [B, nc, c, H, V] (a view)
+        outs.append(_token_major(og, B, H, c))                     # [B, nc, c, H, V] (a view)
     if docs is not None:
         S = docs.final().reshape(-1, K, V)                           # [N H, K, V]
     S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)   # a bad token poisons the state
     if q is None:
         return None, S_out
-    # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
-    full = [x for x, (_, c, _) in zip(outs, groups) if c == C]
-    o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else v.new_zeros(B, 0, H, V, dtype=dt)
-    if len(full) < len(outs):
-        o = torch.cat([o, outs[-1].reshape(B, rem, H, V)], dim=1)
+    o = _join_chunks(outs)                                           # [B, T, H, V]
     if docs is not None:
         o = docs.unlay(o)                                            # the documents' tokens, packed
     return o.to(v.dtype), S_out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
 
 
 def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, inclusive=True):
@@ -110,15 +111,8 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     # (packed: every chunk that starts a document enters its initial states)
     S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None else S0.to(dt).reshape(BH, K, V)
     M = k.new_zeros(BH, K, V, dtype=dt) if M0 is None or docs is not None else M0.to(dt).reshape(BH, K, V)
-    Np = -(-T // C)
-    if group is not None:
-        G = int(group)
-    elif dev.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * C * (2 * K + V)))
-    else:                     # caching allocators: fewer, larger launches
-        G = 64
-    G = max(1, min(Np, G))                                            # chunks per group
-    sizes = [min(G * C, T - j) for j in range(0, T, G * C)]         # tokens per group of G chunks
+    G = _group_size(T // C, BH * C * (2 * K + V), group, dev)      # chunks per group
+    groups = _chunk_groups(T, C, G, "chunk")                       # a tail chunk padded with identity tokens
     idx = torch.arange(C, device=dev)
     incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
     ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
@@ -130,25 +124,17 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     def shift(x):  # row t <- row t - 1 within the chunk (row 0: zeros): a product at t - 1
         return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0) if x.dim() == 3 else (1, 0))
 
-    def split(x):  # [B, T, ...] -> one piece per group (a split, not slices: see chunk_delta)
-        return x.split(sizes, dim=1) if x is not None else [None] * len(sizes)
-
     Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
     outs = []                                                         # [B, n C, H, V] per group
     j0 = 0                                                            # chunks before this group
-    pieces = zip(*(split(x) for x in tokens))
-    for qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
-        Tg = kg.shape[1]
-        n = -(-Tg // C)                                               # chunks in this group
-        pad = n * C - Tg                                              # identity tokens (zeros) at the end
+    pieces = zip(groups, *(_split_groups(x, groups) for x in tokens))
+    for (n, c, _), qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
 
-        def lay(x):  # [B, Tg, H(, D)] -> [n BH, C(, D)], chunk-major, padded with zeros
+        def lay(x):  # [B, n c, H(, D)] -> [n BH, C(, D)], chunk-major, a tail padded with zeros
             x = x.to(dt)
             if x.dim() == 3:
                 x = x[..., None]
-            if pad:
-                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-            return x.reshape(B, n, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(n * BH, C, x.shape[-1])
+            return _chunk_major(x, n, C).reshape(n * BH, C, x.shape[-1])
 
         kc, pc, vc = lay(kg), lay(pg), lay(vg)
         la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
@@ -202,12 +188,12 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         P = Pm * torch.bmm(qc, kc.transpose(1, 2))
         qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)   # [n BH, C, 2K]: reads of [S; M]
         og = torch.baddbmm(torch.bmm(P, z), qZ, Zs)
-        outs.append(og.reshape(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H, V)[:, :Tg])
+        outs.append(_token_major(og, B, H, c))                      # [B, n, c, H, V] (a view)
     Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
     S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
     if q is None:
         return None, S_out, M_out
-    o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    o = _join_chunks(outs)                                            # [B, T, H, V]
     if docs is not None:
         o = docs.unlay(o)                                             # the documents' tokens, packed
     return o.to(v.dtype), S_out, M_out

@@ -1,0 +1,104 @@
+"""Phases shared by the exact chunked kernels: the chunks and their groups, the layout of a
+sequence into chunks and back, and the state passing over chunks.
+
+Every exact chunked kernel (:mod:`.additive`, :mod:`.delta`, :mod:`.dplr`, :mod:`.momentum`) is
+composed the same way: the sequence is cut into chunks of C tokens, processed G chunks at a time
+(:func:`_chunk_groups`, :func:`_group_size`); a group's tokens are laid out chunk-major
+(:func:`_chunk_major`), the family prepares each chunk's affine map of the state,
+``S_end = M S_start + D``, batched over the group's chunks; :func:`_pass_states` carries the state
+over the chunks in order, applying each chunk's map; the family's outputs are batched over the
+group again, and :func:`_join_chunks` lays them back out token-major.
+
+Generated modules carry the functions their kernels call (copied by source: torch only).
+"""
+import torch
+
+
+def _group_size(chunks, width, group, device):
+    """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
+    so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
+    are returned to the OS and page-faulted back on every call); on other devices 64 (caching
+    allocators: fewer, larger launches).  At least 1, at most ``chunks`` (when there are any)."""
+    if group is not None:
+        G = int(group)
+    elif device.type == "cpu":
+        G = round((1 << 17) / width)
+    else:
+        G = 64
+    return max(1, min(chunks, G))
+
+
+def _chunk_groups(T, C, G, tail=None):
+    """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
+    group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a group
+    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    (``"chunk"``): the slots after its tokens are padding."""
+    N, r = divmod(T, C)
+    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
+    if r:
+        groups.append((1, r, C if tail == "chunk" else 1 << (r - 1).bit_length() if tail == "power of two" else r))
+    return groups
+
+
+def _split_groups(x, groups):
+    """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not slices:
+    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    if x is None:
+        return [None] * len(groups)
+    return x.split([n * c for n, c, _ in groups], dim=1)
+
+
+def _chunk_major(x, n, c, value=0.0):
+    """``[B, T', H, *D]`` -> ``[n, B, H, c, *D]`` (a view unless padded): chunk j is ``[j]``; a
+    sequence shorter than ``n c`` (a tail chunk) is padded with tokens of ``value``."""
+    B, T, H = x.shape[:3]
+    if T < n * c:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, n * c - T), value=value)
+    x = x.reshape(B, n, c, H, *x.shape[3:])
+    return x.permute(1, 0, 3, 2, *range(4, x.dim()))
+
+
+def _token_major(o, B, H, c):
+    """``[n B H, cp, D]`` -> ``[B, n, c, H, D]`` (a view): the first c slots of each chunk."""
+    cp, D = o.shape[1:]
+    return o.reshape(-1, B, H, cp, D)[:, :, :, :c].permute(1, 0, 3, 2, 4)
+
+
+def _join_chunks(parts):
+    """``[B, n, c, H, D]`` per group -> ``[B, T, H, D]``: one copy (a second one only for a tail
+    chunk); no in-place writes."""
+    B, _, C, H, D = parts[0].shape
+    full = [x for x in parts if x.shape[2] == C]
+    o = torch.cat(full, dim=1).reshape(B, -1, H, D)
+    if len(full) < len(parts):
+        o = torch.cat([o, parts[-1].reshape(B, -1, H, D)], dim=1)
+    return o
+
+
+def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
+    """The state passing over n chunks in order: ``S, x_j = step(j, S)`` applies chunk j's map
+    ``S <- M_j S + D_j`` to the state at its start (and returns what its outputs need of the state:
+    a chunk's reads of it, or None).
+
+    Packed documents (``docs``, a ``_DocumentChunks``; ``j0`` the chunks before these): a chunk that
+    starts a document enters its initial state, one that ends it leaves its final state
+    (``true_state(j, S)``: the state at its true scale, when the kernel carries it scaled).
+
+    Returns ``(S, starts, xs)``: the state after the last chunk, the states at the chunks' starts
+    and the ``x_j`` (lists of n).
+    """
+    starts, xs = [], []
+    for j in range(n):
+        if docs is not None:
+            S = docs.enter(j0 + j, S)                                # a document's initial state
+        starts.append(S)
+        S, x = step(j, S)
+        if docs is not None:                                         # a document's final state
+            docs.leave(j0 + j, S if true_state is None else true_state(j, S))
+        xs.append(x)
+    return S, starts, xs
+
+
+def _stacked(xs):
+    """n tensors ``[BH, ...]`` -> ``[n BH, ...]`` (the one tensor itself when n = 1)."""
+    return torch.stack(xs).flatten(0, 1) if len(xs) > 1 else xs[0]
