@@ -31,10 +31,12 @@ class Layout:
     def __init__(self, memory, plan: ParallelPlan, inputs: dict):
         x = next(iter(inputs.values()))
         self.B, self.H = x.shape[0], memory.heads
-        self.dims = {n: tuple(getattr(memory, d) for d in shape) for n, shape in memory.STATE.items()}
+        self.dims = {n: tuple(getattr(memory, d) for d in shape) for n, shape in memory.STATE.items()}   # declared
+        self.flip = set(plan.transposed)   # states held as written, mapped as their transpose [K, V]
+        self.kv = {n: d[::-1] if n in self.flip else d for n, d in self.dims.items()}
         self.groups = plan.groups
-        self.rows = [sum(self.dims[s][0] for s in g.states) for g in plan.groups]   # sum K per group
-        self.cols = [self.dims[g.states[0]][-1] for g in plan.groups]               # V per group
+        self.rows = [sum(self.kv[s][0] for s in g.states) for g in plan.groups]   # sum K per group
+        self.cols = [self.kv[g.states[0]][-1] for g in plan.groups]               # V per group
         self.copies = max(math.ceil(k / v) for k, v in zip(self.rows, self.cols))
         self.names = [s for g in plan.groups for s in g.states + g.sharing]
         # the dtype of the states (the memory's: float32 for float16 / bfloat16 views)
@@ -61,16 +63,21 @@ class Layout:
         parts = [p.reshape(s) for p, s in zip(piece.split(sizes), m_shapes + d_shapes)]
         return parts[:len(m_shapes)], dict(zip(self.names, parts[len(m_shapes):]))
 
+    def to_kv(self, s, x):
+        """A state as written -> as mapped ``[..., K, V]`` (its transpose for a value-side state); and back."""
+        return x.transpose(-1, -2) if s in self.flip else x
+
     def apply(self, Ms, D: dict, S: dict) -> dict:
         out = {}
         for g, M in zip(self.groups, Ms):
-            X = torch.cat([S[s] for s in g.states], dim=-2) if len(g.states) > 1 else S[g.states[0]]
+            X = torch.cat([self.to_kv(s, S[s]) for s in g.states], dim=-2) if len(g.states) > 1 \
+                else self.to_kv(g.states[0], S[g.states[0]])
             Y = M @ X                                                           # [B, H, sum K, V]
-            for s, y in zip(g.states, Y.split([self.dims[s][0] for s in g.states], dim=-2)):
-                out[s] = y + D[s]
+            for s, y in zip(g.states, Y.split([self.kv[s][0] for s in g.states], dim=-2)):
+                out[s] = self.to_kv(s, y) + D[s]
             for s in g.sharing:                                                 # its M, its own D
-                z = S[s]
-                out[s] = ((M @ z.unsqueeze(-1)).squeeze(-1) if z.dim() == 3 else M @ z) + D[s]
+                z = self.to_kv(s, S[s])
+                out[s] = self.to_kv(s, (M @ z.unsqueeze(-1)).squeeze(-1) if z.dim() == 3 else M @ z) + D[s]
         return out
 
 
@@ -88,15 +95,15 @@ def shard_maps(memory, inputs, schedule, plan, layout: Layout):
         eye = torch.eye(K, n * V, dtype=layout.dtype, device=layout.device)     # [sum K, n V]
         top = 0
         for s in g.states:
-            k = layout.dims[s][0]
+            k = layout.kv[s][0]
             for j in range(n):
-                S0[s][B * (1 + j):B * (2 + j)] = eye[top:top + k, j * V:(j + 1) * V]
+                S0[s][B * (1 + j):B * (2 + j)] = layout.to_kv(s, eye[top:top + k, j * V:(j + 1) * V])
             top += k
     _, final = memory(**batch, state=S0, schedule=schedule)
     D = {s: final[s][:B] for s in layout.names}
     Ms = []
     for g, K in zip(plan.groups, layout.rows):
-        cols = [torch.cat([final[s][B * (1 + j):B * (2 + j)] for s in g.states], dim=-2) if len(g.states) > 1
-                else final[g.states[0]][B * (1 + j):B * (2 + j)] for j in range(n)]
+        cols = [torch.cat([layout.to_kv(s, final[s][B * (1 + j):B * (2 + j)]) for s in g.states], dim=-2)
+                for j in range(n)]
         Ms.append((torch.cat(cols, dim=-1) if n > 1 else cols[0])[..., :K].to(layout.dtype))   # [B, H, K, K]
     return Ms, D

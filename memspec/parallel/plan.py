@@ -46,6 +46,7 @@ from ..lang.spec import Spec
 from ..schedule.algebra import Algebra, NotAdmitted, txt
 from ..schedule.decide import BY_NAME
 from ..schedule.polynomial import degree
+from ..schedule.sides import orientation, transposed_algebra
 from ..schedule.transition import Affine, NormalForm, describe, normal_form
 
 
@@ -70,6 +71,7 @@ class ParallelPlan:
     groups: tuple[Group, ...] = ()  # scan: the states' joint maps
     values: tuple[str, ...] = ()    # scan: the views zeroed in the identity run
     normal_form: tuple[str, ...] = ()
+    transposed: tuple[str, ...] = ()   # scan: states written on their value side, mapped as their transpose
 
     def text(self) -> str:
         """The plan in words (``explain``'s style)."""
@@ -82,6 +84,9 @@ class ParallelPlan:
             lines += [f"    {ln}" for ln in self.normal_form]
         lines.append(f"  because: {self.reason}")
         if self.path == "scan":
+            if self.transposed:
+                lines.append(f"  states mapped transposed (written on their value side): {', '.join(self.transposed)}: "
+                             f"S_end = S_0 Mᵀ + D")
             for g in self.groups:
                 joint = " and ".join(g.states)
                 lines.append(f"  map of {joint}: S_end = M S_0 + D; D from zeros, M from the identity with "
@@ -127,6 +132,9 @@ def plan_for(spec: Spec, schedule: str) -> ParallelPlan:
                             f"state {', '.join(blocks)} updates in blocks (every C): a block is a position in the "
                             f"sequence, so each rank continues the block the rank before left open")
     alg = Algebra(spec)
+    flipped = orientation(alg).transposed if not alg.caches else ()
+    if flipped:   # a memory written on its value side: the same algebra on the transposed states
+        alg = transposed_algebra(alg, flipped)
     try:
         nf = normal_form(alg)
     except NotAdmitted as err:
@@ -136,10 +144,12 @@ def plan_for(spec: Spec, schedule: str) -> ParallelPlan:
         groups, values = _scan_groups(alg, nf)
     except NotAdmitted as err:
         return ParallelPlan(spec.name, schedule, "relay", str(err), normal_form=shown)
-    reason = (f"every state's transition acts on its key side only, and the increments are linear in "
-              f"{', '.join(values)}, which no transition reads: a shard's map S_end = M S_0 + D is read off "
-              f"two runs of the memory")
-    return ParallelPlan(spec.name, schedule, "scan", reason, groups, values, shown)
+    side = (f"every state's transition acts on its key side only" if not flipped else
+            f"written on the value side of {', '.join(flipped)}, every state's transition acts on the key side "
+            f"of its transpose")
+    reason = (f"{side}, and the increments are linear in {', '.join(values)}, which no transition reads: a "
+              f"shard's map S_end = M S_0 + D is read off two runs of the memory")
+    return ParallelPlan(spec.name, schedule, "scan", reason, groups, values, shown, tuple(flipped))
 
 
 # ------------------------------------------------------------------ the proof
