@@ -37,6 +37,7 @@ SLOW_CASES = {
        for n in ("retention", "rwkv6", "hgrn2", "mamba2", "deltanet_textbook", "longhorn", "comba", "gdn2", "rwkv7",
                  "gated_deltaproduct")},
     "hgrn": (dict(heads=2, d_v=4, chunk=4), "relay"),
+    "mlstm": (dict(heads=2, d_k=4, d_v=3, chunk=4), "scan"),
     "variants/linear_attention_column": (dict(heads=2, d_k=5, d_v=3, chunk=4), "scan"),
     "variants/gated_oja": (dict(heads=2, d_k=4, d_v=4, chunk=4), "relay"),
 }
