@@ -292,6 +292,22 @@ def test_plan_of_a_generated_module_finds_its_spec():
     assert "approximate" in parallel_plan(mem, "minibatch").reason
 
 
+def test_one_process_without_a_group_is_the_memory_itself():
+    from memspec.parallel import ContextParallel, context_parallel, shard
+    from memspec.pipeline.build import build_memory
+
+    mem = build_memory(SPECS / "gated_deltanet.yaml", compile=False, heads=2, d_k=4, d_v=4, chunk=4).double()
+    x = _inputs(mem, 1, 9, torch.Generator().manual_seed(5))
+    o, s = context_parallel(mem, **x)
+    o_ref, s_ref = mem(**x)
+    assert torch.equal(o, o_ref) and torch.equal(s["W"], s_ref["W"])   # the same call
+    assert torch.equal(shard(x["q"]), x["q"])
+    cu = torch.tensor([0, 4, 9])
+    o, s = ContextParallel(mem)(**x, cu_seqlens=cu)
+    o_ref, s_ref = mem(**x, cu_seqlens=cu)
+    assert torch.equal(o, o_ref) and torch.equal(s["W"], s_ref["W"])
+
+
 def test_plan_reasons():
     la = parallel_plan(SPECS / "linear_attention.yaml")
     assert [(g.states, g.sharing) for g in la.groups] == [(("S",), ("z",))]

@@ -17,6 +17,9 @@ from torch.autograd import Function
 
 
 def rank_and_size(group=None) -> tuple[int, int]:
+    """This process's rank and the group's size; ``(0, 1)`` when no process group is initialised."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 

@@ -66,10 +66,10 @@ def context_parallel(memory, *views, state=None, schedule="auto", cu_seqlens=Non
             _PLANS[key] = parallel_plan(spec if spec is not None else memory, schedule)
         plan = _PLANS[key]
     rank, size = comm.rank_and_size(group)
+    if size == 1:   # one process (or none initialised): the memory itself
+        return memory(**inputs, state=state, schedule=schedule, cu_seqlens=cu_seqlens)
     if cu_seqlens is not None:
         return run_documents(memory, inputs, state, cu_seqlens, schedule, plan, group, rank, size)
-    if size == 1:
-        return memory(**inputs, state=state, schedule=schedule)
     go = _scan if plan.path == "scan" else _relay
     return go(memory, inputs, state, schedule, plan, group, rank, size)
 
