@@ -14,8 +14,9 @@ imports and no closures over module state.
                        token, scalar or per-key-channel decays; DeltaNet, gated DeltaNet, KDA, GDN-2,
                        Comba, RWKV-7, gated DeltaProduct);
 * :mod:`.phases`    -- the phases the exact chunked kernels share: their chunks and groups, the
-                       layout of a sequence into chunks and back (carried with the kernels that
-                       call them);
+                       layout of a sequence into chunks and back, the state passing over chunks
+                       (``_pass_states``: each chunk's map ``S <- M S + D``, packed documents
+                       entered and left); carried with the kernels that call them;
 * :mod:`.momentum`  -- the momentum delta rule (``chunk_momentum_delta``: two states coupled
                        linearly);
 * :mod:`.scan`      -- elementwise linear recurrences ``h <- a * h + b`` (``chunk_scan``: every

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
+from .phases import (_chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups, _stacked,
+                     _token_major)
 
 
 def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True, log_input=None):
@@ -273,18 +274,16 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             m_all = torch.stack(m_list + [ms])                       # [n + 1, BH] at each chunk's start
             g_end = torch.exp(g_log + m_all[:-1] - m_all[1:]).view(n, BH, 1, 1)   # every exponent <= 0
             kv = kv * torch.exp(m_loc - m_all[1:]).view(n, BH, 1, 1)
-        starts = []
-        for j in range(n):  # forward in the chunks: a non-finite increment reaches only later chunks
-            if docs is not None:
-                S = docs.enter(j0 + j, S)                            # a document's initial state
-            starts.append(S)
-            S = torch.addcmul(kv[j], g_end[j], S) if log_gamma is not None or stab else S + kv[j]   # [BH, K, V]
-            if docs is not None:                                     # a document's final state (true scale)
-                docs.leave(j0 + j, S * torch.exp(m_all[j + 1]).view(BH, 1, 1) if stab else S)
+        # chunk j's map S <- Diag(g_j) S + K_j^T V_j [BH, K, V], forward in the chunks (a non-finite
+        # increment reaches only later chunks); each map closes over assigned locals only (torch.compile)
+        step = ((lambda j, S: (torch.addcmul(kv[j], g_end[j], S), None)) if log_gamma is not None or stab
+                else (lambda j, S: (S + kv[j], None)))
+        true_scale = (lambda j, S: S * torch.exp(m_all[j + 1]).view(BH, 1, 1)) if stab else None   # (its true scale)
+        S, starts, _ = _pass_states(step, n, S, docs, j0, true_scale)
         j0 += n
         if q is None:
             continue
-        S_starts = torch.stack(starts).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+        S_starts = _stacked(starts)                                  # [nBH, K, V]
         if channel:                                                  # + (q F_c) @ S_start
             og = torch.baddbmm(og, XE[..., K:], S_starts) if og is not None else torch.bmm(XE[..., K:], S_starts)
         else:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
+from .phases import (_chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups, _stacked,
+                     _token_major)
 
 
 def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
@@ -214,23 +215,20 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                                           unitriangular=True).transpose(1, 2)   # [nBH, c, K + V] = [W | U]
         Wk, U = X.split([K, V], dim=-1)
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
-        us, starts = [], []
         gs = g_end_g.unbind(0) if decayed else [None] * n
-        for j, (W_j, U_j, kd_j, g_j) in enumerate(zip(Wk.reshape(n, BH, c, K).unbind(0),
-                                                      U.reshape(n, BH, c, V).unbind(0),
-                                                      kd.reshape(n, BH, c, K).unbind(0), gs)):
-            if docs is not None:
-                S = docs.enter(j0 + j, S)                            # a document's initial state
-            u_j = torch.baddbmm(U_j, W_j, S, alpha=-1)               # [BH, c, V]
-            starts.append(S)
-            S = torch.baddbmm(S if g_j is None else S * g_j[:, None, None], kd_j.transpose(1, 2), u_j)
-            if docs is not None:
-                docs.leave(j0 + j, S)                                # a document's final state
-            us.append(u_j)
+        Ws, Us = Wk.reshape(n, BH, c, K).unbind(0), U.reshape(n, BH, c, V).unbind(0)
+        kds = kd.reshape(n, BH, c, K).unbind(0)
+
+        def step(j, S):  # chunk j's map: the corrections u_j, S <- g_j S + Kd_j^T u_j
+            u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)           # [BH, c, V]
+            Sg = S if gs[j] is None else S * gs[j][:, None, None]
+            return torch.baddbmm(Sg, kds[j].transpose(1, 2), u_j), u_j
+
+        S, starts, us = _pass_states(step, n, S, docs, j0)
         j0 += n
         if qq is not None:
-            u = torch.stack(us).reshape(nBH, c, V) if n > 1 else us[0]
-            S_starts = torch.stack(starts).reshape(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+            u = _stacked(us)                                         # [nBH, c, V]
+            S_starts = _stacked(starts)                              # [nBH, K, V]
             qg = _chunk_major(qp, n, c)                              # [n, B, H, c, K]
             qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
             scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]

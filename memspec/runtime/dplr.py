@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
+from .phases import (_chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups, _stacked,
+                     _token_major)
 
 
 def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=False, read_after_decay=False):
@@ -483,26 +484,24 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
         g_j = [None] * nc
         if decay is not None:
             g_j = (g_end.reshape(nc, BH, -1, 1) if decay == "channel" else g_end.reshape(nc, BH, 1, 1)).unbind(0)
-        zs, starts = [], []
-        for j, (W_j, U_j) in enumerate(zip(Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, V).unbind(0))):
-            if docs is not None:
-                S = docs.enter(j0 + j, S)                            # a document's initial state
-            starts.append(S)
-            if a_vec:
-                z = torch.baddbmm(U_j, W_j, S)                        # u = W S + U  [BH, n, V]
+        W_j, U_j = Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, V).unbind(0)
+        # chunk j's map: the reads from its start state, then the state update (each def closes over
+        # assigned locals only: torch.compile)
+        if a_vec:
+            def step(j, S):
+                z = torch.baddbmm(U_j[j], W_j[j], S)                  # u = W S + U  [BH, n, V]
                 Sg = S + Dv[j] if g_j[j] is None else torch.addcmul(Dv[j], S, g_j[j])   # Diag(g) S + K~^T V
-                S = torch.baddbmm(Sg, ad_j[j].transpose(1, 2), z, alpha=-1)
-            else:
-                z = torch.baddbmm(U_j, W_j, S, alpha=-1)              # z = U - W S
-                S = torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z)
-            if docs is not None:
-                docs.leave(j0 + j, S)                                # a document's final state
-            zs.append(z)
+                return torch.baddbmm(Sg, ad_j[j].transpose(1, 2), z, alpha=-1), z
+        else:
+            def step(j, S):
+                z = torch.baddbmm(U_j[j], W_j[j], S, alpha=-1)        # z = U - W S
+                return torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z), z
+
+        S, starts, zs = _pass_states(step, nc, S, docs, j0)
         j0 += nc
         if q is None:
             continue
-        S_starts = torch.stack(starts).reshape(nBH, K, V) if nc > 1 else starts[0]
-        z = torch.stack(zs).reshape(nBH, n, V) if nc > 1 else zs[0]
+        S_starts, z = _stacked(starts), _stacked(zs)                 # [nBH, K, V], [nBH, n, V]
         # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
         if decay != "channel":
             P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]

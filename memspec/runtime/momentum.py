@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _split_groups, _token_major
+from .phases import (_chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups, _stacked,
+                     _token_major)
 
 
 def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, inclusive=True):
@@ -164,23 +165,19 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
 
         # the chunk's 2x2 D = P(C, start) = [[gS, hM], [0, gM]], applied to Z = [S; M] as a [2, 2] x [2, K V] product
         D = torch.stack([gS, hM, torch.zeros_like(gM), gM], dim=-1).view(n * BH, 2, 2)
-        zs, Z_st = [], []
-        for j, (WZ_j, U_j, kZ_j, D_j) in enumerate(zip(*(per(x) for x in (WZ, U, kZ, D)))):
-            if docs is not None:
-                Z = docs.enter(j0 + j, Z)                              # a document's initial [S; M]
-            Z_st.append(Z)
-            z = torch.baddbmm(U_j, WZ_j, Z)                            # [BH, C, V]
-            Zd = torch.bmm(D_j, Z.view(BH, 2, K * V)).view(BH, 2 * K, V)   # [gS S + hM M; gM M]
-            Z = torch.baddbmm(Zd, kZ_j.transpose(1, 2), z)             # [S; M] at the chunk's end
-            if docs is not None:
-                docs.leave(j0 + j, Z)                                  # a document's final [S; M]
-            zs.append(z)
+        WZ_j, U_j, kZ_j, D_j = (per(x) for x in (WZ, U, kZ, D))
+
+        def step(j, Z):  # chunk j's map of the joint state [S; M]: the errors z, then [S; M] at its end
+            z = torch.baddbmm(U_j[j], WZ_j[j], Z)                      # [BH, C, V]
+            Zd = torch.bmm(D_j[j], Z.view(BH, 2, K * V)).view(BH, 2 * K, V)   # [gS S + hM M; gM M]
+            return torch.baddbmm(Zd, kZ_j[j].transpose(1, 2), z), z
+
+        Z, Z_st, zs = _pass_states(step, n, Z, docs, j0)               # (documents: their initial, final [S; M])
         j0 += n
         if q is None:
             continue
         qc = lay(qg)
-        z = torch.stack(zs).reshape(n * BH, C, V) if n > 1 else zs[0]
-        Zs = torch.stack(Z_st).reshape(n * BH, 2 * K, V) if n > 1 else Z_st[0]
+        z, Zs = _stacked(zs), _stacked(Z_st)                          # [n BH, C, V], [n BH, 2K, V]
         if inclusive:
             fa, fm, Pm = torch.exp(La), h12, Om
         else:
