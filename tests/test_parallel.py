@@ -53,7 +53,8 @@ def _inputs(mem, B, T, gen):
     return x
 
 
-def _case(name, dims, rank, world, group=None, T=23):
+def _case(name, dims, rank, world, group=None, T=23, learned=False):
+    """``learned``: from the memory's own initial state (its parameters, if learned) instead of a given one."""
     import torch.distributed as dist
 
     from memspec.parallel import context_parallel, shard, shard_bounds
@@ -71,23 +72,24 @@ def _case(name, dims, rank, world, group=None, T=23):
 
     # one process
     xs = {n: x.clone().requires_grad_() for n, x in full.items()}
-    s0 = {n: s.clone().requires_grad_() for n, s in state0.items()}
+    s0 = None if learned else {n: s.clone().requires_grad_() for n, s in state0.items()}
     o_ref, s_ref = mem(**xs, state=s0)
     w_o = probe[..., :o_ref.shape[-1]]
     weights = {n: torch.randn(s_ref[n].shape, generator=gen, dtype=torch.float64) for n in state0}   # caches grow
     ((o_ref * w_o).sum() + sum((s_ref[n] * weights[n]).sum() for n in weights)).backward()
     g_ref = {n: x.grad for n, x in xs.items()}
-    g0_ref = {n: s.grad for n, s in s0.items()}
-    gp_ref = [p.grad.clone() for p in mem.parameters() if p.grad is not None]
+    g0_ref = {n: s.grad for n, s in (s0 or {}).items()}
+    gp_ref = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in mem.parameters()]
     mem.zero_grad(set_to_none=True)
     a, b = shard_bounds(T, world)[rank]
     with torch.no_grad():
-        _, s_end = mem(**{n: x[:, :b] for n, x in full.items()}, state=state0)   # the state where this shard ends
+        _, s_end = mem(**{n: x[:, :b] for n, x in full.items()}, state=None if learned else state0)   # the state where this shard ends
 
     # P processes
     mine = {n: shard(x).clone().requires_grad_() for n, x in full.items()}
-    s0 = {n: s.clone().requires_grad_() for n, s in state0.items()}
+    s0 = None if learned else {n: s.clone().requires_grad_() for n, s in state0.items()}
     o, s = context_parallel(mem, **mine, state=s0, group=group)
+    s0 = s0 or {}
     loss = (o * shard(w_o)).sum()
     if rank == world - 1:
         loss = loss + sum((s[n] * weights[n]).sum() for n in weights)
@@ -98,6 +100,7 @@ def _case(name, dims, rank, world, group=None, T=23):
         dist.all_reduce(g, group=group)
 
     assert_same_function(o, o_ref[:, a:b], msg=lambda m: f"{name}: outputs of rank {rank}: {m}")
+    assert not learned or any(r.abs().sum() > 0 for r in gp_ref), f"{name}: no learned initial state"
     assert set(s) == set(s_end), f"{name}: state entries {sorted(s)} at the end of rank {rank}, {sorted(s_end)}"
     for n in s_end:
         if isinstance(s_end[n], torch.Tensor):
@@ -225,7 +228,9 @@ def _worker(rank, world, init, cases, out):
     try:
         for name, dims, *documents in cases:
             try:   # the collectives run alike on every rank whatever the comparisons find
-                if documents == ["bf16"]:
+                if documents == ["learned"]:
+                    _case(name, dims, rank, world, learned=True)
+                elif documents == ["bf16"]:
                     _bf16_case(name, dims, rank, world)
                 elif documents == ["short"]:   # fewer tokens than ranks: empty shards
                     _case(name, dims, rank, world, T=2)
@@ -265,6 +270,7 @@ def test_context_parallel_equals_one_process(world, tmp_path):
     cases += [(n, CASES[n][0], "model") for n in ("gated_deltanet", "titans")]
     cases += [(n, CASES[n][0], "short") for n in ("momentum_deltanet", "titans")]
     cases += [(n, CASES[n][0], "bf16") for n in ("gated_deltanet", "linear_attention")]
+    cases += [("titans", CASES["titans"][0], "learned")]   # learned initial state: read by rank 0 only
     _spawn(world, cases, tmp_path)
 
 
