@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 def _inputs(mem, T, gen):
     x = {n: torch.randn(1, T, mem.heads, getattr(mem, d), generator=gen) for n, d in mem.VIEWS.items()}
-    gates = mem.GATES if isinstance(mem.GATES, dict) else {g: () for g in mem.GATES}
+    gates = mem.GATES
     for g, shape in gates.items():
         x[g] = 0.1 + 0.8 * torch.rand(1, T, mem.heads, *(getattr(mem, d) for d in shape), generator=gen)
     return x
