@@ -339,14 +339,15 @@ def test_under_torch_func():
 def test_kernels_are_standalone():
     """The code generator copies these functions' source (and the shared phases they call): only
     torch, no closures over memspec."""
-    from memspec.codegen.context import phase_sources
+    from memspec.codegen.context import kernel_parts, phase_sources
 
     for fn in (chunk_dplr, recurrent_dplr, chunk_momentum_delta, recurrent_momentum_delta):
         src = inspect.getsource(fn)
         assert "memspec" not in src
         assert fn.__doc__ and "[B, T, H" in fn.__doc__
         namespace = {"torch": torch}
-        for part in phase_sources([src]):
+        own = kernel_parts(fn, src)                  # the family's functions it calls
+        for part in phase_sources([src] + own) + own:
             assert "memspec" not in part
             exec(part, namespace)
         exec(src, namespace)

@@ -41,6 +41,15 @@ def runtime_source(obj) -> str:
     return inspect.getsource(obj)
 
 
+def kernel_parts(fn, src: str) -> list:
+    """The sources of the private functions of kernel ``fn``'s module that its (specialised) source
+    ``src`` calls: a family's chunk maps and outputs, in their order in the module."""
+    used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+    module = inspect.getmodule(fn)
+    return [runtime_source(f) for name, f in vars(module).items()
+            if name.startswith("_") and name in used and inspect.isfunction(f) and f.__module__ == module.__name__]
+
+
 def phase_sources(runtime: list) -> list:
     """The sources of the kernels' shared phases (:mod:`memspec.runtime.phases`) that the runtime
     sources ``runtime`` call (after specialising: only those a kernel still uses), in their order."""

@@ -23,7 +23,7 @@ from ..runtime.wiring import source as wiring_source
 from ..schedule import decide
 from ..schedule.decide import ScheduleDecision
 from . import additive, apply_update, cache, chained, delta, dplr, layer, minibatch, momentum, oja, online, scan
-from .context import Context, Emitter, phase_sources, runtime_source
+from .context import Context, Emitter, kernel_parts, phase_sources, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
 from .specialise import specialise_calls
@@ -126,8 +126,11 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
     runtime = []
     for part in ctx.parts:
         if callable(part):   # a kernel: specialised to the constant arguments of its calls
-            code, part = specialise_calls(code, part)
-        runtime.append(part)
+            code, src = specialise_calls(code, part)
+            # (with the functions of its module it calls, unless the emitter asked for them itself)
+            runtime += [src] + [f for f in kernel_parts(part, src) if f not in ctx.parts and f not in runtime]
+        else:
+            runtime.append(part)
     runtime = phase_sources(runtime) + runtime   # the shared kernel phases they call
     parts = Lines()
     sliced = [runtime_source(_in_slices)] if compiles_chunked(ctx) else []

@@ -115,18 +115,9 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     G = _group_size(T // C, BH * C * (2 * K + V), group, dev)      # chunks per group
     groups = _chunk_groups(T, C, G, "chunk")                       # a tail chunk padded with identity tokens
     idx = torch.arange(C, device=dev)
-    incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
-    ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
-    eye = torch.eye(C, dtype=dt, device=dev)                          # the right side of the chunks' inverses
-
-    def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
-        return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
-
-    def shift(x):  # row t <- row t - 1 within the chunk (row 0: zeros): a product at t - 1
-        return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0) if x.dim() == 3 else (1, 0))
-
+    masks = (idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :], torch.eye(C, dtype=dt, device=dev))
     Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
-    outs = []                                                         # [B, n C, H, V] per group
+    outs = []                                                         # [B, n c, H, V] per group
     j0 = 0                                                            # chunks before this group
     pieces = zip(groups, *(_split_groups(x, groups) for x in tokens))
     for (n, c, _), qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
@@ -137,35 +128,10 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
                 x = x[..., None]
             return _chunk_major(x, n, C).reshape(n * BH, C, x.shape[-1])
 
-        kc, pc, vc = lay(kg), lay(pg), lay(vg)
+        kc = lay(kg)
         la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
-        bc, ec = lay(btg)[..., 0], lay(etg)[..., 0]
-        La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
-        Lap, Lmp = La - la, Lm - lm                                  # before token t's decay
-        Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
-        bm = -bc * torch.exp(lm)                                      # -beta_r mu_r
-        Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                     # P12(t, s)
-        h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]   # P12(t, start)
-        be = (-bc * ec)[:, None, :]                                   # -beta_s eta_s
-        Om = Ea * be + Q12 * ec[:, None, :]                           # [P(t, s) a~_s]_1, s <= t
-        Gam = shift(Om)                                               # [P(t-1, s) a~_s]_1, s < t
-        h12p = shift(h12)                                             # P12(t-1, start)
-        A = Gam * torch.bmm(pc, kc.transpose(1, 2))                   # strictly lower
-        rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [n BH, C, 2K + V]
-        # (I - A) X = rhs: the unit-triangular inverse (a solve against the C x C identity), then
-        # one product with the 2K + V columns (measured faster on CPU than solving for them)
-        inv = torch.linalg.solve_triangular(-A, eye.expand(n * BH, C, C), upper=False, unitriangular=True)
-        X = torch.bmm(inv, rhs)                                       # [n BH, C, 2K + V]
-        WZ, U = X.split([2 * K, V], dim=-1)                           # z = WZ [S; M] + U
-        kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]], dim=-1)
-        gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]   # S's, M's: P11, P22, P12 (C, start)
-
-        def per(x):
-            return x.reshape(n, BH, *x.shape[1:]).unbind(0)
-
-        # the chunk's 2x2 D = P(C, start) = [[gS, hM], [0, gM]], applied to Z = [S; M] as a [2, 2] x [2, K V] product
-        D = torch.stack([gS, hM, torch.zeros_like(gM), gM], dim=-1).view(n * BH, 2, 2)
-        WZ_j, U_j, kZ_j, D_j = (per(x) for x in (WZ, U, kZ, D))
+        WZ, U, kZ, D, reads = _momentum_maps(kc, lay(pg), lay(vg), la, lm, lay(btg)[..., 0], lay(etg)[..., 0], masks)
+        WZ_j, U_j, kZ_j, D_j = (x.reshape(n, BH, *x.shape[1:]).unbind(0) for x in (WZ, U, kZ, D))
 
         def step(j, Z):  # chunk j's map of the joint state [S; M]: the errors z, then [S; M] at its end
             z = torch.baddbmm(U_j[j], WZ_j[j], Z)                      # [BH, C, V]
@@ -176,15 +142,7 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         j0 += n
         if q is None:
             continue
-        qc = lay(qg)
-        z, Zs = _stacked(zs), _stacked(Z_st)                          # [n BH, C, V], [n BH, 2K, V]
-        if inclusive:
-            fa, fm, Pm = torch.exp(La), h12, Om
-        else:
-            fa, fm, Pm = torch.exp(Lap), h12p, Gam
-        P = Pm * torch.bmm(qc, kc.transpose(1, 2))
-        qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)   # [n BH, C, 2K]: reads of [S; M]
-        og = torch.baddbmm(torch.bmm(P, z), qZ, Zs)
+        og = _momentum_outputs(lay(qg), kc, _stacked(zs), _stacked(Z_st), *(reads[0] if inclusive else reads[1]))
         outs.append(_token_major(og, B, H, c))                      # [B, n, c, H, V] (a view)
     Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
     S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
@@ -194,3 +152,69 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     if docs is not None:
         o = docs.unlay(o)                                             # the documents' tokens, packed
     return o.to(v.dtype), S_out, M_out
+
+
+def _momentum_maps(kc, pc, vc, la, lm, bc, ec, masks):
+    """The chunk maps of the momentum delta rule (:func:`chunk_momentum_delta`), batched over chunks:
+    the errors of each chunk from its start state, ``z = WZ [S; M] + U``, and its map
+    ``[S; M] <- (D (x) I_K) [S; M] + kZ^T z``.
+
+    Args:
+        kc, pc: ``[n BH, C, K]`` write keys and error reads; vc: ``[n BH, C, V]`` values (chunk-major).
+        la, lm: ``[n BH, C]`` log decays of S and M (clamped); bc, ec: ``[n BH, C]`` beta and eta.
+        masks: ``(s <= t, s < t, I)``: ``[C, C]`` each.
+
+    Returns:
+        ``(WZ [n BH, C, 2K], U [n BH, C, V], kZ [n BH, C, 2K], D [n BH, 2, 2], reads)``; reads: the
+        outputs' factors ``(L_a, P12(t, start), [P(t, s) a~_s]_1)`` after each token's update and the
+        same before it (at t - 1).
+    """
+    incl, strict, eye = masks
+    nBH, C = la.shape
+    K = kc.shape[-1]
+    ninf = torch.full((), float("-inf"), dtype=la.dtype, device=la.device)
+
+    def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
+        return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
+
+    def shift(x):  # row t <- row t - 1 within the chunk (row 0: zeros): a product at t - 1
+        return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0) if x.dim() == 3 else (1, 0))
+
+    La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
+    Lap, Lmp = La - la, Lm - lm                                      # before token t's decay
+    Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
+    bm = -bc * torch.exp(lm)                                          # -beta_r mu_r
+    Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                         # P12(t, s)
+    h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]   # P12(t, start)
+    be = (-bc * ec)[:, None, :]                                       # -beta_s eta_s
+    Om = Ea * be + Q12 * ec[:, None, :]                               # [P(t, s) a~_s]_1, s <= t
+    Gam = shift(Om)                                                   # [P(t-1, s) a~_s]_1, s < t
+    h12p = shift(h12)                                                 # P12(t-1, start)
+    A = Gam * torch.bmm(pc, kc.transpose(1, 2))                       # strictly lower
+    rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)   # [n BH, C, 2K + V]
+    # (I - A) X = rhs: the unit-triangular inverse (a solve against the C x C identity), then
+    # one product with the 2K + V columns (measured faster on CPU than solving for them)
+    inv = torch.linalg.solve_triangular(-A, eye.expand(nBH, C, C), upper=False, unitriangular=True)
+    WZ, U = torch.bmm(inv, rhs).split([2 * K, vc.shape[-1]], dim=-1)   # z = WZ [S; M] + U
+    kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]], dim=-1)
+    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]   # S's, M's: P11, P22, P12 (C, start)
+    # the chunk's 2x2 D = P(C, start) = [[gS, hM], [0, gM]], applied to Z = [S; M] as a [2, 2] x [2, K V] product
+    D = torch.stack([gS, hM, torch.zeros_like(gM), gM], dim=-1).view(nBH, 2, 2)
+    return WZ, U, kZ, D, ((La, h12, Om), (Lap, h12p, Gam))
+
+
+def _momentum_outputs(qc, kc, z, Zs, La, h12, Om):
+    """The outputs of a group of chunks: ``o = P z + [q e^{La} | q P12] [S; M]_start`` with
+    ``P = Om * (q k^T)`` (the reads' factors of :func:`_momentum_maps`, after or before each token).
+
+    Args:
+        qc, kc: ``[n BH, C, K]`` probes and write keys; z: ``[n BH, C, V]`` the chunks' errors;
+        Zs: ``[n BH, 2K, V]`` the joint states at the chunks' starts; La, h12: ``[n BH, C]``, Om:
+        ``[n BH, C, C]`` the reads' factors.
+
+    Returns:
+        ``[n BH, C, V]``.
+    """
+    P = Om * torch.bmm(qc, kc.transpose(1, 2))
+    qZ = torch.cat([qc * torch.exp(La)[..., None], qc * h12[..., None]], dim=-1)   # [n BH, C, 2K]: reads of [S; M]
+    return torch.baddbmm(torch.bmm(P, z), qZ, Zs)
