@@ -343,7 +343,7 @@ def _build(spec):
     helper_src = "\n\n".join(inspect.getsource(getattr(helpers, h)) for h in sorted(em.helpers))
     src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + inspect.getsource(family.KERNEL)
            + "\n\n" + helper_src + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n")
-    ns: dict = {}
+    ns: dict = dict(vars(inspect.getmodule(family.KERNEL)))   # the kernel's phases and private functions
     exec(compile(src, f"<chunked {spec.name}>", "exec"), ns)
     return ns["forward"], src
 

@@ -89,6 +89,10 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     if not is_num(scale, 1):
         reasons.append(f"a decay after the write: the same recurrence with the target rescaled, v = {txt(v)}")
     reasons += decay_lines
+    if not is_num(gamma, 1) or not is_num(rho, 1):
+        reasons.append("a departure the kernel makes: a log decay below -80 per token counts as -80 (the past then "
+                       "weighs e^-80 = 2e-35 instead of less: different from online only where the state is over "
+                       "1e28 times the new terms)")
     read, probes = find_probes(alg, alg.inline(spec.read), {W})
     reasons.append("the read is a function of the linear probes "
                    + ", ".join(txt(BinOp("@", p.vector, Name(p.state))) for p in probes) if probes

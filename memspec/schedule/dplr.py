@@ -127,6 +127,10 @@ def analyse_dplr(alg: Algebra) -> tuple[DplrPlan, list[str]]:
             steps[0] = decayed
     reasons.append(_substep_text(alg, S, decay, steps, simultaneous, after))
     reasons += [x for x in (check_decay(alg, decay, f"of {S}"),) if x]
+    if decay is not None:
+        reasons.append("a departure the kernel makes: a log decay below -40 per token counts as -40 (the past then "
+                       "weighs e^-40 = 4e-18 instead of less: different from online only where the state is over "
+                       "1e11 times the new terms)")
     read, probes = find_probes(alg, alg.inline(spec.read), {S})
     reasons.append("the read is a function of the linear probes "
                    + ", ".join(txt(BinOp("@", p.vector, Name(p.state))) for p in probes) if probes

@@ -214,6 +214,9 @@ def _plan(alg: Algebra, nf, S: str, U: str, k, p, v, gamma, mu, a_U, r) -> tuple
                    f"one [{beta_eta}, {txt(eta)}] ⊗ k pᵀ on {S}: upper triangular, so every product of the 2x2 "
                    f"blocks is a 2x2 of scalars")
     reasons += decay_lines
+    reasons.append("a departure the kernel makes: a log decay below -80 per token counts as -80 (the past then "
+                   "weighs e^-80 = 2e-35 instead of less: different from online only where the state is over 1e28 "
+                   "times the new terms)")
     read, probes = find_probes(alg, alg.inline(spec.read), {S, U})
     on_u = [pr for pr in probes if pr.state == U]
     if on_u:
