@@ -27,7 +27,7 @@ CASES = {
     "gated_deltanet": (dict(heads=2, d_k=8, d_v=3, chunk=4), "scan"),
     "momentum_deltanet": (dict(heads=2, d_k=5, d_v=5, chunk=4), "scan"),
     "titans": (dict(heads=2, d_k=4, d_v=4, hidden=6, chunk=4), "relay"),
-    "variants/deltanet_column": (dict(heads=2, d_k=6, d_v=4, chunk=4), "scan"),   # a state [d_v, d_k], mapped transposed
+    "deltanet_column": (dict(heads=2, d_k=6, d_v=4, chunk=4), "scan"),   # a state [d_v, d_k], mapped transposed
 }
 SLOW_CASES = {
     "kda": (dict(heads=2, d_k=6, d_v=4, chunk=4), "scan"),

@@ -121,7 +121,7 @@ def test_right_multiplied_per_channel_decay_is_the_additive_family_transposed():
 
 def test_shipped_column_specs_get_their_twins_schedule():
     for col, row in (("linear_attention_column", "linear_attention"), ("deltanet_column", "deltanet")):
-        dc = analyse(memspec.load(VARIANTS / f"{col}.yaml"))
+        dc = analyse(memspec.load((SPECS if col == "deltanet_column" else VARIANTS) / f"{col}.yaml"))
         dr = analyse(memspec.load(SPECS / f"{row}.yaml"))
         assert (dc.family, dc.chunk, dc.exact) == (dr.family, dr.chunk, dr.exact), col
         assert dc.schedules == dr.schedules or set(dc.schedules) - set(dr.schedules) == set(), col
@@ -210,7 +210,7 @@ read = f(qn)
 
 COMPILED = {
     "linear_attention_column": lambda: memspec.load(VARIANTS / "linear_attention_column.yaml"),
-    "deltanet_column": lambda: memspec.load(VARIANTS / "deltanet_column.yaml"),
+    "deltanet_column": lambda: memspec.load(SPECS / "deltanet_column.yaml"),
     "gated_column_delta": lambda: mem(HEAD + textwrap.dedent(COLUMN_DELTA["temporaries"])),
     "oja_value_read": lambda: mem(OJA_VALUE_READ),
     "momentum_column": lambda: mem(MOMENTUM_COLUMN),   # two states, both transposed
@@ -317,7 +317,7 @@ def test_column_linear_attention_is_row_linear_attention_with_the_state_transpos
 
 
 def test_column_deltanet_is_deltanet_with_the_state_transposed():
-    col_spec = memspec.load(VARIANTS / "deltanet_column.yaml")
+    col_spec = memspec.load(SPECS / "deltanet_column.yaml")
     row_spec = memspec.load(SPECS / "deltanet.yaml")
     dims = small_dims(row_spec)
     col, row = make(col_spec, dims, chunk=4), make(row_spec, dims, chunk=4)
@@ -409,7 +409,7 @@ def test_scalar_gated_oja_read_on_its_value_side_is_the_delta_rule_transposed():
 
 
 def test_bfloat16_inputs_keep_float32_states_in_the_declared_layout():
-    spec = memspec.load(VARIANTS / "deltanet_column.yaml")
+    spec = memspec.load(SPECS / "deltanet_column.yaml")
     dims = small_dims(spec)
     m = make(spec, dims, dtype=torch.float32)
     ins = inputs(spec, m, T=9, dtype=torch.float32)
