@@ -339,14 +339,14 @@ def test_under_torch_func():
 def test_kernels_are_standalone():
     """The code generator copies these functions' source (and the shared phases they call): only
     torch, no closures over memspec."""
-    from memspec.codegen.context import kernel_parts, phase_sources
+    from memspec.codegen.context import kernel_functions, phase_sources, runtime_source
 
     for fn in (chunk_dplr, recurrent_dplr, chunk_momentum_delta, recurrent_momentum_delta):
         src = inspect.getsource(fn)
         assert "memspec" not in src
         assert fn.__doc__ and "[B, T, H" in fn.__doc__
         namespace = {"torch": torch}
-        own = kernel_parts(fn, src)                  # the family's functions it calls
+        own = [runtime_source(f) for f in kernel_functions(fn, src)]   # the family's functions it calls
         for part in phase_sources([src] + own) + own:
             assert "memspec" not in part
             exec(part, namespace)

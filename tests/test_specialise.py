@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_generated_readable import docstring_mismatches, unused_assignments
 
-from memspec.codegen.context import phase_sources
+from memspec.codegen.context import kernel_functions, phase_sources, runtime_source
 from memspec.codegen.specialise import specialise, specialise_calls, specialise_source
 from memspec.codegen.tidy import drop_dead
 from memspec.runtime import dplr
@@ -22,7 +22,9 @@ from memspec.runtime.dplr import chunk_dplr, pair_index
 
 def _load(src: str, name: str):
     ns = {"torch": torch}
-    for part in phase_sources([src]):   # the shared phases it calls, as a generated module carries them
+    kernel = {f.__name__: f for f in (chunk_additive, chunk_delta, chunk_dplr)}.get(name)
+    own = [runtime_source(f) for f in kernel_functions(kernel, src)] if kernel else []   # its family's functions
+    for part in phase_sources([src] + own) + own:   # and the shared phases, as a generated module carries them
         exec(part, ns)
     exec(compile(src, f"<specialised {name}>", "exec"), ns)
     return ns[name]

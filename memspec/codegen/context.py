@@ -41,12 +41,12 @@ def runtime_source(obj) -> str:
     return inspect.getsource(obj)
 
 
-def kernel_parts(fn, src: str) -> list:
-    """The sources of the private functions of kernel ``fn``'s module that its (specialised) source
-    ``src`` calls: a family's chunk maps and outputs, in their order in the module."""
+def kernel_functions(fn, src: str) -> list:
+    """The private functions of kernel ``fn``'s module that its (specialised) source ``src`` calls: a
+    family's chunk maps and outputs, in their order in the module."""
     used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
     module = inspect.getmodule(fn)
-    return [runtime_source(f) for name, f in vars(module).items()
+    return [f for name, f in vars(module).items()
             if name.startswith("_") and name in used and inspect.isfunction(f) and f.__module__ == module.__name__]
 
 

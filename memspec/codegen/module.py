@@ -23,7 +23,7 @@ from ..runtime.wiring import source as wiring_source
 from ..schedule import decide
 from ..schedule.decide import ScheduleDecision
 from . import additive, apply_update, cache, chained, delta, dplr, layer, minibatch, momentum, oja, online, scan
-from .context import Context, Emitter, kernel_parts, phase_sources, runtime_source
+from .context import Context, Emitter, kernel_functions, phase_sources, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
 from .specialise import specialise_calls
@@ -127,8 +127,12 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
     for part in ctx.parts:
         if callable(part):   # a kernel: specialised to the constant arguments of its calls
             code, src = specialise_calls(code, part)
-            # (with the functions of its module it calls, unless the emitter asked for them itself)
-            runtime += [src] + [f for f in kernel_parts(part, src) if f not in ctx.parts and f not in runtime]
+            own = []   # the functions of its module it calls (unless the emitter asked for them itself),
+            for fn in kernel_functions(part, src):   # specialised to the constant arguments it passes
+                if runtime_source(fn) not in ctx.parts:
+                    src, fn_src = specialise_calls(src, fn)
+                    own.append(fn_src)
+            runtime += [src] + [f for f in own if f not in runtime]
         else:
             runtime.append(part)
     runtime = phase_sources(runtime) + runtime   # the shared kernel phases they call

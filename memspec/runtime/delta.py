@@ -189,7 +189,6 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
         # bad tokens zeroed
         kv = torch.cat([_chunk_major(kp, n, c), _chunk_major(vp, n, c)], dim=-1)
         kv = torch.where(okg.reshape(n, B, H, c, 1), kv, zero).reshape(nBH, c, K + V)
-        kg = kv[:, :, :K]                                            # [nBH, c, K] (a view)
         if decayed:
             Lg, Rg, b_rg, to_end_g, Lq_g, q_fac_g = (flat(x[gi]) for x in pieces[6:12])
             g_end_g = pieces[12][gi]                                 # [n, BH]
@@ -198,22 +197,9 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
                 solve_decay = read_decay
             else:
                 solve_decay = decay_matrix(Rg, Lg, -1)               # exp(R_t - L_s), s < t
-            # A_ts = beta_t exp(R_t - L_s) (k_t . k_s), s < t (only the strict lower part is read)
-            A = torch.bmm(kg * b, kg.transpose(1, 2)) * solve_decay  # [nBH, c, c]
-            if K == V:
-                fac = torch.stack([b_rg, b[:, :, 0]], dim=-1)        # [nBH, c, 2]
-                rhs = (kv.reshape(nBH, c, 2, K) * fac[..., None]).reshape(nBH, c, K + V)
-            else:
-                rhs = torch.cat([kg * b_rg[:, :, None], kv[:, :, K:] * b], dim=-1)
-            kd = kg * to_end_g[:, :, None]                           # [nBH, c, K] keys decayed to the chunk end
+            Wk, U, kd = _delta_maps(kv, b, K, solve_decay, b_rg, to_end_g)
         else:
-            rhs = kv * b                                             # [beta k | beta v]
-            A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))         # beta_t (k_t . k_s); strict lower part read
-            kd = kg
-        # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on CPU
-        X = torch.linalg.solve_triangular(A.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
-                                          unitriangular=True).transpose(1, 2)   # [nBH, c, K + V] = [W | U]
-        Wk, U = X.split([K, V], dim=-1)
+            Wk, U, kd = _delta_maps(kv, b, K)
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
         gs = g_end_g.unbind(0) if decayed else [None] * n
         Ws, Us = Wk.reshape(n, BH, c, K).unbind(0), U.reshape(n, BH, c, V).unbind(0)
@@ -231,13 +217,12 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
             S_starts = _stacked(starts)                              # [nBH, K, V]
             qg = _chunk_major(qp, n, c)                              # [n, B, H, c, K]
             qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
-            scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
             if decayed:
                 if not shared:
                     read_decay = decay_matrix(Lq_g, Lg, 0 if inclusive else -1)
-                scores = scores * read_decay
-                qg = qg * q_fac_g[:, :, None]
-            og = torch.baddbmm(torch.bmm(scores.tril_(0 if inclusive else -1), u), qg, S_starts)   # Qd S + P u
+                og = _delta_outputs(qg, kv[:, :, :K], u, S_starts, inclusive, read_decay, q_fac_g)
+            else:
+                og = _delta_outputs(qg, kv[:, :, :K], u, S_starts, inclusive)
             og = torch.where(rbad.reshape(nBH, c, 1), nan_value, og)
             outs.append(_token_major(og, B, H, c))                   # [B, n, c, H, V] (a view)
     if qq is not None:
@@ -252,3 +237,61 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     if qq is None:
         return None, S_out
     return o.to(v.dtype), S_out
+
+
+def _delta_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
+    """The chunk maps of the (gated) delta rule (``chunk_delta``), batched over chunks: the
+    corrections of each chunk from its start state, ``u = U - W S``, and its map
+    ``S <- g S + Kd^T u``, from one triangular solve ``(I + A) [W | U] = [beta e^R k | beta v]``.
+
+    Args:
+        kv: ``[nBH, c, K + V]`` keys and values side by side (bad tokens zeroed); b: ``[nBH, c, 1]``
+            beta; K: the key width.
+        solve_decay: ``[nBH, c, c]`` the decays ``exp(R_t - L_s)`` of the pairs s < t, or None (no
+            decay: the other factors are None too).
+        b_r: ``[nBH, c]`` ``beta exp(R)``; to_end: ``[nBH, c]`` the decay from each token to the chunk end.
+
+    Returns:
+        ``(W [nBH, c, K], U [nBH, c, V], Kd [nBH, c, K])``, Kd the keys decayed to the chunk end.
+    """
+    nBH, c, KV = kv.shape
+    kg = kv[:, :, :K]                                                # [nBH, c, K] (a view)
+    if solve_decay is not None:
+        # A_ts = beta_t exp(R_t - L_s) (k_t . k_s), s < t (only the strict lower part is read)
+        A = torch.bmm(kg * b, kg.transpose(1, 2)) * solve_decay      # [nBH, c, c]
+        if 2 * K == KV:
+            fac = torch.stack([b_r, b[:, :, 0]], dim=-1)             # [nBH, c, 2]
+            rhs = (kv.reshape(nBH, c, 2, K) * fac[..., None]).reshape(nBH, c, KV)
+        else:
+            rhs = torch.cat([kg * b_r[:, :, None], kv[:, :, K:] * b], dim=-1)
+        kd = kg * to_end[:, :, None]                                 # [nBH, c, K] keys decayed to the chunk end
+    else:
+        rhs = kv * b                                                 # [beta k | beta v]
+        A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))             # beta_t (k_t . k_s); strict lower part read
+        kd = kg
+    # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on CPU
+    X = torch.linalg.solve_triangular(A.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
+                                      unitriangular=True).transpose(1, 2)   # [nBH, c, K + V] = [W | U]
+    W, U = X.split([K, KV - K], dim=-1)
+    return W, U, kd
+
+
+def _delta_outputs(qg, kg, u, S_starts, inclusive, read_decay=None, q_fac=None):
+    """The outputs of a group of chunks, ``o = Qd @ S_start + P @ u`` (``P`` the masked, decayed
+    scores, ``Qd`` the decayed probes).
+
+    Args:
+        qg, kg: ``[nBH, c, K]`` probes and keys; u: ``[nBH, c, V]`` the corrections; S_starts:
+            ``[nBH, K, V]`` the states at the chunks' starts.
+        inclusive: True: o_t reads S_t; False: S_{t-1}.
+        read_decay: ``[nBH, c, c]`` the decays of the pairs a probe reads, or None (no decay);
+            q_fac: ``[nBH, c]`` the decay a probe sees from the chunk start.
+
+    Returns:
+        ``[nBH, c, V]``.
+    """
+    scores = torch.bmm(qg, kg.transpose(1, 2))                       # [nBH, c, c]
+    if read_decay is not None:
+        scores = scores * read_decay
+        qg = qg * q_fac[:, :, None]
+    return torch.baddbmm(torch.bmm(scores.tril_(0 if inclusive else -1), u), qg, S_starts)   # Qd S + P u

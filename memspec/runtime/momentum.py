@@ -155,7 +155,7 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
 
 
 def _momentum_maps(kc, pc, vc, la, lm, bc, ec, masks):
-    """The chunk maps of the momentum delta rule (:func:`chunk_momentum_delta`), batched over chunks:
+    """The chunk maps of the momentum delta rule (``chunk_momentum_delta``), batched over chunks:
     the errors of each chunk from its start state, ``z = WZ [S; M] + U``, and its map
     ``[S; M] <- (D (x) I_K) [S; M] + kZ^T z``.
 
@@ -205,7 +205,7 @@ def _momentum_maps(kc, pc, vc, la, lm, bc, ec, masks):
 
 def _momentum_outputs(qc, kc, z, Zs, La, h12, Om):
     """The outputs of a group of chunks: ``o = P z + [q e^{La} | q P12] [S; M]_start`` with
-    ``P = Om * (q k^T)`` (the reads' factors of :func:`_momentum_maps`, after or before each token).
+    ``P = Om * (q k^T)`` (the reads' factors of ``_momentum_maps``, after or before each token).
 
     Args:
         qc, kc: ``[n BH, C, K]`` probes and write keys; z: ``[n BH, C, V]`` the chunks' errors;
