@@ -48,17 +48,19 @@ class Term:
 @dataclass(frozen=True)
 class Ref(Term):
     """A leaf: a local or input (``local``), a number (``value`` when known at compile time), or
-    a piece of code this package wrote for a fixed construct, with its precedence."""
+    a piece of code this package wrote for a fixed construct, with its precedence and the
+    locals it reads (``reads``)."""
 
     code: str
     prec: int = P_ATOM
     local: bool = False
     is_number: bool = False
     value: float | None = None
+    reads: frozenset = frozenset()
 
     @property
     def names(self) -> frozenset:
-        return frozenset({self.code}) if self.local else frozenset()
+        return frozenset({self.code}) if self.local else self.reads
 
     @property
     def number(self) -> bool:
@@ -80,6 +82,11 @@ def local(name: str) -> Ref:
 def number(value: float) -> Ref:
     """A float known now: its literal."""
     return Ref(repr(float(value)), is_number=True, value=float(value))
+
+
+def method(x: str, attr: str) -> Ref:
+    """``x.attr`` of the local ``x`` (an attribute, a method to call, an index of it)."""
+    return Ref(f"{x}.{attr}", reads=frozenset({x}))
 
 
 ONE = Ref("1", is_number=True, value=1.0)   # the coefficient of a state in itself, unchanged
@@ -173,18 +180,20 @@ class Group(Term):
 
 @dataclass(frozen=True)
 class Call(Term):
-    """``fn(args..., key=value...)``."""
+    """``fn(args..., key=value...)``; ``fn`` a function's name or a term (a local's method)."""
 
-    fn: str
+    fn: str | Term
     args: tuple = ()
     kwargs: tuple = ()   # (name, term) pairs
 
     def parts(self) -> tuple:
-        return self.args + tuple(t for _, t in self.kwargs)
+        head = (self.fn,) if isinstance(self.fn, Term) else ()
+        return head + self.args + tuple(t for _, t in self.kwargs)
 
     def render(self) -> str:
         args = [a.render() for a in self.args] + [f"{k}={t.render()}" for k, t in self.kwargs]
-        return f"{self.fn}({', '.join(args)})"
+        fn = self.fn.render() if isinstance(self.fn, Term) else self.fn
+        return f"{fn}({', '.join(args)})"
 
 
 def scaled(c: Term, x: Term, axes: str = ".unsqueeze(-1)") -> Term:

@@ -6,25 +6,58 @@ import keyword
 import math
 import re
 import textwrap
+from dataclasses import dataclass
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+@dataclass(frozen=True)
+class Statement:
+    """One statement as its writer knew it: the locals it binds, the locals and inputs it
+    reads, and its lines (the comment lines written just before it first)."""
+
+    lines: tuple
+    targets: frozenset
+    reads: frozenset
+    returns: bool = False
+
+
 class Lines:
-    """The lines of generated source, with an indentation level (4 spaces a level)."""
+    """The lines of generated source, with an indentation level (4 spaces a level).
 
-    def __init__(self):
+    ``Lines(record=True)`` also keeps a :class:`Statement` for every statement written with
+    its ``reads`` (``L(text, comment, targets=..., reads=...)``): the writer says what each
+    statement binds and reads, so that later passes (:mod:`.prestep`) decide on records, not
+    on the text; every other line it is given must then be a comment."""
+
+    def __init__(self, record: bool = False, level: int = 0):
         self.lines: list = []
-        self.level = 0
+        self.level = level
+        self.records: list | None = [] if record else None
+        self._mark = 0   # the first line not yet part of a record
 
-    def __call__(self, text: str = "", comment: str | None = None):
+    def __call__(self, text: str = "", comment: str | None = None, *, targets=(), reads=None,
+                 returns: bool = False):
+        """One line (``text`` may hold several for a statement continued over lines, the
+        comment on the last); with ``reads``, a statement binding ``targets``."""
         if not text:
             self.lines.append("")
             return
-        line = "    " * self.level + text
-        if comment:
-            line += "  # " + inert(comment, "comment")
-        self.lines.append(line)
+        pieces = text.split("\n") if reads is not None else [text]
+        for k, piece in enumerate(pieces):
+            line = "    " * self.level + piece
+            if comment and k == len(pieces) - 1:
+                line += "  # " + inert(comment, "comment")
+            self.lines.append(line)
+        if self.records is None:
+            return
+        if reads is None:
+            if not text.startswith("#"):
+                raise AssertionError(f"a recorded statement without its reads: {text[:60]!r}")
+            return
+        lines = tuple(ln for ln in self.lines[self._mark:] if ln.strip())
+        self.records.append(Statement(lines, frozenset(targets), frozenset(reads), returns))
+        self._mark = len(self.lines)
 
     def block(self, text: str):
         """Several lines at the current indentation (blank lines stay blank)."""
