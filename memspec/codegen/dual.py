@@ -28,9 +28,9 @@ from ..lang.expr import BinOp, Call, Expr, Name, map_children, substitute
 from ..lang.names import fresh
 from .dualchunk import ChunkAlgebra, DualRead
 from .exprs import P_ATOM, ExprEmitter
-from .prestep import split_pre
+from .prestep import expr_reads, split_pre
 from .program import shadow_plan
-from .text import shape_text, tuple_text
+from .text import Lines, shape_text, tuple_text
 
 
 class DualWriter:
@@ -55,8 +55,9 @@ class DualWriter:
                 return x
             name = fresh(base, taken)
             shape = self.w.env.infer(x, scope=scope)
-            L(f"{name} = {em.with_scope(**scope).emit(x)}",
-              shape_text(layout, shape) + f": {comment}")
+            sub = em.with_scope(**scope)
+            L(f"{name} = {sub.emit(x)}", shape_text(layout, shape) + f": {comment}",
+              targets=(name,), reads=expr_reads(sub, x))
             scope[name] = tuple(shape)
             return Name(name)
 
@@ -138,18 +139,24 @@ class DualWriter:
                 S = names[st.state]
                 text = f"{x} @ {S}" if st.kind == "layer" else f"{x} @ {S}.transpose(-2, -1)"
                 what = f"the layer @ {st.state}" if st.kind == "layer" else f"the loss's gradient w.r.t. {st.like}"
+                reads = {x, S}
             else:
                 sub = ExprEmitter(self.spec, names=names, like=em.like, attr=self.w.attr,
                                   helpers=self.w.helpers, scope=scope)
+                reads = expr_reads(sub, st.value)
                 if st.kind == "bias":
                     text = f"{sub._emit(st.value).text} + {names[st.state]}.unsqueeze(-2)"
                     what = f"+ {st.state}"
+                    reads.add(names[st.state])
                 else:
                     code = sub._emit(st.value)
                     text = code.text if code.rank == len(st.shape) else \
                         f"{sub._lift(code, len(st.shape))}.expand_as({st.like})"
                     what = f"the loss's gradient w.r.t. {st.like}" if st.like else ""
-            L(f"{st.name} = {text}", shape_text("B, H, C", st.shape) + (f": {what}" if what else ""))
+                    if code.rank != len(st.shape):
+                        reads.add(st.like)
+            L(f"{st.name} = {text}", shape_text("B, H, C", st.shape) + (f": {what}" if what else ""),
+              targets=(st.name,), reads=reads)
             scope[st.name] = st.shape
         xk = {site.state: site.input for site in cg.sites if site.input}
         dd = {site.state: site.delta for site in cg.sites}
@@ -170,8 +177,9 @@ class DualWriter:
         lhs_x = ", ".join(xnames.values()) + ("," if len(xnames) == 1 else "")
         lhs = f"({lhs_d}), ({lhs_x})" if xnames else f"({lhs_d}), _"
         args = zeros + [starts.get(s, s) for s in states] + self.loss_inputs
-        L(f"{lhs} = torch.func.grad(self._chunk_loss, argnums={an}, has_aux=True)(")
-        L(f"    {', '.join(args)})", "each token's gradient w.r.t. each layer's output, and the layers' inputs")
+        L(f"{lhs} = torch.func.grad(self._chunk_loss, argnums={an}, has_aux=True)(\n    {', '.join(args)})",
+          "each token's gradient w.r.t. each layer's output, and the layers' inputs",
+          targets=[*dz.values(), *(xnames.values() or ["_"])], reads=[first, *args[len(states):]])
         xk = {s: xnames.get(s, self.x_names[s]) for s in states if s in self.x_names}
         return xk, dz
 
@@ -185,26 +193,24 @@ class DualWriter:
         starts = {s: fresh(f"{s}_start", taken) for s in shadow_plan(w)[1]}
         inputs = chunk_inputs(w)
         first = inputs[0]   # a [B, H, C, ...] input: the batch, chunk length, dtype and device
-        head = len(L.lines)
-        L(f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + inputs)}):")
-        with L.indent():
-            self.step_docstring(L, starts, inputs)
-            names = params_head_major(w, L, direct_names(spec))
-            self.free |= set(names.values())
-            em = w.emitter(names=names, like=first)
-            if form.grad is not None:
-                xk, dd = self.closed_grads(L, em, starts, taken)
-            else:
-                xk, dd = self.tapped_grads(L, starts, taken, first)
-            alg = ChunkAlgebra(self, L, em, taken, first, inputs)
-            alg.solve()
-            read = DualRead(alg, xk, dd)
-            read.emit(self._lower, spec, list(form.sites))
-            L(f"return o, {tuple_text(read.finals())}")
-        L()
-        lines = L.lines[head:]
-        del L.lines[head:]
-        self.pre = split_pre(w, self.free, L, lines, list(starts.values()) + w.states, inputs)
+        header = "    " * L.level + f"def _chunk_step(self, {', '.join(list(starts.values()) + w.states + inputs)}):"
+        doc = Lines(level=L.level + 1)
+        self.step_docstring(doc, starts, inputs)
+        body = Lines(record=True, level=L.level + 1)   # each statement with what it binds and reads
+        names = params_head_major(w, body, direct_names(spec))
+        self.free |= set(names.values())
+        em = w.emitter(names=names, like=first)
+        if form.grad is not None:
+            xk, dd = self.closed_grads(body, em, starts, taken)
+        else:
+            xk, dd = self.tapped_grads(body, starts, taken, first)
+        alg = ChunkAlgebra(self, body, em, taken, first, inputs)
+        alg.solve()
+        read = DualRead(alg, xk, dd)
+        read.emit(self._lower, spec, list(form.sites))
+        finals = read.finals()
+        body(f"return o, {tuple_text(finals)}", reads=("o", *finals), returns=True)
+        self.pre = split_pre(w, self.free, L, header, doc.lines, body, list(starts.values()) + w.states, inputs)
 
     def step_docstring(self, L, starts: dict, inputs: list) -> None:
         w = self.w
@@ -226,7 +232,7 @@ def params_head_major(ctx, L, used) -> dict:
         if p in used:
             r = len(prm.shape)
             L(f"{p} = self.{ctx.attr.get(p, p)}.unsqueeze({-r - 1})",
-              f"[H, 1{''.join(', ' + str(d) for d in prm.shape)}]: per head, head-major")
+              f"[H, 1{''.join(', ' + str(d) for d in prm.shape)}]: per head, head-major", targets=(p,), reads=())
             names[p] = p
     return names
 

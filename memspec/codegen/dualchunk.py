@@ -19,8 +19,24 @@ from ..lang.names import fresh
 from ..lang.spec import Spec
 from ..runtime.helpers import _decay_matrix
 from ..schedule.algebra import simplify
-from .dualterms import ONE, Call, Group, Op, Post, Ref, Sum, Term, local, matmul, mul, number, scaled
+from .dualterms import (
+    ONE,
+    Call,
+    Group,
+    Op,
+    Post,
+    Ref,
+    Sum,
+    Term,
+    local,
+    matmul,
+    method,
+    mul,
+    number,
+    scaled,
+)
 from .exprs import P_ADD
+from .prestep import expr_reads
 from .text import shape_text
 
 
@@ -60,7 +76,7 @@ class ChunkAlgebra:
         rec = self.form.recurrence
         if any(self.number_decay(rec.coeff[s].get(("prev", s))) for s in rec.order):
             self.free.add(self.C)
-            L(f"{self.C} = {first}.shape[2]")
+            L(f"{self.C} = {first}.shape[2]", targets=(self.C,), reads=(first,))
 
     def number_decay(self, d) -> bool:
         """Whether a decay expression is a plain number (its weights need the chunk size C)."""
@@ -77,7 +93,8 @@ class ChunkAlgebra:
                 self.coefs[e] = local(code.text)
             else:
                 name = fresh(base, self.taken)
-                self.L(f"{name} = {code.text}", f"[B, H, C]: {unparse(e)}")
+                self.L(f"{name} = {code.text}", f"[B, H, C]: {unparse(e)}", targets=(name,),
+                       reads=expr_reads(self.em, e))
                 self.coefs[e] = local(name)
         return self.coefs[e]
 
@@ -87,7 +104,7 @@ class ChunkAlgebra:
         if term.number or isinstance(term, Ref):
             return term
         if term not in self.bound:
-            self.L(f"{name} = {term.render()}", comment)
+            self.L(f"{name} = {term.render()}", comment, targets=(name,), reads=term.names)
             self.bound[term] = local(name)
         return self.bound[term]
 
@@ -100,9 +117,10 @@ class ChunkAlgebra:
         if c.one:
             Ln = fresh("causal", self.taken)
             self.free.add(Ln)
-            ones = Call("torch.ones", (local(C), local(C)), (("dtype", Ref(f"{first}.dtype")),
-                                                               ("device", Ref(f"{first}.device"))))
-            self.L(f"{Ln} = {Post(ones, '.tril()').render()}", "[C, C]: the weights of a decay of 1 (a running sum)")
+            ones = Post(Call("torch.ones", (local(C), local(C)), (("dtype", method(first, "dtype")),
+                                                                    ("device", method(first, "device")))), ".tril()")
+            self.L(f"{Ln} = {ones.render()}", "[C, C]: the weights of a decay of 1 (a running sum)",
+                   targets=(Ln,), reads=ones.names)
             self.decays[e] = (local(Ln), ONE)
             return self.decays[e]
         self.w.need(_decay_matrix)
@@ -110,11 +128,14 @@ class ChunkAlgebra:
         Ln, Pn = fresh(f"L_{base}", self.taken), fresh(f"P_{base}", self.taken)
         if c.number:
             self.free |= {Ln, Pn}
-            weights = Call("_decay_matrix", (Call(f"{first}.new_full", (Ref(f"({C},)"), c)),))
-            self.L(f"{Ln}, {Pn} = {weights.render()}", f"[C, C], [C]: decay weights of {unparse(e)}")
+            size = Ref(f"({C},)", reads=frozenset({C}))
+            weights = Call("_decay_matrix", (Call(method(first, "new_full"), (size, c)),))
+            self.L(f"{Ln}, {Pn} = {weights.render()}", f"[C, C], [C]: decay weights of {unparse(e)}",
+                   targets=(Ln, Pn), reads=weights.names)
         else:
-            self.L(f"{Ln}, {Pn} = {Call('_decay_matrix', (c,)).render()}",
-                   f"[B, H, C, C], [B, H, C]: decay weights of {unparse(e)}")
+            weights = Call("_decay_matrix", (c,))
+            self.L(f"{Ln}, {Pn} = {weights.render()}", f"[B, H, C, C], [B, H, C]: decay weights of {unparse(e)}",
+                   targets=(Ln, Pn), reads=weights.names)
         self.decays[e] = (local(Ln), local(Pn))
         return self.decays[e]
 
@@ -134,15 +155,17 @@ class ChunkAlgebra:
             if v is not None and not v.one:
                 src = Post(v, "[..., :-1]")
             else:
-                size = Ref(f"{first}.shape[:2] + ({first}.shape[2] - 1,)", P_ADD)
-                src = Call(f"{first}.new_full", (size, number(1.0 if v is not None else 0.0)))
+                size = Ref(f"{first}.shape[:2] + ({first}.shape[2] - 1,)", P_ADD, reads=frozenset({first}))
+                src = Call(method(first, "new_full"), (size, number(1.0 if v is not None else 0.0)))
             pad = Call("F.pad", (src, Ref("(1, 0)")), (("value", number(1.0 if r0 == r else 0.0)),))
-            self.L(f"{name} = {pad.render()}", f"[B, H, C]: coefficient of {r0} in {r} before each token")
+            self.L(f"{name} = {pad.render()}", f"[B, H, C]: coefficient of {r0} in {r} before each token",
+                   targets=(name,), reads=pad.names)
             out.vec[r0] = local(name)
         for g, m in rep.mat.items():
             name = fresh(f"M_{r}_{g}_before", self.taken)
             pad = Call("F.pad", (Post(m, "[..., :-1, :]"), Ref("(0, 0, 1, 0)")))
-            self.L(f"{name} = {pad.render()}", f"[B, H, C, C]: weights of the gradients of {g} in {r} before each token")
+            self.L(f"{name} = {pad.render()}", f"[B, H, C, C]: weights of the gradients of {g} in {r} before each token",
+                   targets=(name,), reads=pad.names)
             out.mat[g] = local(name)
         self.shifted[r] = out
         return out
@@ -190,7 +213,7 @@ class ChunkAlgebra:
                                  else Post(matmul(Ln, Post(xv, ".unsqueeze(-1)")), ".squeeze(-1)"))
             rep.vec[r0] = self.bind(name, Sum.of(*parts),
                                     f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
-        ones = Call(f"{self.first}.new_ones", (Ref(f"{self.first}.shape[:3]"),))
+        ones = Call(method(self.first, "new_ones"), (method(self.first, "shape[:3]"),))
         for g in [t for t in self.form.targets if t in x_mat or t in x_diag]:
             name = fresh(f"M_{s}_{g}", self.taken)
             parts = []
@@ -241,7 +264,9 @@ class DualRead:
             self.flush(rename={e.id: "o"})
         else:
             self.flush()
-            self.L(f"o = {alg.em.with_scope(**self.scope).emit(e)}", shape_text("B, H, C", alg.w.read_shape()))
+            em = alg.em.with_scope(**self.scope)
+            self.L(f"o = {em.emit(e)}", shape_text("B, H, C", alg.w.read_shape()), targets=("o",),
+                   reads=expr_reads(em, e))
 
     def line(self, *args, **kw) -> None:
         """Every other line of the read comes after the held-back products."""
@@ -267,16 +292,18 @@ class DualRead:
                 for g, m in rep.mat.items():
                     key = (m, dd[g])
                     scores[key] = Sum.of(scores[key], ONE) if key in scores else None
-                terms = layer.vec + vec + [matmul(self.weighted(sc, m) if sc else m, local(d))
-                                           for (m, d), sc in scores.items()]
-                self.L(f"{y} = {Sum.of(*terms).render()}",
-                       shape_text("B, H, C", shape) + f": each token's own layer and {s}, in dual form")
+                terms = Sum.of(*layer.vec, *vec, *[matmul(self.weighted(sc, m) if sc else m, local(d))
+                                                  for (m, d), sc in scores.items()])
+                self.L(f"{y} = {terms.render()}", shape_text("B, H, C", shape)
+                       + f": each token's own layer and {s}, in dual form", targets=(y,), reads=terms.names)
             else:
                 self.flush()
-                code = self.alg.em.with_scope(**self.scope)._emit(a)
-                terms = vec + [matmul(m, local(dd[g])) for g, m in rep.mat.items()]
-                self.L(f"{y} = {Sum.of(Ref(code.text, code.prec), *terms).render()}",
-                       shape_text("B, H, C", shape) + f": + each token's own {s}")
+                em = self.alg.em.with_scope(**self.scope)
+                code = em._emit(a)
+                terms = Sum.of(Ref(code.text, code.prec, reads=frozenset(expr_reads(em, a))), *vec,
+                               *[matmul(m, local(dd[g])) for g, m in rep.mat.items()])
+                self.L(f"{y} = {terms.render()}", shape_text("B, H, C", shape) + f": + each token's own {s}",
+                       targets=(y,), reads=terms.names)
         self.scope[y] = shape
         return y
 
@@ -303,8 +330,8 @@ class DualRead:
             else:
                 terms = list(layer.vec)
             terms += [matmul(self.weighted(sc, m), local(d)) for (m, d), sc in layer.mat.items()]
-            self.L(f"{target} = {Sum.of(*terms).render() if terms else 'torch.zeros_like(' + self.first + ')'}",
-                   layer.comment)
+            value = Sum.of(*terms) if terms else Call("torch.zeros_like", (local(self.first),))
+            self.L(f"{target} = {value.render()}", layer.comment, targets=(target,), reads=value.names)
         self.pending.clear()
 
     # ------------------------------------------------------------ the state after the chunk
@@ -332,8 +359,8 @@ class DualRead:
                 terms.append(matmul(Post(local(xk[g]), ".transpose(-2, -1)"), weights) if g in xk
                              else Post(weights, ".sum(-2)"))
             name = fresh(f"{s}_end", self.taken)
-            self.L(f"{name} = {Sum.of(*terms).render() if terms else f'torch.zeros_like({s})'}",
-                   f"[B, H, {', '.join(shape)}]")
+            value = Sum.of(*terms) if terms else Call("torch.zeros_like", (local(s),))
+            self.L(f"{name} = {value.render()}", f"[B, H, {', '.join(shape)}]", targets=(name,), reads=value.names)
             finals.append(name)
         return finals
 
@@ -346,7 +373,7 @@ class DualRead:
             return Group(weighted)
         name = fresh(f"last_{g}", self.taken)
         self.L(f"{name} = {weighted.render()}", f"[B, H, C, {alg.spec.state[g].shape[-1]}]: the gradients of {g} "
-               "weighted for the state after the chunk")
+               "weighted for the state after the chunk", targets=(name,), reads=weighted.names)
         return local(name)
 
 

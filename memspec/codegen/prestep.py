@@ -4,47 +4,46 @@ The chunk step's lines that read no state -- the update's token-local coefficien
 decay matrices built from the gates, the ``[C, C]`` score products of the inputs alone --
 do not depend on the chunk's position in the recurrence: ``_forward_minibatch`` runs them
 once for all full chunks, stacked on the batch axis (``_chunk_pre``), and the sequential
-loop runs the rest (``_chunk_step``).  The split is made on the emitted lines by their
-names (each line one statement): a line is state-dependent when it reads a state or a
-state-dependent local; the others go to ``_chunk_pre``, except those with no batch axis
-(params, the chunk size, ``[C, C]`` constants), which are emitted wherever they are read.
+loop runs the rest (``_chunk_step``).  The split is made on the statements as the writer
+recorded them (:class:`.text.Statement`: the locals each binds and reads, never its text): a
+statement is state-dependent when it reads a state or a state-dependent local; the others go
+to ``_chunk_pre``, except those with no batch axis (params, the chunk size, ``[C, C]``
+constants), which are emitted wherever they are read.
 """
 from __future__ import annotations
 
-import ast
-
-from ..lang.expr import Name
+from ..lang.expr import Call, Name
 from .text import shape_text, tuple_text
 
 
-def split_pre(w, free: set, L, lines: list, carried: list, inputs: list):
-    """Re-emit the chunk step ``lines`` as two methods: ``_chunk_pre``, its statements that
-    read no state (gate weights, decay matrices, products of the inputs alone), which
-    ``_forward_minibatch`` runs once for all full chunks stacked on the batch axis, and
-    ``_chunk_step``, the rest, taking those locals.  ``free``: the locals with no batch axis
-    (params, C, [C, C] constants), emitted where they are read.  Returns (the inputs of
-    ``_chunk_pre``, its outputs, the inputs of ``_chunk_step``), or None (all lines kept)."""
-    k = 1
-    while lines[k].strip() != '"""':
-        k += 1
-    stmts, text = [], []    # (lines, targets, names read, kind)
-    comments: list = []
+def expr_reads(em, e) -> set:
+    """The locals and inputs the code ``em`` writes for the expression ``e`` reads (its names as
+    ``em`` writes them; params, dims and constants read through ``self`` or as literals are
+    not locals)."""
+    spec, out = em.spec, set()
+    for n in e.walk():
+        if isinstance(n, Name):
+            if n.id in em.names:
+                out.add(em.names[n.id])
+            elif n.id in em.scope or not (n.id in spec.dims or n.id in spec.constants or n.id in spec.params):
+                out.add(n.id)
+        elif isinstance(n, Call) and n.fn == "eye" and em.like:
+            out.add(em.like)
+        elif isinstance(n, Call) and spec.model is not None and n.fn == spec.model.name:
+            out |= {em.names.get(s, s) for s in spec.model_states()}
+    return out
+
+
+def classify(records: list, carried: list, inputs: list, free: set) -> list:
+    """Each statement with its kind: (lines, targets, names read, kind), kind ``state`` (it
+    returns, or reads a state or a state-dependent local), ``free`` (no batch axis: it binds
+    only ``free`` locals or reads nothing batched) or ``pre``."""
+    stmts = []
     dep = set(carried)      # the locals that depend on a state
     batched = set(inputs)   # the locals with a batch axis
-    for ln in lines[k + 1:]:
-        if not ln.strip():
-            continue
-        if ln.strip().startswith("#") and not text:
-            comments.append(ln)
-            continue
-        text.append(ln)
-        try:
-            node = ast.parse("\n".join(t.strip() for t in text)).body[0]
-        except SyntaxError:   # a statement continued on the next line
-            continue
-        targets = {n.id for t in getattr(node, "targets", []) for n in ast.walk(t) if isinstance(n, ast.Name)}
-        reads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-        if isinstance(node, ast.Return) or reads & dep:
+    for rec in records:
+        targets, reads = set(rec.targets), set(rec.reads)
+        if rec.returns or reads & dep:
             kind = "state"
             dep |= targets
         elif (targets and targets <= free) or not reads & batched:
@@ -52,8 +51,19 @@ def split_pre(w, free: set, L, lines: list, carried: list, inputs: list):
         else:
             kind = "pre"
             batched |= targets
-        stmts.append((comments + text, targets, reads, kind))
-        comments, text = [], []
+        stmts.append((list(rec.lines), targets, reads, kind))
+    return stmts
+
+
+def split_pre(w, free: set, L, header: str, doc: list, body, carried: list, inputs: list):
+    """Re-emit the chunk step (its ``header`` line, docstring lines ``doc`` and ``body``, a
+    recording :class:`.text.Lines`) as two methods: ``_chunk_pre``, its statements that
+    read no state (gate weights, decay matrices, products of the inputs alone), which
+    ``_forward_minibatch`` runs once for all full chunks stacked on the batch axis, and
+    ``_chunk_step``, the rest, taking those locals.  ``free``: the locals with no batch axis
+    (params, C, [C, C] constants), emitted where they are read.  Returns (the inputs of
+    ``_chunk_pre``, its outputs, the inputs of ``_chunk_step``), or None (all lines kept)."""
+    stmts = classify(body.records, carried, inputs, free)
 
     def closure(seed: set, kinds: tuple) -> list:
         """The statements of ``kinds`` that ``seed`` needs, and what they need, in order."""
@@ -69,7 +79,7 @@ def split_pre(w, free: set, L, lines: list, carried: list, inputs: list):
     pre_targets = set().union(*(st[1] for st in stmts if st[3] == "pre"))
     outs = [t for st in stmts if st[3] == "pre" for t in sorted(st[1]) if t in core_reads]
     if not outs:
-        L.lines.extend(lines)
+        L.lines.extend([header, *doc, *body.lines, ""])
         return None
     core = closure(core_reads - pre_targets, ("free",)) + core
     core = sorted(core, key=stmts.index)
@@ -96,8 +106,7 @@ def split_pre(w, free: set, L, lines: list, carried: list, inputs: list):
     with L.indent():
         L('"""' + "One mini-batch chunk of C tokens in the dual form, head-major: " + shapes(core_in) + ";")
         L(", ".join(outs) + ": its state-independent part (`_chunk_pre`);")
-        for ln in lines[2:k]:
-            L.lines.append(ln)
+        L.lines.extend(doc[1:-1])
         L('"""')
     L.lines.extend(ln for st in core for ln in st[0])
     L()
