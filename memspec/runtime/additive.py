@@ -288,39 +288,13 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             og = torch.baddbmm(og, XE[..., K:], S_starts) if og is not None else torch.bmm(XE[..., K:], S_starts)
         else:
             qg = block([qp], n, c, m)                                # [nBH, c, K]
-            d = 0 if inclusive else -1                               # pairs s <= t (s < t)
-            scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
-            if log_gamma is not None or stab:
-                # segment sums seg[t, s] = sum of lg_u over s < u <= t (u < t if exclusive): the log
-                # decay of the pair, a masked cumulative sum (0 above the diagonal: exp(0) = 1, masked after)
-                later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
-                seg = torch.cumsum(lg[:, :, None].expand(nBH, c, c).masked_fill(~later, 0.0), dim=1)
-                Lq = L                                               # [nBH, c] the log decay a probe sees
-                if not inclusive:                                    # row t reads through t - 1
-                    seg = torch.nn.functional.pad(seg[:, :-1], (0, 0, 1, 0))
-                    Lq = torch.nn.functional.pad(L[:, :-1], (1, 0))
-                if stab:  # row t: its log weights (the start state's, each pair's), scaled by their max
-                    pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(d)
-                    lw = (seg + li[:, None, :]).masked_fill_(~pairs, float("-inf"))   # [nBH, c, c]
-                    m0 = m_all[:-1].reshape(nBH)                     # [nBH] the chunks' start stabilisers
-                    a = Lq + m0[:, None]                             # [nBH, c]
-                    m_row = torch.maximum(a.detach(), lw.detach().amax(-1)).clamp_min(-1e30)
-                    decay = torch.exp(lw.sub_(m_row[..., None]))
-                    qg = qg * torch.exp(a - m_row)[..., None]        # [nBH, c, K] decayed probes
-                    m_outs.append(_token_major(m_row[..., None], B, H, m))   # [B, n, m, H, 1]
-                else:
-                    decay = torch.exp(seg)
-                    qg = qg * torch.exp(Lq)[..., None]               # [nBH, c, K] decayed probes
-                scores = (scores * decay).tril_(d)
+            if stab:   # (m0: the chunks' start stabilisers)
+                og, m_row = _additive_outputs(qg, kg, vg, S_starts, inclusive, lg, L, li, m_all[:-1].reshape(nBH))
+                m_outs.append(_token_major(m_row[..., None], B, H, m))   # [B, n, m, H, 1]
+            elif log_gamma is not None:
+                og, _ = _additive_outputs(qg, kg, vg, S_starts, inclusive, lg, L)
             else:
-                scores = scores.tril_(d)
-            # the triangular product with v: its non-finite entries go around it, from their row on
-            v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)               # [nBH, c, V]
-            v_sum = vg.sum(-1, keepdim=True)                         # [nBH, c, 1] non-finite iff the row is
-            v_bad = torch.cumsum(v_sum - v_sum, dim=1)               # [nBH, c, 1] 0, or nan from s on
-            if not inclusive:
-                v_bad = torch.nn.functional.pad(v_bad[:, :-1], (0, 0, 1, 0))   # ... from s + 1 on
-            og = torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad)   # [nBH, c, V]
+                og, _ = _additive_outputs(qg, kg, vg, S_starts, inclusive)
         outs.append(_token_major(og, B, H, m))                     # [B, n, m, H, V] (a view)
     if docs is not None:
         S_out = docs.final().to(out_dtype)
@@ -335,3 +309,54 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
 
     o = join(outs).to(vs[0].dtype)
     return (o, S_out, join(m_outs)[..., 0]) if stab else (o, S_out)
+
+
+def _additive_outputs(qg, kg, vg, S_starts, inclusive, lg=None, L=None, li=None, m0=None):
+    """The outputs of a group of chunks with one log decay per head (``chunk_additive``):
+    ``o_t = (q_t exp(Lq_t)) @ S_start + sum_{s <= t} exp(seg_ts) (q_t . k_s) v_s``.
+
+    Args:
+        qg, kg: ``[nBH, c, K]`` probes and keys; vg: ``[nBH, c, V]`` values; S_starts: ``[nBH, K, V]``
+            the states at the chunks' starts.
+        inclusive: True: o_t reads S_t; False: S_{t-1}.
+        lg, L: ``[nBH, c]`` the log decays and their cumulative sums in the chunk, or None (no decay).
+        li: ``[nBH, c]`` the log input weights (the stabilised form), or None; m0: ``[nBH]`` the
+            chunks' start stabilisers.
+
+    Returns:
+        ``(o [nBH, c, V], m)``: with ``li``, o scaled by ``exp(-m)``, m ``[nBH, c]`` each row's
+        stabiliser; else m is None.
+    """
+    c = qg.shape[1]
+    d = 0 if inclusive else -1                                       # pairs s <= t (s < t)
+    scores = torch.bmm(qg, kg.transpose(1, 2))                       # [nBH, c, c]
+    m_row = None
+    if lg is not None:
+        # segment sums seg[t, s] = sum of lg_u over s < u <= t (u < t if exclusive): the log
+        # decay of the pair, a masked cumulative sum (0 above the diagonal: exp(0) = 1, masked after)
+        later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
+        seg = torch.cumsum(lg[:, :, None].expand(-1, c, c).masked_fill(~later, 0.0), dim=1)
+        Lq = L                                                       # [nBH, c] the log decay a probe sees
+        if not inclusive:                                            # row t reads through t - 1
+            seg = torch.nn.functional.pad(seg[:, :-1], (0, 0, 1, 0))
+            Lq = torch.nn.functional.pad(L[:, :-1], (1, 0))
+        if li is not None:  # row t: its log weights (the start state's, each pair's), scaled by their max
+            pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(d)
+            lw = (seg + li[:, None, :]).masked_fill_(~pairs, float("-inf"))   # [nBH, c, c]
+            a = Lq + m0[:, None]                                     # [nBH, c]
+            m_row = torch.maximum(a.detach(), lw.detach().amax(-1)).clamp_min(-1e30)
+            decay = torch.exp(lw.sub_(m_row[..., None]))
+            qg = qg * torch.exp(a - m_row)[..., None]                # [nBH, c, K] decayed probes
+        else:
+            decay = torch.exp(seg)
+            qg = qg * torch.exp(Lq)[..., None]                       # [nBH, c, K] decayed probes
+        scores = (scores * decay).tril_(d)
+    else:
+        scores = scores.tril_(d)
+    # the triangular product with v: its non-finite entries go around it, from their row on
+    v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)                       # [nBH, c, V]
+    v_sum = vg.sum(-1, keepdim=True)                                 # [nBH, c, 1] non-finite iff the row is
+    v_bad = torch.cumsum(v_sum - v_sum, dim=1)                       # [nBH, c, 1] 0, or nan from s on
+    if not inclusive:
+        v_bad = torch.nn.functional.pad(v_bad[:, :-1], (0, 0, 1, 0))   # ... from s + 1 on
+    return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
