@@ -163,7 +163,7 @@ SIZE_EXCEPTIONS = {
     "lang/shapes.py:ShapeEnv": 669,
     "runtime/additive.py:chunk_additive": 260,
     "runtime/delta.py:chunk_delta": 185,
-    "runtime/dplr.py:chunk_dplr": 381,
+    "runtime/dplr.py:chunk_dplr": 349,
     "runtime/momentum.py:chunk_momentum_delta": 102,
     "schedule/recurrence.py:minibatch_recurrence": 164,
     "tools/bench.py:bench_spec": 85,

@@ -395,40 +395,8 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
             if q is not None:
                 xs = torch.cat([xs, qg.reshape(nBH, cp, 1, K)], dim=2)   # [nBH, cp, sl, K]
             ys = cols.reshape(nBH, w, cp, R, K).transpose(1, 2).reshape(nBH, cp, wR, K).contiguous()
-            # flat entries of the chunk's matrix: 0, the same-token pairs, then each level's pairs
-            pieces = [gam.new_zeros(nBH, 1)]
-            if same:
-                pieces.append((xs[:, :, :, None] * ys[:, :, None]).sum(-1).reshape(nBH, -1))   # [nBH, cp sl wR]
-            # X F_1 (F_1 = the token's decay where the slot's state has it), Y E_1 (E_1 = 1)
-            if all(decayed):
-                xF = xs * gam
-            elif any(decayed):
-                xF = xs * torch.cat([gam if d else torch.ones_like(gam) for d in decayed], dim=2)
-            else:
-                xF = xs
-            yE, Pd = ys, gam                                        # Pd [nBH, cp / h, 1, K]: each h-block's decay
-            h = 1
-            while h < cp:
-                nb = cp // (2 * h)                                   # blocks of 2h tokens per chunk
-                xb, yb = xF.reshape(nBH, nb, 2, h * sl, K), yE.reshape(nBH, nb, 2, h * wR, K)
-                if h == 1:                                           # [nBH, nb, sl, wR]
-                    off = (xb[:, :, 1, :, None] * yb[:, :, 0, None]).sum(-1)
-                else:                                                # [nBH, nb, h sl, h wR]
-                    off = torch.matmul(xb[:, :, 1], yb[:, :, 0].transpose(-1, -2))
-                pieces.append(off.reshape(nBH, -1))
-                # to blocks of 4h: the second halves' F pick up the first half's decay, the first
-                # halves' E the second half's
-                Pb = Pd.reshape(nBH, nb, 2, 1, K)
-                if inplace and h > 1:                                # (level 1's factors may be the inputs)
-                    xb[:, :, 1].mul_(Pb[:, :, 0])
-                    yb[:, :, 0].mul_(Pb[:, :, 1])
-                else:   # fresh contiguous tensors (the levels after may update them in place through views)
-                    xF = torch.stack([xb[:, :, 0], xb[:, :, 1] * Pb[:, :, 0]], dim=2).reshape(nBH, cp, sl, K)
-                    yE = torch.stack([yb[:, :, 0] * Pb[:, :, 1], yb[:, :, 1]], dim=2).reshape(nBH, cp, wR, K)
-                Pd = Pb[:, :, 0] * Pb[:, :, 1]                       # [nBH, nb, 1, K]
-                h *= 2
-            # [nBH, cp, sl, w n]: rows (token, slot), columns (set, token, sub-step); zeros off the pairs
-            full = torch.cat(pieces, dim=1).index_select(1, pair_cache[cp]).reshape(nBH, cp, sl, w * n)
+            full, xF, yE, Pd = _dplr_halving(xs, ys, gam, decayed, same, inplace, pair_cache[cp])
+            full = full.reshape(nBH, cp, sl, w * n)
             Nmat = full[:, :, :R].reshape(nBH, n, w * n)              # [nBH, n, w n]
             rk = xF[:, :, :R].reshape(nBH, n, K)                      # e^{l_i} rows (decayed from the chunk start)
             if q is not None:
@@ -530,3 +498,60 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
     if docs is not None:
         o = docs.unlay(o)                                            # the documents' tokens, packed
     return o.to(v.dtype), S_out
+
+
+def _dplr_halving(xs, ys, gam, decayed, same, inplace, pairs):
+    """The pairs of a per-channel chunk of ``chunk_dplr``, halved level by level: in a block of 2h
+    tokens a pair (row i in the second half, column j in the first) weighs ``F_h(i) E_h(j)``, one
+    batched product ``(X F) (Y E)^T`` per level; the factors pass to the next level by one product
+    with the halves' decays.
+
+    Args:
+        xs: ``[nBH, cp, sl, K]`` the rows (the reads, then the probe); ys: ``[nBH, cp, w R, K]`` the
+            columns (``[-a | k]`` per sub-step), contiguous; gam: ``[nBH, cp, 1, K]`` each token's decay.
+        decayed: per row slot, whether its state has the token's own decay (F_1 = its decay, else 1).
+        same: whether pairs of one token enter (weight 1).
+        inplace: update the factors in place (no autograd).
+        pairs: the positions of the matrix's entries in the flat list of pairs (``pair_index``).
+
+    Returns:
+        ``(entries [nBH, cp sl w R cp], X F, Y E, P)``: the matrix's entries (zeros off the pairs), the
+        rows decayed from the chunk start, the columns decayed to its end, the decay over the chunk
+        ``[nBH, 1, 1, K]``.
+    """
+    nBH, cp, sl, K = xs.shape
+    wR = ys.shape[2]
+    # flat entries of the chunk's matrix: 0, the same-token pairs, then each level's pairs
+    pieces = [gam.new_zeros(nBH, 1)]
+    if same:
+        pieces.append((xs[:, :, :, None] * ys[:, :, None]).sum(-1).reshape(nBH, -1))   # [nBH, cp sl wR]
+    # X F_1 (F_1 = the token's decay where the slot's state has it), Y E_1 (E_1 = 1)
+    if all(decayed):
+        xF = xs * gam
+    elif any(decayed):
+        xF = xs * torch.cat([gam if d else torch.ones_like(gam) for d in decayed], dim=2)
+    else:
+        xF = xs
+    yE, Pd = ys, gam                                                 # Pd [nBH, cp / h, 1, K]: each h-block's decay
+    h = 1
+    while h < cp:
+        nb = cp // (2 * h)                                           # blocks of 2h tokens per chunk
+        xb, yb = xF.reshape(nBH, nb, 2, h * sl, K), yE.reshape(nBH, nb, 2, h * wR, K)
+        if h == 1:                                                   # [nBH, nb, sl, wR]
+            off = (xb[:, :, 1, :, None] * yb[:, :, 0, None]).sum(-1)
+        else:                                                        # [nBH, nb, h sl, h wR]
+            off = torch.matmul(xb[:, :, 1], yb[:, :, 0].transpose(-1, -2))
+        pieces.append(off.reshape(nBH, -1))
+        # to blocks of 4h: the second halves' F pick up the first half's decay, the first
+        # halves' E the second half's
+        Pb = Pd.reshape(nBH, nb, 2, 1, K)
+        if inplace and h > 1:                                        # (level 1's factors may be the inputs)
+            xb[:, :, 1].mul_(Pb[:, :, 0])
+            yb[:, :, 0].mul_(Pb[:, :, 1])
+        else:   # fresh contiguous tensors (the levels after may update them in place through views)
+            xF = torch.stack([xb[:, :, 0], xb[:, :, 1] * Pb[:, :, 0]], dim=2).reshape(nBH, cp, sl, K)
+            yE = torch.stack([yb[:, :, 0] * Pb[:, :, 1], yb[:, :, 1]], dim=2).reshape(nBH, cp, wR, K)
+        Pd = Pb[:, :, 0] * Pb[:, :, 1]                               # [nBH, nb, 1, K]
+        h *= 2
+    # rows (token, slot), columns (set, token, sub-step); zeros off the pairs
+    return torch.cat(pieces, dim=1).index_select(1, pairs), xF, yE, Pd
