@@ -292,7 +292,7 @@ def test_channel_specialised_equals_general(inclusive, state_only):
     constant arguments bound, decided branches dropped) gives the general kernel's numbers bit for
     bit with per-channel decays; bound to per-head decays (per_channel=False) or to none, no
     per-channel code is left, and bound to per_channel=True no per-head code."""
-    from memspec.codegen.context import phase_sources
+    from memspec.codegen.context import kernel_functions, phase_sources, runtime_source
     from memspec.codegen.specialise import specialise
 
     consts = {"inclusive": inclusive, "group": None} | ({"q": None} if state_only else {})
@@ -301,7 +301,8 @@ def test_channel_specialised_equals_general(inclusive, state_only):
     for extra in ({}, {"per_channel": True}):
         ns = {"torch": torch}
         src = specialise(chunk_additive, **consts, **extra)
-        for part in phase_sources([src]):   # the shared phases it calls
+        own = [runtime_source(f) for f in kernel_functions(chunk_additive, src)]   # its family's functions
+        for part in phase_sources([src] + own) + own:   # and the shared phases it calls
             exec(part, ns)
         exec(compile(src, "<specialised>", "exec"), ns)
         got = ns["chunk_additive"](*([] if state_only else [q]), k, v, lg, S0, 8)

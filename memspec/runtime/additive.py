@@ -204,43 +204,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, pe
             og = None                                                # [nBH, c, V] outputs of the chunk's pairs
             if inclusive and q is not None:                          # pairs s = t weigh 1
                 og = block([(qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True)], n, c, m) * vg
-            ones = P.new_ones(nBH * c // 2, 1, 1, K)
-            h = 1
-            while h < c:
-                nb = nBH * c // (2 * h)                              # blocks of 2h tokens
-                XEb = XE.view(nb, 2, h, W)
-                if q is not None:
-                    kt, qt = XEb[:, 0, :, :K], XEb[:, 1, :, K:]      # [nb, h, K]: first halves' k E, second halves' q F
-                    v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
-                    o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves
-                    # out of place until og depends on q, k, v and the decays: in place after (vmap)
-                    fresh = h <= (1 if inclusive else 2)
-                    if h <= 2:                                       # tiny blocks: column by column
-                        scores = (qt * kt).sum(-1, keepdim=True) if h == 1 else torch.bmm(qt, kt.transpose(1, 2))
-                        cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]   # [nb, h, 1], [nb, 1, V]
-                        if fresh:
-                            cross = sum(a * b for a, b in cols)
-                            o2 = cross if o2 is None else o2 + cross
-                            o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
-                            og = torch.stack([o1, o2], 1).view(nBH, c, V)
-                        else:
-                            for a, b in cols:
-                                o2.addcmul_(a, b)
-                    else:
-                        o2.add_(torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1))
-                Pb = P.view(nb, 2, 1, K)                             # the decays of the two halves
-                # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the first's
-                # in place from XE_2 on (XE_1 may be k itself; XE_2 depends on the decays: vmap)
-                if inplace and h > 1:
-                    XEb[:, 0, :, :K].mul_(Pb[:, 1])
-                    if q is not None:
-                        XEb[:, 1, :, K:].mul_(Pb[:, 0])
-                else:
-                    one = ones[:nb]
-                    fac = torch.cat([Pb[:, 1:], one] + ([] if q is None else [one, Pb[:, :1]]), -1)
-                    XE = (XEb * fac.view(nb, 2, 1, W)).view(nBH, c, W)
-                P = Pb[:, 0] * Pb[:, 1]                              # [nb, 1, K]
-                h *= 2
+            XE, P, og = _additive_halving(XE, P, vg, og, q is not None, inclusive, inplace)
             kd = XE[..., :K]                                         # keys decayed to the chunk end
             g_end = P.view(n, BH, K, 1)                              # [n, BH, K, 1] decay over each chunk
         else:
@@ -360,3 +324,62 @@ def _additive_outputs(qg, kg, vg, S_starts, inclusive, lg=None, L=None, li=None,
     if not inclusive:
         v_bad = torch.nn.functional.pad(v_bad[:, :-1], (0, 0, 1, 0))   # ... from s + 1 on
     return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
+
+
+def _additive_halving(XE, P, vg, og, probes, inclusive, inplace):
+    """The pairs of per-channel chunks of ``chunk_additive``, halved level by level: in a block of 2h
+    tokens a pair (t in the second half, s in the first) weighs ``E_h(s) F_h(t)``; all pairs of a
+    level are one batched ``(q F) (k E)^T`` product applied to the first halves' values, and
+    ``XE = [k E | q F]`` passes to the next level by one product with the halves' decays.
+
+    Args:
+        XE: ``[nBH, c, K]`` (no probes) or ``[nBH, c, 2K]``: ``[k E_1 | q F_1]``; P: ``[nBH, c, K]``
+            each token's decay; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the outputs of the
+            pairs s = t, or None.
+        probes: whether there are probes (their outputs are computed); inclusive: o_t reads S_t.
+        inplace: update the factors in place (no autograd).
+
+    Returns:
+        ``(XE, P, og)``: the keys decayed to the chunk end and the probes' decays from its start, the
+        decay over each chunk ``[nBH, 1, K]``, the outputs of the chunk's pairs (None without probes).
+    """
+    nBH, c, W = XE.shape
+    K, V = P.shape[-1], vg.shape[-1]
+    ones = P.new_ones(nBH * c // 2, 1, 1, K)
+    h = 1
+    while h < c:
+        nb = nBH * c // (2 * h)                              # blocks of 2h tokens
+        XEb = XE.view(nb, 2, h, W)
+        if probes:
+            kt, qt = XEb[:, 0, :, :K], XEb[:, 1, :, K:]      # [nb, h, K]: first halves' k E, second halves' q F
+            v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
+            o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves
+            # out of place until og depends on q, k, v and the decays: in place after (vmap)
+            fresh = h <= (1 if inclusive else 2)
+            if h <= 2:                                       # tiny blocks: column by column
+                scores = (qt * kt).sum(-1, keepdim=True) if h == 1 else torch.bmm(qt, kt.transpose(1, 2))
+                cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]   # [nb, h, 1], [nb, 1, V]
+                if fresh:
+                    cross = sum(a * b for a, b in cols)
+                    o2 = cross if o2 is None else o2 + cross
+                    o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
+                    og = torch.stack([o1, o2], 1).view(nBH, c, V)
+                else:
+                    for a, b in cols:
+                        o2.addcmul_(a, b)
+            else:
+                o2.add_(torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1))
+        Pb = P.view(nb, 2, 1, K)                             # the decays of the two halves
+        # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the first's
+        # in place from XE_2 on (XE_1 may be k itself; XE_2 depends on the decays: vmap)
+        if inplace and h > 1:
+            XEb[:, 0, :, :K].mul_(Pb[:, 1])
+            if probes:
+                XEb[:, 1, :, K:].mul_(Pb[:, 0])
+        else:
+            one = ones[:nb]
+            fac = torch.cat([Pb[:, 1:], one] + ([one, Pb[:, :1]] if probes else []), -1)
+            XE = (XEb * fac.view(nb, 2, 1, W)).view(nBH, c, W)
+        P = Pb[:, 0] * Pb[:, 1]                              # [nb, 1, K]
+        h *= 2
+    return XE, P, og
