@@ -119,7 +119,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=Tru
     nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
 
     def per_chunk(x):  # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
-        return _chunk_major(x.to(dt), Np, C).reshape(Np, BH, C)
+        return _chunk_major(x.to(dt), Np, C).contiguous().reshape(Np, BH, C)
 
     # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity token
     # (torch.where, never a product), and every output reading a state at or after it, and the final

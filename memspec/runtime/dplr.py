@@ -261,7 +261,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous
 
     # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
-        return _chunk_major(x.reshape(B, T, H, r), Np, C).reshape(Np, BH, C * r)
+        return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, BH, C * r)
 
     # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
     total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
