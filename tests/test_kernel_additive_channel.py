@@ -46,7 +46,7 @@ def check_against_float64(args, chunk, inclusive, tol, group=None):
     of q, k, v, log_gamma and S0."""
     ins = [x.clone().requires_grad_() for x in args]
     ins64 = [x.detach().double().requires_grad_() for x in args]
-    got = chunk_additive(*ins, chunk, inclusive, group=group)
+    got = chunk_additive(*ins, chunk, inclusive=inclusive, group=group)
     ref = recurrent_additive(*ins64, inclusive)
     assert got[0].shape == ref[0].shape and got[1].shape == ref[1].shape
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
@@ -113,7 +113,7 @@ def test_channel_gradcheck_float64(inclusive):
     args = [x.requires_grad_() for x in make(1, 7, 2, 3, 2, dtype=torch.float64, seed=5)]
 
     def f(q, k, v, lg, S0):
-        return chunk_additive(q, k, v, lg, S0, 4, inclusive)
+        return chunk_additive(q, k, v, lg, S0, 4, inclusive=inclusive)
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
 
 
@@ -139,7 +139,7 @@ def test_channel_zero_decay_is_exact():
     g = torch.Generator().manual_seed(9)
     lg = torch.where(torch.rand(lg.shape, generator=g) < 0.1, float("-inf"), lg)
     for inclusive in (True, False):
-        got = chunk_additive(q, k, v, lg, S0, 16, inclusive)
+        got = chunk_additive(q, k, v, lg, S0, 16, inclusive=inclusive)
         ref = recurrent_additive(*(x.double() for x in (q, k, v, lg, S0)), inclusive)
         assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
         assert rel(got[0], ref[0]) <= 1e-5 and rel(got[1], ref[1]) <= 1e-5
@@ -154,10 +154,10 @@ def test_channel_without_autograd_leaves_inputs_alone():
         for qq in (q, None):
             for inclusive in (True, False):
                 with torch.no_grad():
-                    o, S = chunk_additive(qq, k, v, lg, S0, 8, inclusive)
+                    o, S = chunk_additive(qq, k, v, lg, S0, 8, inclusive=inclusive)
                 assert all(torch.equal(x, y) for x, y in zip((q, k, v, lg, S0), saved))
                 k_ = k.clone().requires_grad_()
-                o_g, S_g = chunk_additive(qq, k_, v, lg, S0, 8, inclusive)
+                o_g, S_g = chunk_additive(qq, k_, v, lg, S0, 8, inclusive=inclusive)
                 assert_same_function(S, S_g.detach())
                 if qq is not None:
                     assert_same_function(o, o_g.detach())
@@ -172,7 +172,7 @@ def test_channel_under_torch_func():
                 def f(x):
                     args = [q, k, v, lg]
                     args[i] = x
-                    return fn(*args, None, *(() if fn is recurrent_additive else (4,)), inclusive)[0].square().sum()
+                    return fn(*args, None, *(() if fn is recurrent_additive else (4,)), inclusive=inclusive)[0].square().sum()
                 return f
             x = (q, k, v, lg)[i]
             assert rel(torch.func.grad(loss(chunk_additive))(x), torch.func.grad(loss(recurrent_additive))(x)) <= 1e-5
@@ -184,7 +184,7 @@ def test_channel_under_torch_func():
             def one(x, i=i):
                 args = [q, k, v, lg]
                 args[i] = x[None]
-                return chunk_additive(*args, None, 4, inclusive)[0][0]
+                return chunk_additive(*args, None, 4, inclusive=inclusive)[0][0]
             for grad_mode in (True, False):
                 with torch.set_grad_enabled(grad_mode):
                     assert rel(torch.func.vmap(one)(xs), torch.stack([one(x) for x in xs])) <= 1e-6
@@ -207,12 +207,12 @@ def test_nonfinite_token_stays_causal(decay, which, inclusive):
     B, T, H, K, V = 2, 40, 2, 4, 3
     q, k, v, lg, S0 = make(B, T, H, K, V, seed=13)
     lg = {"none": None, "head": lg[..., 0], "channel": lg}[decay]
-    clean = chunk_additive(q, k, v, lg, S0, 8, inclusive, group=2)
+    clean = chunk_additive(q, k, v, lg, S0, 8, inclusive=inclusive, group=2)
     for bad in NONFINITE:
         args = {"q": q.clone(), "k": k.clone(), "v": v.clone(), "log_gamma": None if lg is None else lg.clone()}
         args[which][:, 10] = bad
         args = (args["q"], args["k"], args["v"], args["log_gamma"], S0)
-        o, S = chunk_additive(*args, 8, inclusive, group=2)
+        o, S = chunk_additive(*args, 8, inclusive=inclusive, group=2)
         assert torch.equal(o[:, :10], clean[0][:, :10]), bad
         o_ref, S_ref = recurrent_additive(*args, inclusive)
         assert not (torch.isfinite(o) & ~torch.isfinite(o_ref)).any(), bad
@@ -297,7 +297,7 @@ def test_channel_specialised_equals_general(inclusive, state_only):
 
     consts = {"inclusive": inclusive, "group": None} | ({"q": None} if state_only else {})
     q, k, v, lg, S0 = make(2, 37, 2, 5, 3, dtype=torch.float64, seed=30)
-    want = chunk_additive(None if state_only else q, k, v, lg, S0, 8, inclusive)
+    want = chunk_additive(None if state_only else q, k, v, lg, S0, 8, inclusive=inclusive)
     for extra in ({}, {"per_channel": True}):
         ns = {"torch": torch}
         src = specialise(chunk_additive, **consts, **extra)

@@ -67,7 +67,7 @@ def check_against_recurrent(inputs, chunk, inclusive=True, simultaneous=False, a
     leaves = [x.clone().requires_grad_() if x is not None else None for x in inputs]
     used = [x for x in leaves if x is not None]
     ref = recurrent_dplr(*leaves, inclusive, simultaneous, after)
-    got = chunk_dplr(*leaves, chunk, inclusive, simultaneous, after, **kw)
+    got = chunk_dplr(*leaves, chunk, inclusive=inclusive, simultaneous=simultaneous, read_after_decay=after, **kw)
     q, k, v = leaves[:3]
     assert got[0].shape == (k.shape[0], k.shape[1], k.shape[2], v.shape[-1]) and got[1].shape == ref[1].shape
     assert got[0].dtype == ref[0].dtype and got[1].dtype == ref[1].dtype
@@ -202,7 +202,7 @@ def test_gradcheck_float64(a_kind, decay):
     args = [x.clone().requires_grad_() for x in (q, k, v, a, b, lg, S0)]
     f = lambda q, k, v, a, b, lg, S0: chunk_dplr(q, k, v, a, b, lg, S0, 2)  # noqa: E731
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
-    f = lambda q, k, v, a, b, lg, S0: chunk_dplr(q, k, v, a, b, lg, S0, 4, False, True)  # noqa: E731
+    f = lambda q, k, v, a, b, lg, S0: chunk_dplr(q, k, v, a, b, lg, S0, 4, inclusive=False, simultaneous=True)  # noqa: E731
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
 
 
@@ -225,7 +225,7 @@ def test_recurrent_one_token_by_hand():
     lg = torch.log(torch.tensor([0.5, 0.25])).view(1, 1, 1, 2)
     q = torch.ones(1, 1, 1, 2)
     want = torch.tensor([[-1.25, -2.0], [2.75, 5.0]])
-    for fn in (recurrent_dplr, lambda *x: chunk_dplr(*x[:7], 4, *x[7:])):
+    for fn in (recurrent_dplr, lambda *x: chunk_dplr(*x[:7], 4, **dict(zip(("inclusive", "simultaneous"), x[7:])))):
         o, S = fn(q, k, v, a, b, lg, S0, True)
         assert torch.allclose(S.view(2, 2), want) and torch.allclose(o.view(2), torch.tensor([1.5, 3.0]))
         o, _ = fn(q, k, v, a, b, lg, S0, False)
@@ -234,7 +234,7 @@ def test_recurrent_one_token_by_hand():
     # Diag(d) S0 + outer(a0, u0) + outer(a1, u1) + outer(k0, v0) + outer(k1, v1)
     # = [[.5, 1], [.75, 1]] + [[0, 0], [1, 2]] - [[3, 4], [0, 0]] + [[1, 0], [1, 0]] + [[0, 0], [0, 2]]
     want = torch.tensor([[-1.5, -3.0], [2.75, 5.0]])
-    for fn in (recurrent_dplr, lambda *x: chunk_dplr(*x[:7], 4, *x[7:])):
+    for fn in (recurrent_dplr, lambda *x: chunk_dplr(*x[:7], 4, **dict(zip(("inclusive", "simultaneous"), x[7:])))):
         _, S = fn(q, k, v, a, b, lg, S0, True, True)
         assert torch.allclose(S.view(2, 2), want)
 
@@ -540,7 +540,7 @@ def test_momentum_chunk_matches_recurrent(T, inclusive):
     input's gradient (chunk 16: tails, one chunk, several)."""
     leaves = [x.requires_grad_() for x in momentum_inputs(2, T, 2, 5, 4)]
     ref = recurrent_momentum_delta(*leaves, inclusive)
-    got = chunk_momentum_delta(*leaves, 16, inclusive)
+    got = chunk_momentum_delta(*leaves, 16, inclusive=inclusive)
     for a, b in zip(got, ref):
         assert a.shape == b.shape and rel(a, b) <= 1e-4
     g = torch.Generator().manual_seed(1)
@@ -576,7 +576,7 @@ def test_momentum_by_hand():
     one = torch.ones(1, 1, 1, 1)
     args = (one, one, 3 * one, one, torch.log(torch.full((1, 1, 1), 0.25)), torch.log(torch.full((1, 1, 1), 0.5)),
             torch.full((1, 1, 1), 2.0), torch.ones(1, 1, 1), 2 * one, one)
-    for fn in (recurrent_momentum_delta, lambda *x: chunk_momentum_delta(*x[:10], 4, *x[10:])):
+    for fn in (recurrent_momentum_delta, lambda *x: chunk_momentum_delta(*x[:10], 4, **dict(zip(("inclusive",), x[10:])))):
         o, S, M = fn(*args)
         assert torch.allclose(o.view(()), torch.tensor(1.5)) and torch.allclose(S.view(()), torch.tensor(1.5))
         assert torch.allclose(M.view(()), torch.tensor(-0.5))

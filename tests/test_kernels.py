@@ -58,7 +58,7 @@ def test_chunk_additive_matches_recurrent(case, decayed, inclusive):
     q, k, v, lg, S0 = inputs
     lg_arg = lg if decayed else None
     ref = recurrent_additive(q, k, v, lg_arg, S0, inclusive)
-    got = chunk_additive(q, k, v, lg_arg, S0, C, inclusive)
+    got = chunk_additive(q, k, v, lg_arg, S0, C, inclusive=inclusive)
     assert got[0].shape == (B, T, H, V) and got[1].shape == (B, H, K, V)
     assert rel(got[0], ref[0]) <= 1e-4
     assert rel(got[1], ref[1]) <= 1e-4
@@ -80,7 +80,7 @@ def test_chunk_additive_groups(group, decayed, inclusive):
     q, k, v, lg, S0 = inputs
     lg_arg = lg if decayed else None
     ref = recurrent_additive(q, k, v, lg_arg, S0, inclusive)
-    got = chunk_additive(q, k, v, lg_arg, S0, C, inclusive, group=group)
+    got = chunk_additive(q, k, v, lg_arg, S0, C, inclusive=inclusive, group=group)
     assert got[0].shape == (B, T, H, V) and got[1].shape == (B, H, K, V)
     assert rel(got[0], ref[0]) <= 1e-5
     assert rel(got[1], ref[1]) <= 1e-5
@@ -150,7 +150,7 @@ def test_chunk_delta_matches_recurrent(case, mode, inclusive):
     lg_arg = lg if mode != "plain" else None
     lr_arg = lr if mode == "rho" else None
     ref = recurrent_delta(q, k, v, beta, lg_arg, S0, lr_arg, inclusive)
-    got = chunk_delta(q, k, v, beta, lg_arg, S0, C, lr_arg, inclusive)
+    got = chunk_delta(q, k, v, beta, lg_arg, S0, C, log_rho=lr_arg, inclusive=inclusive)
     assert got[0].shape == (B, T, H, V) and got[1].shape == (B, H, K, V)
     assert rel(got[0], ref[0]) <= 1e-4
     assert rel(got[1], ref[1]) <= 1e-4
@@ -173,7 +173,7 @@ def test_chunk_delta_groups(group, mode, inclusive):
     lg_arg = lg if mode != "plain" else None
     lr_arg = lr if mode == "rho" else None
     ref = recurrent_delta(q, k, v, beta, lg_arg, S0, lr_arg, inclusive)
-    got = chunk_delta(q, k, v, beta, lg_arg, S0, C, lr_arg, inclusive, group=group)
+    got = chunk_delta(q, k, v, beta, lg_arg, S0, C, log_rho=lr_arg, inclusive=inclusive, group=group)
     assert got[0].shape == (B, T, H, V) and got[1].shape == (B, H, K, V)
     assert rel(got[0], ref[0]) <= 1e-5
     assert rel(got[1], ref[1]) <= 1e-5
@@ -187,7 +187,7 @@ def test_chunk_delta_log_rho_without_log_gamma():
     q, k, v, beta, lg, S0 = make(1, 23, 2, 4, 3, decay=(0.5, 1.0), seed=6)
     ref = recurrent_delta(q, k, v, beta, None, S0, lg)
     for group in (1, None):
-        got = chunk_delta(q, k, v, beta, None, S0, 8, lg, group=group)
+        got = chunk_delta(q, k, v, beta, None, S0, 8, log_rho=lg, group=group)
         assert rel(got[0], ref[0]) <= 1e-5 and rel(got[1], ref[1]) <= 1e-5
 
 
@@ -315,7 +315,7 @@ def test_gradcheck_float64(fn):
     else:
         lr = lg * 0.3
         args = [q, k, v, beta, lg, S0, lr]
-        f = lambda q, k, v, b, lg, S0, lr: chunk_delta(q, k, v, b, lg, S0, C, lr)  # noqa: E731
+        f = lambda q, k, v, b, lg, S0, lr: chunk_delta(q, k, v, b, lg, S0, C, log_rho=lr)  # noqa: E731
     args = [a.clone().requires_grad_() for a in args]
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6)
 

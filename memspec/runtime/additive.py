@@ -49,8 +49,8 @@ def recurrent_additive(q, k, v, log_gamma, S0, inclusive=True, log_input=None):
     return o, S.to(S0.dtype if S0 is not None else v.dtype)
 
 
-def chunk_additive(q, k, v, log_gamma, S0, chunk, inclusive=True, group=None, per_channel=None,
-                   documents=None, log_input=None):
+def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None, documents=None, per_channel=None,
+                   log_input=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t @ S_t``.
 
     Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and

@@ -52,8 +52,8 @@ def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
     return o, S.to(S0.dtype if S0 is not None else v.dtype)
 
 
-def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, log_rho=None, inclusive=True, group=None,
-                documents=None):
+def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=None, documents=None,
+                log_rho=None):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,

@@ -149,8 +149,8 @@ def pair_index(c, sl, w, R, same, masks):
     return torch.where(keep, pos, 0).reshape(-1)
 
 
-def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, inclusive=True, simultaneous=False, read_after_decay=False,
-               group=None, a_form=None, b_form=None, decay_form=None, documents=None):
+def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, inclusive=True, group=None, documents=None,
+               simultaneous=False, read_after_decay=False, a_form=None, b_form=None, decay_form=None):
     """Exact chunked diagonal-plus-low-rank recurrence (WY / UT representation, generalised).
 
     The recurrence is :func:`recurrent_dplr`'s; all arguments mean the same (shapes there).

@@ -50,7 +50,7 @@ def recurrent_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, i
     return o, S.to(out_dtype), M.to(out_dtype)
 
 
-def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, inclusive=True, group=None,
+def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, *, inclusive=True, group=None,
                          documents=None):
     """Exact chunked momentum delta rule (:func:`recurrent_momentum_delta`'s recurrence).
 
