@@ -1,4 +1,4 @@
-"""The gated Oja rule (specs/variants/gated_oja.yaml): memspec's oja chunked form vs its own online
+"""The gated Oja rule (specs/gated_oja.yaml): memspec's oja chunked form vs its own online
 schedule, timed alternately in one process (the load of other processes falls on both).
 
 Inputs as flash-linear-attention's tests draw them: q, k, v ``[B, T, H, D]`` scaled by ``D^-0.5``,
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     B, H, T, D = args.B, args.H, args.T, args.D
     sizes = {"chunk": args.chunk} if args.chunk else {}
-    memory = build_memory(ROOT / "specs" / "variants" / "gated_oja.yaml", compile=False, heads=H, d_k=D, d_v=D,
+    memory = build_memory(ROOT / "specs" / "gated_oja.yaml", compile=False, heads=H, d_k=D, d_v=D,
                           **sizes)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=g) * D ** -0.5 for _ in range(3))

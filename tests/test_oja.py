@@ -18,7 +18,7 @@ from memspec.runtime.oja import chunk_oja, recurrent_oja
 from memspec.schedule import analyse, explain
 
 ROOT = Path(__file__).resolve().parent.parent
-OJA = ROOT / "specs" / "variants" / "gated_oja.yaml"
+OJA = ROOT / "specs" / "gated_oja.yaml"
 
 
 def oja_inputs(B, T, H, K, V, *, dtype=torch.float64, seed=0, decay="channel", log_lo=-3.0):

@@ -39,7 +39,7 @@ SLOW_CASES = {
     "hgrn": (dict(heads=2, d_v=4, chunk=4), "relay"),
     "mlstm": (dict(heads=2, d_k=4, d_v=3, chunk=4), "scan"),
     "variants/linear_attention_column": (dict(heads=2, d_k=5, d_v=3, chunk=4), "scan"),
-    "variants/gated_oja": (dict(heads=2, d_k=4, d_v=4, chunk=4), "relay"),
+    "gated_oja": (dict(heads=2, d_k=4, d_v=4, chunk=4), "relay"),
 }
 
 

@@ -168,7 +168,7 @@ def test_a_state_used_on_both_sides_stays_with_the_true_reason():
     assert "value side (C @ v)" in d.orientation
     text = explain(both)
     assert "the read needs the full state of every token" not in text
-    oja = analyse(memspec.load(VARIANTS / "gated_oja.yaml"))
+    oja = analyse(memspec.load(SPECS / "gated_oja.yaml"))
     assert oja.family == "oja" and oja.transposed == () and not oja.plan.transposed
     assert "used on the key side (q @ S) and on the value side (S Diag(g)" in oja.orientation
 
@@ -347,7 +347,7 @@ def oja_loop(q, k, v, g, beta, h0):
 
 
 def test_gated_oja_matches_the_fla_recurrence():
-    spec = memspec.load(VARIANTS / "gated_oja.yaml")
+    spec = memspec.load(SPECS / "gated_oja.yaml")
     dims = {"d_model": 16, "heads": 2, "d_k": 6, "d_v": 7}
     m = make(spec, dims, dtype=torch.float32)
     gen = torch.Generator().manual_seed(3)

@@ -176,10 +176,11 @@ def stabilised_read(read: Expr, scaled: set, inv: str) -> Expr:
 
 def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None = None,
                   state_out: dict | None = None, out: str = "o", chunk: str = "self.chunk", lets: bool = False,
-                  ret: bool = True, taken=(), flip=()) -> list[str]:
+                  ret: bool = True, taken=(), flip=(), kernel_spec=None) -> list[str]:
     """Lines of the chunked forward over all tokens, the kernel calls written by ``body``;
     the states in ``flip`` (used on their value side) go into the kernels transposed and come
-    back in the declared layout."""
+    back in the declared layout; ``kernel_spec``: the spec over their transposes, as the
+    analysis wrote it (None: written here)."""
     state_in = {n: state_in[n] if state_in and n in state_in else f'state["{n}"]' for n in spec.state}
     w = ChunkWriter(spec, emitter, taken, let_forms)
     state_out = {n: (state_out or {}).get(n) or w.fresh(f"{n}_new") for n in spec.state}
@@ -190,7 +191,8 @@ def forward_lines(spec, body, plan, emitter, let_forms, *, state_in: dict | None
     probe_names: dict[str, str] = {}
     probe_shapes: dict[str, tuple] = {}
     kernel_in, kernel_out = _transposed_in(w, spec, flip, state_in, state_out)
-    body(w, transposed_spec(spec, flip), plan, kernel_in, kernel_out, chunk, probe_names, probe_shapes)
+    body(w, kernel_spec if kernel_spec is not None else transposed_spec(spec, flip), plan, kernel_in, kernel_out,
+         chunk, probe_names, probe_shapes)
     for n in flip:
         w.lines.append(f"{state_out[n]} = {kernel_out[n]}.transpose(-1, -2)  "
                        f"# [B, H, {', '.join(spec.state[n].shape)}]: the declared layout")
@@ -230,7 +232,8 @@ def emit_forward(ctx, L, body, kernel) -> None:
         call = f"{kernel.__name__}("
         flip = ctx.decision.transposed if BY_NAME[ctx.default].sided else ()
         for line in forward_lines(ctx.spec, body, ctx.plans[ctx.default], em, ctx.decision.let_forms, lets=False,
-                                  taken=tuple(sorted(ctx.spec_names)) + (docs,), flip=flip):
+                                  taken=tuple(sorted(ctx.spec_names)) + (docs,), flip=flip,
+                                  kernel_spec=ctx.decision.transposed_spec if flip else None):
             if call in line and not line.lstrip().startswith("#"):   # every kernel call takes the documents
                 line = line.rstrip()[:-1] + f", documents={docs})"
             L.block(line)

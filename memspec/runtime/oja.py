@@ -320,8 +320,8 @@ def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_de
     # groups of G consecutive chunks (every head), prepared, passed and read one at a time:
     # temporaries near 2 MB on CPU (larger ones are page-faulted back on every call; smaller
     # groups pay more per operation: measured fastest at T = 2048, H = 4, D = 64)
-    G = int(group) if group is not None else \
-        round((1 << 19) / (BH * C * (s if lgc is not None else 1) * V)) if w.device.type == "cpu" else 64
+    G = int(group) if group is not None else (
+        round((1 << 19) / (BH * C * (s if lgc is not None else 1) * V)) if w.device.type == "cpu" else 64)
     G, outs = max(1, min(NC, G)), []
     for j in range(0, NC, G):
         nc = min(G, NC - j)

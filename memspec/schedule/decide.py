@@ -218,6 +218,7 @@ class ScheduleDecision:
     step: str = ""              # the schedule `step` runs: the default when approximate, else token by token
     orientation: str = ""       # how the sided families see the matrix states (explain's line; "" when no side)
     transposed: tuple[str, ...] = ()   # the states the sided families' plans read transposed (sides.transposed_spec)
+    transposed_spec: object = field(default=None, compare=False)   # the spec over those states' transposes
 
 
 def analyse(spec) -> ScheduleDecision:
@@ -282,7 +283,7 @@ def _decide(spec, alg: Algebra) -> ScheduleDecision:
                             {f: c for f, c in chunks.items() if f in schedules},
                             tuple((inl, n) for n, inl in alg.lets.items()), normal, coupled,
                             {f: tuple(w) for f, w in whys.items()}, token if BY_NAME[fam].exact else fam,
-                            side.text, side.transposed)
+                            side.text, side.transposed, flipped.spec if side.transposed else None)
 
 
 def _refused(spec, asked: list, plans: dict, rej: dict) -> Diagnostic:
