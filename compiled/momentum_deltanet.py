@@ -27,7 +27,8 @@ from torch import nn
 
 def l2norm(x):
     """x / sqrt(sum(x^2) + 1e-6) over the last axis."""
-    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    # (x * x, rsqrt: 1.8x faster backward)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
 def _check(name, t, axes, sizes, ref=None):
@@ -226,6 +227,100 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _group_size(chunks, width, group, device):
+    """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
+    so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
+    are returned to the OS and page-faulted back on every call); on other devices 64 (caching
+    allocators: fewer, larger launches).  At least 1, at most ``chunks`` (when there are any)."""
+    if group is not None:
+        G = int(group)
+    elif device.type == "cpu":
+        G = round((1 << 17) / width)
+    else:
+        G = 64
+    return max(1, min(chunks, G))
+
+
+def _chunk_groups(T, C, G, tail=None):
+    """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
+    group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
+    group
+    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    (``"chunk"``): the slots after its tokens are padding."""
+    N, r = divmod(T, C)
+    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
+    if r:
+        groups.append((1, r,
+                C if tail == "chunk" else 1 << (r - 1).bit_length() if tail == "power of two"
+                else r))
+    return groups
+
+
+def _split_groups(x, groups):
+    """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
+    slices:
+    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    if x is None:
+        return [None] * len(groups)
+    return x.split([n * c for n, c, _ in groups], dim=1)
+
+
+def _chunk_major(x, n, c, value=0.0):
+    """``[B, T', H, *D]`` -> ``[n, B, H, c, *D]`` (a view unless padded): chunk j is ``[j]``; a
+    sequence shorter than ``n c`` (a tail chunk) is padded with tokens of ``value``."""
+    B, T, H = x.shape[:3]
+    if T < n * c:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, n * c - T), value=value)
+    x = x.reshape(B, n, c, H, *x.shape[3:])
+    return x.permute(1, 0, 3, 2, *range(4, x.dim()))
+
+
+def _token_major(o, B, H, c):
+    """``[n B H, cp, D]`` -> ``[B, n, c, H, D]`` (a view): the first c slots of each chunk."""
+    cp, D = o.shape[1:]
+    return o.reshape(-1, B, H, cp, D)[:, :, :, :c].permute(1, 0, 3, 2, 4)
+
+
+def _join_chunks(parts):
+    """``[B, n, c, H, D]`` per group -> ``[B, T, H, D]``: one copy (a second one only for a tail
+    chunk); no in-place writes."""
+    B, _, C, H, D = parts[0].shape
+    full = [x for x in parts if x.shape[2] == C]
+    o = torch.cat(full, dim=1).reshape(B, -1, H, D)
+    if len(full) < len(parts):
+        o = torch.cat([o, parts[-1].reshape(B, -1, H, D)], dim=1)
+    return o
+
+
+def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
+    """The state passing over n chunks in order: ``S, x_j = step(j, S)`` applies chunk j's map
+    ``S <- M_j S + D_j`` to the state at its start (and returns what its outputs need of the state:
+    a chunk's reads of it, or None).
+
+    Packed documents (``docs``, a ``_DocumentChunks``; ``j0`` the chunks before these): a chunk that
+    starts a document enters its initial state, one that ends it leaves its final state
+    (``true_state(j, S)``: the state at its true scale, when the kernel carries it scaled).
+
+    Returns ``(S, starts, xs)``: the state after the last chunk, the states at the chunks' starts
+    and the ``x_j`` (lists of n).
+    """
+    starts, xs = [], []
+    for j in range(n):
+        if docs is not None:
+            S = docs.enter(j0 + j, S)                                # a document's initial state
+        starts.append(S)
+        S, x = step(j, S)
+        if docs is not None:                                         # a document's final state
+            docs.leave(j0 + j, S if true_state is None else true_state(j, S))
+        xs.append(x)
+    return S, starts, xs
+
+
+def _stacked(xs):
+    """n tensors ``[BH, ...]`` -> ``[n BH, ...]`` (the one tensor itself when n = 1)."""
+    return torch.stack(xs).flatten(0, 1) if len(xs) > 1 else xs[0]
+
+
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -260,7 +355,8 @@ def _where_ok(ok, x, fill):
             torch.full((), fill, dtype=x.dtype, device=x.device))
 
 
-def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, documents=None):
+def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk, *,
+        documents=None):
     """Exact chunked momentum delta rule
     (:func:`memspec.runtime.momentum.recurrent_momentum_delta`'s recurrence).
 
@@ -328,18 +424,75 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
             else S0.to(dt).reshape(BH, K, V))
     M = (k.new_zeros(BH, K, V, dtype=dt) if M0 is None or docs is not None
             else M0.to(dt).reshape(BH, K, V))
-    Np = -(-T // C)
-    if dev.type == "cpu":   # temporaries near 512 KB (float32): no page faults per call
-        G = round((1 << 17) / (BH * C * (2 * K + V)))
-    else:                     # caching allocators: fewer, larger launches
-        G = 64
-    G = max(1, min(Np, G))                                            # chunks per group
-    sizes = [min(G * C, T - j) for j in range(0, T, G * C)]         # tokens per group of G chunks
+    G = _group_size(T // C, BH * C * (2 * K + V), None, dev)      # chunks per group
+    # a tail chunk padded with identity tokens
+    groups = _chunk_groups(T, C, G, "chunk")
     idx = torch.arange(C, device=dev)
-    incl, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
-    ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
-    # the right side of the chunks' inverses
-    eye = torch.eye(C, dtype=dt, device=dev)
+    masks = (idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :],
+            torch.eye(C, dtype=dt, device=dev))
+    Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
+    outs = []                                                         # [B, n c, H, V] per group
+    j0 = 0                                                            # chunks before this group
+    pieces = zip(groups, *(_split_groups(x, groups) for x in tokens))
+    for (n, c, _), qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
+
+        def lay(x):  # [B, n c, H(, D)] -> [n BH, C(, D)], chunk-major, a tail padded with zeros
+            x = x.to(dt)
+            if x.dim() == 3:
+                x = x[..., None]
+            return _chunk_major(x, n, C).reshape(n * BH, C, x.shape[-1])
+
+        kc = lay(kg)
+        la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
+        WZ, U, kZ, D, reads = _momentum_maps(kc, lay(pg), lay(vg), la, lm, lay(btg)[..., 0],
+                lay(etg)[..., 0], masks)
+        WZ_j, U_j, kZ_j, D_j = (x.reshape(n, BH, *x.shape[1:]).unbind(0) for x in (WZ, U, kZ, D))
+
+        # chunk j's map of the joint state [S; M]: the errors z, then [S; M] at its end
+        def step(j, Z):
+            z = torch.baddbmm(U_j[j], WZ_j[j], Z)                      # [BH, C, V]
+            Zd = torch.bmm(D_j[j], Z.view(BH, 2, K * V)).view(BH, 2 * K, V)   # [gS S + hM M; gM M]
+            return torch.baddbmm(Zd, kZ_j[j].transpose(1, 2), z), z
+
+        # (documents: their initial, final [S; M])
+        Z, Z_st, zs = _pass_states(step, n, Z, docs, j0)
+        j0 += n
+        if q is None:
+            continue
+        og = _momentum_outputs(lay(qg), kc, _stacked(zs), _stacked(Z_st), *reads[0])
+        outs.append(_token_major(og, B, H, c))                      # [B, n, c, H, V] (a view)
+    Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
+    S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
+    if q is None:
+        return None, S_out, M_out
+    o = _join_chunks(outs)                                            # [B, T, H, V]
+    if docs is not None:
+        # the documents' tokens, packed
+        o = docs.unlay(o)
+    return o.to(v.dtype), S_out, M_out
+
+
+def _momentum_maps(kc, pc, vc, la, lm, bc, ec, masks):
+    """The chunk maps of the momentum delta rule (``chunk_momentum_delta``), batched over chunks:
+    the errors of each chunk from its start state, ``z = WZ [S; M] + U``, and its map
+    ``[S; M] <- (D (x) I_K) [S; M] + kZ^T z``.
+
+    Args:
+        kc, pc: ``[n BH, C, K]`` write keys and error reads; vc: ``[n BH, C, V]`` values
+        (chunk-major).
+        la, lm: ``[n BH, C]`` log decays of S and M (clamped); bc, ec: ``[n BH, C]`` beta and eta.
+        masks: ``(s <= t, s < t, I)``: ``[C, C]`` each.
+
+    Returns:
+        ``(WZ [n BH, C, 2K], U [n BH, C, V], kZ [n BH, C, 2K], D [n BH, 2, 2], reads)``; reads: the
+        outputs' factors ``(L_a, P12(t, start), [P(t, s) a~_s]_1)`` after each token's update and
+        the
+        same before it (at t - 1).
+    """
+    incl, strict, eye = masks
+    nBH, C = la.shape
+    K = kc.shape[-1]
+    ninf = torch.full((), float("-inf"), dtype=la.dtype, device=la.device)
 
     def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
         return torch.exp(torch.where(mask, rows[:, :, None] - cols[:, None, :], ninf))
@@ -347,94 +500,49 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     def shift(x):  # row t <- row t - 1 within the chunk (row 0: zeros): a product at t - 1
         return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0) if x.dim() == 3 else (1, 0))
 
-    def split(x):  # [B, T, ...] -> one piece per group (a split, not slices: see chunk_delta)
-        return x.split(sizes, dim=1) if x is not None else [None] * len(sizes)
+    La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
+    Lap, Lmp = La - la, Lm - lm                                      # before token t's decay
+    Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
+    bm = -bc * torch.exp(lm)                                          # -beta_r mu_r
+    Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                         # P12(t, s)
+    h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]   # P12(t, start)
+    be = (-bc * ec)[:, None, :]                                       # -beta_s eta_s
+    Om = Ea * be + Q12 * ec[:, None, :]                               # [P(t, s) a~_s]_1, s <= t
+    Gam = shift(Om)                                                   # [P(t-1, s) a~_s]_1, s < t
+    h12p = shift(h12)                                                 # P12(t-1, start)
+    A = Gam * torch.bmm(pc, kc.transpose(1, 2))                       # strictly lower
+    # [n BH, C, 2K + V]
+    rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)
+    # (I - A) X = rhs: the unit-triangular inverse (a solve against the C x C identity), then
+    # one product with the 2K + V columns (measured faster on CPU than solving for them)
+    inv = torch.linalg.solve_triangular(-A, eye.expand(nBH, C, C), upper=False, unitriangular=True)
+    WZ, U = torch.bmm(inv, rhs).split([2 * K, vc.shape[-1]], dim=-1)   # z = WZ [S; M] + U
+    kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]],
+            dim=-1)
+    # S's, M's: P11, P22, P12 (C, start)
+    gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]
+    # the chunk's 2x2 D = P(C, start) = [[gS, hM], [0, gM]], applied to Z = [S; M] as a [2, 2] x [2,
+    # K V] product
+    D = torch.stack([gS, hM, torch.zeros_like(gM), gM], dim=-1).view(nBH, 2, 2)
+    return WZ, U, kZ, D, ((La, h12, Om), (Lap, h12p, Gam))
 
-    Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
-    outs = []                                                         # [B, n C, H, V] per group
-    j0 = 0                                                            # chunks before this group
-    pieces = zip(*(split(x) for x in tokens))
-    for qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
-        Tg = kg.shape[1]
-        n = -(-Tg // C)                                               # chunks in this group
-        # identity tokens (zeros) at the end
-        pad = n * C - Tg
 
-        def lay(x):  # [B, Tg, H(, D)] -> [n BH, C(, D)], chunk-major, padded with zeros
-            x = x.to(dt)
-            if x.dim() == 3:
-                x = x[..., None]
-            if pad:
-                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-            return x.reshape(B, n, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).reshape(n * BH, C,
-                    x.shape[-1])
+def _momentum_outputs(qc, kc, z, Zs, La, h12, Om):
+    """The outputs of a group of chunks: ``o = P z + [q e^{La} | q P12] [S; M]_start`` with
+    ``P = Om * (q k^T)`` (the reads' factors of ``_momentum_maps``, after or before each token).
 
-        kc, pc, vc = lay(kg), lay(pg), lay(vg)
-        la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
-        bc, ec = lay(btg)[..., 0], lay(etg)[..., 0]
-        La, Lm = torch.cumsum(la, dim=-1), torch.cumsum(lm, dim=-1)
-        Lap, Lmp = La - la, Lm - lm                                  # before token t's decay
-        Ea, Emp = dmat(La, La, incl), dmat(Lmp, Lm, strict)
-        bm = -bc * torch.exp(lm)                                      # -beta_r mu_r
-        Q12 = torch.bmm(Ea, bm[:, :, None] * Emp)                     # P12(t, s)
-        h12 = torch.bmm(Ea, (bm * torch.exp(Lmp))[:, :, None])[..., 0]   # P12(t, start)
-        be = (-bc * ec)[:, None, :]                                   # -beta_s eta_s
-        Om = Ea * be + Q12 * ec[:, None, :]                           # [P(t, s) a~_s]_1, s <= t
-        Gam = shift(Om)                                               # [P(t-1, s) a~_s]_1, s < t
-        h12p = shift(h12)                                             # P12(t-1, start)
-        A = Gam * torch.bmm(pc, kc.transpose(1, 2))                   # strictly lower
-        # [n BH, C, 2K + V]
-        rhs = torch.cat([pc * torch.exp(Lap)[..., None], pc * h12p[..., None], -vc], dim=-1)
-        # (I - A) X = rhs: the unit-triangular inverse (a solve against the C x C identity), then
-        # one product with the 2K + V columns (measured faster on CPU than solving for them)
-        inv = torch.linalg.solve_triangular(-A, eye.expand(n * BH, C, C), upper=False,
-                unitriangular=True)
-        X = torch.bmm(inv, rhs)                                       # [n BH, C, 2K + V]
-        WZ, U = X.split([2 * K, V], dim=-1)                           # z = WZ [S; M] + U
-        kZ = torch.cat([kc * Om[:, -1, :, None], kc * (torch.exp(Lm[:, -1:] - Lm) * ec)[..., None]],
-                dim=-1)
-        # S's, M's: P11, P22, P12 (C, start)
-        gS, gM, hM = torch.exp(La[:, -1]), torch.exp(Lm[:, -1]), h12[:, -1]
+    Args:
+        qc, kc: ``[n BH, C, K]`` probes and write keys; z: ``[n BH, C, V]`` the chunks' errors;
+        Zs: ``[n BH, 2K, V]`` the joint states at the chunks' starts; La, h12: ``[n BH, C]``, Om:
+        ``[n BH, C, C]`` the reads' factors.
 
-        def per(x):
-            return x.reshape(n, BH, *x.shape[1:]).unbind(0)
-
-        # the chunk's 2x2 D = P(C, start) = [[gS, hM], [0, gM]], applied to Z = [S; M] as a [2, 2] x
-        # [2, K V] product
-        D = torch.stack([gS, hM, torch.zeros_like(gM), gM], dim=-1).view(n * BH, 2, 2)
-        zs, Z_st = [], []
-        for j, (WZ_j, U_j, kZ_j, D_j) in enumerate(zip(*(per(x) for x in (WZ, U, kZ, D)))):
-            if docs is not None:
-                Z = docs.enter(j0 + j, Z)                              # a document's initial [S; M]
-            Z_st.append(Z)
-            z = torch.baddbmm(U_j, WZ_j, Z)                            # [BH, C, V]
-            Zd = torch.bmm(D_j, Z.view(BH, 2, K * V)).view(BH, 2 * K, V)   # [gS S + hM M; gM M]
-            Z = torch.baddbmm(Zd, kZ_j.transpose(1, 2), z)             # [S; M] at the chunk's end
-            if docs is not None:
-                docs.leave(j0 + j, Z)                                  # a document's final [S; M]
-            zs.append(z)
-        j0 += n
-        if q is None:
-            continue
-        qc = lay(qg)
-        z = torch.stack(zs).reshape(n * BH, C, V) if n > 1 else zs[0]
-        Zs = torch.stack(Z_st).reshape(n * BH, 2 * K, V) if n > 1 else Z_st[0]
-        fa, fm, Pm = torch.exp(La), h12, Om
-        P = Pm * torch.bmm(qc, kc.transpose(1, 2))
-        # [n BH, C, 2K]: reads of [S; M]
-        qZ = torch.cat([qc * fa[..., None], qc * fm[..., None]], dim=-1)
-        og = torch.baddbmm(torch.bmm(P, z), qZ, Zs)
-        outs.append(og.reshape(n, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, n * C, H,
-                V)[:, :Tg])
-    Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
-    S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
-    if q is None:
-        return None, S_out, M_out
-    o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-    if docs is not None:
-        # the documents' tokens, packed
-        o = docs.unlay(o)
-    return o.to(v.dtype), S_out, M_out
+    Returns:
+        ``[n BH, C, V]``.
+    """
+    P = Om * torch.bmm(qc, kc.transpose(1, 2))
+    # [n BH, C, 2K]: reads of [S; M]
+    qZ = torch.cat([qc * torch.exp(La)[..., None], qc * h12[..., None]], dim=-1)
+    return torch.baddbmm(torch.bmm(P, z), qZ, Zs)
 
 
 class _Documents:
@@ -547,7 +655,7 @@ class MomentumDeltanetMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
-    GATES = ('eta', 'mu', 'alpha', )
+    GATES = {'eta': (), 'mu': (), 'alpha': ()}
     STATE = {'W': ('d_k', 'd_v', ), 'U': ('d_k', 'd_v', )}
     LOSS_STATES = ('W', )
     SCHEDULES = ('momentum', 'minibatch', 'online', )
@@ -905,8 +1013,8 @@ class MomentumDeltanetMemory(nn.Module):
         # momentum chunked schedule (exact), one triangular solve per chunk, U = -M:
         # M <- mu * M + eta * outer(k, p @ W - v), then W <- gamma * W - beta * M
         W_gamma = 1 - alpha  # [B, T, H]
-        W_log_gamma = torch.log(W_gamma.clamp(min=1e-30))  # [B, T, H]
-        U_log_mu = torch.log(mu.clamp(min=1e-30))  # [B, T, H]
+        W_log_gamma = torch.log(W_gamma.clamp(min=0))  # [B, T, H]
+        U_log_mu = torch.log(mu.clamp(min=0))  # [B, T, H]
         W_beta = torch.full_like(q[..., 0], 1)  # [B, T, H]
         U_neg = -state["U"]  # the kernel's momentum M = -U, [B, H, d_k, d_v]
         W_probe_out, W_new, U_neg_new = chunk_momentum_delta(qn, kn, v, kn, W_log_gamma, U_log_mu,

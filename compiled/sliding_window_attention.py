@@ -271,7 +271,7 @@ class SlidingWindowAttentionMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
-    GATES = ()
+    GATES = {}
     STATE = {'K': ('d_k', ), 'V': ('d_v', )}
     CACHES = {'K': 512, 'V': 512}
     LOSS_STATES = ()

@@ -269,7 +269,7 @@ class SoftmaxAttentionMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
-    GATES = ()
+    GATES = {}
     STATE = {'K': ('d_k', ), 'V': ('d_v', )}
     CACHES = {'K': None, 'V': None}
     LOSS_STATES = ()

@@ -258,7 +258,7 @@ class TttLinearMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_k'}
-    GATES = ('eta', )
+    GATES = {'eta': ()}
     STATE = {'W': ('d_k', 'd_k', ), 'b': ('d_k', )}
     LOSS_STATES = ('W', 'b', )
     SCHEDULES = ('minibatch', 'online', )

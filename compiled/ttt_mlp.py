@@ -265,7 +265,7 @@ class TttMlpMemory(nn.Module):
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_k'}
-    GATES = ('eta', )
+    GATES = {'eta': ()}
     STATE = {'W1': ('d_k', 'hidden', ), 'b1': ('hidden', ), 'W2': ('hidden', 'd_k', ),
             'b2': ('d_k', )}
     LOSS_STATES = ('W1', 'b1', 'W2', 'b2', )
