@@ -15,36 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 import memspec
 from memspec.pipeline.build import build_memory
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/ is not a package
+from timing import timed_alternately  # noqa: E402
+
 from memspec.schedule import analyse
 from memspec.tools.bench import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ["retention", "mamba2", "gla", "rwkv6", "hgrn2", "deltanet_textbook", "kda", "gdn2", "comba", "rwkv7",
          "gated_deltaproduct"]
-
-
-def timed_alternately(fns: dict, repeat: int, grad: bool) -> dict:
-    """Median (wall ms, process-CPU ms) of each function, run round-robin after one warm-up each."""
-    wall = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    with torch.set_grad_enabled(grad):
-        for f in fns.values():
-            f()
-        for _ in range(repeat):
-            for k, f in fns.items():
-                t0, c0 = time.perf_counter(), time.process_time()
-                f()
-                wall[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c0)
-    return {k: (statistics.median(wall[k]) * 1e3, statistics.median(cpu[k]) * 1e3) for k in fns}
 
 
 def runner(memory, views, gates, schedule, grad, seed=1):

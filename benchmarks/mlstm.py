@@ -16,31 +16,17 @@ when one is above 1e-4).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 from memspec.pipeline.build import build_memory
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/ is not a package
+from timing import timed_alternately  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def timed_alternately(fns: dict, repeat: int) -> dict:
-    """Median (wall ms, process-CPU ms) of each function, run round-robin after one warm-up each."""
-    wall = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    with torch.no_grad():
-        for f in fns.values():
-            f()
-        for _ in range(repeat):
-            for k, f in fns.items():
-                t0, c0 = time.perf_counter(), time.process_time()
-                f()
-                wall[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c0)
-    return {k: (statistics.median(wall[k]) * 1e3, statistics.median(cpu[k]) * 1e3) for k in fns}
 
 
 def main(argv=None) -> int:
@@ -69,7 +55,9 @@ def main(argv=None) -> int:
 
     fns = {"memspec chunked": ours("additive"), "memspec online": ours("online")}
     try:
-        from mlstm_kernels.torch.chunkwise.native import mlstm_chunkwise__native_autograd
+        from mlstm_kernels.torch.chunkwise.native import (
+            mlstm_chunkwise__native_autograd,
+        )
     except ImportError:
         print("mlstm-kernels is not installed (pip install mlstm-kernels==2.0.6): its row is skipped")
     else:
@@ -79,7 +67,7 @@ def main(argv=None) -> int:
             outs["peer"] = mlstm_chunkwise__native_autograd(*peer_args, eps=0.0,
                                                             chunk_size=args.chunk).transpose(1, 2)
         fns["mlstm-kernels chunkwise (native)"] = peer
-    times = timed_alternately(fns, args.repeat)
+    times = timed_alternately(fns, args.repeat, grad=False)
     print(f"mLSTM forward, B={B} H={H} T={T} D={D}, float32, chunk {args.chunk}, {args.threads} thread(s), "
           f"median of {args.repeat}")
     for name, (wall, cpu) in times.items():

@@ -12,30 +12,17 @@ the outputs (exit status 1 when it is above 1e-4).  ``--grad`` times forward + b
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 from memspec.pipeline.build import build_memory
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # benchmarks/ is not a package
+from timing import timed_alternately  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def timed_alternately(fns: dict, repeat: int) -> dict:
-    """Median (wall ms, process-CPU ms) of each function, run round-robin after one warm-up each."""
-    wall = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(repeat):
-        for k, f in fns.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            f()
-            wall[k].append(time.perf_counter() - t0)
-            cpu[k].append(time.process_time() - c0)
-    return {k: (statistics.median(wall[k]) * 1e3, statistics.median(cpu[k]) * 1e3) for k in fns}
 
 
 def main(argv=None) -> int:
