@@ -263,18 +263,24 @@ def test_cli_bad_input_no_traceback(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ DDP
-def test_ddp_two_processes_match_one(tmp_path):
-    """torchrun --nproc-per-node 2 gives the loss curve of one process with the same global batch."""
-    args = ["--steps", "4", "--batch", "8", "--seq-len", "16", "--pairs", "3", "--vocab", "16",
-            "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-size", "16", "--no-progress"]
+def _torchrun_train(spec: str, args: list, out, timeout: int) -> dict:
+    """``torchrun --nproc-per-node 2 -m memspec train SPEC ARGS --out OUT`` (one thread per process);
+    its log.json."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "memspec", "train", DELTANET, *args, "--out", str(tmp_path / "ddp")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+           "-m", "memspec", "train", spec, *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ddp = json.loads((tmp_path / "ddp" / "log.json").read_text())
+    return json.loads((out / "log.json").read_text())
+
+
+def test_ddp_two_processes_match_one(tmp_path):
+    """torchrun --nproc-per-node 2 gives the loss curve of one process with the same global batch."""
+    args = ["--steps", "4", "--batch", "8", "--seq-len", "16", "--pairs", "3", "--vocab", "16",
+            "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-size", "16", "--no-progress"]
+    ddp = _torchrun_train(DELTANET, args, tmp_path / "ddp", timeout=300)
     assert ddp["world_size"] == 2
     one = train(DELTANET, replace(TINY, warmup=20))
     torch.testing.assert_close(torch.tensor([e["loss"] for e in ddp["log"]]), torch.tensor(one.losses),
@@ -290,12 +296,5 @@ def test_ddp_with_recomputed_chunks(tmp_path):
     args = ["--steps", "2", "--batch", "2", "--seq-len", "300", "--pairs", "3", "--vocab", "16",
             "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-size", "4", "--no-progress",
             "--dim", "d_k=4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "memspec", "train", spec, *args, "--out", str(tmp_path / "ddp")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = json.loads((tmp_path / "ddp" / "log.json").read_text())
+    log = _torchrun_train(spec, args, tmp_path / "ddp", timeout=600)
     assert log["world_size"] == 2 and all(math.isfinite(e["loss"]) for e in log["log"])
