@@ -1,0 +1,213 @@
+"""Solve reads of an additive state: every token solves ``x_t = (H_t + lam I)^-1 q_t`` with
+``H_t = exp(log_gamma_t) H_{t-1} + beta_t outer(k_t, k_t)`` (MesaNet, von Oswald et al. 2025: the
+mesa layer's regularised least-squares read), by conjugate gradients run for all tokens of a chunk
+at once; :func:`recurrent_solve` is the token loop it is tested against.
+
+Inside a chunk with chunk-start state ``H_0`` and cumulative log decays ``L``, token t's matrix is
+``H_t = exp(L_t) H_0 + sum_{s <= t} exp(L_t - L_s) beta_s k_s k_sᵀ``, so one conjugate-gradient
+step applies every token's own matrix to its own search direction ``p_t`` with chunk-level
+products (flash-linear-attention's chunked MesaNet does the same):
+
+    A p = exp(L) * (P H_0) + ((P Kᵀ) * W) K + lam P,    W[t, s] = exp(L_t - L_s) beta_s (s <= t)
+
+``H_t`` is symmetric positive semi-definite whenever ``H_0`` is and every ``beta_t >= 0`` (the
+analysis admits only such specs; the initial state is zeros), so with ``lam > 0`` every system is
+symmetric positive definite: conjugate gradients converges, in exact arithmetic in at most K steps.
+The kernel runs each token's iteration until its residual ``||q_t - A_t x_t||`` is at most ``tol``
+times ``||q_t||`` (:func:`_solve_tolerance`: near the precision of the dtype) or ``steps`` steps
+have run; a token that has converged stops moving (its step is 0), so its result does not depend on
+the tokens batched with it.
+
+The backward solves the adjoint systems ``A_t y_t = dL/dx_t`` by conjugate gradients too (the
+matrices are symmetric) and differentiates the matrices in closed form: ``dL/dA_t = -y_t x_tᵀ``,
+carried to ``H_0``, the keys, the pair weights and the decays through one product each (no
+autograd through the iterations).
+"""
+from __future__ import annotations
+
+import torch
+
+from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups, _stacked, \
+    _token_major
+
+
+def recurrent_solve(q, k, beta, log_gamma, H0, lam, inclusive=True):
+    """Token loop: ``H_t = exp(log_gamma_t) H_{t-1} + beta_t outer(k_t, k_t)``,
+    ``x_t = solve(H_t + lam I, q_t)`` (``inclusive=False``: ``H_{t-1}``); the oracle of :func:`chunk_solve`.
+    Row-vector convention, ``x_t (H_t + lam I) = q_t``: the same x for a symmetric state, and the
+    gradient with respect to the state ``-x_tᵀ y_t`` as :func:`chunk_solve` gives it.
+
+    Args: q, k ``[B, T, H, K]``; beta, log_gamma ``[B, T, H]`` (log_gamma None: no decay); H0
+    ``[B, H, K, K]`` or None (zeros); lam a number.
+    Returns: (x ``[B, T, H, K]``, the final state ``[B, H, K, K]``)."""
+    B, T, Hh, K = k.shape
+    dt = torch.promote_types(k.dtype, torch.float32)
+    S = k.new_zeros(B, Hh, K, K, dtype=dt) if H0 is None else H0.to(dt)
+    eye = lam * torch.eye(K, dtype=dt, device=k.device)
+    xs = []
+    for t in range(T):
+        before = S
+        if log_gamma is not None:
+            S = torch.exp(log_gamma[:, t].to(dt))[..., None, None] * S
+        kt = k[:, t].to(dt)
+        S = S + beta[:, t].to(dt)[..., None, None] * (kt.unsqueeze(-1) * kt.unsqueeze(-2))
+        A = (S if inclusive else before) + eye
+        xs.append(torch.linalg.solve(A, q[:, t].to(dt).unsqueeze(-2), left=False).squeeze(-2))   # x_t A = q_t
+    x = torch.stack(xs, 1) if xs else q.new_zeros(B, 0, Hh, K, dtype=dt)
+    return x.to(q.dtype), S.to(H0.dtype if H0 is not None else k.dtype)
+
+
+def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=None, steps=None, group=None,
+                documents=None):
+    """Chunked form of :func:`recurrent_solve`: ``x_t = solve(H_t + lam I, q_t)`` for every token by
+    conjugate gradients over whole chunks (see the module docstring for the algebra).
+
+    The state passes over chunks as ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s k_sᵀ``
+    (:func:`memspec.runtime.phases._pass_states`); a group of G chunks runs one batched solver, every
+    token its own system.  The pair weights' exponents are segment sums of the log decays between
+    s and t (a masked cumulative sum: a log decay of -inf, a decay of exactly 0, forgets exactly).
+
+    Args:
+        q: ``[B, T, H, K]`` right-hand sides.
+        k: ``[B, T, H, K]`` keys; beta: ``[B, T, H]`` write weights (>= 0).
+        log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
+        H0: ``[B, H, K, K]`` initial state (symmetric positive semi-definite), or None for zeros.
+        lam: the regulariser (a number > 0).
+        chunk: chunk size C.
+        inclusive: True: token t solves with H_t; False: with H_{t-1}.
+        tol: relative residual at which a token's iteration stops (None: :func:`_solve_tolerance`).
+        steps: the most conjugate-gradient steps (None: K, where exact arithmetic has converged).
+        group: chunks per batched group G (default: temporaries near 512 KB on CPU).
+        documents: packed documents (``_Documents(cu_seqlens)``: B = 1; H0 and the final state
+            ``[N, H, K, K]``): each starts at a chunk, from its own state; or None.
+
+    Returns:
+        (x ``[B, T, H, K]``, the final state ``[B, H, K, K]``).
+    """
+    B, T, Hh, K = k.shape
+    BH = B * Hh
+    dt = torch.promote_types(k.dtype, torch.float32)
+    out_dtype = H0.dtype if H0 is not None else k.dtype
+    tol = _solve_tolerance(dt) if tol is None else float(tol)
+    steps = K if steps is None else int(steps)
+    if T == 0:
+        H_T = H0 if H0 is not None else k.new_zeros(B, Hh, K, K, dtype=out_dtype)
+        return q.new_zeros(B, 0, Hh, K), H_T
+    C = max(1, min(int(chunk), T))
+    docs = None
+    if documents is not None:   # packed documents: each starts at a chunk, from its own state
+        H_docs = H0.to(dt) if H0 is not None else k.new_zeros(documents.count, Hh, K, K, dtype=dt)
+        docs = documents.for_kernel(C, H_docs)
+        q, k, beta, log_gamma = (docs.lay(x) for x in (q, k, beta, log_gamma))
+        T = docs.T
+    S = k.new_zeros(BH, K, K, dtype=dt) if H0 is None or docs is not None else H0.to(dt).reshape(BH, K, K)
+    G = _group_size(-(-T // C), BH * C * max(K, C), group, k.device)
+    groups = _chunk_groups(T, C, G)
+    pieces = zip(groups, *(_split_groups(x, groups) for x in (q, k, beta, log_gamma)))
+    outs, j0 = [], 0
+    for (n, m, c), qp, kp, bp, lp in pieces:
+        def block(x):   # [B, n c, H, *D] -> [n B H, c, *D]
+            x = _chunk_major(x.to(dt), n, c)
+            return x.reshape(n * BH, c, *x.shape[4:])
+
+        kg, bg = block(kp), block(bp)                                # [nBH, c, K], [nBH, c]
+        lg = block(lp) if lp is not None else torch.zeros_like(bg)   # [nBH, c] log decays
+        W, Lq, g_end, kd = _solve_weights(lg, bg, kg, n, inclusive)
+        kk = torch.bmm(kd.transpose(1, 2), kg).view(n, BH, K, K)    # each chunk's writes, decayed to its end
+        S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(kk[j], g_end[j], S), None), n, S, docs, j0)
+        j0 += n
+        x = _ChunkSolve.apply(block(qp), _stacked(starts), kg, W, torch.exp(Lq), float(lam), tol, steps)
+        outs.append(_token_major(x, B, Hh, m))                      # [B, n, m, H, K]
+    H_T = docs.final() if docs is not None else S.view(B, Hh, K, K)
+    x = _join_chunks(outs)
+    x = docs.unlay(x) if docs is not None else x
+    return x.to(q.dtype), H_T.to(out_dtype)
+
+
+def _solve_tolerance(dtype):
+    """The relative residual at which the solver stops: near the precision of ``dtype`` (a residual
+    of ``tol ||q||`` leaves an error of at most ``tol`` times the condition number in x)."""
+    return 1e-12 if dtype == torch.float64 else 1e-6
+
+
+def _solve_weights(lg, bg, kg, n, inclusive):
+    """A group's chunk constants from its log decays ``lg`` and write weights ``bg`` ``[nBH, c]`` and
+    keys ``kg`` ``[nBH, c, K]`` (n chunks): the pair weights ``W [nBH, c, c]`` (``exp(L_t - L_s) beta_s``, s <= t,
+    or s < t when exclusive), the log decay ``Lq [nBH, c]`` the chunk-start state has reached at each
+    token, the decay over each chunk ``[n, BH, 1, 1]`` and the keys weighted and decayed to the
+    chunk's end ``[nBH, c, K]``."""
+    nBH, c = lg.shape
+    later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
+    seg = torch.cumsum(lg[:, :, None].expand(-1, c, c).masked_fill(~later, 0.0), dim=1)   # sum_{s < u <= t}
+    L = torch.cumsum(lg, dim=1)                                      # [nBH, c]
+    if not inclusive:                                                # token t sees the state through t - 1
+        seg = torch.nn.functional.pad(seg[:, :-1], (0, 0, 1, 0))
+        L_q = torch.nn.functional.pad(L[:, :-1], (1, 0))
+    else:
+        L_q = L
+    pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(0 if inclusive else -1)
+    W = torch.exp(seg).masked_fill(~pairs, 0.0) * bg[:, None, :]     # [nBH, c, c]
+    after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))   # log decay after s
+    kd = kg * (bg * torch.exp(after))[..., None]                     # [nBH, c, K]
+    g_end = torch.exp(L[:, -1]).view(n, -1, 1, 1)
+    return W, L_q, g_end, kd
+
+
+
+def _solve_matvec(P, H0, k, W, a, lam):
+    """Every token's matrix applied to its own row of ``P [nBH, c, K]``: ``a_t (p_t H_0) + sum_s W[t, s]
+    (p_t . k_s) k_s + lam p_t`` (H_0 ``[nBH, K, K]`` symmetric, the chunk's start state; ``a``
+    ``[nBH, c]`` its decay at each token)."""
+    return torch.bmm(P, H0) * a[..., None] + torch.bmm(torch.bmm(P, k.transpose(1, 2)) * W, k) + lam * P
+
+
+def _conjugate_gradients(matvec, b, tol, steps):
+    """``x`` with ``matvec(x) = b`` row by row (``b [N, c, K]``, every row its own symmetric positive
+    definite system): conjugate gradients, a row stopping (its step 0 from then on) once its residual
+    is at most ``tol ||b_t||``; at most ``steps`` steps.  A row of zeros is solved at once (x = 0); a
+    non-finite one stays active and gives non-finite x."""
+    x = torch.zeros_like(b)
+    r, p = b, b
+    rr = (b * b).sum(-1)                                             # [N, c] squared residuals
+    stop = rr * (tol * tol)
+    for _ in range(steps):
+        active = ~(rr <= stop)                                       # (NaN rows stay active)
+        if not bool(active.any()):
+            break
+        Ap = matvec(p)
+        alpha = torch.where(active, rr / (p * Ap).sum(-1), 0.0)[..., None]   # [N, c, 1]
+        x = x + alpha * p
+        r = r - alpha * Ap
+        rr_new = (r * r).sum(-1)
+        p = r + torch.where(active, rr_new / rr, 0.0)[..., None] * p
+        rr = torch.where(active, rr_new, rr)
+    return x
+
+
+class _ChunkSolve(torch.autograd.Function):
+    """``x_t = A_t^-1 q_t`` for a group of chunks (:func:`_solve_matvec` is ``A``), by conjugate
+    gradients; the backward solves the adjoint systems ``A_t y_t = g_t`` the same way (``A_t`` is
+    symmetric) and takes ``dL/dA_t = -y_t x_tᵀ`` to the operands of ``A`` in closed form."""
+
+    @staticmethod
+    def forward(ctx, q, H0, k, W, a, lam, tol, steps):
+        with torch.no_grad():
+            x = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), q, tol, steps)
+        ctx.save_for_backward(x, H0, k, W, a)
+        ctx.solver = (lam, tol, steps)
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, H0, k, W, a = ctx.saved_tensors
+        lam, tol, steps = ctx.solver
+        y = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), g, tol, steps)   # [nBH, c, K]
+        # A_t x_t = a_t (x_t H_0) + sum_s W[t, s] (x_t . k_s) k_s + lam x_t, differentiated against -y_t
+        xk = torch.bmm(x, k.transpose(1, 2))                         # [nBH, c, c] x_t . k_s
+        yk = torch.bmm(y, k.transpose(1, 2))                         # [nBH, c, c] y_t . k_s
+        d_a = -(torch.bmm(x, H0) * y).sum(-1)                        # [nBH, c]
+        d_H0 = -torch.bmm((x * a[..., None]).transpose(1, 2), y)     # [nBH, K, K]
+        d_W = -(xk * yk)                                             # [nBH, c, c]
+        d_k = -(torch.bmm((xk * W).transpose(1, 2), y) + torch.bmm((yk * W).transpose(1, 2), x))   # [nBH, c, K]
+        return y, d_H0, d_k, d_W, d_a, None, None, None
