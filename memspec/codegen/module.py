@@ -22,7 +22,8 @@ from ..runtime.varlen import _by_document, _by_length, _document_bounds, _shrink
 from ..runtime.wiring import source as wiring_source
 from ..schedule import decide
 from ..schedule.decide import ScheduleDecision
-from . import additive, apply_update, cache, chained, delta, dplr, layer, minibatch, momentum, oja, online, scan
+from . import additive, apply_update, cache, chained, delta, dplr, layer, minibatch, momentum, oja, online, scan, \
+    solve
 from .context import Context, Emitter, kernel_functions, phase_sources, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
@@ -75,7 +76,7 @@ def register(emitter: Emitter) -> Callable[[], None]:
     return unregister
 
 
-for _module in (online, minibatch, apply_update, cache, additive, delta, dplr, momentum, scan, chained, oja):
+for _module in (online, minibatch, apply_update, cache, additive, delta, dplr, momentum, scan, chained, oja, solve):
     register(_module.EMITTER)
 check_families()
 
@@ -305,6 +306,7 @@ def memory_init(ctx, L):
         has_cache = any(st.cache for st in spec.state.values())   # a growing cache: no static shapes per token
         steps = ([] if has_cache else ["per-token step"]) + [f"{e.family} chunk step" for e in carried(ctx)
                                                              if e.chunk_step]
+        steps += [what for _, _, _, what in more_compiled(ctx)]
         if compiles_chunked(ctx):
             steps.append(f"exact chunked forward (over slices of {SLICE_CHUNKS} chunks: one graph, compiled once)")
         if not steps:
@@ -348,7 +350,15 @@ def memory_init(ctx, L):
             if e.chunk_step:
                 fn, method = e.chunk_step
                 L(f"self.{fn} = _Compiled(self.{method}) if compile else self.{method}")
+        for fn, method, dynamic, _ in more_compiled(ctx):
+            dyn = ", dynamic=True" if dynamic else ""
+            L(f"self.{fn} = _Compiled(self.{method}{dyn}) if compile else self.{method}")
     L()
+
+
+def more_compiled(ctx) -> list:
+    """[(attribute, method, dynamic, what)]: the carried emitters' further compiled methods."""
+    return [c for e in carried(ctx) if e.compiled is not None for c in e.compiled(ctx, ctx.plans.get(e.family))]
 
 
 def init_code(init, lead: list, dims: list, kw: str = "", generator: str = "") -> str:

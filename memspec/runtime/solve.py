@@ -88,8 +88,8 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
     BH = B * Hh
     dt = torch.promote_types(k.dtype, torch.float32)
     out_dtype = H0.dtype if H0 is not None else k.dtype
-    tol = _solve_tolerance(dt) if tol is None else float(tol)
-    steps = K if steps is None else int(steps)
+    tolerance = _solve_tolerance(dt) if tol is None else float(tol)
+    most = K if steps is None else int(steps)   # conjugate-gradient steps at most
     if T == 0:
         H_T = H0 if H0 is not None else k.new_zeros(B, Hh, K, K, dtype=out_dtype)
         return q.new_zeros(B, 0, Hh, K), H_T
@@ -98,12 +98,15 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
     if documents is not None:   # packed documents: each starts at a chunk, from its own state
         H_docs = H0.to(dt) if H0 is not None else k.new_zeros(documents.count, Hh, K, K, dtype=dt)
         docs = documents.for_kernel(C, H_docs)
-        q, k, beta, log_gamma = (docs.lay(x) for x in (q, k, beta, log_gamma))
         T = docs.T
     S = k.new_zeros(BH, K, K, dtype=dt) if H0 is None or docs is not None else H0.to(dt).reshape(BH, K, K)
+    # conjugate gradients needs symmetric systems: every state after a symmetric one is (exactly, the
+    # writes symmetrised); an initial state that is not takes the direct solve (one device sync)
+    symmetric = H0 is None or bool(torch.equal(H0, H0.transpose(-1, -2)))
     G = _group_size(-(-T // C), BH * C * max(K, C), group, k.device)
     groups = _chunk_groups(T, C, G)
-    pieces = zip(groups, *(_split_groups(x, groups) for x in (q, k, beta, log_gamma)))
+    inputs = (q, k, beta, log_gamma) if docs is None else (docs.lay(x) for x in (q, k, beta, log_gamma))
+    pieces = zip(groups, *(_split_groups(x, groups) for x in inputs))
     outs, j0 = [], 0
     for (n, m, c), qp, kp, bp, lp in pieces:
         def block(x):   # [B, n c, H, *D] -> [n B H, c, *D]
@@ -113,10 +116,15 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
         kg, bg = block(kp), block(bp)                                # [nBH, c, K], [nBH, c]
         lg = block(lp) if lp is not None else torch.zeros_like(bg)   # [nBH, c] log decays
         W, Lq, g_end, kd = _solve_weights(lg, bg, kg, n, inclusive)
-        kk = torch.bmm(kd.transpose(1, 2), kg).view(n, BH, K, K)    # each chunk's writes, decayed to its end
+        kk = torch.bmm(kd.transpose(1, 2), kg)                      # each chunk's writes, decayed to its end
+        kk = ((kk + kk.transpose(1, 2)) * 0.5).view(n, BH, K, K)   # (X + Xᵀ) / 2: symmetric in floating point too
         S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(kk[j], g_end[j], S), None), n, S, docs, j0)
         j0 += n
-        x = _ChunkSolve.apply(block(qp), _stacked(starts), kg, W, torch.exp(Lq), float(lam), tol, steps)
+        H_starts, a = _stacked(starts), torch.exp(Lq)                # [nBH, K, K], [nBH, c]
+        if symmetric:
+            x = _ChunkSolve.apply(block(qp), H_starts, kg, W, a, float(lam), tolerance, most)
+        else:
+            x = _direct_solve(block(qp), H_starts, kg, W, a, float(lam))
         outs.append(_token_major(x, B, Hh, m))                      # [B, n, m, H, K]
     H_T = docs.final() if docs is not None else S.view(B, Hh, K, K)
     x = _join_chunks(outs)
@@ -152,6 +160,18 @@ def _solve_weights(lg, bg, kg, n, inclusive):
     g_end = torch.exp(L[:, -1]).view(n, -1, 1, 1)
     return W, L_q, g_end, kd
 
+
+
+def _direct_solve(q, H0, k, W, a, lam):
+    """Every token's system solved directly, ``x_t (a_t H_0 + sum_s W[t, s] k_s k_sᵀ + lam I) = q_t``
+    (``q [nBH, c, K]``, ``H_0 [nBH, K, K]`` any matrix): the path of an initial state that is not
+    symmetric, where conjugate gradients does not apply; every token's matrix is formed
+    (``[nBH, c, K, K]``), differentiated by autograd."""
+    K = q.shape[-1]
+    kk = k.unsqueeze(-1) * k.unsqueeze(-2)                           # [nBH, c, K, K]
+    A = a[..., None, None] * H0.unsqueeze(1) + torch.einsum("bts,bsij->btij", W, kk)
+    A = A + lam * torch.eye(K, dtype=q.dtype, device=q.device)
+    return torch.linalg.solve(A, q.unsqueeze(-2), left=False).squeeze(-2)   # x_t A_t = q_t
 
 
 def _solve_matvec(P, H0, k, W, a, lam):

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from ..lang.errors import Diagnostic, SpecError
 from ..lang.expr import Expr, Name, unparse
 from . import additive, apply_update, cache, chained, delta, dplr, minibatch, momentum, oja, online, scan, sides, \
-    transition
+    solve, transition
 from .algebra import SHOW_LETS, Algebra, NotAdmitted, grad_calls
 
 DEFAULT_CHUNK = 64
@@ -197,6 +197,18 @@ register(Family("oja", lambda alg, chunk: oja.analyse_oja(alg), exact=True, chun
                      "c (S u) wᵀ, writing outer(a, w) along the same w, and read it through probes q @ S (the "
                      "gated Oja rule)",
                 hint_applies=lambda spec: len(spec.state) == 1, prefers=oja.preferred_chunk), before="momentum")
+
+# reads that solve a linear system with an additive state (the mesa layer): conjugate gradients over
+# whole chunks, exact to the solver's tolerance; after chained, ahead of the one-state families
+register(Family("solve", lambda alg, chunk: solve.analyse_solve(alg), exact=True, chunked=True, carried=False,
+                text="solve (chunked conjugate gradients for every token's system, exact to the solver's tolerance)",
+                keyword="chunk", needs="an exact chunk form", listed=solve.solves,
+                note="exact to the solver's tolerance " + ", ".join(f"{v:g} in {k}" for k, v in solve.TOLERANCE.items())
+                     + " (the relative residual at which each token's conjugate gradients stop), at most d steps for "
+                       "a d x d system: it matches online to that tolerance times the system's condition number",
+                hint="read p @ solve(S + lam * eye(d), G) with S <- gamma S + beta outer(k, k) (a scalar decay, beta "
+                     ">= 0, lam a constant > 0) and G an additive memory",
+                hint_applies=solve.solves), before="delta")
 
 
 @dataclass(frozen=True)
