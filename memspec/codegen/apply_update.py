@@ -26,7 +26,9 @@ def emit(ctx, L) -> None:
     if cgs is not None:
         inputs = step_inputs(ctx, plan, cgs)
         forward(ctx, L, accs, rows=True, inputs=inputs)
+        prepare(ctx, L, inputs)
         rows_chunk_step(ctx, L, plan, accs, cgs, inputs)
+        whole_chunks(ctx, L, accs, inputs)
         return
     forward(ctx, L, accs, rows=False)
     chunk_loss(ctx, L)
@@ -70,7 +72,7 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
     taken = ctx.taken()
     sv = inputs if rows else ctx.views + ctx.gates
     carried = ctx.states + [a.name for a in accs]
-    c, T, t, n, pos = (fresh(x, taken) for x in ("C", "T", "t", "n", "pos"))
+    c, T, t, n, pos, group = (fresh(x, taken) for x in ("C", "T", "t", "n", "pos", "group"))
     outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
     axis = 2 if rows else 1
     L(f"def _forward_apply_update(self, {', '.join(ctx.views + ctx.gates + ['state'])}):")
@@ -84,18 +86,8 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
         if rows:
-            raw = ctx.views + ctx.gates
-            L(f"{', '.join(raw)}{',' if len(raw) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in "
-              f"{tuple_text(raw)})", "head-major [B, H, T, ...], once: a chunk's rows are contiguous")
-            em = ctx.emitter(rows=True)
-            needed = {x for x in sv if x in ctx.spec.let}
-            for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
-                if name in needed:
-                    needed |= {x.id for x in ctx.spec.let[name].walk() if isinstance(x, Name)}
-            for name in ctx.let_order():
-                if name in needed:
-                    L(f"{name} = {em.emit(ctx.spec.let[name])}", shape_text("B, H, T", ctx.shape(Name(name)))
-                      + ": token-local, once over the sequence")
+            L(f"{', '.join(sv)}{',' if len(sv) == 1 else ''} = self._prepare_fn({', '.join(ctx.views + ctx.gates)})",
+              "the chunk step's inputs, head-major")
         L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}]' for s in ctx.states)}")
         if rows:   # a chunk's sums so far (None: no token of the chunk yet)
             L(f"{pos} = state.get(\"every.pos\", 0)", "a Python int: the position in the chunks")
@@ -105,13 +97,26 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
             block_sums_in(ctx, L, pos, accs)
         L(f"{outs} = []")
         L(f"{t} = 0")
+        if rows:
+            L(f"{group} = min(8, 256 // {c}) * {c}", "whole chunks, this many tokens per call of _chunks_fn")
         L(f"while {t} < {T}:")
         with L.indent():
-            L(f"{n} = min({c} - {pos}, {T} - {t})")
-            L(f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size")
             cut = f"[:, :, {t}:{t} + {n}]" if rows else f"[:, {t}:{t} + {n}]"
             args = carried + [f"{x}{cut}" for x in sv] + [f"{pos} + {n} == {c}"]
-            L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
+            single = [f"{n} = min({c} - {pos}, {T} - {t})",
+                      (f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size"),
+                      f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})"]
+            if rows:   # at a chunk boundary the sums are None: whole chunks in groups (one compiled call each)
+                L(f"if {pos} == 0 and {c} < {group} <= {T} - {t}:")
+                with L.indent():
+                    L(f"{n} = {group}")
+                    L(f"{o_c}, {tuple_text(ctx.states)} = self._chunks_fn("
+                      f"{', '.join(ctx.states + [f'{x}{cut}' for x in sv])})")
+                L("else:")
+                with L.indent():
+                    _lines(L, single)
+            else:
+                _lines(L, single)
             L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
@@ -119,6 +124,61 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
         o = f"torch.cat({outs}, dim={axis})"
         L(f"return {o}.transpose(1, 2), state" if rows else f"return {o}, state")
     L()
+
+
+def prepare(ctx, L, inputs) -> None:
+    """``_prepare_apply_update``: the chunk step's inputs head-major, the lets it reads computed
+    once over the sequence (compiled with symbolic sizes under ``compile``: one fused pass)."""
+    raw = ctx.views + ctx.gates
+    L(f"def _prepare_apply_update(self, {', '.join(raw)}):")
+    with L.indent():
+        L('"""' + "The chunk step's inputs over the sequence, head-major [B, H, T, ...]: "
+          + ", ".join(inputs) + ".")
+        L('"""')
+        L(f"{', '.join(raw)}{',' if len(raw) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in "
+          f"{tuple_text(raw)})", "a chunk's rows are contiguous")
+        em = ctx.emitter(rows=True)
+        needed = {x for x in inputs if x in ctx.spec.let}
+        for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
+            if name in needed:
+                needed |= {x.id for x in ctx.spec.let[name].walk() if isinstance(x, Name)}
+        for name in ctx.let_order():
+            if name in needed:
+                L(f"{name} = {em.emit(ctx.spec.let[name])}", shape_text("B, H, T", ctx.shape(Name(name)))
+                  + ": token-local")
+        L(f"return {', '.join(inputs)}")
+    L()
+
+
+def whole_chunks(ctx, L, accs, inputs) -> None:
+    """``_update_chunks``: whole chunks from a chunk boundary, one ``_update_step`` each -- under
+    ``compile`` one graph for the group (the loop unrolls over its few chunks), so that one
+    call's overhead serves several chunks."""
+    rest = ", ".join(["_"] * len(accs))
+    L(f"def _update_chunks(self, {', '.join(ctx.states + inputs)}):")
+    with L.indent():
+        L('"""' + "Whole chunks from a chunk boundary, head-major as in _update_step (their sums start")
+        L("empty and end with each chunk).  Returns (o " + shape_text("B, H, T", ctx.read_shape())
+          + ", the state after them).")
+        L('"""')
+        L("C = self.chunk")
+        L("outputs = []")
+        L(f"for s in range(0, {inputs[0]}.shape[2], C):")
+        with L.indent():
+            args = ctx.states + ["None"] * len(accs) + [f"{x}[:, :, s:s + C]" for x in inputs] + ["True"]
+            L(f"o, ({', '.join(ctx.states)}{', ' + rest if rest else ''}) = self._update_step({', '.join(args)})")
+            L("outputs.append(o)")
+        L(f"return torch.cat(outputs, dim=2), {tuple_text(ctx.states)}")
+    L()
+
+
+def compiled_methods(ctx, plan) -> list:
+    """The rows chunk step's further compiled methods: the preparation (symbolic sizes) and the
+    groups of whole chunks."""
+    if rows_grads(ctx, plan) is None:
+        return []
+    return [("_prepare_fn", "_prepare_apply_update", True, "inputs' preparation (symbolic sizes)"),
+            ("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
 
 
 def rows_chunk_step(ctx, L, plan, accs, cgs, inputs) -> None:
@@ -249,6 +309,12 @@ def chunk_step(ctx, L, plan, accs) -> None:
     L()
 
 
+def _lines(L, lines: list) -> None:
+    """Each line (text, or (text, comment)) through ``L``."""
+    for line in lines:
+        L(*line) if isinstance(line, tuple) else L(line)
+
+
 def _sum_text(refs: list) -> str:
     """``a``, ``-a``, ``a - b``: the signed sum of ``refs`` [(sign, text)]."""
     return " ".join(("" if i == 0 and sign > 0 else "-" if i == 0 else "+ " if sign > 0 else "- ") + ref
@@ -267,4 +333,5 @@ EMITTER = Emitter(
     family="apply_update", emit=emit, forward_method="_forward_apply_update",
     schedule_text="apply_update({chunk}): each chunk reads the state the previous chunk left, then every state "
                   "updates once with the chunk's summed gradient terms (approximate; chunk 1 equals online)",
-    chunk_step=("_update_fn", "_update_step"), approximation="apply-then-update", block_sums=True)
+    chunk_step=("_update_fn", "_update_step"), compiled=compiled_methods, approximation="apply-then-update",
+    block_sums=True)

@@ -72,6 +72,8 @@ class Emitter:
     kernel: bool = False         # one exact chunked kernel call (compile=True compiles it in slices)
     packed: bool = False         # the kernel takes packed documents (cu_seqlens) in one call
     chunk_step: tuple | None = None   # (attribute, method) of its compiled chunk step
+    compiled: Callable | None = None   # (ctx, plan) -> [(attribute, method, dynamic, what)]: more
+    #   methods compiled under `compile` (dynamic: symbolic sizes; what: their words in the docstring)
     stays_eager: Callable | None = None   # (ctx, plan) -> True when its kernel must not be compiled
     header: Callable | None = None    # (ctx, plan) -> an extra header line (without "# "), or None
     approximation: str | None = None  # how an approximate family's module names its approximation
