@@ -96,7 +96,7 @@ def test_no_import_cycles():
 
 def test_one_table_of_families():
     names = tuple(f.name for f in FAMILIES)
-    assert names == ("cache", "additive", "chained", "delta", "dplr", "oja", "momentum", "scan", "minibatch",
+    assert names == ("cache", "additive", "chained", "solve", "delta", "dplr", "oja", "momentum", "scan", "minibatch",
                      "online", "apply_update")
     assert set(EMITTERS) == set(names), "one emitter per family"
     assert all(callable(EMITTERS[n].emit) for n in names)

@@ -643,7 +643,7 @@ def _saved_bytes(fn):
 
 @pytest.mark.parametrize("name, schedule, T", [("titans_muon", "minibatch", 16), ("memora", "minibatch", 16),
                                                ("atlas", "minibatch", 16), ("hope_cms", "online", 150),
-                                               ("mesa", "online", 150), ("omeganet", "online", 150)])
+                                               ("omeganet", "online", 150)])
 def test_checkpointed_chunks_keep_no_per_token_state_and_give_the_same_gradients(name, schedule, T):
     # the materialising mini-batch chunk step, and the online loop in segments of 64 tokens, under
     # torch.utils.checkpoint: same outputs, states and gradients as keeping every token's state;

@@ -31,7 +31,7 @@ PAPER_FAMILIES = {
     "titans": "minibatch",
     "moneta": "minibatch",
     "yaad": "minibatch",
-    "mesa": "online",
+    "mesa": "solve",
     "softmax_attention": "cache",
     "sliding_window_attention": "cache",
     # linear in the state: decided on the normal form S_t = T_t(S_{t-1}) + W_t
@@ -290,8 +290,7 @@ def test_cache_and_windows():
     assert isinstance(d.plan, CachePlan) and d.plan.windows == {"K": 16, "V": 16}
 
 
-def test_mesa_is_online_with_the_reason():
-    d = analyse(mem("""
+MESA_HEAD = """
         memory me
         dims { d_k = 4, d_v = 3 }
         const lam = 1.0
@@ -300,11 +299,30 @@ def test_mesa_is_online_with_the_reason():
         view v : d_v
         state H : [d_k, d_k] = zeros
         state G : [d_k, d_v] = zeros
+"""
+
+
+def test_mesa_solves_by_chunked_conjugate_gradients_exact_to_the_tolerance():
+    spec = mem(MESA_HEAD + """
         update { H = H + outer(k, k)
+                 G = G + outer(k, v) }
+        read = q @ solve(H + lam * eye(d_k), G)
+    """)
+    d = analyse(spec)
+    assert d.family == "solve" and d.exact and d.admits == ("solve", "online")
+    text = explain(spec, d)
+    assert "exact to the solver's tolerance (1e-06 in float32, 1e-12 in float64" in text
+    assert "at most 4 steps" in text
+
+
+def test_mesa_with_an_indefinite_system_stays_online_with_the_reason():
+    d = analyse(mem(MESA_HEAD + """
+        update { H = H - outer(k, k)
                  G = G + outer(k, v) }
         read = q @ solve(H + lam * eye(d_k), G)
     """))
     assert d.family == "online" and d.admits == ("online",)
+    assert "is not provably >= 0" in dict(d.rejected)["solve"]
     assert any("additive running sums" in r and "solve(H + lam * eye(d_k), G)" in r for r in d.reasons)
 
 
