@@ -35,6 +35,13 @@ def _l2norm_columns(x):
     return x * torch.rsqrt((x * x).sum(-2, keepdim=True) + 1e-6)
 
 
+def _norm_axis(x, dim):
+    """The 2-norm of x over a non-last axis `dim`, as sqrt(sum(x^2)) (a strided
+    torch.linalg.vector_norm is 2-3x slower); below sqrt(finfo.tiny) (1e-19 in float32) it reads
+    that floor, so that the gradient at a zero vector is 0, as vector_norm's."""
+    return (x * x).sum(dim).clamp_min(torch.finfo(x.dtype).tiny).sqrt()
+
+
 def _silu_grad(x):
     """d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
     s = torch.sigmoid(x)
@@ -66,14 +73,15 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes unless `dynamic`), compiled at the
+    first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=False)
+        self.compiled = torch.compile(fn, dynamic=dynamic)
         self.seconds = None
 
     def __call__(self, *args):
@@ -254,8 +262,8 @@ class LactMemory(nn.Module):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
-        `compile`: torch.compile the per-token step, the apply_update chunk step, with static
-        shapes.
+        `compile`: torch.compile the per-token step, the apply_update chunk step, the inputs'
+        preparation (symbolic sizes), the groups of whole chunks, with static shapes.
         """
         super().__init__()
         self.d_model = d_model
@@ -274,6 +282,9 @@ class LactMemory(nn.Module):
         self.W2_init = nn.Parameter(torch.randn(self.heads, self.d_k, self.hidden) * 0.125)
         self._token_fn = _Compiled(self._token_step) if compile else self._token_step
         self._update_fn = _Compiled(self._update_step) if compile else self._update_step
+        self._prepare_fn = (_Compiled(self._prepare_apply_update, dynamic=True) if compile
+                else self._prepare_apply_update)
+        self._chunks_fn = _Compiled(self._update_chunks) if compile else self._update_chunks
 
     def init_state(self, batch, device=None, dtype=None, generator=None):
         """The initial state {name: [batch, H, ...]} (learned initial values are parameters;
@@ -497,14 +508,11 @@ class LactMemory(nn.Module):
         g1 = grad_W1  # [B, H, hidden, d_v]: a temporary of this token
         g2 = grad_W2  # [B, H, d_k, hidden]: a temporary of this token
         # [B, H, d_k, hidden]
-        W0 = (_l2norm_columns(W0 - eta0[..., None, None] * g0)
-                * torch.linalg.vector_norm(W0.movedim(-2, -1).contiguous(), dim=-1).unsqueeze(-2))
+        W0 = _l2norm_columns(W0 - eta0[..., None, None] * g0) * _norm_axis(W0, -2).unsqueeze(-2)
         # [B, H, hidden, d_v]
-        W1 = (_l2norm_columns(W1 - eta1[..., None, None] * g1)
-                * torch.linalg.vector_norm(W1.movedim(-2, -1).contiguous(), dim=-1).unsqueeze(-2))
+        W1 = _l2norm_columns(W1 - eta1[..., None, None] * g1) * _norm_axis(W1, -2).unsqueeze(-2)
         # [B, H, d_k, hidden]
-        W2 = (_l2norm_columns(W2 - eta2[..., None, None] * g2)
-                * torch.linalg.vector_norm(W2.movedim(-2, -1).contiguous(), dim=-1).unsqueeze(-2))
+        W2 = _l2norm_columns(W2 - eta2[..., None, None] * g2) * _norm_axis(W2, -2).unsqueeze(-2)
         return o, (W0, W1, W2)
 
     def _forward_apply_update(self, q, k, v, eta0, eta1, eta2, state):
@@ -517,11 +525,8 @@ class LactMemory(nn.Module):
         state['every.<state>.<k>'], so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
-        # head-major [B, H, T, ...], once: a chunk's rows are contiguous
-        q, k, v, eta0, eta1, eta2 = (x.transpose(1, 2).contiguous()
-                for x in (q, k, v, eta0, eta1, eta2))
-        qn = l2norm(F.silu(q))  # [B, H, T, d_k]: token-local, once over the sequence
-        kn = l2norm(F.silu(k))  # [B, H, T, d_k]: token-local, once over the sequence
+        # the chunk step's inputs, head-major
+        v, eta0, eta1, eta2, qn, kn = self._prepare_fn(q, k, v, eta0, eta1, eta2)
         W0, W1, W2 = state['W0'], state['W1'], state['W2']
         pos = state.get("every.pos", 0)  # a Python int: the position in the chunks
         acc_W0_0 = state.get('every.W0.0')  # the chunk's sum of eta0 * g0 so far, or None
@@ -529,13 +534,20 @@ class LactMemory(nn.Module):
         acc_W2_0 = state.get('every.W2.0')  # the chunk's sum of eta2 * g2 so far, or None
         outputs = []
         t = 0
+        group = min(8, 256 // C) * C  # whole chunks, this many tokens per call of _chunks_fn
         while t < T:
-            n = min(C - pos, T - t)
-            # static shapes: one compiled chunk size
-            fn = self._update_fn if n == C else self._update_step
-            o_c, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0) = fn(W0, W1, W2, acc_W0_0, acc_W1_0,
-                    acc_W2_0, v[:, :, t:t + n], eta0[:, :, t:t + n], eta1[:, :, t:t + n],
-                    eta2[:, :, t:t + n], qn[:, :, t:t + n], kn[:, :, t:t + n], pos + n == C)
+            if pos == 0 and C < group <= T - t:
+                n = group
+                o_c, (W0, W1, W2) = self._chunks_fn(W0, W1, W2, v[:, :, t:t + n],
+                        eta0[:, :, t:t + n], eta1[:, :, t:t + n], eta2[:, :, t:t + n],
+                        qn[:, :, t:t + n], kn[:, :, t:t + n])
+            else:
+                n = min(C - pos, T - t)
+                # static shapes: one compiled chunk size
+                fn = self._update_fn if n == C else self._update_step
+                o_c, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0) = fn(W0, W1, W2, acc_W0_0, acc_W1_0,
+                        acc_W2_0, v[:, :, t:t + n], eta0[:, :, t:t + n], eta1[:, :, t:t + n],
+                        eta2[:, :, t:t + n], qn[:, :, t:t + n], kn[:, :, t:t + n], pos + n == C)
             outputs.append(o_c)
             t, pos = t + n, (pos + n) % C
         state = {'W0': W0, 'W1': W1, 'W2': W2}
@@ -545,6 +557,17 @@ class LactMemory(nn.Module):
             state['every.W1.0'] = acc_W1_0
             state['every.W2.0'] = acc_W2_0
         return torch.cat(outputs, dim=2).transpose(1, 2), state
+
+    def _prepare_apply_update(self, q, k, v, eta0, eta1, eta2):
+        """The chunk step's inputs over the sequence, head-major [B, H, T, ...]: v, eta0, eta1,
+        eta2, qn, kn.
+        """
+        # a chunk's rows are contiguous
+        q, k, v, eta0, eta1, eta2 = (x.transpose(1, 2).contiguous()
+                for x in (q, k, v, eta0, eta1, eta2))
+        qn = l2norm(F.silu(q))  # [B, H, T, d_k]: token-local
+        kn = l2norm(F.silu(k))  # [B, H, T, d_k]: token-local
+        return v, eta0, eta1, eta2, qn, kn
 
     def _update_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn, kn,
             last):
@@ -582,21 +605,28 @@ class LactMemory(nn.Module):
         # update: the statements once, with the chunk's sums (other values: the last token's)
         if last:
             # [B, H, d_k, hidden]
-            W0 = (_l2norm_columns(W0 - acc_W0_0)
-                    * torch.linalg.vector_norm(W0.movedim(-2, -1).contiguous(),
-                    dim=-1).unsqueeze(-2))
+            W0 = _l2norm_columns(W0 - acc_W0_0) * _norm_axis(W0, -2).unsqueeze(-2)
             # [B, H, hidden, d_v]
-            W1 = (_l2norm_columns(W1 - acc_W1_0)
-                    * torch.linalg.vector_norm(W1.movedim(-2, -1).contiguous(),
-                    dim=-1).unsqueeze(-2))
+            W1 = _l2norm_columns(W1 - acc_W1_0) * _norm_axis(W1, -2).unsqueeze(-2)
             # [B, H, d_k, hidden]
-            W2 = (_l2norm_columns(W2 - acc_W2_0)
-                    * torch.linalg.vector_norm(W2.movedim(-2, -1).contiguous(),
-                    dim=-1).unsqueeze(-2))
+            W2 = _l2norm_columns(W2 - acc_W2_0) * _norm_axis(W2, -2).unsqueeze(-2)
             acc_W0_0 = None
             acc_W1_0 = None
             acc_W2_0 = None
         return o, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0)
+
+    def _update_chunks(self, W0, W1, W2, v, eta0, eta1, eta2, qn, kn):
+        """Whole chunks from a chunk boundary, head-major as in _update_step (their sums start
+        empty and end with each chunk).  Returns (o [B, H, T, d_v], the state after them).
+        """
+        C = self.chunk
+        outputs = []
+        for s in range(0, v.shape[2], C):
+            o, (W0, W1, W2, _, _, _) = self._update_step(W0, W1, W2, None, None, None,
+                    v[:, :, s:s + C], eta0[:, :, s:s + C], eta1[:, :, s:s + C], eta2[:, :, s:s + C],
+                    qn[:, :, s:s + C], kn[:, :, s:s + C], True)
+            outputs.append(o)
+        return torch.cat(outputs, dim=2), (W0, W1, W2)
 
 
 class LactLayer(nn.Module):
