@@ -71,7 +71,8 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
         q: ``[B, T, H, K]`` right-hand sides.
         k: ``[B, T, H, K]`` keys; beta: ``[B, T, H]`` write weights (>= 0).
         log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
-        H0: ``[B, H, K, K]`` initial state (symmetric positive semi-definite), or None for zeros.
+        H0: ``[B, H, K, K]`` initial state (symmetric positive semi-definite), or None for zeros; one that
+            is not symmetric (to ``tol`` of its largest entry) takes a direct solve per token.
         lam: the regulariser (a number > 0).
         chunk: chunk size C.
         inclusive: True: token t solves with H_t; False: with H_{t-1}.
@@ -100,12 +101,14 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
         docs = documents.for_kernel(C, H_docs)
         T = docs.T
     S = k.new_zeros(BH, K, K, dtype=dt) if H0 is None or docs is not None else H0.to(dt).reshape(BH, K, K)
-    # conjugate gradients needs symmetric systems: every state after a symmetric one is (exactly, the
-    # writes symmetrised); an initial state that is not takes the direct solve (one device sync)
-    symmetric = H0 is None or bool(torch.equal(H0, H0.transpose(-1, -2)))
+    # conjugate gradients needs symmetric systems: every state after a symmetric one is (the writes are
+    # symmetrised); an initial state that is not, beyond the solver's tolerance of its largest entry,
+    # takes the direct solve (one device sync)
+    symmetric = H0 is None or bool((H0 - H0.transpose(-1, -2)).abs().amax() <= tolerance * H0.abs().amax())
     G = _group_size(-(-T // C), BH * C * max(K, C), group, k.device)
     groups = _chunk_groups(T, C, G)
-    inputs = (q, k, beta, log_gamma) if docs is None else (docs.lay(x) for x in (q, k, beta, log_gamma))
+    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # [B, T, H] (no decay: 0)
+    inputs = (q, k, beta, lg_all) if docs is None else (docs.lay(x) for x in (q, k, beta, lg_all))
     pieces = zip(groups, *(_split_groups(x, groups) for x in inputs))
     outs, j0 = [], 0
     for (n, m, c), qp, kp, bp, lp in pieces:
@@ -114,10 +117,17 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
             return x.reshape(n * BH, c, *x.shape[4:])
 
         kg, bg = block(kp), block(bp)                                # [nBH, c, K], [nBH, c]
-        lg = block(lp) if lp is not None else torch.zeros_like(bg)   # [nBH, c] log decays
+        lg = block(lp)                                               # [nBH, c] log decays (-inf: a decay of 0)
+        # a non-finite write reaches the tokens from its own on: the chunk runs on zeros in its place (no
+        # earlier token sees it through a masked product) and a NaN is added from there on, and to the state
+        f = kg.sum(-1) + bg + lg.masked_fill(lg == float("-inf"), 0.0)
+        bad = torch.cumsum(f - f, 1)                                 # [nBH, c] 0, or NaN from that token on
+        kg, bg, lg = torch.nan_to_num(kg, 0.0, 0.0, 0.0), torch.nan_to_num(bg, 0.0, 0.0, 0.0), \
+            torch.nan_to_num(lg, 0.0, 0.0)
         W, Lq, g_end, kd = _solve_weights(lg, bg, kg, n, inclusive)
         kk = torch.bmm(kd.transpose(1, 2), kg)                      # each chunk's writes, decayed to its end
-        kk = ((kk + kk.transpose(1, 2)) * 0.5).view(n, BH, K, K)   # (X + Xᵀ) / 2: symmetric in floating point too
+        kk = (kk + kk.transpose(1, 2)) * 0.5 + bad[:, -1:, None]     # (X + Xᵀ) / 2: symmetric in floating point too
+        kk = kk.view(n, BH, K, K)
         S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(kk[j], g_end[j], S), None), n, S, docs, j0)
         j0 += n
         H_starts, a = _stacked(starts), torch.exp(Lq)                # [nBH, K, K], [nBH, c]
@@ -125,7 +135,7 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
             x = _ChunkSolve.apply(block(qp), H_starts, kg, W, a, float(lam), tolerance, most)
         else:
             x = _direct_solve(block(qp), H_starts, kg, W, a, float(lam))
-        outs.append(_token_major(x, B, Hh, m))                      # [B, n, m, H, K]
+        outs.append(_token_major(x + bad[..., None], B, Hh, m))     # [B, n, m, H, K]
     H_T = docs.final() if docs is not None else S.view(B, Hh, K, K)
     x = _join_chunks(outs)
     x = docs.unlay(x) if docs is not None else x
