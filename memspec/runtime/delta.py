@@ -19,7 +19,8 @@ def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
 
     Args:
         q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
-        beta: ``[B, T, H]`` step sizes.
+        beta: ``[B, T, H]`` step sizes, or ``[B, T, H, V]``: one per value channel (column j of the
+            state runs its own delta rule, ``u_tj = beta_tj (v_tj - rho_t k_t @ S_{t-1}[:, j])``).
         log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
         S0: ``[B, H, K, V]`` or None.
         log_rho: ``[B, T, H]`` log of the decay the error term sees, or None (= log_gamma).
@@ -40,7 +41,7 @@ def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
         pred = torch.einsum("bhk,bhkv->bhv", k_t, S)                               # [B, H, V]
         if log_rho is not None:
             pred = pred * torch.exp(log_rho[:, t].to(dt))[..., None]
-        u_t = b_t[..., None] * (v_t - pred)                                        # [B, H, V]
+        u_t = (b_t if b_t.dim() == 3 else b_t[..., None]) * (v_t - pred)            # [B, H, V]
         S_prev = S
         if log_gamma is not None:
             S = torch.exp(log_gamma[:, t].to(dt))[:, :, None, None] * S
@@ -53,7 +54,7 @@ def recurrent_delta(q, k, v, beta, log_gamma, S0, log_rho=None, inclusive=True):
 
 
 def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=None, documents=None,
-                log_rho=None):
+                log_rho=None, per_channel=False):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
@@ -79,7 +80,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
 
     Args:
         q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
-        beta: ``[B, T, H]`` step sizes.
+        beta: ``[B, T, H]`` step sizes (``[B, T, H, V]`` with ``per_channel``).
         log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
         S0: ``[B, H, K, V]`` or None.
         chunk: chunk size C.
@@ -89,6 +90,11 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
             gives the same numbers.
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
+        per_channel: beta is ``[B, T, H, V]``, one step size per value channel: column j of the state
+            runs its own scalar-beta delta rule, the keys and decays shared, so each chunk has one
+            unit-lower-triangular system per value channel (:func:`_delta_channel_maps`); the
+            sequential part is ``u = U - T Diag(beta e^R) (K S)`` column by column.  Chunks of 16 tokens
+            or fewer keep the inverses ``T`` small (``C V`` floats per token).
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
@@ -105,7 +111,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
         docs = documents.for_kernel(C, S_docs)
         T = docs.T
     N, r = divmod(T, C)
-    G = _group_size(N, BH * C * max(K + V, C), group, dev)          # chunks per group
+    G = _group_size(N, BH * C * (C * V if per_channel else max(K + V, C)), group, dev)          # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
     bt, lgt, lrt = beta, log_gamma, log_rho                          # per-token scalars [B, T, H]
@@ -126,7 +132,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
     # state, are NaN; a non-finite probe makes its own output NaN.  The flags come from one sum per token.
     # (the state itself is never poisoned inside: later outputs are replaced by NaN at the end, so
     # no NaN ever meets a product, forward or backward)
-    total = kk.sum(-1) + vv.sum(-1) + bt.to(dt)
+    total = kk.sum(-1) + vv.sum(-1) + (bt.to(dt).sum(-1) if per_channel else bt.to(dt))
     if log_gamma is not None:                                        # a decay of 0 (log -inf) is valid
         total = total + lgt.to(dt).clamp_min(-80.0)
     if log_rho is not None:
@@ -145,13 +151,17 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
 
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
     # log decay 0, so L at the chunk's last slot is L at its last real token
-    bc = torch.where(ok, per_chunk(bt), zero)                        # beta
+    if per_channel:                                                  # beta [Np, BH, C, V]
+        bc = torch.where(ok[..., None], _chunk_major(bt.to(dt), Np, C).reshape(Np, BH, C, V), zero)
+    else:
+        bc = torch.where(ok, per_chunk(bt), zero)                        # beta
     if decayed:
         lgc = (torch.where(ok, per_chunk(lgt).clamp_min(-80.0), zero) if log_gamma is not None
                else torch.zeros_like(bc))
         L = torch.cumsum(lgc, dim=-1)                                # cumulative log decay in the chunk
         Rl = L if log_rho is None else L - lgc + torch.where(ok, per_chunk(lrt).clamp_min(-80.0), zero)
-        b_r = bc * torch.exp(Rl)                                     # beta exp(R): scales k on the right side
+        # beta exp(R): scales k on the right side
+        b_r = bc * (torch.exp(Rl)[..., None] if per_channel else torch.exp(Rl))
         to_end = torch.exp(L[..., -1:] - L)                          # decay from token t to the chunk end
         g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
         Lq = L if inclusive else L - lgc                             # log decay a probe sees
@@ -171,7 +181,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
         return _split_groups(x, groups)
 
     def c_split(x):  # [Np, BH, ...] -> one [n, BH, ...] piece per group ([n B H, c] for c < C: the tail)
-        return [p[..., :c] for p, (n, c, _) in zip(x.split(c_pieces, dim=0), groups)]
+        return [p[:, :, :c] for p, (n, c, _) in zip(x.split(c_pieces, dim=0), groups)]
 
     pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc), c_split(ok)]
     pieces.append(c_split(read_bad) if qq is not None else [None] * len(groups))
@@ -183,8 +193,11 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
     for gi, (n, c, _) in enumerate(groups):
         kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
-        flat = lambda x: x.reshape(nBH, c)  # noqa: E731  [n, BH, c] -> [n B H, c]
-        b = flat(b)[:, :, None]                                      # [nBH, c, 1]
+        flat = lambda x: x.flatten(0, 1)  # noqa: E731  [n, BH, c, ...] -> [n B H, c, ...]
+        if per_channel:
+            b = flat(b)                                                  # [nBH, c, V]
+        else:
+            b = flat(b)[:, :, None]                                      # [nBH, c, 1]
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1) BH)),
         # bad tokens zeroed
         kv = torch.cat([_chunk_major(kp, n, c), _chunk_major(vp, n, c)], dim=-1)
@@ -197,16 +210,26 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
                 solve_decay = read_decay
             else:
                 solve_decay = decay_matrix(Rg, Lg, -1)               # exp(R_t - L_s), s < t
-            Wk, U, kd = _delta_maps(kv, b, K, solve_decay, b_rg, to_end_g)
+            if per_channel:
+                Wk, U, kd = _delta_channel_maps(kv, b, K, solve_decay, b_rg, to_end_g)
+            else:
+                Wk, U, kd = _delta_maps(kv, b, K, solve_decay, b_rg, to_end_g)
+        elif per_channel:
+            Wk, U, kd = _delta_channel_maps(kv, b, K)
         else:
             Wk, U, kd = _delta_maps(kv, b, K)
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
         gs = g_end_g.unbind(0) if decayed else [None] * n
-        Ws, Us = Wk.reshape(n, BH, c, K).unbind(0), U.reshape(n, BH, c, V).unbind(0)
+        Ws, Us = Wk.reshape(n, BH, *Wk.shape[1:]).unbind(0), U.reshape(n, BH, c, V).unbind(0)
         kds = kd.reshape(n, BH, c, K).unbind(0)
+        if per_channel:                                              # the keys the errors read
+            kgs = kv[:, :, :K].reshape(n, BH, c, K).unbind(0)
 
         def step(j, S):  # chunk j's map: the corrections u_j, S <- g_j S + Kd_j^T u_j
-            u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)           # [BH, c, V]
+            if per_channel:   # column by column: u = U - T Diag(beta e^R) (K S), Ws[j] = T Diag(beta e^R)
+                u_j = Us[j] - (Ws[j] * torch.bmm(kgs[j], S)[:, None]).sum(2)   # [BH, c, V]
+            else:
+                u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)           # [BH, c, V]
             Sg = S if gs[j] is None else S * gs[j][:, None, None]
             return torch.baddbmm(Sg, kds[j].transpose(1, 2), u_j), u_j
 
@@ -274,6 +297,60 @@ def _delta_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
                                       unitriangular=True).transpose(1, 2)   # [nBH, c, K + V] = [W | U]
     W, U = X.split([K, KV - K], dim=-1)
     return W, U, kd
+
+
+def _delta_channel_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
+    """The chunk maps of the delta rule with one step size per value channel (``chunk_delta`` with
+    ``per_channel``), batched over chunks: column j of the state runs its own scalar-beta delta rule,
+    so each chunk has one unit-lower-triangular system per value channel, ``A`` shared,
+    ``(I + Diag(beta_j) A) u_j = beta_j v_j - beta_j e^R (K S)_j``; with ``T_j`` its inverse the
+    corrections are ``u = U - T Diag(beta e^R) (K S)`` column by column.
+
+    The inverses, channel last, halve the chunk level by level: the inverse of ``[[X, 0], [Y, Z]]``
+    is ``[[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]`` with ``Y = Diag(beta_j) A_21``, so a level takes the
+    shared ``A_21 X^-1`` (one batched product, the channels as columns) and one product per channel
+    (elementwise over the channels).  A chunk of c tokens is padded to a power of two (the top-left
+    block of a lower-triangular inverse is the inverse of the top-left block).
+
+    Args:
+        kv: ``[nBH, c, K + V]`` keys and values side by side (bad tokens zeroed); b: ``[nBH, c, V]``
+            beta; K: the key width.
+        solve_decay: ``[nBH, c, c]`` the decays ``exp(R_t - L_s)`` of the pairs s < t, or None (no
+            decay: the other factors are None too).
+        b_r: ``[nBH, c, V]`` ``beta exp(R)``; to_end: ``[nBH, c]`` the decay from each token to the chunk end.
+
+    Returns:
+        ``(Tb [nBH, c, c, V], U [nBH, c, V], Kd [nBH, c, K])``: ``Tb[:, t, s, j] = T_j[t, s] (beta e^R)_sj``,
+        U ``= T (beta v)``, Kd the keys decayed to the chunk end.
+    """
+    nBH, c, V = b.shape
+    kg, vg = kv[:, :, :K], kv[:, :, K:]                              # [nBH, c, K], [nBH, c, V] (views)
+    A = torch.bmm(kg, kg.transpose(1, 2))                            # k_t . k_s (only s < t is read)
+    if solve_decay is not None:
+        A = A * solve_decay
+        kd = kg * to_end[:, :, None]                                 # [nBH, c, K] keys decayed to the chunk end
+    else:
+        b_r = b
+        kd = kg
+    cp = 1 << (c - 1).bit_length()                                   # c padded to a power of two
+    Ap, bp = A, b
+    if cp > c:
+        Ap = torch.nn.functional.pad(A, (0, cp - c, 0, cp - c))
+        bp = torch.nn.functional.pad(b, (0, 0, 0, cp - c))
+    T = b.new_ones(nBH, cp, 1, 1, V)                                 # the diagonal blocks' inverses, size s
+    s = 1
+    while s < cp:
+        m = cp // (2 * s)                                            # pairs of blocks
+        A21 = torch.diagonal(Ap.reshape(nBH, m, 2 * s, m, 2 * s), dim1=1, dim2=3)[:, s:, :s].permute(0, 3, 1, 2)
+        X, Z = T[:, 0::2], T[:, 1::2]                                # [nBH, m, s, s, V]
+        Y = torch.matmul(A21, X.reshape(nBH, m, s, s * V)).reshape(nBH, m, s, s, V)    # A_21 X^-1
+        Y = bp.reshape(nBH, m, 2, s, 1, V)[:, :, 1] * Y              # Diag(beta_j) A_21 X^-1
+        Y = -(Z[:, :, :, :, None] * Y[:, :, None]).sum(3)            # -Z^-1 Diag(beta_j) A_21 X^-1
+        T = torch.cat([torch.cat([X, torch.zeros_like(X)], dim=3), torch.cat([Y, Z], dim=3)], dim=2)
+        s *= 2
+    T = T[:, 0, :c, :c]                                              # [nBH, c, c, V]
+    U = (T * (b * vg)[:, None]).sum(2)                               # [nBH, c, V]
+    return T * b_r[:, None], U, kd
 
 
 def _delta_outputs(qg, kg, u, S_starts, inclusive, read_decay=None, q_fac=None):

@@ -110,7 +110,7 @@ FAMILIES: tuple[Family, ...] = (
            keyword="chunk", needs="an exact chunk form", tells=_has_grads, sided=True,
            hint="give one matrix state a transition T = gamma I - beta k kᵀ (a scalar decay and the delta "
                 "rule: a gradient step on a loss quadratic in a linear model, or the error written out)",
-           hint_applies=lambda spec: len(spec.state) == 1),
+           hint_applies=lambda spec: len(spec.state) == 1, prefers=delta.preferred_chunk),
     Family("dplr", lambda alg, chunk: dplr.analyse_dplr(alg), exact=True, chunked=True, carried=False,
            text="dplr (exact chunked form: diagonal plus low rank, WY / UT representation, triangular solve per chunk)",
            keyword="chunk", needs="an exact chunk form", sided=True,

@@ -12,7 +12,9 @@ from ..lang.normalize import canon
 from .algebra import ONE, ZERO, Algebra, NotAdmitted, grad_calls, is_num, mul, simplify, txt
 from .polynomial import Probe, find_probes, symbolic_grad
 from .ranges import check_decay
-from .transition import describe, normal_form, one_state, ratio, side_text, split_scalar
+from .transition import describe, normal_form, one_state, ratio, side_text, split_scalar, without_factor
+
+CHANNEL_CHUNK = 8   # a step size per value channel: chunks of 8 tokens keep the per-channel inverses small
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,9 @@ class DeltaPlan:
 
     ``rho`` is the decay the error term sees: ``gamma`` (gradient at the decayed
     memory, the gated delta rule) unless a decay is written in the same statement as
-    the gradient; ``None`` means rho = gamma.  ``gamma`` None means no decay."""
+    the gradient; ``None`` means rho = gamma.  ``gamma`` None means no decay.  ``per_channel``:
+    ``beta`` is a vector over the value channels (column j of the state runs its own scalar-beta
+    delta rule, the keys and decays shared)."""
 
     state: str
     k: Expr
@@ -32,15 +36,18 @@ class DeltaPlan:
     probes: tuple[Probe, ...]
     read: Expr
     inclusive: bool
+    per_channel: bool = False
 
 
 def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     """The delta family from the normal form ``W <- T(W) + A``: ``T = gamma I - beta rho k kᵀ``
     (a token-local scalar decay plus a symmetric rank one) and ``A = beta k vᵀ`` -- however the
-    update is written (``grad`` of a quadratic loss or the error written out)."""
+    update is written (``grad`` of a quadratic loss or the error written out).  A rank-one term
+    with a diagonal on the value side, ``beta rho k kᵀ W Diag(d)`` with the write ``k (d ⊙ v)ᵀ``,
+    is a step size per value channel: d_v scalar-beta delta rules side by side, one per column."""
     spec = alg.spec
     nf = normal_form(alg)
-    W, m = one_state(alg, nf, "delta")
+    W, m = one_state(alg, nf, "delta", value_diag=True)
     reasons = grad_reasons(alg)
     reasons.append("normal form: " + describe(nf, alg)[0])
     diag = [t for t in m.terms if t.left.kind in ("I", "diag")]
@@ -63,6 +70,12 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     if len(m.incs) != 1 or canon(m.incs[0][0]) != canon(k):
         raise NotAdmitted(f"the write of {W} is not one outer product at the key {txt(k)}")
     s_b, v_b = split_scalar(alg, m.incs[0][1])
+    d = t1.right.u if t1.right.kind == "diag" else None   # a step size per value channel
+    if d is not None:
+        v_b = without_factor(v_b, d)
+        if v_b is None:
+            raise NotAdmitted(f"the correction of {W} has a step per value channel ({side_text(t1.right)} on its "
+                              f"value side) that the write {txt(m.incs[0][1])} does not share")
     br = simplify(Neg(t1.coef))                  # beta * rho
     beta = ratio(br, gamma)                      # rho = gamma when it cancels: the error at the decayed memory
     if beta is not None:
@@ -74,6 +87,8 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
         raise NotAdmitted(f"the step size of the correction ({txt(br)}) and of the write ({txt(s_b)}) do not share "
                           f"a factor the analysis can divide out")
     v = simplify(mul(scale, v_b))
+    if d is not None:
+        beta = simplify(mul(beta, d))
     decay_lines = [r for r in (check_decay(alg, None if is_num(gamma, 1) else gamma, f"of {W}"),
                                check_decay(alg, None if canon(rho) in (canon(gamma), canon(ONE)) else rho,
                                            "seen by the error term")) if r]
@@ -82,6 +97,10 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
         "-", Name("v"), BinOp("*", rho, BinOp("@", Name("k"), Wp)))))))
     rec = f"{W} <- {txt(rec_e)} with k = {txt(k)}, v = {txt(v)}, beta = {txt(beta)}"
     reasons.append(("gated delta rule: " if not is_num(gamma, 1) else "delta rule: ") + rec)
+    if d is not None:
+        reasons.append(f"beta is per value channel ({side_text(t1.right)} on the value side of the rank-one term, "
+                       f"beta = {txt(beta)}): column j of {W} runs its own scalar-beta delta rule with step beta_j, "
+                       f"the key and the decay shared -- d_v delta rules side by side")
     if canon(rho) == canon(gamma) and not is_num(gamma, 1):
         reasons.append(f"the error is read at the decayed memory (rho = the decay {txt(gamma)})")
     elif not is_num(gamma, 1):
@@ -97,11 +116,25 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     reasons.append("the read is a function of the linear probes "
                    + ", ".join(txt(BinOp("@", p.vector, Name(p.state))) for p in probes) if probes
                    else "the read does not use the state")
-    reasons.append("exact chunk form: WY / UT representation of the product of (I - beta_t k_t^T k_t), "
-                   "one unit-lower-triangular solve per chunk")
+    if d is None:
+        reasons.append("exact chunk form: WY / UT representation of the product of (I - beta_t k_t^T k_t), "
+                       "one unit-lower-triangular solve per chunk")
+    else:
+        reasons.append("exact chunk form: per value channel the UT transform T_j = (I + Diag(beta_j) A)^-1 of the "
+                       "chunk's decayed k kᵀ (A shared), batched [d_v, C, C] inverses formed for all chunks at once "
+                       "(d_v C^3 per chunk), the state passed with u = U - T Diag(beta e^R) (K S) column by column")
     plan = DeltaPlan(W, k, v, beta, None if is_num(gamma, 1) else gamma,
-                     None if canon(rho) == canon(gamma) else rho, tuple(probes), read, spec.order == "write_read")
+                     None if canon(rho) == canon(gamma) else rho, tuple(probes), read, spec.order == "write_read",
+                     per_channel=d is not None)
     return plan, reasons
+
+
+def preferred_chunk(alg: Algebra, plan: DeltaPlan):
+    """(chunk, reason) for a step size per value channel; None (the default chunk) otherwise."""
+    if not plan.per_channel:
+        return None
+    return CHANNEL_CHUNK, (f"beta is per value channel: chunks of {CHANNEL_CHUNK} tokens keep the per-channel "
+                           f"inverses small (C d_v floats per token; ask for another size with schedule: chunk(N))")
 
 
 def grad_reasons(alg: Algebra) -> list[str]:

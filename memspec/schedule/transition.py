@@ -309,9 +309,10 @@ def as_expr(m: Affine, states: dict | None = None) -> Expr:
     return simplify(out)
 
 
-def one_state(alg: Algebra, nf: NormalForm, family: str) -> tuple[str, Affine]:
+def one_state(alg: Algebra, nf: NormalForm, family: str, value_diag: bool = False) -> tuple[str, Affine]:
     """The single matrix state of a transition acting on the key side only, and its map
-    (NotAdmitted otherwise, with the algebra: coupled states, a value-side factor, ...)."""
+    (NotAdmitted otherwise, with the algebra: coupled states, a value-side factor, ...);
+    ``value_diag``: a rank-one term may carry a diagonal on the value side (``k kᵀ S Diag(d)``)."""
     states = list(alg.states)
     if len(states) != 1:
         links = [line for n in states for line in transition_text(nf.maps[n], n, states)
@@ -325,7 +326,7 @@ def one_state(alg: Algebra, nf: NormalForm, family: str) -> tuple[str, Affine]:
     if m.vector:
         raise NotAdmitted(f"state {S} is a vector; the {family} form needs a matrix")
     for t in m.terms:
-        if t.right.kind != "I":
+        if t.right.kind != "I" and not (value_diag and t.right.kind == "diag" and t.left.kind == "outer"):
             raise NotAdmitted(f"the transition of {S} acts on its columns ({S} {side_text(t.right)}): the chunk "
                               f"kernels need a transition on the key side only")
     return S, m
