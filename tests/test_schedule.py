@@ -29,6 +29,7 @@ PAPER_FAMILIES = {
     "ttt_linear": "minibatch",
     "ttt_mlp": "minibatch",
     "titans": "minibatch",
+    "titans_channel_forget": "minibatch",   # a forget gate per row of each layer: the dual form in blocks
     "moneta": "minibatch",
     "yaad": "minibatch",
     "mesa": "solve",

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from ..lang.expr import BinOp, Call, Expr, Name, map_children, substitute
 from ..lang.names import fresh
+from ..schedule.dual import BLOCK
 from .dualchunk import ChunkAlgebra, DualRead
+from .dualterms import Ref
 from .exprs import P_ATOM, ExprEmitter
 from .prestep import expr_reads, split_pre
 from .program import shadow_plan
@@ -204,13 +206,46 @@ class DualWriter:
             xk, dd = self.closed_grads(body, em, starts, taken)
         else:
             xk, dd = self.tapped_grads(body, starts, taken, first)
-        alg = ChunkAlgebra(self, body, em, taken, first, inputs)
-        alg.solve()
-        read = DualRead(alg, xk, dd)
-        read.emit(self._lower, spec, list(form.sites))
-        finals = read.finals()
-        body(f"return o, {tuple_text(finals)}", reads=("o", *finals), returns=True)
+        if form.rows:   # a decay per channel: the chunk in blocks, the state carried between them
+            self.blocked(body, names, taken, inputs, xk, dd)
+        else:
+            alg = ChunkAlgebra(self, body, em, taken, first, inputs)
+            alg.solve()
+            read = DualRead(alg, xk, dd)
+            read.emit(self._lower, spec, list(form.sites))
+            finals = read.finals()
+            body(f"return o, {tuple_text(finals)}", reads=("o", *finals), returns=True)
         self.pre = split_pre(w, self.free, L, header, doc.lines, body, list(starts.values()) + w.states, inputs)
+
+    def blocked(self, L, names: dict, taken: set, inputs: list, xk: dict, dd: dict) -> None:
+        """The chunk in blocks of ``BLOCK`` tokens (one block when the chunk is not a multiple of it):
+        every per-token value folded ``[B, H * nb, block, ...]``, the chunk algebra solved within each
+        block from the block's start states, which the loop of :meth:`.dualchunk.DualRead.block_passing`
+        carries from block to block; the read folded back ``[B, H, C, ...]``."""
+        w, spec, first = self.w, self.spec, inputs[0]
+        blk = fresh("block", taken)
+        self.free.add(blk)
+        L(f"{blk} = {BLOCK} if {first}.shape[2] % {BLOCK} == 0 else {first}.shape[2]",
+          f"tokens per block (the decays of {', '.join(self.form.rows)} are per channel)", targets=(blk,),
+          reads=(first,))
+        folded = {}
+        for x in list(inputs) + [v for v in list(xk.values()) + list(dd.values()) if v not in inputs]:
+            if x in folded:
+                continue
+            folded[x] = fresh(f"{x}_blocks", taken)
+            L(f"{folded[x]} = {x}.reshape({x}.shape[0], -1, {blk}, *{x}.shape[3:])",
+              f"[B, H * nb, block, ...]: {x} in blocks", targets=(folded[x],), reads=(x, blk))
+        fin = [folded[x] for x in inputs]
+        em = w.emitter(names={**names, **{x: folded[x] for x in inputs}}, like=fin[0])
+        alg = ChunkAlgebra(self, L, em, taken, fin[0], fin)
+        alg.solve()
+        read = DualRead(alg, {g: folded[x] for g, x in xk.items()}, {g: folded[x] for g, x in dd.items()})
+        finals = read.block_passing(Ref(f"{first}.shape[1]", reads=frozenset({first})))
+        ob = fresh("o_blocks", taken)
+        read.emit(self._lower, spec, list(self.form.sites), out=ob)
+        L(f"o = {ob}.reshape({first}.shape[:3] + {ob}.shape[3:])", shape_text("B, H, C", w.read_shape())
+          + ": the blocks unfolded", targets=("o",), reads=(ob, first))
+        L(f"return o, {tuple_text(finals)}", reads=("o", *finals), returns=True)
 
     def step_docstring(self, L, starts: dict, inputs: list) -> None:
         w = self.w
@@ -221,6 +256,10 @@ class DualWriter:
         L(", ".join(w.states) + ": the state before the chunk's first token [B, H, ...].")
         L("Each state after token i is a combination of the states before the chunk and the")
         L("tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.")
+        if self.form.rows:
+            L(f"The decays of {', '.join(self.form.rows)} are per channel: the chunk runs in blocks of {BLOCK}")
+            L("tokens, folded [B, H * nb, block, ...] (in the blocks' shape comments H is H * nb and C")
+            L("the block); each block from the states at its start, carried from block to block.")
         L("Returns (o " + shape_text("B, H, C", w.read_shape()) + ", the state after the chunk).")
         L('"""')
 

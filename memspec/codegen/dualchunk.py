@@ -35,7 +35,7 @@ from .dualterms import (
     number,
     scaled,
 )
-from .exprs import P_ADD
+from .exprs import P_ADD, P_ATOM
 from .prestep import expr_reads
 from .text import shape_text
 
@@ -72,11 +72,33 @@ class ChunkAlgebra:
         self.bound: dict = {}     # term -> the local that holds it
         self.reps: dict = {}      # state -> Rep after each token
         self.shifted: dict = {}   # state -> Rep before each token
+        self.chan: dict = {}      # local -> its channel axis (a decay per row: DualForm.rows)
         self.C = fresh("C", taken)
         rec = self.form.recurrence
         if any(self.number_decay(rec.coeff[s].get(("prev", s))) for s in rec.order):
             self.free.add(self.C)
             L(f"{self.C} = {first}.shape[2]", targets=(self.C,), reads=(first,))
+
+    def is_chan(self, t: Term) -> bool:
+        """Does ``t`` carry a channel axis: coefficients ``[B, H, d, C]``, weights ``[B, H, d, C, C]``
+        (one factor per row of a state that decays per channel)?"""
+        return bool(t.names & self.chan.keys())
+
+    def chan_dim(self, t: Term) -> str:
+        """The channel axis of ``t`` (one of its channel locals')."""
+        return next(self.chan[n] for n in sorted(t.names) if n in self.chan)
+
+    def up(self, t: Term, mat: bool, chan: bool) -> Term:
+        """``t`` (a coefficient, or with ``mat`` weights) in the channel layout when ``chan``: a
+        scalar one gains the channel axis (it broadcasts over the rows)."""
+        if not chan or t.number or self.is_chan(t):
+            return t
+        return Post(t, ".unsqueeze(-3)" if mat else ".unsqueeze(-2)")
+
+    def aligned(self, terms: list, mat: bool) -> list:
+        """``terms`` all in the channel layout when one of them is."""
+        chan = any(self.is_chan(t) for t in terms)
+        return [self.up(t, mat, chan) for t in terms]
 
     def number_decay(self, d) -> bool:
         """Whether a decay expression is a plain number (its weights need the chunk size C)."""
@@ -87,7 +109,14 @@ class ChunkAlgebra:
         """A token-local scalar ``[B, H, C]`` (a number: its code; a name: itself; else a local)."""
         if e not in self.coefs:
             code = self.em._emit(e)
-            if code.number:
+            shape = self.w.env.infer(e)
+            if shape is not None and len(shape) == 1:   # one factor per row: channel-major
+                name = fresh(base, self.taken)
+                self.L(f"{name} = {code.at(P_ATOM)}.transpose(-2, -1)", f"[B, H, {shape[0]}, C]: {unparse(e)}",
+                       targets=(name,), reads=expr_reads(self.em, e))
+                self.chan[name] = shape[0]
+                self.coefs[e] = local(name)
+            elif code.number:
                 self.coefs[e] = Ref(code.text, code.prec, is_number=True, value=constant_value(self.spec, e))
             elif isinstance(e, Name):
                 self.coefs[e] = local(code.text)
@@ -98,12 +127,15 @@ class ChunkAlgebra:
                 self.coefs[e] = local(name)
         return self.coefs[e]
 
-    def bind(self, name: str, term: Term, comment: str) -> Term:
+    def bind(self, name: str, term: Term, comment: str, plain: bool = False) -> Term:
         """``term`` bound to the local ``name``, or the local that already holds it (a leaf or a
-        number is used as it is)."""
+        number is used as it is); ``plain``: a term in the inputs' layout, whatever it reads."""
         if term.number or isinstance(term, Ref):
             return term
         if term not in self.bound:
+            if self.is_chan(term) and not plain:
+                self.chan[name] = self.chan_dim(term)
+                comment = comment.replace("[B, H, ", f"[B, H, {self.chan[name]}, ", 1)
             self.L(f"{name} = {term.render()}", comment, targets=(name,), reads=term.names)
             self.bound[term] = local(name)
         return self.bound[term]
@@ -134,8 +166,11 @@ class ChunkAlgebra:
                    targets=(Ln, Pn), reads=weights.names)
         else:
             weights = Call("_decay_matrix", (c,))
-            self.L(f"{Ln}, {Pn} = {weights.render()}", f"[B, H, C, C], [B, H, C]: decay weights of {unparse(e)}",
+            head = f"B, H, {self.chan_dim(c)}" if self.is_chan(c) else "B, H"
+            self.L(f"{Ln}, {Pn} = {weights.render()}", f"[{head}, C, C], [{head}, C]: decay weights of {unparse(e)}",
                    targets=(Ln, Pn), reads=weights.names)
+            if self.is_chan(c):
+                self.chan[Ln] = self.chan[Pn] = self.chan_dim(c)
         self.decays[e] = (local(Ln), local(Pn))
         return self.decays[e]
 
@@ -158,14 +193,20 @@ class ChunkAlgebra:
                 size = Ref(f"{first}.shape[:2] + ({first}.shape[2] - 1,)", P_ADD, reads=frozenset({first}))
                 src = Call(method(first, "new_full"), (size, number(1.0 if v is not None else 0.0)))
             pad = Call("F.pad", (src, Ref("(1, 0)")), (("value", number(1.0 if r0 == r else 0.0)),))
-            self.L(f"{name} = {pad.render()}", f"[B, H, C]: coefficient of {r0} in {r} before each token",
+            head = f"B, H, {self.chan_dim(src)}" if self.is_chan(src) else "B, H"
+            self.L(f"{name} = {pad.render()}", f"[{head}, C]: coefficient of {r0} in {r} before each token",
                    targets=(name,), reads=pad.names)
+            if self.is_chan(src):
+                self.chan[name] = self.chan_dim(src)
             out.vec[r0] = local(name)
         for g, m in rep.mat.items():
             name = fresh(f"M_{r}_{g}_before", self.taken)
             pad = Call("F.pad", (Post(m, "[..., :-1, :]"), Ref("(0, 0, 1, 0)")))
-            self.L(f"{name} = {pad.render()}", f"[B, H, C, C]: weights of the gradients of {g} in {r} before each token",
-                   targets=(name,), reads=pad.names)
+            head = f"B, H, {self.chan_dim(m)}" if self.is_chan(m) else "B, H"
+            self.L(f"{name} = {pad.render()}", f"[{head}, C, C]: weights of the gradients of {g} in {r} before each "
+                   "token", targets=(name,), reads=pad.names)
+            if self.is_chan(m):
+                self.chan[name] = self.chan_dim(m)
             out.mat[g] = local(name)
         self.shifted[r] = out
         return out
@@ -187,9 +228,10 @@ class ChunkAlgebra:
             rep = self.reps[r] if when == "cur" else self.shift(r)
             c = self.coef(cf)
             for r0, v in rep.vec.items():
-                x_vec.setdefault(r0, []).append(mul(c, v))
+                x_vec.setdefault(r0, []).append(mul(*self.aligned([c, v], False)))
             for g, m in rep.mat.items():
-                x_mat.setdefault(g, []).append(scaled(c, m, "[..., None]"))
+                chan = self.is_chan(c) or self.is_chan(m)
+                x_mat.setdefault(g, []).append(scaled(self.up(c, False, chan), self.up(m, True, chan), "[..., None]"))
         for g, cf in self.form.grad_terms[s].items():
             x_diag.setdefault(g, []).append(self.coef(cf))
         return x_vec, x_mat, x_diag
@@ -203,15 +245,17 @@ class ChunkAlgebra:
             name = fresh(f"a_{s}_{r0}", self.taken)
             parts = []
             if d is None:
-                parts.append(Sum.of(*x_vec[r0]))
+                parts.append(Sum.of(*self.aligned(x_vec[r0], False)))
             else:
                 if r0 == s:
                     parts.append(Pn)
                 if r0 in x_vec:
-                    xv = Sum.of(*x_vec[r0])
+                    xv = Sum.of(*self.aligned(x_vec[r0], False))
+                    chan = self.is_chan(Ln) or self.is_chan(xv)
+                    column = Post(self.up(xv, False, chan), ".unsqueeze(-1)")
                     parts.append(Op("*", Post(Ln, ".sum(-1)"), xv) if xv.number
-                                 else Post(matmul(Ln, Post(xv, ".unsqueeze(-1)")), ".squeeze(-1)"))
-            rep.vec[r0] = self.bind(name, Sum.of(*parts),
+                                 else Post(matmul(self.up(Ln, True, chan), column), ".squeeze(-1)"))
+            rep.vec[r0] = self.bind(name, Sum.of(*self.aligned(parts, False)),
                                     f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
         ones = Call(method(self.first, "new_ones"), (method(self.first, "shape[:3]"),))
         for g in [t for t in self.form.targets if t in x_mat or t in x_diag]:
@@ -219,14 +263,18 @@ class ChunkAlgebra:
             parts = []
             if d is None:
                 if g in x_mat:
-                    parts.append(Sum.of(*x_mat[g]))
+                    parts.append(Sum.of(*self.aligned(x_mat[g], True)))
                 parts += [Call("torch.diag_embed", (Op("*", ones, c) if c.number else c,)) for c in x_diag.get(g, [])]
             else:
                 if g in x_mat:
-                    parts.append(matmul(Ln, Sum.of(*x_mat[g])))
-                parts += [Op("*", c, Ln) if c.number else Op("*", Ln, Post(c, ".unsqueeze(-2)"))
-                          for c in x_diag.get(g, [])]
-            rep.mat[g] = self.bind(name, Sum.of(*parts),
+                    xm = Sum.of(*self.aligned(x_mat[g], True))
+                    chan = self.is_chan(Ln) or self.is_chan(xm)
+                    parts.append(matmul(self.up(Ln, True, chan), self.up(xm, True, chan)))
+                for c in x_diag.get(g, []):
+                    chan = self.is_chan(Ln) or self.is_chan(c)
+                    parts.append(Op("*", c, Ln) if c.number else
+                                 Op("*", self.up(Ln, True, chan), Post(self.up(c, False, chan), ".unsqueeze(-2)")))
+            rep.mat[g] = self.bind(name, Sum.of(*self.aligned(parts, True)),
                                    f"[B, H, C, C]: weights of the gradients of {g} in {s} after each token")
         return rep
 
@@ -253,19 +301,21 @@ class DualRead:
         self.pending: dict = {}   # output local -> _Layer
         self.scope: dict = {}
         self.reps: dict = {}
+        self.starts = {s: s for s in alg.w.states}   # state -> the local of its value at the start (of a block)
+        self.last_rows: dict = {}
 
-    def emit(self, lower, spec: Spec, sites) -> None:
-        """``o = ...``: the read, its model applications lowered by ``lower`` with every linear
-        site in dual form."""
+    def emit(self, lower, spec: Spec, sites, out: str = "o") -> None:
+        """``o = ...`` (or ``out``): the read, its model applications lowered by ``lower`` with
+        every linear site in dual form."""
         alg = self.alg
         self.reps = {s: (alg.reps[s] if spec.order == "write_read" else alg.shift(s)) for s in sites}
         e = lower(self.line, alg.em, spec.read, self.scope, self.taken, self.site, xbase="xq", layout="B, H, C")
         if isinstance(e, Name) and e.id in self.pending:   # the read is a layer's output: o is that line
-            self.flush(rename={e.id: "o"})
+            self.flush(rename={e.id: out})
         else:
             self.flush()
             em = alg.em.with_scope(**self.scope)
-            self.L(f"o = {em.emit(e)}", shape_text("B, H, C", alg.w.read_shape()), targets=("o",),
+            self.L(f"{out} = {em.emit(e)}", shape_text("B, H, C", alg.w.read_shape()), targets=(out,),
                    reads=expr_reads(em, e))
 
     def line(self, *args, **kw) -> None:
@@ -279,13 +329,15 @@ class DualRead:
         y = fresh(f"yq_{s}", self.taken)
         shape = (self.alg.spec.state[s].shape[-1],)
         if kind == "matmul":
-            X = local(x.id)
-            vec = [scaled(v, matmul(X, local(r0))) for r0, v in rep.vec.items()]
-            mat = {(m, dd[g]): matmul(X, Post(local(self.xk[g]), ".transpose(-2, -1)")) for g, m in rep.mat.items()}
-            self.pending[y] = _Layer(vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in dual form",
-                                     x.id, list(rep.vec.items()))
+            X = local(self.loc(x.id))
+            vec = [matmul(self.rows(v, X), local(self.starts[r0])) if self.alg.is_chan(v)
+                   else scaled(v, matmul(X, local(self.starts[r0]))) for r0, v in rep.vec.items()]
+            mat = {(m, dd[g]): self.channel_scores(X, local(self.xk[g]), m) if self.alg.is_chan(m)
+                   else matmul(X, Post(local(self.xk[g]), ".transpose(-2, -1)")) for g, m in rep.mat.items()}
+            self.pending[y] = _Layer(vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in "
+                                     "dual form", self.loc(x.id), list(rep.vec.items()))
         else:
-            vec = [scaled(v, Post(local(r0), ".unsqueeze(-2)")) for r0, v in rep.vec.items()]
+            vec = [scaled(v, Post(local(self.starts[r0]), ".unsqueeze(-2)")) for r0, v in rep.vec.items()]
             if isinstance(a, Name) and a.id in self.pending:   # (x @ W + b): one product per gradient
                 layer = self.pending.pop(a.id)
                 scores = dict(layer.mat)
@@ -307,9 +359,33 @@ class DualRead:
         self.scope[y] = shape
         return y
 
+    def loc(self, n: str) -> str:
+        """The local that holds the spec's name ``n`` (in blocks: its folded value)."""
+        return self.alg.em.names.get(n, n)
+
+    def shape(self, local_name: str) -> tuple:
+        """The shape of a local that is a spec name's value (a view, gate or let)."""
+        back = {v: k for k, v in self.alg.em.names.items()}
+        return self.alg.w.shape(Name(back.get(local_name, local_name)))
+
+    def rows(self, v: Term, x: Term) -> Term:
+        """``x`` ``[B, H, C, d]`` with each row scaled by the per-channel coefficient ``v`` ``[B, H, d, C]``."""
+        return Op("*", x, Post(v, ".transpose(-2, -1)"))
+
+    def channel_scores(self, x: Term, xk: Term, m: Term) -> Term:
+        """The scores of the inputs ``x`` and ``xk`` ``[B, H, C, d]`` weighted per channel by ``m``
+        ``[B, H, d, C, C]``: ``sum_c x[i, c] m[c, i, j] xk[j, c]`` ``[B, H, C, C]``."""
+        return Call("torch.einsum", (Ref('"...ic,...cij,...jc->...ij"'), x, m, xk))
+
     def weighted(self, sc: Term, m: Term) -> Term:
         """``(sc) * m``; bound to a local when the scores read only the inputs (then
-        ``_chunk_pre`` computes it once for all full chunks)."""
+        ``_chunk_pre`` computes it once for all full chunks).  Weights per channel are already
+        in ``sc`` (:meth:`channel_scores`)."""
+        if self.alg.is_chan(m):
+            if sc.names <= set(self.inputs):
+                return self.alg.bind(fresh("scores", self.taken), sc, "[B, H, C, C]: scores of the inputs alone, "
+                                     "weighted per channel")
+            return sc
         t = Op("*", Group(sc), m)
         if sc.names <= set(self.inputs):
             return self.alg.bind(fresh("scores", self.taken), t, "[B, H, C, C]: weighted scores of the inputs alone")
@@ -324,9 +400,9 @@ class DualRead:
                 # state (_chunk_pre computes them once), and the scale is on the narrower side
                 x = local(layer.x)
                 terms = [matmul(x if v.one else self.alg.bind(
-                    fresh(f"{layer.x}_{r0}", self.taken), scaled(v, x),
-                    shape_text("B, H, C", self.alg.w.shape(Name(layer.x))) + f": {layer.x} weighted by the "
-                    f"coefficient of {r0}"), local(r0)) for r0, v in layer.xvec]
+                    fresh(f"{layer.x}_{r0}", self.taken), self.rows(v, x) if self.alg.is_chan(v) else scaled(v, x),
+                    shape_text("B, H, C", self.shape(layer.x)) + f": {layer.x} weighted by the "
+                    f"coefficient of {r0}", plain=True), local(self.starts[r0])) for r0, v in layer.xvec]
             else:
                 terms = list(layer.vec)
             terms += [matmul(self.weighted(sc, m), local(d)) for (m, d), sc in layer.mat.items()]
@@ -337,32 +413,112 @@ class DualRead:
     # ------------------------------------------------------------ the state after the chunk
     def finals(self) -> list:
         """Write each state after the chunk (row C of its representation); returns their locals."""
-        alg, xk, dd = self.alg, self.xk, self.dd
+        alg = self.alg
         finals = []
-        last_rows: dict = {}
         for s in alg.w.states:
             shape = alg.spec.state[s].shape
-            lift = "[..., -1" + ", None" * len(shape) + "]"
-            terms = [scaled(v, local(r0), lift) for r0, v in alg.reps[s].vec.items()]
-            for g, m in alg.reps[s].mat.items():
-                last = Post(m, "[..., -1, :, None]")
-                if xk.get(g) in self.inputs:   # the layer's input weighted (no state: by _chunk_pre)
-                    kw = alg.bind(fresh(f"{xk[g]}_last_{m.code}", self.taken), Op("*", last, local(xk[g])),
-                                  shape_text("B, H, C", alg.w.shape(Name(xk[g])))
-                                  + f": {xk[g]} weighted for the state after the chunk")
-                    terms.append(matmul(Post(kw, ".transpose(-2, -1)"), local(dd[g])))
-                    continue
-                key = (m, dd[g])
-                if key not in last_rows:
-                    last_rows[key] = self.last_row(key, g, Op("*", last, local(dd[g])))
-                weights = last_rows[key]
-                terms.append(matmul(Post(local(xk[g]), ".transpose(-2, -1)"), weights) if g in xk
-                             else Post(weights, ".sum(-2)"))
+            terms = [self.start_term(s, r0, v) for r0, v in alg.reps[s].vec.items()] + self.gradient_terms(s)
             name = fresh(f"{s}_end", self.taken)
             value = Sum.of(*terms) if terms else Call("torch.zeros_like", (local(s),))
             self.L(f"{name} = {value.render()}", f"[B, H, {', '.join(shape)}]", targets=(name,), reads=value.names)
             finals.append(name)
         return finals
+
+    def start_term(self, s: str, r0: str, v: Term) -> Term:
+        """The state ``r0`` at the start times its coefficient ``v`` in ``s`` after the last token."""
+        shape = self.alg.spec.state[s].shape
+        chan = self.alg.is_chan(v)   # one factor per row: the row axis is the channel axis
+        lift = "[..., -1" + ", None" * (len(shape) - chan) + "]"
+        return scaled(v, local(self.starts[r0]), lift)
+
+    def gradient_terms(self, s: str) -> list:
+        """The gradients' terms of ``s`` after the last token (row C of its weights)."""
+        alg, xk, dd = self.alg, self.xk, self.dd
+        terms = []
+        for g, m in alg.reps[s].mat.items():
+            if alg.is_chan(m):   # one weight per row: the layer's input weighted per channel
+                w = Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(xk[g]))
+                w = alg.bind(fresh(f"{xk[g]}_last_{m.code}", self.taken), w, shape_text(
+                    "B, H, C", self.shape(xk[g])) + f": {xk[g]} weighted per channel for the state after the "
+                    "chunk", plain=True) if xk[g] in self.inputs else Group(w)
+                terms.append(matmul(Post(w, ".transpose(-2, -1)"), local(dd[g])))
+                continue
+            last = Post(m, "[..., -1, :, None]")
+            if xk.get(g) in self.inputs:   # the layer's input weighted (no state: by _chunk_pre)
+                kw = alg.bind(fresh(f"{xk[g]}_last_{m.code}", self.taken), Op("*", last, local(xk[g])),
+                              shape_text("B, H, C", self.shape(xk[g]))
+                              + f": {xk[g]} weighted for the state after the chunk")
+                terms.append(matmul(Post(kw, ".transpose(-2, -1)"), local(dd[g])))
+                continue
+            key = (m, dd[g])
+            if key not in self.last_rows:
+                self.last_rows[key] = self.last_row(key, g, Op("*", last, local(dd[g])))
+            weights = self.last_rows[key]
+            terms.append(matmul(Post(local(xk[g]), ".transpose(-2, -1)"), weights) if g in xk
+                         else Post(weights, ".sum(-2)"))
+        return terms
+
+    def block_passing(self, heads: Term) -> list:
+        """In blocks (the chunk's tokens folded ``[B, H * nb, block, ...]``, each block's start
+        states the "chunk start" of its representations): write each block's contribution to the
+        state at its end, then the loop that carries the state from block to block; the states at
+        every block's start become the reads' (``self.starts``).  Returns the final states' locals."""
+        alg, L, taken = self.alg, self.L, self.taken
+        states = alg.w.states
+        unfold = f".unflatten(1, ({heads.render()}, -1))"
+        coefs: dict = {}   # (s, r0) -> its coefficient per block
+        b = fresh("b", taken)
+        grads: dict = {}   # s -> its gradients' terms per block
+        for s in states:
+            shape = alg.spec.state[s].shape
+            for r0, v in alg.reps[s].vec.items():
+                if v.number:
+                    coefs[s, r0] = v
+                    continue
+                chan = alg.is_chan(v)
+                name = fresh(f"a_{s}_{r0}_block", taken)
+                t = Post(v, "[..., -1]" + unfold)
+                head = f"B, H, nb, {alg.chan_dim(v)}" if chan else "B, H, nb"
+                L(f"{name} = {t.render()}", f"[{head}]: coefficient of {r0} (block start) in {s} at the block's end",
+                  targets=(name,), reads=t.names | heads.names)
+                if chan:
+                    coefs[s, r0] = Post(local(name), f"[:, :, {b}, :, None]")
+                else:
+                    coefs[s, r0] = Post(local(name), f"[:, :, {b}" + ", None" * len(shape) + "]")
+            terms = self.gradient_terms(s)
+            if terms:
+                name = fresh(f"G_{s}", taken)
+                t = Post(Group(Sum.of(*terms)), unfold)
+                L(f"{name} = {t.render()}", f"[B, H, nb, {', '.join(shape)}]: the gradients' part of {s} at each "
+                  "block's end", targets=(name,), reads=t.names | heads.names)
+                grads[s] = local(name)
+        cur = {s: fresh(f"{s}_b", taken) for s in states}
+        seen = {s: fresh(f"{s}_starts", taken) for s in states}
+        blocks = {s: fresh(f"{s}_blocks", taken) for s in states}
+        news = []
+        for s in states:
+            terms = [Op("*", c, local(cur[r0])) if not c.one else local(cur[r0])
+                     for (s2, r0), c in coefs.items() if s2 == s]
+            if s in grads:
+                terms.append(Post(grads[s], f"[:, :, {b}]"))
+            news.append(Sum.of(*terms).render() if terms else f"torch.zeros_like({cur[s]})")
+        lines = [f"{', '.join(seen.values())} = {', '.join('[]' for _ in states)}",
+                 f"{', '.join(cur.values())} = {', '.join(self.starts[s] for s in states)}",
+                 f"for {b} in range({self.first}.shape[1] // {heads.render()}):"]
+        lines += [f"    {seen[s]}.append({cur[s]})" for s in states]
+        lines.append(f"    {', '.join(cur.values())} = (")
+        lines += [f"        {t}," for t in news[:-1]] + [f"        {news[-1]}", "    )"]
+        reads = {self.starts[s] for s in states} | {self.first} | heads.names
+        reads |= {n for c in coefs.values() for n in c.names} | {n for g in grads.values() for n in g.names}
+        L("# the states at each block's start, carried from block to block: a block's end is its")
+        L("# start's coefficients times its start plus its gradients' part")
+        L("\n".join(lines), targets=(*seen.values(), *cur.values()), reads=reads)
+        for s in states:
+            L(f"{blocks[s]} = torch.stack({seen[s]}, 2).flatten(1, 2)",
+              f"[B, H * nb, {', '.join(alg.spec.state[s].shape)}]: {s} at each block's start",
+              targets=(blocks[s],), reads=(seen[s],))
+        self.starts = dict(blocks)
+        return [cur[s] for s in states]
 
     def last_row(self, key: tuple, g: str, weighted: Term) -> Term:
         """The gradients of ``g`` weighted for the state after the chunk: a local when more than

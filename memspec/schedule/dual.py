@@ -30,13 +30,15 @@ C times larger).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, rewrite, unparse
 from ..lang.names import fresh
 from ..lang.shapes import ShapeEnv
 from .backprop import ClosedGrad, NoClosedForm, closed_grad, spec_names
 from .recurrence import NotRecurrence, minibatch_recurrence
+
+BLOCK = 16   # tokens per block of a chunk whose states decay per channel (DualForm.rows)
 
 
 class NotDual(Exception):
@@ -56,6 +58,9 @@ class DualForm:
         gradient in the state's update}.
     grad: the deltas of every site in closed form (:class:`.backprop.ClosedGrad`), or
         None: ``no_grad`` says why, and the chunk step takes them by ``torch.func.grad``.
+    rows: state -> its row axis, for the states whose recurrence scales rows
+        (``diag(c) @ R``, a decay per channel): their weights have one factor per row, and the
+        chunk runs in blocks of ``BLOCK`` tokens with the state passed between them.
     """
 
     sites: dict
@@ -64,6 +69,7 @@ class DualForm:
     grad_terms: dict
     grad: ClosedGrad | None = None
     no_grad: str | None = None
+    rows: dict = field(default_factory=dict, repr=False)   # (said by describe, not printed in the plan)
 
     def describe(self) -> list[str]:
         """Lines for ``memspec explain``."""
@@ -76,7 +82,12 @@ class DualForm:
             + ", so each token's gradient is an outer product x_j^T delta_j (a bias: delta_j) and every "
             "state of the chunk is a masked, decay-weighted sum of them: reads are attention-like "
             "[C, C] products, no per-token state is materialised",
-        ]
+        ] + ([
+            "per-channel decays of " + ", ".join(f"{s} (one factor per {d})" for s, d in self.rows.items())
+            + ": the weights of each token's gradient in a later state carry one product of decays per row "
+            f"(exact products, no ratios of cumulative products), the chunk runs in blocks of {BLOCK} tokens "
+            "(exact [block, block] weights per channel inside a block; the states at the block starts "
+            "carried from block to block), so no per-token state is materialised"] if self.rows else [])
 
 
 def _sites(spec) -> dict:
@@ -262,8 +273,29 @@ def analyse_dual(spec) -> DualForm:
         for (_, r) in rec.coeff[s]:
             if tuple(spec.state[r].shape) != tuple(spec.state[s].shape):
                 raise NotDual(f"the update of {s} adds {r}, of another shape")
+    rows = _row_scalings(spec, rec, sites, env)
     try:
         grad, no_grad = closed_grad(spec, spec.loss, list(sites), spec_names(spec)), None
     except NoClosedForm as err:
         grad, no_grad = None, str(err)
-    return DualForm(sites, tuple(targets), rec, grad_terms, grad, no_grad)
+    return DualForm(sites, tuple(targets), rec, grad_terms, grad, no_grad, rows)
+
+
+def _row_scalings(spec, rec, sites: dict, env: ShapeEnv) -> dict:
+    """state -> the row axis of its per-channel coefficients (``diag(c) @ R``: a vector ``c``
+    over the rows of the state), for the states whose recurrence has one; raises NotDual."""
+    rows: dict = {}
+    for s in rec.order:
+        for (when, r), c in rec.coeff[s].items():
+            shape = env.infer(c)
+            if shape is None or len(shape) == 0:
+                continue
+            state_shape = tuple(spec.state[s].shape)
+            if len(shape) != 1 or len(state_shape) != 2 or tuple(shape) != state_shape[:1]:
+                raise NotDual(f"the coefficient {unparse(c)} of {r} in the update of {s} is not one factor per "
+                              f"row of {s}")
+            rows[s] = state_shape[0]
+    for s in rows:
+        if sites.get(s) == "bias":
+            raise NotDual(f"the bias {s} decays per channel (the dual form scales the rows of matrices)")
+    return rows

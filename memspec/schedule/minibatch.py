@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from ..lang.blocks import NotBlockwise, block_statements, frequencies
 from ..lang.expr import BinOp, Call, Expr, Name, rewrite, substitute, unparse
+from ..lang.shapes import ShapeEnv
 from .algebra import (ZERO, Algebra, NotAdmitted, all_updates, compose_all, drop_grads, is_num,
                       replace_grads, simplify)
 from .dual import DualForm, NotDual, analyse_dual
@@ -56,11 +57,13 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     grads = {name: call for name, call in table.values()}
     reasons = []
     how = []                     # the lines of reasons that say how a chunk runs
+    linear_err = None            # why the whole token is not one linear program (if it is not)
     try:
         if blocks or window is not None:
             raise NotAdmitted("block updates or a window loss")
         coef, rest = _linear_program(alg, updates)
     except NotAdmitted as err:   # inputs that are functions of solved states, mirror steps, blocks
+        linear_err = err
         held = {b.index for b in blocks} | ({i for i, _ in window.caches.values()} if window else set())
         recurrence, sites = _statement_recurrence(alg, None if blocks or window else err, held)
         coef, rest = {}, {}
@@ -101,6 +104,9 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
         dual, no_dual = None, str(err)
         # (a window loss said above how its chunks run)
         lines = [] if window is not None else [f"no dual form ({err}): each chunk materialises every token's state"]
+    if dual is None and row_scaled(alg.spec, recurrence):
+        # a row scaling diag(c) @ S runs only in the dual form (the materialising step scales by scalars)
+        raise NotAdmitted(f"{linear_err} (and no dual form: {no_dual})") if linear_err else NotAdmitted(no_dual)
     reasons += lines
     how += lines
     return MinibatchPlan(coef, rest, grads, chunk, recurrence, sites, dual, no_dual, window, tuple(how)), reasons
@@ -178,7 +184,8 @@ def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict, held: set = 
             continue
         total: Expr = ZERO
         for (when, r), c in rec.coeff[s].items():
-            total = BinOp("+", total, BinOp("*", c, Name(r)))
+            total = BinOp("+", total, BinOp("@", Call("diag", [c]), Name(r)) if row_scaled(alg.spec, rec, c)
+                          else BinOp("*", c, Name(r)))
         if rec.rest[s] is not None:
             back = {input_name(w, n): Name(n) for n in alg.states for w in ("prev", "cur")}
             total = BinOp("+", total, substitute(rec.rest[s], {**calls, **back}))
@@ -230,6 +237,14 @@ def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = Non
         return minibatch_recurrence(spec, values, scope, inputs=True), sites
     except NotRecurrence as err:
         raise (linear_failure or NotAdmitted(str(err))) from None
+
+
+def row_scaled(spec, rec: Recurrence, c: Expr | None = None) -> bool:
+    """Is the coefficient ``c`` a vector (a row scaling ``diag(c) @ R``), or, without ``c``, has
+    the recurrence one?"""
+    env = ShapeEnv.from_spec(spec)
+    cs = [c] if c is not None else [cf for s in rec.order for cf in rec.coeff[s].values()]
+    return any(len(env.infer(x) or ()) == 1 for x in cs)
 
 
 def gtxt(e: Expr, grads: dict) -> str:

@@ -76,9 +76,10 @@ class NotRecurrence(Exception):
 class Recurrence:
     """The update program of one token, with every ``grad(...)`` held fixed, as
     ``S_t = sum coeff[S][(when, R)] * R_when + rest[S]`` with token-local scalar
-    coefficients, where ``(\"prev\", R)`` is R after the previous token and
-    ``(\"cur\", R)`` is R after this token (used when a statement reads a state that
-    an earlier statement of the token finished writing, e.g. Titans' ``W = (1 - alpha) * W + U``).
+    coefficients (or vectors: a row scaling ``diag(c) @ R``, one factor per row of R),
+    where ``(\"prev\", R)`` is R after the previous token and ``(\"cur\", R)`` is R after
+    this token (used when a statement reads a state that an earlier statement of the token
+    finished writing, e.g. Titans' ``W = (1 - alpha) * W + U``).
     The diagonal term ``(\"prev\", S)`` is the decay of S.
 
     ``order`` lists the states so that each one depends (off the diagonal) only on
@@ -176,6 +177,15 @@ def minibatch_recurrence(spec, values=None, scope=None, inputs: bool = False) ->
                 if local(s) and scalar(s):
                     v = walk(t, cur, i)
                     return _Affine({k: term_mul(s, c) for k, c in v.coeffs.items()}, term_mul(s, v.rest))
+        if isinstance(e, BinOp) and e.op == "@" and isinstance(e.left, Call) and e.left.fn == "diag" \
+                and len(e.left.args) == 1 and local(e.left.args[0]) and not local(e.right):
+            # a row scaling diag(c) @ X: its coefficients are vectors (one factor per row of the state)
+            c = e.left.args[0]
+            shape = env.infer(c, scope=scope)
+            if shape is not None and len(shape) == 1:
+                v = walk(e.right, cur, i)
+                return _Affine({k: term_mul(c, cf) for k, cf in v.coeffs.items()},
+                               BinOp("@", e.left, v.rest) if v.rest is not None else None)
         if isinstance(e, BinOp) and e.op == "/" and local(e.right) and scalar(e.right):
             v = walk(e.left, cur, i)
             return _Affine({k: term_div(c, e.right) for k, c in v.coeffs.items()}, term_div(v.rest, e.right))
