@@ -73,8 +73,8 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=dynamic)` (static shapes unless `dynamic`), compiled at the
-    first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
@@ -262,8 +262,10 @@ class LactMemory(nn.Module):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
-        `compile`: torch.compile the per-token step, the apply_update chunk step, the inputs'
-        preparation (symbolic sizes), the groups of whole chunks, with static shapes.
+        `compile`: torch.compile the per-token step, the apply_update chunk step, the groups of
+        whole chunks, with static shapes.
+        It also compiles the inputs' preparation, specialised to the first sizes and symbolic once
+        they change.
         """
         super().__init__()
         self.d_model = d_model
@@ -282,7 +284,7 @@ class LactMemory(nn.Module):
         self.W2_init = nn.Parameter(torch.randn(self.heads, self.d_k, self.hidden) * 0.125)
         self._token_fn = _Compiled(self._token_step) if compile else self._token_step
         self._update_fn = _Compiled(self._update_step) if compile else self._update_step
-        self._prepare_fn = (_Compiled(self._prepare_apply_update, dynamic=True) if compile
+        self._prepare_fn = (_Compiled(self._prepare_apply_update, dynamic=None) if compile
                 else self._prepare_apply_update)
         self._chunks_fn = _Compiled(self._update_chunks) if compile else self._update_chunks
 

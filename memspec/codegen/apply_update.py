@@ -128,7 +128,8 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
 
 def prepare(ctx, L, inputs) -> None:
     """``_prepare_apply_update``: the chunk step's inputs head-major, the lets it reads computed
-    once over the sequence (compiled with symbolic sizes under ``compile``: one fused pass)."""
+    once over the sequence (under ``compile`` one fused pass, specialised to the first length and
+    with symbolic sizes once the length changes)."""
     raw = ctx.views + ctx.gates
     L(f"def _prepare_apply_update(self, {', '.join(raw)}):")
     with L.indent():
@@ -177,7 +178,7 @@ def compiled_methods(ctx, plan) -> list:
     groups of whole chunks."""
     if rows_grads(ctx, plan) is None:
         return []
-    return [("_prepare_fn", "_prepare_apply_update", True, "inputs' preparation (symbolic sizes)"),
+    return [("_prepare_fn", "_prepare_apply_update", None, "inputs' preparation"),
             ("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
 
 

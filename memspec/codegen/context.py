@@ -73,7 +73,8 @@ class Emitter:
     packed: bool = False         # the kernel takes packed documents (cu_seqlens) in one call
     chunk_step: tuple | None = None   # (attribute, method) of its compiled chunk step
     compiled: Callable | None = None   # (ctx, plan) -> [(attribute, method, dynamic, what)]: more
-    #   methods compiled under `compile` (dynamic: symbolic sizes; what: their words in the docstring)
+    #   methods compiled under `compile` (dynamic: torch.compile's argument, False for static shapes,
+    #   None to specialise first and make sizes symbolic when they change; what: docstring words)
     stays_eager: Callable | None = None   # (ctx, plan) -> True when its kernel must not be compiled
     header: Callable | None = None    # (ctx, plan) -> an extra header line (without "# "), or None
     approximation: str | None = None  # how an approximate family's module names its approximation

@@ -306,13 +306,16 @@ def memory_init(ctx, L):
         has_cache = any(st.cache for st in spec.state.values())   # a growing cache: no static shapes per token
         steps = ([] if has_cache else ["per-token step"]) + [f"{e.family} chunk step" for e in carried(ctx)
                                                              if e.chunk_step]
-        steps += [what for _, _, _, what in more_compiled(ctx)]
+        steps += [what for _, _, dynamic, what in more_compiled(ctx) if dynamic is False]
         if compiles_chunked(ctx):
             steps.append(f"exact chunked forward (over slices of {SLICE_CHUNKS} chunks: one graph, compiled once)")
         if not steps:
             L("`compile`: no effect (the state holds a cache that grows by a token per step: no static shapes).")
         else:
             L(f"`compile`: torch.compile the {', the '.join(steps)}, with static shapes.")
+        for _, _, dynamic, what in more_compiled(ctx):
+            if dynamic is None:
+                L(f"It also compiles the {what}, specialised to the first sizes and symbolic once they change.")
         if set(ctx.schedules) & CHUNKED and not compiles_chunked(ctx):
             L("The exact chunked forward stays eager (with per-channel decays it takes minutes to compile).")
         if ck:
@@ -351,13 +354,14 @@ def memory_init(ctx, L):
                 fn, method = e.chunk_step
                 L(f"self.{fn} = _Compiled(self.{method}) if compile else self.{method}")
         for fn, method, dynamic, _ in more_compiled(ctx):
-            dyn = ", dynamic=True" if dynamic else ""
+            dyn = "" if dynamic is False else f", dynamic={dynamic}"
             L(f"self.{fn} = _Compiled(self.{method}{dyn}) if compile else self.{method}")
     L()
 
 
 def more_compiled(ctx) -> list:
-    """[(attribute, method, dynamic, what)]: the carried emitters' further compiled methods."""
+    """[(attribute, method, dynamic, what)]: the carried emitters' further compiled methods
+    (dynamic: torch.compile's argument, False for static shapes)."""
     return [c for e in carried(ctx) if e.compiled is not None for c in e.compiled(ctx, ctx.plans.get(e.family))]
 
 

@@ -139,8 +139,8 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=dynamic)` (static shapes unless `dynamic`), compiled at the
-    first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
