@@ -180,7 +180,7 @@ def way(body: str):
 
 def test_mesa_is_solve_and_explained_truly():
     ds = [analyse(memspec.load(SPECS / f"mesa.{fmt}")) for fmt in ("yaml", "mem")]
-    assert ds[0].family == ds[1].family == "solve" and ds[0].exact and ds[0].chunk == 64
+    assert ds[0].family == ds[1].family == "solve" and ds[0].exact and ds[0].chunk == 32
     assert ds[0].plan == ds[1].plan and ds[0].schedules == ("solve", "online")
     text = explain(memspec.load(SPECS / "mesa.yaml"))
     assert "exact to the solver's tolerance (1e-06 in float32, 1e-12 in float64" in text

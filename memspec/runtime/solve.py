@@ -188,16 +188,17 @@ def _solve_matvec(P, H0, k, W, a, lam):
     """Every token's matrix applied to its own row of ``P [nBH, c, K]``: ``a_t (p_t H_0) + sum_s W[t, s]
     (p_t . k_s) k_s + lam p_t`` (H_0 ``[nBH, K, K]`` symmetric, the chunk's start state; ``a``
     ``[nBH, c]`` its decay at each token)."""
-    return torch.bmm(P, H0) * a[..., None] + torch.bmm(torch.bmm(P, k.transpose(1, 2)) * W, k) + lam * P
+    out = torch.baddbmm(P, P * a[..., None], H0, beta=lam)        # lam p_t + (a_t p_t) H_0
+    return torch.baddbmm(out, torch.bmm(P, k.transpose(1, 2)).mul_(W), k)
 
 
 def _conjugate_gradients(matvec, b, tol, steps):
     """``x`` with ``matvec(x) = b`` row by row (``b [N, c, K]``, every row its own symmetric positive
     definite system): conjugate gradients, a row stopping (its step 0 from then on) once its residual
     is at most ``tol ||b_t||``; at most ``steps`` steps.  A row of zeros is solved at once (x = 0); a
-    non-finite one stays active and gives non-finite x."""
+    non-finite one stays active and gives non-finite x.  (Run without autograd: updates in place.)"""
     x = torch.zeros_like(b)
-    r, p = b, b
+    r, p = b.clone(), b.clone()
     rr = (b * b).sum(-1)                                             # [N, c] squared residuals
     stop = rr * (tol * tol)
     for _ in range(steps):
@@ -205,11 +206,11 @@ def _conjugate_gradients(matvec, b, tol, steps):
         if not bool(active.any()):
             break
         Ap = matvec(p)
-        alpha = torch.where(active, rr / (p * Ap).sum(-1), 0.0)[..., None]   # [N, c, 1]
-        x = x + alpha * p
-        r = r - alpha * Ap
+        alpha = torch.where(active, rr / (p * Ap).sum(-1), 0.0).unsqueeze(-1)   # [N, c, 1]
+        x.addcmul_(alpha, p)
+        r.addcmul_(alpha, Ap, value=-1.0)
         rr_new = (r * r).sum(-1)
-        p = r + torch.where(active, rr_new / rr, 0.0)[..., None] * p
+        p.mul_(torch.where(active, rr_new / rr, 0.0).unsqueeze(-1)).add_(r)
         rr = torch.where(active, rr_new, rr)
     return x
 

@@ -208,7 +208,7 @@ register(Family("solve", lambda alg, chunk: solve.analyse_solve(alg), exact=True
                        "a d x d system: it matches online to that tolerance times the system's condition number",
                 hint="read p @ solve(S + lam * eye(d), G) with S <- gamma S + beta outer(k, k) (a scalar decay, beta "
                      ">= 0, lam a constant > 0) and G an additive memory",
-                hint_applies=solve.solves), before="delta")
+                hint_applies=solve.solves, prefers=solve.preferred_chunk), before="delta")
 
 
 @dataclass(frozen=True)
