@@ -25,6 +25,7 @@ PAPER_FAMILIES = {
     "linear_attention": "additive",
     "deltanet": "delta",
     "gated_deltanet": "delta",
+    "gated_deltanet_channel": "delta",  # beta per value channel: a delta rule per column
     "longhorn": "delta",
     "ttt_linear": "minibatch",
     "ttt_mlp": "minibatch",
