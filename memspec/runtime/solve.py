@@ -27,18 +27,19 @@ from __future__ import annotations
 
 import torch
 
-from .phases import _chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups, _stacked, \
-    _token_major
+from .phases import (_chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups,
+                     _stacked, _token_major)
 
 
 def recurrent_solve(q, k, beta, log_gamma, H0, lam, inclusive=True):
     """Token loop: ``H_t = exp(log_gamma_t) H_{t-1} + beta_t outer(k_t, k_t)``,
-    ``x_t = solve(H_t + lam I, q_t)`` (``inclusive=False``: ``H_{t-1}``); the oracle of :func:`chunk_solve`.
-    Row-vector convention, ``x_t (H_t + lam I) = q_t``: the same x for a symmetric state, and the
-    gradient with respect to the state ``-x_tᵀ y_t`` as :func:`chunk_solve` gives it.
+    ``x_t = solve(H_t + lam I, q_t)`` (``inclusive=False``: with ``H_{t-1}``); the oracle of
+    :func:`chunk_solve`.  Row-vector convention, ``x_t (H_t + lam I) = q_t``: the same x for a
+    symmetric state, and the gradient with respect to the state ``-x_tᵀ y_t`` as
+    :func:`chunk_solve` gives it.
 
-    Args: q, k ``[B, T, H, K]``; beta, log_gamma ``[B, T, H]`` (log_gamma None: no decay); H0
-    ``[B, H, K, K]`` or None (zeros); lam a number.
+    Args: q, k ``[B, T, H, K]``; beta, log_gamma ``[B, T, H]`` (log_gamma None: no decay);
+    H0 ``[B, H, K, K]`` or None (zeros); lam a number.
     Returns: (x ``[B, T, H, K]``, the final state ``[B, H, K, K]``)."""
     B, T, Hh, K = k.shape
     dt = torch.promote_types(k.dtype, torch.float32)
@@ -52,32 +53,36 @@ def recurrent_solve(q, k, beta, log_gamma, H0, lam, inclusive=True):
         kt = k[:, t].to(dt)
         S = S + beta[:, t].to(dt)[..., None, None] * (kt.unsqueeze(-1) * kt.unsqueeze(-2))
         A = (S if inclusive else before) + eye
-        xs.append(torch.linalg.solve(A, q[:, t].to(dt).unsqueeze(-2), left=False).squeeze(-2))   # x_t A = q_t
+        x_t = torch.linalg.solve(A, q[:, t].to(dt).unsqueeze(-2), left=False)   # x_t A = q_t
+        xs.append(x_t.squeeze(-2))
     x = torch.stack(xs, 1) if xs else q.new_zeros(B, 0, Hh, K, dtype=dt)
     return x.to(q.dtype), S.to(H0.dtype if H0 is not None else k.dtype)
 
 
-def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=None, steps=None, group=None,
-                documents=None):
-    """Chunked form of :func:`recurrent_solve`: ``x_t = solve(H_t + lam I, q_t)`` for every token by
-    conjugate gradients over whole chunks (see the module docstring for the algebra).
+def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=None, steps=None,
+                group=None, documents=None):
+    """Chunked form of :func:`recurrent_solve`: ``x_t = solve(H_t + lam I, q_t)`` for every
+    token by conjugate gradients over whole chunks (the module docstring gives the algebra).
 
-    The state passes over chunks as ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s k_sᵀ``
-    (:func:`memspec.runtime.phases._pass_states`); a group of G chunks runs one batched solver, every
-    token its own system.  The pair weights' exponents are segment sums of the log decays between
-    s and t (a masked cumulative sum: a log decay of -inf, a decay of exactly 0, forgets exactly).
+    The state passes over chunks as
+    ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s k_sᵀ``
+    (:func:`memspec.runtime.phases._pass_states`), its writes symmetrised so that it stays
+    symmetric in floating point; a group of G chunks runs one batched solver, every token its
+    own system.  The pair weights' exponents are segment sums of the log decays between s and t
+    (a masked cumulative sum: a log decay of -inf, a decay of exactly 0, forgets exactly).
 
     Args:
         q: ``[B, T, H, K]`` right-hand sides.
         k: ``[B, T, H, K]`` keys; beta: ``[B, T, H]`` write weights (>= 0).
         log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
-        H0: ``[B, H, K, K]`` initial state (symmetric positive semi-definite), or None for zeros; one that
-            is not symmetric (to ``tol`` of its largest entry) takes a direct solve per token.
+        H0: ``[B, H, K, K]`` initial state (symmetric positive semi-definite), or None for
+            zeros; one that is not symmetric (to ``tol`` of its largest entry) takes a direct
+            solve per token (:func:`_direct_solve`).
         lam: the regulariser (a number > 0).
         chunk: chunk size C.
         inclusive: True: token t solves with H_t; False: with H_{t-1}.
-        tol: relative residual at which a token's iteration stops (None: :func:`_solve_tolerance`).
-        steps: the most conjugate-gradient steps (None: K, where exact arithmetic has converged).
+        tol: the relative residual at which a token stops (None: :func:`_solve_tolerance`).
+        steps: the most conjugate-gradient steps (None: K, where exact arithmetic converges).
         group: chunks per batched group G (default: temporaries near 512 KB on CPU).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1; H0 and the final state
             ``[N, H, K, K]``): each starts at a chunk, from its own state; or None.
@@ -100,15 +105,18 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
         H_docs = H0.to(dt) if H0 is not None else k.new_zeros(documents.count, Hh, K, K, dtype=dt)
         docs = documents.for_kernel(C, H_docs)
         T = docs.T
-    S = k.new_zeros(BH, K, K, dtype=dt) if H0 is None or docs is not None else H0.to(dt).reshape(BH, K, K)
-    # conjugate gradients needs symmetric systems: every state after a symmetric one is (the writes are
-    # symmetrised); an initial state that is not, beyond the solver's tolerance of its largest entry,
-    # takes the direct solve (one device sync)
-    symmetric = H0 is None or bool((H0 - H0.transpose(-1, -2)).abs().amax() <= tolerance * H0.abs().amax())
+    fresh = H0 is None or docs is not None
+    S = k.new_zeros(BH, K, K, dtype=dt) if fresh else H0.to(dt).reshape(BH, K, K)
+    # conjugate gradients needs symmetric systems; an initial state that is not (beyond the
+    # solver's tolerance of its largest entry) takes the direct solve (one device sync)
+    symmetric = H0 is None or bool((H0 - H0.transpose(-1, -2)).abs().amax()
+                                   <= tolerance * H0.abs().amax())
     G = _group_size(-(-T // C), BH * C * max(K, C), group, k.device)
     groups = _chunk_groups(T, C, G)
-    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # [B, T, H] (no decay: 0)
-    inputs = (q, k, beta, lg_all) if docs is None else (docs.lay(x) for x in (q, k, beta, lg_all))
+    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # (no decay: 0)
+    inputs = (q, k, beta, lg_all)
+    if docs is not None:   # the laid-out row
+        inputs = tuple(docs.lay(x) for x in inputs)
     pieces = zip(groups, *(_split_groups(x, groups) for x in inputs))
     outs, j0 = [], 0
     for (n, m, c), qp, kp, bp, lp in pieces:
@@ -116,67 +124,77 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
             x = _chunk_major(x.to(dt), n, c)
             return x.reshape(n * BH, c, *x.shape[4:])
 
-        kg, bg = block(kp), block(bp)                                # [nBH, c, K], [nBH, c]
-        lg = block(lp)                                               # [nBH, c] log decays (-inf: a decay of 0)
-        # a non-finite write reaches the tokens from its own on: the chunk runs on zeros in its place (no
-        # earlier token sees it through a masked product) and a NaN is added from there on, and to the state
-        f = kg.sum(-1) + bg + lg.masked_fill(lg == float("-inf"), 0.0)
-        bad = torch.cumsum(f - f, 1)                                 # [nBH, c] 0, or NaN from that token on
-        kg, bg, lg = torch.nan_to_num(kg, 0.0, 0.0, 0.0), torch.nan_to_num(bg, 0.0, 0.0, 0.0), \
-            torch.nan_to_num(lg, 0.0, 0.0)
+        qg, kg, bg, lg = block(qp), block(kp), block(bp), block(lp)   # [nBH, c, (K)]
+        kg, bg, lg, bad = _finite_writes(kg, bg, lg)
         W, Lq, g_end, kd = _solve_weights(lg, bg, kg, n, inclusive)
-        kk = torch.bmm(kd.transpose(1, 2), kg)                      # each chunk's writes, decayed to its end
-        kk = (kk + kk.transpose(1, 2)) * 0.5 + bad[:, -1:, None]     # (X + Xᵀ) / 2: symmetric in floating point too
+        kk = torch.bmm(kd.transpose(1, 2), kg)          # each chunk's writes, decayed to its end
+        kk = (kk + kk.transpose(1, 2)) * 0.5 + bad[:, -1:, None]   # symmetric in floating point
         kk = kk.view(n, BH, K, K)
-        S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(kk[j], g_end[j], S), None), n, S, docs, j0)
+        S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(kk[j], g_end[j], S), None), n, S,
+                                    docs, j0)
         j0 += n
-        H_starts, a = _stacked(starts), torch.exp(Lq)                # [nBH, K, K], [nBH, c]
+        H_starts, a = _stacked(starts), torch.exp(Lq)   # [nBH, K, K], [nBH, c]
         if symmetric:
-            x = _ChunkSolve.apply(block(qp), H_starts, kg, W, a, float(lam), tolerance, most)
+            x = _ChunkSolve.apply(qg, H_starts, kg, W, a, float(lam), tolerance, most)
         else:
-            x = _direct_solve(block(qp), H_starts, kg, W, a, float(lam))
-        outs.append(_token_major(x + bad[..., None], B, Hh, m))     # [B, n, m, H, K]
+            x = _direct_solve(qg, H_starts, kg, W, a, float(lam))
+        outs.append(_token_major(x + bad[..., None], B, Hh, m))   # [B, n, m, H, K]
     H_T = docs.final() if docs is not None else S.view(B, Hh, K, K)
     x = _join_chunks(outs)
     x = docs.unlay(x) if docs is not None else x
     return x.to(q.dtype), H_T.to(out_dtype)
 
 
+def _finite_writes(kg, bg, lg):
+    """A group's keys ``[nBH, c, K]``, write weights and log decays ``[nBH, c]`` with every
+    non-finite write taken out, and ``bad [nBH, c]``: 0, or NaN from the first non-finite write
+    of its chunk on.  A non-finite write reaches the tokens from its own on: the chunk runs on
+    zeros in its place (no earlier token sees it through a masked product), and the caller adds
+    ``bad`` to the outputs and the state.  A log decay of -inf (a decay of 0) is finite here."""
+    f = kg.sum(-1) + bg + lg.masked_fill(lg == float("-inf"), 0.0)
+    bad = torch.cumsum(f - f, 1)
+    clean = (torch.nan_to_num(kg, 0.0, 0.0, 0.0), torch.nan_to_num(bg, 0.0, 0.0, 0.0),
+             torch.nan_to_num(lg, 0.0, 0.0))
+    return clean + (bad,)
+
+
 def _solve_tolerance(dtype):
-    """The relative residual at which the solver stops: near the precision of ``dtype`` (a residual
-    of ``tol ||q||`` leaves an error of at most ``tol`` times the condition number in x)."""
+    """The relative residual at which the solver stops: near the precision of ``dtype`` (a
+    residual of ``tol ||q||`` leaves an error of at most ``tol`` times the condition number)."""
     return 1e-12 if dtype == torch.float64 else 1e-6
 
 
 def _solve_weights(lg, bg, kg, n, inclusive):
-    """A group's chunk constants from its log decays ``lg`` and write weights ``bg`` ``[nBH, c]`` and
-    keys ``kg`` ``[nBH, c, K]`` (n chunks): the pair weights ``W [nBH, c, c]`` (``exp(L_t - L_s) beta_s``, s <= t,
-    or s < t when exclusive), the log decay ``Lq [nBH, c]`` the chunk-start state has reached at each
-    token, the decay over each chunk ``[n, BH, 1, 1]`` and the keys weighted and decayed to the
-    chunk's end ``[nBH, c, K]``."""
+    """A group's chunk constants from its log decays ``lg`` and write weights ``bg``
+    ``[nBH, c]`` and keys ``kg`` ``[nBH, c, K]`` (n chunks): the pair weights ``W [nBH, c, c]``
+    (``exp(L_t - L_s) beta_s`` for s <= t, s < t when exclusive), the log decay ``Lq [nBH, c]``
+    of the chunk-start state at each token, the decay over each chunk ``[n, BH, 1, 1]`` and the
+    keys weighted and decayed to the chunk's end ``[nBH, c, K]``."""
     nBH, c = lg.shape
     later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
-    seg = torch.cumsum(lg[:, :, None].expand(-1, c, c).masked_fill(~later, 0.0), dim=1)   # sum_{s < u <= t}
+    # seg[t, s] = sum of lg_u over s < u <= t
+    seg = torch.cumsum(lg[:, :, None].expand(-1, c, c).masked_fill(~later, 0.0), dim=1)
     L = torch.cumsum(lg, dim=1)                                      # [nBH, c]
-    if not inclusive:                                                # token t sees the state through t - 1
+    if not inclusive:                              # token t sees the state through t - 1
         seg = torch.nn.functional.pad(seg[:, :-1], (0, 0, 1, 0))
         L_q = torch.nn.functional.pad(L[:, :-1], (1, 0))
     else:
         L_q = L
     pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(0 if inclusive else -1)
     W = torch.exp(seg).masked_fill(~pairs, 0.0) * bg[:, None, :]     # [nBH, c, c]
-    after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))   # log decay after s
+    # the log decay after each token to the chunk's end
+    after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
     kd = kg * (bg * torch.exp(after))[..., None]                     # [nBH, c, K]
     g_end = torch.exp(L[:, -1]).view(n, -1, 1, 1)
     return W, L_q, g_end, kd
 
 
-
 def _direct_solve(q, H0, k, W, a, lam):
-    """Every token's system solved directly, ``x_t (a_t H_0 + sum_s W[t, s] k_s k_sᵀ + lam I) = q_t``
-    (``q [nBH, c, K]``, ``H_0 [nBH, K, K]`` any matrix): the path of an initial state that is not
-    symmetric, where conjugate gradients does not apply; every token's matrix is formed
-    (``[nBH, c, K, K]``), differentiated by autograd."""
+    """Every token's system solved directly,
+    ``x_t (a_t H_0 + sum_s W[t, s] k_s k_sᵀ + lam I) = q_t`` (``q [nBH, c, K]``, ``H_0
+    [nBH, K, K]`` any matrix): the path of an initial state that is not symmetric, where
+    conjugate gradients does not apply; every token's matrix is formed (``[nBH, c, K, K]``),
+    differentiated by autograd."""
     K = q.shape[-1]
     kk = k.unsqueeze(-1) * k.unsqueeze(-2)                           # [nBH, c, K, K]
     A = a[..., None, None] * H0.unsqueeze(1) + torch.einsum("bts,bsij->btij", W, kk)
@@ -185,18 +203,19 @@ def _direct_solve(q, H0, k, W, a, lam):
 
 
 def _solve_matvec(P, H0, k, W, a, lam):
-    """Every token's matrix applied to its own row of ``P [nBH, c, K]``: ``a_t (p_t H_0) + sum_s W[t, s]
-    (p_t . k_s) k_s + lam p_t`` (H_0 ``[nBH, K, K]`` symmetric, the chunk's start state; ``a``
-    ``[nBH, c]`` its decay at each token)."""
+    """Every token's matrix applied to its own row of ``P [nBH, c, K]``:
+    ``a_t (p_t H_0) + sum_s W[t, s] (p_t . k_s) k_s + lam p_t`` (H_0 ``[nBH, K, K]`` the
+    chunk's start state, symmetric; ``a [nBH, c]`` its decay at each token)."""
     out = torch.baddbmm(P, P * a[..., None], H0, beta=lam)        # lam p_t + (a_t p_t) H_0
     return torch.baddbmm(out, torch.bmm(P, k.transpose(1, 2)).mul_(W), k)
 
 
 def _conjugate_gradients(matvec, b, tol, steps):
-    """``x`` with ``matvec(x) = b`` row by row (``b [N, c, K]``, every row its own symmetric positive
-    definite system): conjugate gradients, a row stopping (its step 0 from then on) once its residual
-    is at most ``tol ||b_t||``; at most ``steps`` steps.  A row of zeros is solved at once (x = 0); a
-    non-finite one stays active and gives non-finite x.  (Run without autograd: updates in place.)"""
+    """``x`` with ``matvec(x) = b`` row by row (``b [N, c, K]``, every row its own symmetric
+    positive definite system): conjugate gradients, a row stopping (its step 0 from then on)
+    once its residual is at most ``tol ||b_t||``; at most ``steps`` steps.  A row of zeros is
+    solved at once (x = 0); a non-finite one stays active and gives a non-finite x.  Runs
+    without autograd (updates in place)."""
     x = torch.zeros_like(b)
     r, p = b.clone(), b.clone()
     rr = (b * b).sum(-1)                                             # [N, c] squared residuals
@@ -216,9 +235,9 @@ def _conjugate_gradients(matvec, b, tol, steps):
 
 
 class _ChunkSolve(torch.autograd.Function):
-    """``x_t = A_t^-1 q_t`` for a group of chunks (:func:`_solve_matvec` is ``A``), by conjugate
-    gradients; the backward solves the adjoint systems ``A_t y_t = g_t`` the same way (``A_t`` is
-    symmetric) and takes ``dL/dA_t = -y_t x_tᵀ`` to the operands of ``A`` in closed form."""
+    """``x_t = q_t A_t^-1`` for a group of chunks (:func:`_solve_matvec` applies ``A``), by
+    conjugate gradients; the backward solves the adjoint systems ``y_t A_t = g_t`` the same way
+    and takes ``dL/dA_t = -x_tᵀ y_t`` to the operands of ``A`` in closed form."""
 
     @staticmethod
     def forward(ctx, q, H0, k, W, a, lam, tol, steps):
@@ -233,12 +252,12 @@ class _ChunkSolve(torch.autograd.Function):
     def backward(ctx, g):
         x, H0, k, W, a = ctx.saved_tensors
         lam, tol, steps = ctx.solver
-        y = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), g, tol, steps)   # [nBH, c, K]
-        # A_t x_t = a_t (x_t H_0) + sum_s W[t, s] (x_t . k_s) k_s + lam x_t, differentiated against -y_t
+        y = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), g, tol, steps)
+        # x_t A_t = a_t (x_t H_0) + sum_s W[t, s] (x_t . k_s) k_s + lam x_t against -y_t
         xk = torch.bmm(x, k.transpose(1, 2))                         # [nBH, c, c] x_t . k_s
         yk = torch.bmm(y, k.transpose(1, 2))                         # [nBH, c, c] y_t . k_s
         d_a = -(torch.bmm(x, H0) * y).sum(-1)                        # [nBH, c]
         d_H0 = -torch.bmm((x * a[..., None]).transpose(1, 2), y)     # [nBH, K, K]
         d_W = -(xk * yk)                                             # [nBH, c, c]
-        d_k = -(torch.bmm((xk * W).transpose(1, 2), y) + torch.bmm((yk * W).transpose(1, 2), x))   # [nBH, c, K]
+        d_k = -torch.bmm((xk * W).transpose(1, 2), y) - torch.bmm((yk * W).transpose(1, 2), x)
         return y, d_H0, d_k, d_W, d_a, None, None, None
