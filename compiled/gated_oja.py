@@ -47,14 +47,15 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=False)
+        self.compiled = torch.compile(fn, dynamic=dynamic)
         self.seconds = None
 
     def __call__(self, *args):
@@ -222,6 +223,33 @@ def _stack_finals(finals, back):
         if "." in k and k.split(".")[0] in prefixes:
             ragged.add(k.split(".")[1])   # the state a streaming entry belongs to
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
+
+
+def oja_screen(xs, docs, inclusive):
+    """Non-finite inputs: a token whose w, u, c, write or decay is not finite runs as an identity
+    token (torch.where: zeros, never a product), and every output that reads a state at or after
+    it (in its document), and the final state, are NaN -- so no NaN meets a product, forward or
+    backward, and none reaches an earlier token.  A non-finite probe makes only its own output NaN
+    (probes enter row by row).
+
+    Args: xs = [q, w, u, c [..., 1], a, log_decay] (laid out ``[B, T, H, d]``, None where absent),
+    docs (``_DocumentChunks`` or None), inclusive.  Returns (xs with bad tokens cleared, read_bad
+    ``[B, T, H]`` bool, state_bad ``[B, H]`` or ``[N, H]`` bool)."""
+    q, *rest = xs
+    w = rest[0]
+    dt = torch.promote_types(w.dtype, torch.float32)
+    total = sum(x.to(dt).sum(-1) for x in rest[:-1] if x is not None)       # [B, T, H]
+    # a decay of 0 (log -inf) is valid
+    if rest[-1] is not None:
+        total = total + rest[-1].to(dt).clamp_min(-80.0).sum(-1)
+    bad = ~torch.isfinite(total)
+    rest = [None if x is None else torch.where(bad[..., None], 0.0, x) for x in rest]
+    flags = bad.to(dt)
+    # bad at or before t
+    before = docs.cumsum(flags) if docs is not None else torch.cumsum(flags, dim=1)
+    read_bad = (before if inclusive else before - flags) > 0
+    state_bad = (docs.total(flags) if docs is not None else flags.sum(1)) > 0
+    return [q] + rest, read_bad, state_bad
 
 
 def oja_chunks(x, NC, C, dt):
@@ -480,6 +508,7 @@ def chunk_oja(q, w, c, a, log_decay, S0, chunk, sub=8, documents=None):
         S_docs = S0.to(dt) if S0 is not None else w.new_zeros(documents.count, H, K, V, dtype=dt)
         docs = documents.for_kernel(C, S_docs)
         xs = [docs.lay(x) for x in xs]
+    xs, read_bad, state_bad = oja_screen(xs, docs, True)
     NC = -(-xs[1].shape[1] // C)
     qc, wc, uc, cc, ac, lgc = (oja_chunks(x, NC, C, dt) for x in xs)   # [NC B H, C, d]
     consts = oja_constants(C, s, dt, w.device)
@@ -500,11 +529,17 @@ def chunk_oja(q, w, c, a, log_decay, S0, chunk, sub=8, documents=None):
             outs.append(oja_outputs(qc[at], wc[at], prep, starts.reshape(nc * BH, K, V), s, consts,
                     True))
     S_T = docs.final() if docs is not None else S.reshape(B, H, K, V)
+    # a bad token poisons it
+    S_T = torch.where(state_bad[..., None, None], float("nan"), S_T)
     if q is None:
         return None, S_T.to(s_dtype)
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]                    # [NC B H, C, V]
     o = o.reshape(NC, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, NC * C, H, V)
-    o = docs.unlay(o) if docs is not None else o[:, :T]
+    # the laid-out (or real) tokens
+    o = o[:, :read_bad.shape[1]]
+    # reads at or after a bad token
+    o = torch.where(read_bad[..., None], float("nan"), o)
+    o = docs.unlay(o) if docs is not None else o
     return o.to(w.dtype), S_T.to(s_dtype)
 
 

@@ -376,3 +376,77 @@ def test_bfloat16_inputs_keep_a_float32_state():
     o64, s64 = memory.double()(*[x.double() for x in xs[:3]], beta=xs[3].double(), g=xs[4].double(),
                                state={"S": h0.double()})
     assert rel_err(o, o64) < 5e-3 and rel_err(s["S"], s64["S"]) < 1e-5
+
+
+# ------------------------------------------------------------------ non-finite inputs
+def _oja_args(T, seed=3):
+    q, k, v, beta, lg, S0 = oja_inputs(1, T, 2, 4, 5, seed=seed)
+    return [q, v, None, -beta, beta[..., None] * k, lg, S0]
+
+
+@pytest.mark.parametrize("where", ["w", "c", "a", "decay"])
+def test_a_non_finite_token_reaches_no_earlier_output(where):
+    """A NaN or inf at token 9 (inside the third chunk of 4) leaves every earlier output as it was
+    and makes every later output, and the final state, NaN -- as the token loop makes them."""
+    T, t = 20, 9
+    clean = _oja_args(T)
+    dirty = [None if x is None else x.clone() for x in clean]
+    slot = {"w": 1, "c": 3, "a": 4, "decay": 5}[where]
+    dirty[slot][:, t, 1] = float("nan") if where != "decay" else float("inf")
+    o0, S0 = chunk_oja(*clean, 4)
+    o1, S1 = chunk_oja(*dirty, 4)
+    torch.testing.assert_close(o1[:, :t], o0[:, :t], rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(o1[:, :, 0]).all()                                 # the other head is untouched
+    assert torch.isnan(o1[:, t:, 1]).all() and torch.isnan(S1[:, 1]).all() and torch.isfinite(S1[:, 0]).all()
+    ref, _ = recurrent_oja(*dirty)
+    assert not torch.isfinite(ref[:, t:, 1]).any()                          # the loop's outputs are not finite either
+
+
+def test_a_non_finite_probe_poisons_only_its_own_output():
+    args = _oja_args(20)
+    o0, S0 = chunk_oja(*args, 4)
+    args[0] = args[0].clone()
+    args[0][:, 6, 0, 2] = float("nan")
+    o1, S1 = chunk_oja(*args, 4)
+    assert torch.isnan(o1[:, 6, 0]).all()
+    keep = torch.ones(20, dtype=torch.bool)
+    keep[6] = False
+    torch.testing.assert_close(o1[:, keep], o0[:, keep], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(S1, S0, rtol=1e-12, atol=1e-12)
+
+
+def test_a_decay_of_zero_is_valid_and_gradients_before_a_bad_token_are_finite():
+    args = _oja_args(20)
+    args[5] = args[5].clone()
+    args[5][:, 5] = float("-inf")                                            # decay 0: the state forgets
+    o, S = chunk_oja(*args, 4)
+    ref, S_ref = recurrent_oja(*args)
+    assert_same_function(o, ref)
+    assert_same_function(S, S_ref)
+    leaves = [args[i].detach().requires_grad_() for i in (0, 1, 3, 4)]
+    args[0], args[1], args[3], args[4] = leaves
+    args[4] = args[4].detach().clone()
+    args[4][:, 12, 0] = float("nan")
+    args[4].requires_grad_()
+    o, _ = chunk_oja(*args, 4)
+    grads = torch.autograd.grad(o[:, :12].sum(), leaves[:3] + [args[4]])
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[-1][:, 12:] == 0).all()                                    # the bad token and later writes: no gradient
+
+
+def test_a_non_finite_token_stays_in_its_document():
+    from memspec.runtime.varlen import _Documents
+
+    T, cu = 21, torch.tensor([0, 6, 15, 21])
+    args = _oja_args(T)
+    args[6] = torch.randn(3, 2, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    args[1] = args[1].clone()
+    args[1][:, 9] = float("nan")                                             # token 3 of the second document
+    o, S = chunk_oja(*args, 4, documents=_Documents(cu))
+    assert torch.isfinite(o[:, :9]).all() and torch.isnan(o[:, 9:15]).all() and torch.isfinite(o[:, 15:]).all()
+    assert torch.isfinite(S[0]).all() and torch.isnan(S[1]).all() and torch.isfinite(S[2]).all()
+    for (a, b), S_doc, S_init in zip(((0, 6), (15, 21)), (S[0], S[2]), (args[6][0], args[6][2])):
+        piece = [None if x is None else x[:, a:b] for x in args[:6]]
+        o_doc, S_alone = chunk_oja(*piece, S_init[None], 4)
+        assert_same_function(o[:, a:b], o_doc)
+        assert_same_function(S_doc[None], S_alone)

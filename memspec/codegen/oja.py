@@ -10,7 +10,8 @@ gets the state transposed into and out of the kernel, in the declared layout out
 from __future__ import annotations
 
 from ..lang.names import fresh
-from ..runtime.oja import chunk_oja, oja_chunks, oja_constants, oja_decays, oja_outputs, oja_pass, oja_prepare
+from ..runtime.oja import (chunk_oja, oja_chunks, oja_constants, oja_decays, oja_outputs, oja_pass, oja_prepare,
+                           oja_screen)
 from ..runtime.varlen import _DocumentChunks, _Documents
 from . import chunked
 from .context import Emitter
@@ -39,7 +40,7 @@ def emit(ctx, L) -> None:
                 line = line.rstrip()[:-1] + f", documents={docs})"
             L.block(line)
     L()
-    for part in (oja_chunks, oja_constants, oja_decays, oja_prepare, oja_pass, oja_outputs):
+    for part in (oja_screen, oja_chunks, oja_constants, oja_decays, oja_prepare, oja_pass, oja_outputs):
         ctx.need(part)
     ctx.need_kernel(KERNEL)
     ctx.need(_Documents)

@@ -55,6 +55,7 @@ Per-channel decays (both the additive and the DPLR kernels) never form a ``[C, C
 of decays: a chunk is halved level by level and every pair's weight is a product of two factors,
 each a product of per-token decays (<= 1), so no exponent is positive and none is a difference
 of long cumulative sums; everything stays in the input dtype (no float64: it runs where float64
-is slow or missing).  The DPLR kernels replace non-finite inputs with
-``torch.where`` (never by a product with zero).
+is slow or missing).  The delta, DPLR and Oja kernels run a token with a non-finite input as an
+identity token (``torch.where``, never a product with zero) and set every output that reads a
+state at or after it, and the final state, to NaN at the end.
 """
