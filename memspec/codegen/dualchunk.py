@@ -18,6 +18,7 @@ from ..lang.expr import Expr, Name, Num, substitute, unparse
 from ..lang.names import fresh
 from ..lang.spec import Spec
 from ..runtime.helpers import _decay_matrix
+from ..runtime.rows import _row_scan
 from ..schedule.algebra import simplify
 from .dualterms import (
     ONE,
@@ -239,6 +240,8 @@ class ChunkAlgebra:
     def state_rep(self, s: str, x_vec: dict, x_mat: dict, x_diag: dict) -> Rep:
         """``s`` after each token: its own decay ``d`` (L, P) applied to what flows in."""
         d = self.form.recurrence.coeff[s].get(("prev", s))
+        if d is not None and self.is_chan(self.coef(d, f"{s}_decay")):
+            return self.row_rep(s, self.coef(d, f"{s}_decay"), x_vec, x_mat, x_diag)
         rep = Rep()
         Ln, Pn = self.decay(d, s) if d is not None else (None, None)
         for r0 in [r for r in self.w.states if r in x_vec or (r == s and d is not None)]:
@@ -275,6 +278,33 @@ class ChunkAlgebra:
                     parts.append(Op("*", c, Ln) if c.number else
                                  Op("*", self.up(Ln, True, chan), Post(self.up(c, False, chan), ".unsqueeze(-2)")))
             rep.mat[g] = self.bind(name, Sum.of(*self.aligned(parts, True)),
+                                   f"[B, H, C, C]: weights of the gradients of {g} in {s} after each token")
+        return rep
+
+
+    def row_rep(self, s: str, a: Term, x_vec: dict, x_mat: dict, x_diag: dict) -> Rep:
+        """``s`` after each token when it decays per row (``a`` ``[B, H, d, C]``): what flows in
+        accumulated token by token, ``_row_scan`` (exact products of decays; no ``[C, C]`` decay
+        matrix per channel is formed)."""
+        self.w.need(_row_scan)
+        rep = Rep()
+        P = fresh(f"P_{a.code if isinstance(a, Ref) and a.local else s}", self.taken)
+        self.L(f"{P} = torch.cumprod({a.render()}, dim=-1)", f"[B, H, {self.chan_dim(a)}, C]: products of the "
+               f"decays of {s}", targets=(P,), reads=a.names)
+        self.chan[P] = self.chan_dim(a)
+        for r0 in [r for r in self.w.states if r in x_vec or r == s]:
+            parts = [local(P)] if r0 == s else []
+            if r0 in x_vec:
+                xv = Sum.of(*self.aligned(x_vec[r0], False))
+                parts.append(Call("_row_scan", (a, self.up(xv, False, True), Ref("-1"))))
+            rep.vec[r0] = self.bind(fresh(f"a_{s}_{r0}", self.taken), Sum.of(*self.aligned(parts, False)),
+                                    f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
+        for g in [t for t in self.form.targets if t in x_mat or t in x_diag]:
+            parts = list(self.aligned(x_mat.get(g, []), True))
+            parts += [Call("torch.diag_embed", (self.up(Op("*", c, Post(a, ".new_ones(()))")) if c.number else c,
+                                                        False, True),)) for c in x_diag.get(g, [])]
+            inflow = Sum.of(*[self.up(p, True, True) for p in parts])
+            rep.mat[g] = self.bind(fresh(f"M_{s}_{g}", self.taken), Call("_row_scan", (a, inflow, Ref("-2"))),
                                    f"[B, H, C, C]: weights of the gradients of {g} in {s} after each token")
         return rep
 
@@ -374,8 +404,10 @@ class DualRead:
 
     def channel_scores(self, x: Term, xk: Term, m: Term) -> Term:
         """The scores of the inputs ``x`` and ``xk`` ``[B, H, C, d]`` weighted per channel by ``m``
-        ``[B, H, d, C, C]``: ``sum_c x[i, c] m[c, i, j] xk[j, c]`` ``[B, H, C, C]``."""
-        return Call("torch.einsum", (Ref('"...ic,...cij,...jc->...ij"'), x, m, xk))
+        ``[B, H, d, C, C]``: ``sum_c x[i, c] m[c, i, j] xk[j, c]`` ``[B, H, C, C]``, one product of a
+        row of ``x`` by the weighted keys ``[d, C]`` per token (``m`` token-major: ``_row_scan``)."""
+        weighted = Op("*", Post(m, ".transpose(-3, -2)"), Post(xk, ".transpose(-2, -1).unsqueeze(-3)"))
+        return Post(Group(matmul(Post(x, ".unsqueeze(-2)"), weighted)), ".squeeze(-2)")
 
     def weighted(self, sc: Term, m: Term) -> Term:
         """``(sc) * m``; bound to a local when the scores read only the inputs (then

@@ -38,7 +38,7 @@ from ..lang.shapes import ShapeEnv
 from .backprop import ClosedGrad, NoClosedForm, closed_grad, spec_names
 from .recurrence import NotRecurrence, minibatch_recurrence
 
-BLOCK = 16   # tokens per block of a chunk whose states decay per channel (DualForm.rows)
+BLOCK = 8   # tokens per block of a chunk whose states decay per channel (DualForm.rows)
 
 
 class NotDual(Exception):
