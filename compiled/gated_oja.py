@@ -225,6 +225,30 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
+    """The state passing over n chunks in order: ``S, x_j = step(j, S)`` applies chunk j's map
+    ``S <- M_j S + D_j`` to the state at its start (and returns what its outputs need of the state:
+    a chunk's reads of it, or None).
+
+    Packed documents (``docs``, a ``_DocumentChunks``; ``j0`` the chunks before these): a chunk that
+    starts a document enters its initial state, one that ends it leaves its final state
+    (``true_state(j, S)``: the state at its true scale, when the kernel carries it scaled).
+
+    Returns ``(S, starts, xs)``: the state after the last chunk, the states at the chunks' starts
+    and the ``x_j`` (lists of n).
+    """
+    starts, xs = [], []
+    for j in range(n):
+        if docs is not None:
+            S = docs.enter(j0 + j, S)                                # a document's initial state
+        starts.append(S)
+        S, x = step(j, S)
+        if docs is not None:                                         # a document's final state
+            docs.leave(j0 + j, S if true_state is None else true_state(j, S))
+        xs.append(x)
+    return S, starts, xs
+
+
 def oja_screen(xs, docs, inclusive):
     """Non-finite inputs: a token whose w, u, c, write or decay is not finite runs as an identity
     token (torch.where: zeros, never a product), and every output that reads a state at or after
@@ -415,14 +439,10 @@ def oja_pass(M, D, S, docs=None, first=0):
     Returns:
         (the start state of every chunk ``[NC, BH, K, V]``, the state after the last).
     """
-    starts = []
-    for j in range(M.shape[0]):
-        if docs is not None:
-            S = docs.enter(first + j, S)
-        starts.append(S)
-        S = torch.baddbmm(D[j], S, M[j])                                   # [BH, K, V]
-        if docs is not None:
-            docs.leave(first + j, S)
+    def step(j, S):
+        return torch.baddbmm(D[j], S, M[j]), None                          # [BH, K, V]
+
+    S, starts, _ = _pass_states(step, M.shape[0], S, docs, first)
     return torch.stack(starts), S
 
 

@@ -44,14 +44,15 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=False)
+        self.compiled = torch.compile(fn, dynamic=dynamic)
         self.seconds = None
 
     def __call__(self, *args):
@@ -672,10 +673,8 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk):
         inc = kb.transpose(-1, -2) @ (wb * torch.exp(end - L))
         # [B, H, n, V] the chunk's decay of S
         decay = torch.exp(end.squeeze(-2))
-        starts = []
-        for j in range(n):
-            starts.append(S)
-            S = S * decay[:, :, j].unsqueeze(-2) + inc[:, :, j]
+        S, starts, _ = _pass_states(lambda j,
+                S: (torch.addcmul(inc[:, :, j], S, decay[:, :, j].unsqueeze(-2)), None), n, S)
         if q is not None:
             outs.append(_value_decay_reads(blocks(q, t0, t1, n), kb, wb, L, torch.stack(starts, 2),
                     True))

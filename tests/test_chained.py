@@ -420,8 +420,10 @@ def test_the_specialised_value_decay_kernel_equals_the_general_one(inclusive):
     from memspec.codegen.context import runtime_source
     from memspec.codegen.specialise import specialise
     from memspec.runtime.chained import _value_decay_reads
+    from memspec.runtime.phases import _pass_states
     ns = {"torch": torch}
     exec(runtime_source(_value_decay_reads), ns)
+    exec(runtime_source(_pass_states), ns)
     exec(specialise(chunk_value_decay, inclusive=inclusive), ns)
     fn = ns["chunk_value_decay"]
     assert "inclusive" not in inspect.signature(fn).parameters

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .phases import _pass_states
+
 
 def recurrent_value_decay(q, k, w, log_decay, S0, inclusive=True):
     """Token loop of ``S_t = S_{t-1} Diag(exp(log_decay_t)) + outer(k_t, w_t)``, ``o_t = q_t @ S_t``
@@ -83,10 +85,8 @@ def chunk_value_decay(q, k, w, log_decay, S0, chunk, inclusive=True):
         end = L[..., -1:, :]                                     # [B, H, n, 1, V]
         inc = kb.transpose(-1, -2) @ (wb * torch.exp(end - L))   # [B, H, n, K, V] each chunk's own writes
         decay = torch.exp(end.squeeze(-2))                       # [B, H, n, V] the chunk's decay of S
-        starts = []
-        for j in range(n):
-            starts.append(S)
-            S = S * decay[:, :, j].unsqueeze(-2) + inc[:, :, j]
+        S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(inc[:, :, j], S, decay[:, :, j].unsqueeze(-2)), None),
+                                    n, S)
         if q is not None:
             outs.append(_value_decay_reads(blocks(q, t0, t1, n), kb, wb, L, torch.stack(starts, 2), inclusive))
     if q is None:

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from .phases import _pass_states
+
 
 def recurrent_oja(q, w, u, c, a, log_decay, S0, inclusive=True, read_after_decay=True):
     """Token-loop reference of the value-side transition (see the module docstring).
@@ -215,14 +217,10 @@ def oja_pass(M, D, S, docs=None, first=0):
     Returns:
         (the start state of every chunk ``[NC, BH, K, V]``, the state after the last).
     """
-    starts = []
-    for j in range(M.shape[0]):
-        if docs is not None:
-            S = docs.enter(first + j, S)
-        starts.append(S)
-        S = torch.baddbmm(D[j], S, M[j])                                   # [BH, K, V]
-        if docs is not None:
-            docs.leave(first + j, S)
+    def step(j, S):
+        return torch.baddbmm(D[j], S, M[j]), None                          # [BH, K, V]
+
+    S, starts, _ = _pass_states(step, M.shape[0], S, docs, first)
     return torch.stack(starts), S
 
 

@@ -1,13 +1,15 @@
 """Phases shared by the exact chunked kernels: the chunks and their groups, the layout of a
 sequence into chunks and back, and the state passing over chunks.
 
-Every exact chunked kernel (:mod:`.additive`, :mod:`.delta`, :mod:`.dplr`, :mod:`.momentum`) is
+The exact chunked kernels (:mod:`.additive`, :mod:`.delta`, :mod:`.dplr`, :mod:`.momentum`) are
 composed the same way: the sequence is cut into chunks of C tokens, processed G chunks at a time
 (:func:`_chunk_groups`, :func:`_group_size`); a group's tokens are laid out chunk-major
 (:func:`_chunk_major`), the family prepares each chunk's affine map of the state,
 ``S_end = M S_start + D``, batched over the group's chunks; :func:`_pass_states` carries the state
 over the chunks in order, applying each chunk's map; the family's outputs are batched over the
-group again, and :func:`_join_chunks` lays them back out token-major.
+group again, and :func:`_join_chunks` lays them back out token-major.  The oja and chained kernels
+keep layouts of their own and pass their states with :func:`_pass_states`; the scan carries its
+chunks' end states by a scan of the same kind one level up.
 
 Generated modules carry the functions their kernels call (copied by source: torch only).
 """
