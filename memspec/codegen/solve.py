@@ -24,9 +24,9 @@ def emit(ctx, L) -> None:
     docs = fresh("documents", set(ctx.spec_names))
     L(f"def _forward_chunk(self, {', '.join(sv + ['state'])}, {docs}=None):")
     with L.indent():
-        L('"""' + "The solve chunked form over chunks of self.chunk tokens: conjugate")
-        L("gradients for every token's system at once, to the solver's tolerance at the dtype's")
-        L(f"precision, then the probe of {plan.probe.name} with the solutions.")
+        L('"""' + "The solve chunked form over chunks of self.chunk tokens: conjugate gradients")
+        L("for every token's system at once, to the solver's tolerance at the dtype's precision,")
+        L(f"then the probe of {plan.probe.name} with the solutions.")
         L()
         L(f"`{docs}`: packed documents (B = 1, state [N, H, ...]), each starting a chunk of")
         L("both kernel calls." + '"""')
