@@ -95,6 +95,20 @@ class Recurrence:
     mirror: dict = field(default_factory=dict)
 
 
+def _factor(e: Expr, local, scalar, vector):
+    """``e`` as a token-local factor times a term: ``(c, X, lift)`` for ``c * X`` / ``X * c`` (c a
+    scalar) or a row scaling ``diag(c) @ X`` (c a vector: coefficients one factor per row), with
+    ``lift`` the same factor applied to X's rest; None if ``e`` is neither."""
+    if isinstance(e, BinOp) and e.op == "*":
+        for s, t in ((e.left, e.right), (e.right, e.left)):
+            if local(s) and scalar(s):
+                return s, t, lambda rest, s=s: term_mul(s, rest)
+    if isinstance(e, BinOp) and e.op == "@" and isinstance(e.left, Call) and e.left.fn == "diag" \
+            and len(e.left.args) == 1 and local(e.left.args[0]) and not local(e.right) and vector(e.left.args[0]):
+        return e.left.args[0], e.right, lambda rest: BinOp("@", e.left, rest) if rest is not None else None
+    return None
+
+
 def input_name(when: str, state: str) -> str:
     """The placeholder, in a :class:`Recurrence`'s ``rest``, of ``state``'s value before (``prev``)
     or after (``cur``) the token: a sequence the chunk step has already solved."""
@@ -172,20 +186,11 @@ def minibatch_recurrence(spec, values=None, scope=None, inputs: bool = False) ->
             for k, c in b.coeffs.items():
                 coeffs[k] = term_add(coeffs.get(k), c)
             return _Affine({k: c for k, c in coeffs.items() if c is not None}, term_add(a.rest, b.rest))
-        if isinstance(e, BinOp) and e.op == "*":
-            for s, t in ((e.left, e.right), (e.right, e.left)):
-                if local(s) and scalar(s):
-                    v = walk(t, cur, i)
-                    return _Affine({k: term_mul(s, c) for k, c in v.coeffs.items()}, term_mul(s, v.rest))
-        if isinstance(e, BinOp) and e.op == "@" and isinstance(e.left, Call) and e.left.fn == "diag" \
-                and len(e.left.args) == 1 and local(e.left.args[0]) and not local(e.right):
-            # a row scaling diag(c) @ X: its coefficients are vectors (one factor per row of the state)
-            c = e.left.args[0]
-            shape = env.infer(c, scope=scope)
-            if shape is not None and len(shape) == 1:
-                v = walk(e.right, cur, i)
-                return _Affine({k: term_mul(c, cf) for k, cf in v.coeffs.items()},
-                               BinOp("@", e.left, v.rest) if v.rest is not None else None)
+        factor = _factor(e, local, scalar, lambda c: len(env.infer(c, scope=scope) or ()) == 1)
+        if factor is not None:   # c * X (c a token-local scalar) or diag(c) @ X (c one factor per row)
+            c, t, lift = factor
+            v = walk(t, cur, i)
+            return _Affine({k: term_mul(c, cf) for k, cf in v.coeffs.items()}, lift(v.rest))
         if isinstance(e, BinOp) and e.op == "/" and local(e.right) and scalar(e.right):
             v = walk(e.left, cur, i)
             return _Affine({k: term_div(c, e.right) for k, c in v.coeffs.items()}, term_div(v.rest, e.right))
