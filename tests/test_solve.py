@@ -359,3 +359,54 @@ def test_mesa_matches_fla_naive_mesa_net_exact_and_its_chunked_cg():
         co, cH, cG = peer.naive_mesa_net_CG(qn, kn, v, g, lamb, eta, 32)
         assert rel_err(s["H"], cH) <= 1e-4 and rel_err(s["G"], cG) <= 1e-4
         assert rel_err(o, ro) * 10 <= rel_err(co, ro) <= 1e-3
+
+
+def test_module_float32_matches_online_to_the_tolerance_times_the_condition_number():
+    """The module's default schedule in float32 against its online schedule in float64, at the bound
+    explain states (the solver's tolerance times the systems' condition number), beside online's own
+    float32 error; bfloat16 inputs solve in float32 and return bfloat16."""
+    spec = memspec.load(SPECS / "mesa.yaml")
+    m = make(spec, {"heads": 2, "d_k": 32, "d_v": 16}, chunk=32, dtype=torch.float32)
+    q, k, v, eta, alpha = fla_case(T=300, H=2, K=32, seed=4)
+    v = v[..., :16]
+    with torch.no_grad():
+        o, s = m(q, k, v, eta=eta, alpha=alpha)
+        o32, _ = m(q, k, v, eta=eta, alpha=alpha, schedule="online")
+        ref, rs = m.double()(q.double(), k.double(), v.double(), eta=eta.double(), alpha=alpha.double(),
+                             schedule="online")
+        m.float()
+        ev = torch.linalg.eigvalsh(rs["H"])
+        kappa = float((ev.max() + 1.0) / (ev.clamp_min(0).min() + 1.0))
+        bound = 4 * _solve_tolerance(torch.float32) * kappa
+        assert rel_err(o, ref) <= bound and rel_err(o32, ref) <= bound, (rel_err(o, ref), rel_err(o32, ref), kappa)
+        ob, _ = m(q.bfloat16(), k.bfloat16(), v.bfloat16(), eta=eta.bfloat16(), alpha=alpha.bfloat16())
+        assert ob.dtype == torch.bfloat16 and rel_err(ob, ref) <= 2e-2
+
+
+def test_compile_option_keeps_the_solve_eager_and_equal():
+    """compile=True compiles the token step only; the conjugate-gradient loop (a data-dependent
+    stop) stays eager, with the same numbers."""
+    spec = memspec.load(SPECS / "mesa.yaml")
+    eager = make(spec, DIMS, dtype=torch.float64)
+    compiled = make(spec, DIMS, dtype=torch.float64, compile=True)
+    ins = harness_inputs(spec, eager, T=9)
+    st = symmetric_state(eager)
+    assert_same_function(call(compiled, spec, ins, dict(st))[0], call(eager, spec, ins, dict(st))[0])
+
+
+def test_the_benchmark_script_runs_and_checks_its_peers(capsys):
+    """benchmarks/mesa.py at a tiny size: the solve form, its online schedule and fla's references run,
+    the solve form within 1e-4 of the float64 online schedule (exit status 0)."""
+    import importlib.util
+    path = SPECS.parent / "benchmarks" / "mesa.py"
+    module_spec = importlib.util.spec_from_file_location("bench_mesa", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        assert module.main(["--T", "64", "--H", "1", "--D", "8", "--chunk", "16", "--threads", "1",
+                            "--repeat", "1", "--exact"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    text = capsys.readouterr().out
+    assert "memspec online" in text and "x the solve form" in text
