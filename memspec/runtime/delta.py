@@ -90,11 +90,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
             gives the same numbers.
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
-        per_channel: beta is ``[B, T, H, V]``, one step size per value channel: column j of the state
-            runs its own scalar-beta delta rule, the keys and decays shared, so each chunk has one
-            unit-lower-triangular system per value channel (:func:`_delta_channel_maps`); the
-            sequential part is ``u = U - T Diag(beta e^R) (K S)`` column by column.  Chunks of 16 tokens
-            or fewer keep the inverses ``T`` small (``C V`` floats per token).
+        per_channel: beta ``[B, T, H, V]``, a delta rule per value channel (:func:`_delta_channel_maps`).
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
@@ -125,7 +121,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
     nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
 
     def per_chunk(x):  # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
-        return _chunk_major(x.to(dt), Np, C).contiguous().reshape(Np, BH, C)
+        return _chunk_major(x.to(dt), Np, C).contiguous().reshape(Np, BH, C, *x.shape[3:])
 
     # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity token
     # (torch.where, never a product), and every output reading a state at or after it, and the final
@@ -151,17 +147,13 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
 
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
     # log decay 0, so L at the chunk's last slot is L at its last real token
-    if per_channel:                                                  # beta [Np, BH, C, V]
-        bc = torch.where(ok[..., None], _chunk_major(bt.to(dt), Np, C).reshape(Np, BH, C, V), zero)
-    else:
-        bc = torch.where(ok, per_chunk(bt), zero)                        # beta
+    bc = torch.where(ok[..., None] if per_channel else ok, per_chunk(bt), zero)   # beta
     if decayed:
         lgc = (torch.where(ok, per_chunk(lgt).clamp_min(-80.0), zero) if log_gamma is not None
                else torch.zeros_like(bc))
         L = torch.cumsum(lgc, dim=-1)                                # cumulative log decay in the chunk
         Rl = L if log_rho is None else L - lgc + torch.where(ok, per_chunk(lrt).clamp_min(-80.0), zero)
-        # beta exp(R): scales k on the right side
-        b_r = bc * (torch.exp(Rl)[..., None] if per_channel else torch.exp(Rl))
+        b_r = bc * (torch.exp(Rl)[..., None] if per_channel else torch.exp(Rl))   # beta exp(R): scales k (right side)
         to_end = torch.exp(L[..., -1:] - L)                          # decay from token t to the chunk end
         g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
         Lq = L if inclusive else L - lgc                             # log decay a probe sees
@@ -194,10 +186,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
         kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
         flat = lambda x: x.flatten(0, 1)  # noqa: E731  [n, BH, c, ...] -> [n B H, c, ...]
-        if per_channel:
-            b = flat(b)                                                  # [nBH, c, V]
-        else:
-            b = flat(b)[:, :, None]                                      # [nBH, c, 1]
+        b = flat(b) if per_channel else flat(b)[:, :, None]          # [nBH, c, 1] ([nBH, c, V] per channel)
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1) BH)),
         # bad tokens zeroed
         kv = torch.cat([_chunk_major(kp, n, c), _chunk_major(vp, n, c)], dim=-1)
@@ -210,26 +199,17 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
                 solve_decay = read_decay
             else:
                 solve_decay = decay_matrix(Rg, Lg, -1)               # exp(R_t - L_s), s < t
-            if per_channel:
-                Wk, U, kd = _delta_channel_maps(kv, b, K, solve_decay, b_rg, to_end_g)
-            else:
-                Wk, U, kd = _delta_maps(kv, b, K, solve_decay, b_rg, to_end_g)
-        elif per_channel:
-            Wk, U, kd = _delta_channel_maps(kv, b, K)
+            Wk, U, kd = (_delta_channel_maps if per_channel else _delta_maps)(kv, b, K, solve_decay, b_rg, to_end_g)
         else:
-            Wk, U, kd = _delta_maps(kv, b, K)
+            Wk, U, kd = (_delta_channel_maps if per_channel else _delta_maps)(kv, b, K)
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
         gs = g_end_g.unbind(0) if decayed else [None] * n
         Ws, Us = Wk.reshape(n, BH, *Wk.shape[1:]).unbind(0), U.reshape(n, BH, c, V).unbind(0)
         kds = kd.reshape(n, BH, c, K).unbind(0)
-        if per_channel:                                              # the keys the errors read
-            kgs = kv[:, :, :K].reshape(n, BH, c, K).unbind(0)
+        kgs = kv[:, :, :K].reshape(n, BH, c, K).unbind(0) if per_channel else None   # the keys the errors read
 
-        def step(j, S):  # chunk j's map: the corrections u_j, S <- g_j S + Kd_j^T u_j
-            if per_channel:   # column by column: u = U - T Diag(beta e^R) (K S), Ws[j] = T Diag(beta e^R)
-                u_j = Us[j] - (Ws[j] * torch.bmm(kgs[j], S)[:, None]).sum(2)   # [BH, c, V]
-            else:
-                u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)           # [BH, c, V]
+        def step(j, S):  # chunk j's map: the corrections u_j [BH, c, V], S <- g_j S + Kd_j^T u_j
+            u_j = _corrections(Us[j], Ws[j], kgs[j], S) if per_channel else torch.baddbmm(Us[j], Ws[j], S, alpha=-1)
             Sg = S if gs[j] is None else S * gs[j][:, None, None]
             return torch.baddbmm(Sg, kds[j].transpose(1, 2), u_j), u_j
 
@@ -257,9 +237,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
     if state_bad is not None:
         S = torch.where(state_bad, nan_value, S)                           # a bad token poisons the final state
     S_out = S.reshape(-1, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
-    if qq is None:
-        return None, S_out
-    return o.to(v.dtype), S_out
+    return (o.to(v.dtype) if qq is not None else None), S_out
 
 
 def _delta_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
@@ -339,6 +317,11 @@ def _delta_channel_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
         bp = torch.nn.functional.pad(b, (0, 0, 0, cp - c))
     T = b.new_ones(nBH, cp, 1, 1, V)                                 # the diagonal blocks' inverses, size s
     s = 1
+    if cp > 1:   # blocks of 2: [[1, 0], [-beta_1j a_10, 1]]
+        one = T[:, 0::2, 0, 0]                                       # [nBH, cp / 2, V]
+        low = -bp.reshape(nBH, cp // 2, 2, V)[:, :, 1] * torch.diagonal(Ap, -1, 1, 2)[:, 0::2, None]
+        T = torch.stack([one, torch.zeros_like(one), low, one], dim=2).reshape(nBH, cp // 2, 2, 2, V)
+        s = 2
     while s < cp:
         m = cp // (2 * s)                                            # pairs of blocks
         A21 = torch.diagonal(Ap.reshape(nBH, m, 2 * s, m, 2 * s), dim1=1, dim2=3)[:, s:, :s].permute(0, 3, 1, 2)
@@ -351,6 +334,13 @@ def _delta_channel_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
     T = T[:, 0, :c, :c]                                              # [nBH, c, c, V]
     U = (T * (b * vg)[:, None]).sum(2)                               # [nBH, c, V]
     return T * b_r[:, None], U, kd
+
+
+def _corrections(U, Tb, kg, S):
+    """The corrections of a chunk with a step per value channel, column by column:
+    ``u = U - T Diag(beta e^R) (K S)`` (U ``[BH, c, V]``, ``Tb`` ``[BH, c, c, V]`` from
+    :func:`_delta_channel_maps`, kg ``[BH, c, K]``, S ``[BH, K, V]``)."""
+    return U - (Tb * torch.bmm(kg, S)[:, None]).sum(2)
 
 
 def _delta_outputs(qg, kg, u, S_starts, inclusive, read_decay=None, q_fac=None):

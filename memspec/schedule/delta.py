@@ -70,12 +70,7 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     if len(m.incs) != 1 or canon(m.incs[0][0]) != canon(k):
         raise NotAdmitted(f"the write of {W} is not one outer product at the key {txt(k)}")
     s_b, v_b = split_scalar(alg, m.incs[0][1])
-    d = t1.right.u if t1.right.kind == "diag" else None   # a step size per value channel
-    if d is not None:
-        v_b = without_factor(v_b, d)
-        if v_b is None:
-            raise NotAdmitted(f"the correction of {W} has a step per value channel ({side_text(t1.right)} on its "
-                              f"value side) that the write {txt(m.incs[0][1])} does not share")
+    d, v_b = value_step(W, t1, m.incs[0][1], v_b)       # a step size per value channel, or None
     br = simplify(Neg(t1.coef))                  # beta * rho
     beta = ratio(br, gamma)                      # rho = gamma when it cancels: the error at the decayed memory
     if beta is not None:
@@ -87,8 +82,7 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
         raise NotAdmitted(f"the step size of the correction ({txt(br)}) and of the write ({txt(s_b)}) do not share "
                           f"a factor the analysis can divide out")
     v = simplify(mul(scale, v_b))
-    if d is not None:
-        beta = simplify(mul(beta, d))
+    beta = simplify(mul(beta, d)) if d is not None else beta
     decay_lines = [r for r in (check_decay(alg, None if is_num(gamma, 1) else gamma, f"of {W}"),
                                check_decay(alg, None if canon(rho) in (canon(gamma), canon(ONE)) else rho,
                                            "seen by the error term")) if r]
@@ -98,9 +92,7 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     rec = f"{W} <- {txt(rec_e)} with k = {txt(k)}, v = {txt(v)}, beta = {txt(beta)}"
     reasons.append(("gated delta rule: " if not is_num(gamma, 1) else "delta rule: ") + rec)
     if d is not None:
-        reasons.append(f"beta is per value channel ({side_text(t1.right)} on the value side of the rank-one term, "
-                       f"beta = {txt(beta)}): column j of {W} runs its own scalar-beta delta rule with step beta_j, "
-                       f"the key and the decay shared -- d_v delta rules side by side")
+        reasons.append(channel_reason(W, t1, beta))
     if canon(rho) == canon(gamma) and not is_num(gamma, 1):
         reasons.append(f"the error is read at the decayed memory (rho = the decay {txt(gamma)})")
     elif not is_num(gamma, 1):
@@ -116,17 +108,35 @@ def analyse_delta(alg: Algebra) -> tuple[DeltaPlan, list[str]]:
     reasons.append("the read is a function of the linear probes "
                    + ", ".join(txt(BinOp("@", p.vector, Name(p.state))) for p in probes) if probes
                    else "the read does not use the state")
-    if d is None:
-        reasons.append("exact chunk form: WY / UT representation of the product of (I - beta_t k_t^T k_t), "
-                       "one unit-lower-triangular solve per chunk")
-    else:
-        reasons.append("exact chunk form: per value channel the UT transform T_j = (I + Diag(beta_j) A)^-1 of the "
-                       "chunk's decayed k kᵀ (A shared), batched [d_v, C, C] inverses formed for all chunks at once "
-                       "(d_v C^3 per chunk), the state passed with u = U - T Diag(beta e^R) (K S) column by column")
+    reasons.append(CHANNEL_FORM if d is not None else "exact chunk form: WY / UT representation of the product of "
+                   "(I - beta_t k_t^T k_t), one unit-lower-triangular solve per chunk")
     plan = DeltaPlan(W, k, v, beta, None if is_num(gamma, 1) else gamma,
                      None if canon(rho) == canon(gamma) else rho, tuple(probes), read, spec.order == "write_read",
                      per_channel=d is not None)
     return plan, reasons
+
+
+CHANNEL_FORM = ("exact chunk form: per value channel the UT transform T_j = (I + Diag(beta_j) A)^-1 of the chunk's "
+                "decayed k kᵀ (A shared), batched [d_v, C, C] inverses formed for all chunks at once (d_v C^3 per "
+                "chunk), the state passed with u = U - T Diag(beta e^R) (K S) column by column")
+
+
+def value_step(W: str, t1, write: Expr, v_b: Expr) -> tuple[Expr | None, Expr]:
+    """``(d, v_b / d)`` for a rank-one term ``k kᵀ W Diag(d)`` (a step size per value channel: the
+    write ``v_b`` must share the factor d), ``(None, v_b)`` for one without a value-side factor."""
+    if t1.right.kind != "diag":
+        return None, v_b
+    rest = without_factor(v_b, t1.right.u)
+    if rest is None:
+        raise NotAdmitted(f"the correction of {W} has a step per value channel ({side_text(t1.right)} on its value "
+                          f"side) that the write {txt(write)} does not share")
+    return t1.right.u, rest
+
+
+def channel_reason(W: str, t1, beta: Expr) -> str:
+    return (f"beta is per value channel ({side_text(t1.right)} on the value side of the rank-one term, beta = "
+            f"{txt(beta)}): column j of {W} runs its own scalar-beta delta rule with step beta_j, the key and the "
+            f"decay shared -- d_v delta rules side by side")
 
 
 def preferred_chunk(alg: Algebra, plan: DeltaPlan):
