@@ -12,8 +12,11 @@ the outputs' sum), eager, float32.  Prints the median wall and process-CPU time 
 after one warm-up each, the ratios to the solve form, and each output's relative difference to the
 float64 online schedule (exit status 1 when memspec's solve form is above 1e-4).
 
-    python benchmarks/mesa.py [--B 1] [--H 4] [--T 2048] [--D 64] [--chunk 64] [--threads 2]
-        [--repeat 5] [--grad] [--exact]
+    python benchmarks/mesa.py [--B 1] [--H 4] [--T 2048] [--D 64] [--chunk N] [--fla-chunk 64]
+        [--threads 2] [--repeat 5] [--grad] [--exact]
+
+``--chunk``: memspec's chunk (default: the module's own, from the schedule decision); ``--fla-chunk``:
+the chunk of fla's chunked reference (default 64, its kernels' chunk).
 """
 from __future__ import annotations
 
@@ -44,22 +47,23 @@ def fla_mesa():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("B", 1), ("H", 4), ("T", 2048), ("D", 64), ("chunk", 64), ("threads", 2),
-                          ("repeat", 5)):
+    for name, default in (("B", 1), ("H", 4), ("T", 2048), ("D", 64), ("chunk", None), ("fla-chunk", 64),
+                          ("threads", 2), ("repeat", 5)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--grad", action="store_true", help="time forward + backward of the outputs' sum")
     ap.add_argument("--exact", action="store_true", help="time fla's naive_mesa_net_exact too (T x D x D floats)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     B, H, T, D = args.B, args.H, args.T, args.D
-    memory = build_memory(ROOT / "specs" / "mesa.yaml", compile=False, chunk=args.chunk, heads=H, d_k=D, d_v=D)
+    chunk = {} if args.chunk is None else {"chunk": args.chunk}
+    memory = build_memory(ROOT / "specs" / "mesa.yaml", compile=False, heads=H, d_k=D, d_v=D, **chunk)
     lam = float(memspec.load(ROOT / "specs" / "mesa.yaml").constants["lam"])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
     eta = torch.sigmoid(torch.randn(B, T, H, generator=g))
     alpha = torch.sigmoid(torch.randn(B, T, H, generator=g) - 4.0)
     peer = fla_mesa()
-    fla_chunk = args.chunk if T % args.chunk == 0 else None   # fla's chunked reference takes whole chunks only
+    fla_chunk = args.fla_chunk if T % args.fla_chunk == 0 else None   # fla's reference takes whole chunks only
 
     def run(fn):
         def go():
@@ -96,7 +100,7 @@ def main(argv=None) -> int:
     times = timed_alternately(fns, args.repeat, args.grad)
     mine = times["memspec solve"][0]
     what = "forward + backward" if args.grad else "forward"
-    print(f"mesa {what}: B={B} H={H} T={T} D={D} chunk={args.chunk} threads={args.threads} "
+    print(f"mesa {what}: B={B} H={H} T={T} D={D} chunk={memory.chunk} (fla {fla_chunk}) threads={args.threads} "
           f"repeat={args.repeat} (median wall / process-CPU ms; rel diff to the float64 online schedule)")
     for name, (w, c) in times.items():
         ratio = f"{w / mine:6.2f}x the solve form" if name != "memspec solve" else "      1.00x"

@@ -404,7 +404,7 @@ def test_the_benchmark_script_runs_and_checks_its_peers(capsys):
     module_spec.loader.exec_module(module)
     threads = torch.get_num_threads()
     try:
-        assert module.main(["--T", "64", "--H", "1", "--D", "8", "--chunk", "16", "--threads", "1",
+        assert module.main(["--T", "64", "--H", "1", "--D", "8", "--chunk", "16", "--fla-chunk", "16", "--threads", "1",
                             "--repeat", "1", "--exact"]) == 0
     finally:
         torch.set_num_threads(threads)
