@@ -86,11 +86,11 @@ def _case(name, dims, rank, world, group=None, T=23, learned=False):
         _, s_end = mem(**{n: x[:, :b] for n, x in full.items()}, state=None if learned else state0)   # the state where this shard ends
 
     # P processes
-    mine = {n: shard(x).clone().requires_grad_() for n, x in full.items()}
+    mine = {n: shard(x, group).clone().requires_grad_() for n, x in full.items()}
     s0 = None if learned else {n: s.clone().requires_grad_() for n, s in state0.items()}
     o, s = context_parallel(mem, **mine, state=s0, group=group)
     s0 = s0 or {}
-    loss = (o * shard(w_o)).sum()
+    loss = (o * shard(w_o, group)).sum()
     if rank == world - 1:
         loss = loss + sum((s[n] * weights[n]).sum() for n in weights)
     loss.backward()
@@ -214,6 +214,15 @@ def _bf16_case(name, dims, rank, world, group=None):
         assert_same_function(s[n], s_end[n], msg=lambda m, n=n: f"{name} bfloat16: state {n}, rank {rank}: {m}")
 
 
+def _within_data_parallel_case(name, dims, rank, world):
+    """Context parallel inside data parallel: 4 ranks as 2 replicas of 2 shards, each replica's
+    shards on their own group ({0, 1} and {2, 3}: global ranks that are not the group's ranks)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(r)) for r in ((0, 1), (2, 3))]   # every rank creates every group
+    _case(name, dims, rank % 2, 2, group=groups[rank // 2])
+
+
 DOCUMENTS = [[0, 3, 10, 10, 17, 23], [0, 2, 20, 23]]   # documents across rank boundaries; one over a whole shard
 
 
@@ -234,6 +243,8 @@ def _worker(rank, world, init, cases, out):
                     _bf16_case(name, dims, rank, world)
                 elif documents == ["short"]:   # fewer tokens than ranks: empty shards
                     _case(name, dims, rank, world, T=2)
+                elif documents == ["data parallel"]:
+                    _within_data_parallel_case(name, dims, rank, world)
                 elif documents == ["model"]:
                     _model_case(name, dims, rank, world)
                 elif documents:
@@ -278,6 +289,14 @@ def test_context_parallel_equals_one_process(world, tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_more_families(world, tmp_path):
     _spawn(world, [(n, d) for n, (d, _) in SLOW_CASES.items()], tmp_path)
+
+
+@pytest.mark.slow
+def test_context_parallel_within_data_parallel_groups(tmp_path):
+    """4 processes: two data-parallel replicas, each one sequence over a group of 2 ranks (the relay
+    and the scan paths), equal to one process."""
+    _spawn(4, [(n, CASES[n][0], "data parallel") for n in ("gated_deltanet", "titans", "linear_attention")],
+           tmp_path)
 
 
 @pytest.mark.parametrize("name", sorted({**CASES, **SLOW_CASES}))
