@@ -105,7 +105,8 @@ def analyse_solve(alg: Algebra) -> tuple[SolvePlan, list[str]]:
     if probe.vector or probe.side != "rows" or len(probe.terms) != 1:
         raise NotAdmitted(f"the probed state {G} is not one additive write decayed on its rows (the additive "
                           f"kernel's form)")
-    steps = int(spec.dims.get(spec.state[H].shape[0], 0)) or None
+    d = spec.state[H].shape[0]
+    steps = int(spec.dims[d]) if d in spec.dims else int(d)   # the system's size
     tol = ", ".join(f"{v:g} in {k}" for k, v in TOLERANCE.items())
     reasons = why + more + [
         f"the read is p @ solve({H} + lam I, {G}) with p = {txt(rhs)}: {H} + lam I is symmetric, so every token "
@@ -121,7 +122,7 @@ def analyse_solve(alg: Algebra) -> tuple[SolvePlan, list[str]]:
     if spec.order == "read_write":
         reasons.append("each token reads the states before its own write (order read_write): the solve and the "
                        "probe see the state through t - 1")
-    plan = SolvePlan(H, decay, key, weight, lam, rhs, probe, name, rest, spec.order == "write_read", steps or 0)
+    plan = SolvePlan(H, decay, key, weight, lam, rhs, probe, name, rest, spec.order == "write_read", steps)
     return plan, reasons
 
 
