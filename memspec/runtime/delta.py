@@ -107,7 +107,8 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
         docs = documents.for_kernel(C, S_docs)
         T = docs.T
     N, r = divmod(T, C)
-    G = _group_size(N, BH * C * (C * V if per_channel else max(K + V, C)), group, dev)          # chunks per group
+    width = C * V if per_channel else max(K + V, C)  # floats per token of a chunk's temporaries
+    G = _group_size(N, BH * C * width, group, dev)                   # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
     bt, lgt, lrt = beta, log_gamma, log_rho                          # per-token scalars [B, T, H]
@@ -147,13 +148,13 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
 
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
     # log decay 0, so L at the chunk's last slot is L at its last real token
-    bc = torch.where(ok[..., None] if per_channel else ok, per_chunk(bt), zero)   # beta
+    bc = torch.where(ok[..., None] if per_channel else ok, per_chunk(bt), zero)  # beta
     if decayed:
         lgc = (torch.where(ok, per_chunk(lgt).clamp_min(-80.0), zero) if log_gamma is not None
                else torch.zeros_like(bc))
         L = torch.cumsum(lgc, dim=-1)                                # cumulative log decay in the chunk
         Rl = L if log_rho is None else L - lgc + torch.where(ok, per_chunk(lrt).clamp_min(-80.0), zero)
-        b_r = bc * (torch.exp(Rl)[..., None] if per_channel else torch.exp(Rl))   # beta exp(R): scales k (right side)
+        b_r = bc * (torch.exp(Rl)[..., None] if per_channel else torch.exp(Rl))  # beta e^R: scales k on the right side
         to_end = torch.exp(L[..., -1:] - L)                          # decay from token t to the chunk end
         g_end = torch.exp(L[..., -1])                                # [Np, BH] decay over the chunk
         Lq = L if inclusive else L - lgc                             # log decay a probe sees
@@ -186,7 +187,7 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
         kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
         flat = lambda x: x.flatten(0, 1)  # noqa: E731  [n, BH, c, ...] -> [n B H, c, ...]
-        b = flat(b) if per_channel else flat(b)[:, :, None]          # [nBH, c, 1] ([nBH, c, V] per channel)
+        b = flat(b) if per_channel else flat(b)[:, :, None]  # [nBH, c, 1] (per channel: [nBH, c, V])
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1) BH)),
         # bad tokens zeroed
         kv = torch.cat([_chunk_major(kp, n, c), _chunk_major(vp, n, c)], dim=-1)
@@ -204,9 +205,8 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, inclusive=True, group=No
             Wk, U, kd = (_delta_channel_maps if per_channel else _delta_maps)(kv, b, K)
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
         gs = g_end_g.unbind(0) if decayed else [None] * n
-        Ws, Us = Wk.reshape(n, BH, *Wk.shape[1:]).unbind(0), U.reshape(n, BH, c, V).unbind(0)
-        kds = kd.reshape(n, BH, c, K).unbind(0)
-        kgs = kv[:, :, :K].reshape(n, BH, c, K).unbind(0) if per_channel else None   # the keys the errors read
+        Ws, Us, kds = (x.reshape(n, BH, *x.shape[1:]).unbind(0) for x in (Wk, U, kd))
+        kgs = kv[:, :, :K].reshape(n, BH, c, K).unbind(0) if per_channel else None  # the keys the errors read
 
         def step(j, S):  # chunk j's map: the corrections u_j [BH, c, V], S <- g_j S + Kd_j^T u_j
             u_j = _corrections(Us[j], Ws[j], kgs[j], S) if per_channel else torch.baddbmm(Us[j], Ws[j], S, alpha=-1)
