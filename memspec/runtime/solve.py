@@ -63,13 +63,9 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
                 group=None, documents=None):
     """Chunked form of :func:`recurrent_solve`: ``x_t = solve(H_t + lam I, q_t)`` for every
     token by conjugate gradients over whole chunks (the module docstring gives the algebra).
-
-    The state passes over chunks as
-    ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s k_sᵀ``
-    (:func:`memspec.runtime.phases._pass_states`), its writes symmetrised so that it stays
-    symmetric in floating point; a group of G chunks runs one batched solver, every token its
-    own system.  The pair weights' exponents are segment sums of the log decays between s and t
-    (a masked cumulative sum: a log decay of -inf, a decay of exactly 0, forgets exactly).
+    The state passes over chunks as ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s
+    k_sᵀ``, its writes symmetrised (it stays symmetric in floating point); a group of G chunks
+    runs one batched solver.  A log decay of -inf (a decay of exactly 0) forgets exactly.
 
     Args:
         q: ``[B, T, H, K]`` right-hand sides.
