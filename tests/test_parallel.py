@@ -40,6 +40,7 @@ SLOW_CASES = {
     "mlstm": (dict(heads=2, d_k=4, d_v=3, chunk=4), "scan"),
     "variants/linear_attention_column": (dict(heads=2, d_k=5, d_v=3, chunk=4), "scan"),
     "gated_oja": (dict(heads=2, d_k=4, d_v=4, chunk=4), "relay"),
+    "gated_deltanet_channel": (dict(heads=2, d_k=4, d_v=3, chunk=4), "relay"),   # a transition per column
 }
 
 
