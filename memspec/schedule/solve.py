@@ -136,8 +136,11 @@ def _system(alg: Algebra, A: Expr) -> tuple[str, float]:
     H = states[0].id
     factors = [eyes[0].left, eyes[0].right] if isinstance(eyes[0], BinOp) and eyes[0].op == "*" else [eyes[0]]
     eye = [f for f in factors if isinstance(f, Call) and f.fn == "eye"]
-    if len(eye) != 1 or alg.rank(Name(H)) != 2:
-        raise NotAdmitted(f"the system {txt(A)} is not S + lam * eye(d) with S a matrix state")
+    if len(eye) != 1:
+        raise NotAdmitted(f"the system {txt(A)} adds {txt(eyes[0])} to {H}, not lam * eye(d): the solve form "
+                          f"needs a regulariser that keeps it positive definite")
+    if alg.rank(Name(H)) != 2:
+        raise NotAdmitted(f"the system {txt(A)} solves with {H}, not a matrix state")
     lam_e = next((f for f in factors if f is not eye[0]), None)
     lo, hi = value_range(alg, lam_e) if lam_e is not None else (1.0, 1.0)
     if lo != hi or not lo > 0:
