@@ -223,3 +223,45 @@ def test_no_per_token_state_is_formed():
     with rec, torch.no_grad():
         call(m, ins)
     assert rec.largest <= 1 * 64 * 2 * 32 * 64 / 2, rec.largest
+
+
+def _variant(update: list, loss: str | None = None, schedule: str = "minibatch(16)"):
+    text = (ROOT / "specs/titans_channel_forget.yaml").read_text()
+    head, _, _ = text.partition("update:\n")
+    body = "update:\n" + "".join(f"  - {u}\n" for u in update) + "read: f(qn)\nschedule: " + schedule + "\n"
+    if loss is not None:
+        head = head.replace("loss: 0.5 * sum((f(kn) - vs)^2)", f"loss: {loss}")
+    return memspec.loads(head + body, "yaml")
+
+
+def test_per_channel_coefficients_on_other_states_match_reference():
+    """A row scaling of the momentum as it enters the memory, diag(1 - alpha_k) @ (W1 + U1):
+    per-channel coefficients off the diagonal too (and a scalar forget on W2)."""
+    spec = _variant(["U1 = mu * U1 - eta * grad(loss, W1)", "U2 = mu * U2 - eta * grad(loss, W2)",
+                     "W1 = diag(1 - alpha_k) @ (W1 + U1)", "W2 = (1 - mu) * W2 + diag(1 - alpha_h) @ U2"])
+    form = analyse_dual(spec)
+    assert form.rows == {"W1": "d_k", "W2": "hidden"}
+    m = memory(chunk=2 * BLOCK, spec=spec)
+    ins = inputs(m)
+    st = state(m)
+    with torch.no_grad():
+        o, fs = call(m, ins, dict(st))
+        dims = {d: getattr(m, d) for d in ("heads", "d_k", "d_v", "hidden")}
+        ro, rs = reference_run(spec, state=dict(st), schedule=("minibatch", m.chunk), dims=dims, params={}, **ins)
+    assert_same_function(o, ro)
+    for n in spec.state:
+        assert_same_function(fs[n], rs[n], msg=n)
+
+
+def test_without_a_dual_form_a_row_scaling_is_not_mini_batch():
+    """The materialising chunk step scales by scalars only: a per-channel decay whose memory has
+    no dual form (here the loss reads W1 outside the model) is not admitted to mini-batch, and
+    explain says why."""
+    spec = _variant(["U1 = mu * U1 - eta * grad(loss, W1)", "U2 = mu * U2 - eta * grad(loss, W2)",
+                     "W1 = diag(1 - alpha_k) @ W1 + U1", "W2 = diag(1 - alpha_h) @ W2 + U2"],
+                    loss="0.5 * sum((f(kn) - vs)^2) + 0.01 * sum(W1 * W1)", schedule="auto")
+    plan = analyse(spec)
+    assert plan.family == "online"
+    text = explain(spec)
+    assert "minibatch: diag(1 - alpha_k) @ W1 is linear in the states but not a scalar multiple of it" in text
+    assert "no dual form: the loss reads W1 outside the model" in text
