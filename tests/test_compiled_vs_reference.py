@@ -80,7 +80,7 @@ GRADCHECK = ["deltanet", "gated_deltanet", "linear_attention", "softmax_attentio
              "softmax_attention_qknorm", "sliding_window_attention_qknorm",
              "mesa", "titans", "ttt_linear", "ttt_mlp", "moneta", "yaad", "longhorn",
              "gla", "rwkv6", "hgrn2", "retention", "mamba2", "kda", "gdn2", "comba", "rwkv7", "gated_deltaproduct",
-             "momentum_deltanet", "deltanet_textbook", "omeganet", "lact", "hope_cms",
+             "momentum_deltanet", "deltanet_textbook", "omeganet", "lact", "hope_cms", "gated_deltanet_channel",
              # MLP memories through Newton-Schulz or a softmax: a minute each on 2 cores; their gradients
              # are also checked against the reference's in test_gradients_match_reference
              pytest.param("atlas", marks=pytest.mark.slow), pytest.param("memora", marks=pytest.mark.slow),
