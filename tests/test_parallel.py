@@ -347,7 +347,8 @@ def test_plan_reasons():
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["gated_deltanet", "titans"])
 def test_train_context_parallel_matches_one_process(spec, tmp_path):
-    """torchrun --nproc-per-node 2 memspec train --context-parallel 2: the loss curve of one process."""
+    """torchrun memspec train --context-parallel 2 on 2 processes, and on 4 (two data-parallel replicas
+    of 2 shards): the loss curve of one process."""
     import json
     import os
     import subprocess
@@ -359,11 +360,34 @@ def test_train_context_parallel_matches_one_process(spec, tmp_path):
                                                             "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     runs = {}
-    for name, launch in (("one", []), ("cp", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    # 2 shards; 4 processes = 2 data-parallel replicas of 2 shards
+    for name, launch in (("one", []), ("cp", torchrun + ["2"]), ("dp_cp", torchrun + ["4"])):
         cmd = [sys.executable, *launch, "-m", "memspec", *args, "--out", str(tmp_path / name)]
-        cmd += ["--context-parallel", "2"] if name == "cp" else []
+        cmd += ["--context-parallel", "2"] if name != "one" else []
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = json.loads((tmp_path / name / "log.json").read_text())
-    torch.testing.assert_close(torch.tensor([e["loss"] for e in runs["cp"]["log"]]),
-                               torch.tensor([e["loss"] for e in runs["one"]["log"]]), rtol=1e-5, atol=1e-6)
+    for name in ("cp", "dp_cp"):
+        torch.testing.assert_close(torch.tensor([e["loss"] for e in runs[name]["log"]]),
+                                   torch.tensor([e["loss"] for e in runs["one"]["log"]]), rtol=1e-5, atol=1e-6)
+
+
+def test_context_parallel_and_data_parallel_split_the_batch():
+    """k x P processes: replica r = rank // P takes rows [r B/k, (r+1) B/k), shard rank % P of their
+    tokens; P not dividing the processes, or --pack, is refused with the reason."""
+    from types import SimpleNamespace
+
+    from memspec.parallel.model import data_world, split_batch
+
+    cfg = SimpleNamespace(context_parallel=2, pack=False, batch=4)
+    x = torch.arange(4 * 10).reshape(4, 10)
+    assert data_world(cfg, 4) == 2 and data_world(cfg, 2) == 1
+    parts = [split_batch(x, x + 100, rank, 4, cfg, "cpu") for rank in range(4)]
+    assert [p[0].tolist() for p in parts] == [x[:2, :5].tolist(), x[:2, 5:].tolist(), x[2:, :5].tolist(),
+                                              x[2:, 5:].tolist()]
+    assert torch.equal(parts[3][1], x[2:, 5:] + 100)
+    with pytest.raises(ValueError, match="multiple of 2 processes"):
+        data_world(cfg, 3)
+    with pytest.raises(ValueError, match="no --pack"):
+        data_world(SimpleNamespace(context_parallel=2, pack=True, batch=4), 2)

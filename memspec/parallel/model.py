@@ -1,7 +1,8 @@
 """A whole language model over shards of its sequences: :class:`ShardedLM` (``memspec train
 --context-parallel P``).
 
-Every rank holds all sequences of the batch, but only its contiguous shard of their tokens.  What is
+Every rank holds all sequences of its data-parallel replica's rows (all of the batch's without data
+parallelism), but only its contiguous shard of their tokens.  What is
 token-local (embedding, norms, projections, MLPs, the head) runs on the shard as it is; what reads
 earlier tokens crosses the shard boundary:
 
@@ -22,7 +23,8 @@ from torch import nn
 
 from . import comm
 from .plan import plan_for
-from .run import context_parallel, shard
+from .maps import shard_bounds
+from .run import context_parallel
 
 
 class _ShardedMemory(nn.Module):
@@ -110,36 +112,48 @@ class ShardedLM(nn.Module):
 
 
 def data_world(cfg, world: int) -> int:
-    """The ranks that split the batch's rows: ``world``, or 1 when ``cfg.context_parallel`` ranks
-    (all of them) share every sequence; ValueError for any other count."""
+    """The data-parallel replicas that split the batch's rows: ``world``, or ``world / P`` when
+    ``P = cfg.context_parallel`` ranks share every sequence of a replica (consecutive ranks); a
+    ValueError when P does not divide the processes."""
     cp = cfg.context_parallel
     if cp == 1:
         return world
-    if cp < 1 or cp != world:
-        raise ValueError(f"--context-parallel {cp} runs under torchrun with {max(cp, 1)} processes (torchrun "
-                         f"--nproc-per-node {max(cp, 1)} -m memspec train ...), not {world}")
+    if cp < 1 or world % cp:
+        raise ValueError(f"--context-parallel {cp} runs under torchrun with a multiple of {max(cp, 1)} processes "
+                         f"(torchrun --nproc-per-node {max(cp, 1)} -m memspec train ..., or k x {max(cp, 1)}: k "
+                         f"data-parallel replicas of {max(cp, 1)} shards), not {world}")
     if cfg.pack:
         raise ValueError("--context-parallel takes no --pack")
-    return 1
+    return world // cp
 
 
 def shard_tokens(net, model, cfg):
-    """``net`` unchanged for ``cfg.context_parallel == 1``; else :class:`ShardedLM` over a group of
-    every rank (its own group: the collectives of the memories never interleave with DDP's)."""
+    """``net`` unchanged for ``cfg.context_parallel == 1``; else :class:`ShardedLM` over this rank's
+    group of P consecutive ranks (one group per replica, each its own: the collectives of the
+    memories never interleave with DDP's, which spans every rank)."""
     import torch.distributed as dist
 
-    if cfg.context_parallel == 1:
+    cp = cfg.context_parallel
+    if cp == 1:
         return net
-    data_world(cfg, dist.get_world_size())
-    return ShardedLM(net, model, dist.new_group(list(range(cfg.context_parallel))))
+    world = dist.get_world_size()
+    data_world(cfg, world)
+    groups = [dist.new_group(list(range(r, r + cp))) for r in range(0, world, cp)]   # every rank makes every group
+    return ShardedLM(net, model, groups[dist.get_rank() // cp])
 
 
 def split_batch(x, y, rank, world, cfg, device):
-    """This rank's part of the batch: its rows (data parallel), or every row's shard of tokens."""
-    if data_world(cfg, world) == world:
-        local = cfg.batch // world
-        return x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
-    return shard(x.to(device)), shard(y.to(device))
+    """This rank's part of the batch: its replica's rows (data parallel), and with context
+    parallelism its shard of their tokens."""
+    replicas = data_world(cfg, world)
+    cp = world // replicas
+    local = cfg.batch // replicas
+    r = rank // cp
+    x, y = x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]
+    if cp > 1:
+        a, b = shard_bounds(x.shape[1], cp)[rank % cp]
+        x, y = x[:, a:b], y[:, a:b]
+    return x.to(device), y.to(device)
 
 
 __all__ = ["ShardedLM", "data_world", "shard_tokens", "sharded", "split_batch"]

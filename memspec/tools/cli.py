@@ -388,7 +388,8 @@ def _train_arguments(s, compare: bool) -> None:
     s.add_argument("--pack", action="store_true",
                    help="train on the batch's sequences packed into one row (cu_seqlens: each runs alone)")
     s.add_argument("--context-parallel", type=int, metavar="P", dest="context_parallel",
-                   help="under torchrun with P processes: every sequence split over them (memspec.parallel)")
+                   help="under torchrun with k x P processes: every sequence split over P of them (memspec.parallel), "
+                        "k data-parallel replicas")
     s.add_argument("--out", help="folder for log.json and checkpoint.pt" + (" (one subfolder per spec)" if compare else ""))
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     if not compare:
