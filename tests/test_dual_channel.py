@@ -265,3 +265,31 @@ def test_without_a_dual_form_a_row_scaling_is_not_mini_batch():
     text = explain(spec)
     assert "minibatch: diag(1 - alpha_k) @ W1 is linear in the states but not a scalar multiple of it" in text
     assert "no dual form: the loss reads W1 outside the model" in text
+
+
+def test_chunk_pre_is_local_to_batch_rows():
+    """_chunk_pre (the per-channel weights, the blocks' coefficients, the scores of the inputs
+    alone) on two chunks stacked on the batch axis gives each chunk's own numbers, and the
+    forward calls it once for all full chunks."""
+    import inspect
+    m = memory(chunk=2 * BLOCK)
+    names = list(inspect.signature(m._chunk_pre).parameters)
+    g = torch.Generator().manual_seed(3)
+
+    def chunk():   # head-major [B, H, C, ...]
+        sizes = {**{v: (getattr(m, d),) for v, d in m.VIEWS.items()},
+                 **{n: tuple(getattr(m, d) for d in dg) for n, dg in m.GATES.items()}, "qn": (m.d_k,), "kn": (m.d_k,)}
+        return [torch.rand(1, 2, 2 * BLOCK, *sizes[n], generator=g, dtype=torch.float64) for n in names]
+    a, b = chunk(), chunk()
+    both = m._chunk_pre(*(torch.cat([x, y]) for x, y in zip(a, b)))
+    for got, pa, pb in zip(both, m._chunk_pre(*a), m._chunk_pre(*b)):
+        assert_same_function(got, torch.cat([pa, pb]))
+    calls, real = [], m._chunk_pre
+
+    def spy(*xs):
+        calls.append(xs[0].shape[0])
+        return real(*xs)
+    m._chunk_pre = spy
+    with torch.no_grad():
+        call(m, inputs(m, T=3 * 2 * BLOCK + 1))
+    assert calls == [3 * 2, 2]

@@ -18,7 +18,7 @@ from ..lang.expr import Expr, Name, Num, substitute, unparse
 from ..lang.names import fresh
 from ..lang.spec import Spec
 from ..runtime.helpers import _decay_matrix
-from ..runtime.rows import _row_scan
+from ..runtime.rows import _block_scan, _row_scan
 from ..schedule.algebra import simplify
 from .dualterms import (
     ONE,
@@ -400,7 +400,7 @@ class DualRead:
 
     def rows(self, v: Term, x: Term) -> Term:
         """``x`` ``[B, H, C, d]`` with each row scaled by the per-channel coefficient ``v`` ``[B, H, d, C]``."""
-        return Op("*", x, Post(v, ".transpose(-2, -1)"))
+        return Group(Op("*", x, Post(v, ".transpose(-2, -1)")))
 
     def channel_scores(self, x: Term, xk: Term, m: Term) -> Term:
         """The scores of the inputs ``x`` and ``xk`` ``[B, H, C, d]`` weighted per channel by ``m``
@@ -413,10 +413,10 @@ class DualRead:
         """``(sc) * m``; bound to a local when the scores read only the inputs (then
         ``_chunk_pre`` computes it once for all full chunks).  Weights per channel are already
         in ``sc`` (:meth:`channel_scores`)."""
-        if self.alg.is_chan(m):
-            if sc.names <= set(self.inputs):
+        if self.alg.is_chan(m):   # (the weights read no state: the scores do when the inputs do)
+            if sc.names - m.names <= set(self.inputs):
                 return self.alg.bind(fresh("scores", self.taken), sc, "[B, H, C, C]: scores of the inputs alone, "
-                                     "weighted per channel")
+                                     "weighted per channel", plain=True)
             return sc
         t = Op("*", Group(sc), m)
         if sc.names <= set(self.inputs):
@@ -492,65 +492,64 @@ class DualRead:
 
     def block_passing(self, heads: Term) -> list:
         """In blocks (the chunk's tokens folded ``[B, H * nb, block, ...]``, each block's start
-        states the "chunk start" of its representations): write each block's contribution to the
-        state at its end, then the loop that carries the state from block to block; the states at
-        every block's start become the reads' (``self.starts``).  Returns the final states' locals."""
+        states the "chunk start" of its representations): each state at every block's end, its
+        coefficients' last rows times the states at the block's start plus its gradients' part,
+        solved over the blocks in the recurrence's order (``_block_scan`` for its own decay); the
+        states at every block's start become the reads' (``self.starts``).  Returns the final
+        states' locals."""
         alg, L, taken = self.alg, self.L, self.taken
-        states = alg.w.states
+        alg.w.need(_block_scan)
         unfold = f".unflatten(1, ({heads.render()}, -1))"
-        coefs: dict = {}   # (s, r0) -> its coefficient per block
-        b = fresh("b", taken)
-        grads: dict = {}   # s -> its gradients' terms per block
-        for s in states:
+        starts: dict = {}
+        finals: dict = {}
+        for s in alg.form.recurrence.order:   # each state after those that flow into it
             shape = alg.spec.state[s].shape
+            own, inflow = None, []
             for r0, v in alg.reps[s].vec.items():
-                if v.number:
-                    coefs[s, r0] = v
-                    continue
-                chan = alg.is_chan(v)
-                name = fresh(f"a_{s}_{r0}_block", taken)
-                t = Post(v, "[..., -1]" + unfold)
-                head = f"B, H, nb, {alg.chan_dim(v)}" if chan else "B, H, nb"
-                L(f"{name} = {t.render()}", f"[{head}]: coefficient of {r0} (block start) in {s} at the block's end",
-                  targets=(name,), reads=t.names | heads.names)
-                if chan:
-                    coefs[s, r0] = Post(local(name), f"[:, :, {b}, :, None]")
+                if not v.number:
+                    name = fresh(f"a_{s}_{r0}_block", taken)
+                    t = Post(v, "[..., -1]" + unfold)
+                    head = f"B, H, nb, {alg.chan_dim(v)}" if alg.is_chan(v) else "B, H, nb"
+                    L(f"{name} = {t.render()}", f"[{head}]: coefficient of {r0} (block start) in {s} at the block's "
+                      "end", targets=(name,), reads=t.names | heads.names)
+                    v = local(name)
+                if r0 == s:
+                    own = v
                 else:
-                    coefs[s, r0] = Post(local(name), f"[:, :, {b}" + ", None" * len(shape) + "]")
+                    lift = ", None" * (len(shape) - alg.is_chan(alg.reps[s].vec[r0]))
+                    inflow.append(local(starts[r0]) if v.one else
+                                  Op("*", v if v.number else Post(v, f"[...{lift}]"), local(starts[r0])))
             terms = self.gradient_terms(s)
             if terms:
                 name = fresh(f"G_{s}", taken)
                 t = Post(Group(Sum.of(*terms)), unfold)
                 L(f"{name} = {t.render()}", f"[B, H, nb, {', '.join(shape)}]: the gradients' part of {s} at each "
                   "block's end", targets=(name,), reads=t.names | heads.names)
-                grads[s] = local(name)
-        cur = {s: fresh(f"{s}_b", taken) for s in states}
-        seen = {s: fresh(f"{s}_starts", taken) for s in states}
-        blocks = {s: fresh(f"{s}_blocks", taken) for s in states}
-        news = []
-        for s in states:
-            terms = [Op("*", c, local(cur[r0])) if not c.one else local(cur[r0])
-                     for (s2, r0), c in coefs.items() if s2 == s]
-            if s in grads:
-                terms.append(Post(grads[s], f"[:, :, {b}]"))
-            news.append(Sum.of(*terms).render() if terms else f"torch.zeros_like({cur[s]})")
-        lines = [f"{', '.join(seen.values())} = {', '.join('[]' for _ in states)}",
-                 f"{', '.join(cur.values())} = {', '.join(self.starts[s] for s in states)}",
-                 f"for {b} in range({self.first}.shape[1] // {heads.render()}):"]
-        lines += [f"    {seen[s]}.append({cur[s]})" for s in states]
-        lines.append(f"    {', '.join(cur.values())} = (")
-        lines += [f"        {t}," for t in news[:-1]] + [f"        {news[-1]}", "    )"]
-        reads = {self.starts[s] for s in states} | {self.first} | heads.names
-        reads |= {n for c in coefs.values() for n in c.names} | {n for g in grads.values() for n in g.names}
-        L("# the states at each block's start, carried from block to block: a block's end is its")
-        L("# start's coefficients times its start plus its gradients' part")
-        L("\n".join(lines), targets=(*seen.values(), *cur.values()), reads=reads)
-        for s in states:
-            L(f"{blocks[s]} = torch.stack({seen[s]}, 2).flatten(1, 2)",
-              f"[B, H * nb, {', '.join(alg.spec.state[s].shape)}]: {s} at each block's start",
-              targets=(blocks[s],), reads=(seen[s],))
+                inflow.append(local(name))
+            ends = fresh(f"{s}_ends", taken)
+            nb = f"{self.first}.shape[1] // {heads.render()}"   # blocks per chunk
+            zeros = Call("torch.zeros_like", (Post(local(s), f".unsqueeze(2).expand(-1, -1, {nb}, *{s}.shape[2:])"),))
+            x = Sum.of(*inflow) if inflow else zeros
+            value = Call("_block_scan", (own, x, local(self.starts[s]))) if own is not None else x
+            L(f"{ends} = {value.render()}", f"[B, H, nb, {', '.join(shape)}]: {s} at each block's end",
+              targets=(ends,), reads=value.names | heads.names | {self.first})
+            starts[s] = fresh(f"{s}_starts", taken)
+            L(f"{starts[s]} = torch.cat([{self.starts[s]}.unsqueeze(2), {ends}[:, :, :-1]], dim=2)",
+              f"[B, H, nb, {', '.join(shape)}]: {s} at each block's start", targets=(starts[s],),
+              reads=(self.starts[s], ends))
+            finals[s] = ends
+        blocks = {s: fresh(f"{s}_blocks", taken) for s in alg.w.states}
+        for s in alg.w.states:
+            L(f"{blocks[s]} = {starts[s]}.flatten(1, 2)", f"[B, H * nb, {', '.join(alg.spec.state[s].shape)}]: {s} "
+              "at each block's start, folded", targets=(blocks[s],), reads=(starts[s],))
         self.starts = dict(blocks)
-        return [cur[s] for s in states]
+        out = []
+        for s in alg.w.states:
+            name = fresh(f"{s}_end", taken)
+            L(f"{name} = {finals[s]}[:, :, -1]", f"[B, H, {', '.join(alg.spec.state[s].shape)}]", targets=(name,),
+              reads=(finals[s],))
+            out.append(name)
+        return out
 
     def last_row(self, key: tuple, g: str, weighted: Term) -> Term:
         """The gradients of ``g`` weighted for the state after the chunk: a local when more than

@@ -23,3 +23,17 @@ def _row_scan(a, x, dim):
     if dim == -2:   # weights [..., d, C, C'] stored token-major [..., C, d, C'] (the layout the reads contract)
         return torch.stack(out, -3).transpose(-3, -2)
     return torch.stack(out, dim)
+
+
+def _block_scan(a, x, s0):
+    """s_b = a_b * s_(b-1) + x_b over the blocks b of a chunk, from s0: a [B, H, nb] (or [B, H,
+    nb, d], one factor per row, or a number), x [B, H, nb, *shape], s0 [B, H, *shape] ->
+    [B, H, nb, *shape], the state at each block's end."""
+    if not isinstance(a, torch.Tensor):
+        a = torch.full(x.shape[:3], float(a), dtype=x.dtype, device=x.device)
+    a = a.reshape(a.shape + (1,) * (x.dim() - a.dim()))
+    out, s = [], s0
+    for b in range(x.shape[2]):
+        s = a[:, :, b] * s + x[:, :, b]
+        out.append(s)
+    return torch.stack(out, 2)
