@@ -293,3 +293,29 @@ def test_chunk_pre_is_local_to_batch_rows():
     with torch.no_grad():
         call(m, inputs(m, T=3 * 2 * BLOCK + 1))
     assert calls == [3 * 2, 2]
+
+
+def test_bfloat16_inputs_keep_float32_states():
+    m = memory(dtype=torch.float32)
+    ins = inputs(m, dtype=torch.float32)
+    st = state(m, dtype=torch.float32)
+    with torch.no_grad():
+        o, _ = call(m, ins, dict(st))
+        ob, fb = call(m, {k: v.bfloat16() for k, v in ins.items()}, dict(st))
+    assert ob.dtype == torch.bfloat16 and all(fb[n].dtype == torch.float32 for n in SPEC.state)
+    torch.testing.assert_close(ob.float(), o, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.slow
+def test_compiled_chunk_step_equals_eager():
+    m = memory(dtype=torch.float32)
+    mc = build_memory(SPEC, compile=True, chunk=m.chunk, **DIMS)
+    mc.load_state_dict(m.state_dict())
+    ins = inputs(m, dtype=torch.float32)
+    st = state(m, dtype=torch.float32)
+    with torch.no_grad():
+        o, fs = call(m, ins, dict(st))
+        oc, fc = call(mc, ins, dict(st))
+    assert_same_function(oc, o)
+    for n in SPEC.state:
+        assert_same_function(fc[n], fs[n], msg=n)

@@ -85,9 +85,9 @@ class DualForm:
         ] + ([
             "per-channel decays of " + ", ".join(f"{s} (one factor per {d})" for s, d in self.rows.items())
             + ": the weights of each token's gradient in a later state carry one product of decays per row "
-            f"(exact products, no ratios of cumulative products), the chunk runs in blocks of {BLOCK} tokens "
-            "(exact [block, block] weights per channel inside a block; the states at the block starts "
-            "carried from block to block), so no per-token state is materialised"] if self.rows else [])
+            f"(accumulated token by token: exact products, no ratios of cumulative products); the chunk runs in "
+            f"blocks of {BLOCK} tokens, [block, block] weights per row inside a block and the states at the blocks' "
+            "starts carried from block to block, so only C / block states per chunk are formed"] if self.rows else [])
 
 
 def _sites(spec) -> dict:
