@@ -282,7 +282,7 @@ def _delta_channel_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
     ``per_channel``), batched over chunks: column j of the state runs its own scalar-beta delta rule,
     so each chunk has one unit-lower-triangular system per value channel, ``A`` shared,
     ``(I + Diag(beta_j) A) u_j = beta_j v_j - beta_j e^R (K S)_j``; with ``T_j`` its inverse the
-    corrections are ``u = U - T Diag(beta e^R) (K S)`` column by column.
+    corrections are ``u = T (beta v - beta e^R (K S))`` column by column (:func:`_corrections`).
 
     The inverses, channel last, halve the chunk level by level: the inverse of ``[[X, 0], [Y, Z]]``
     is ``[[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]`` with ``Y = Diag(beta_j) A_21``, so a level takes the
@@ -298,8 +298,8 @@ def _delta_channel_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
         b_r: ``[nBH, c, V]`` ``beta exp(R)``; to_end: ``[nBH, c]`` the decay from each token to the chunk end.
 
     Returns:
-        ``(Tb [nBH, c, c, V], U [nBH, c, V], Kd [nBH, c, K])``: ``Tb[:, t, s, j] = T_j[t, s] (beta e^R)_sj``,
-        U ``= T (beta v)``, Kd the keys decayed to the chunk end.
+        ``(T [nBH, c, c, V], Z [nBH, 2, c, V], Kd [nBH, c, K])``: ``T[:, t, s, j] = T_j[t, s]``, Z the
+        right-hand sides' factors ``beta v`` and ``beta e^R``, Kd the keys decayed to the chunk end.
     """
     nBH, c, V = b.shape
     kg, vg = kv[:, :, :K], kv[:, :, K:]                              # [nBH, c, K], [nBH, c, V] (views)
@@ -331,16 +331,15 @@ def _delta_channel_maps(kv, b, K, solve_decay=None, b_r=None, to_end=None):
         Y = -(Z[:, :, :, :, None] * Y[:, :, None]).sum(3)            # -Z^-1 Diag(beta_j) A_21 X^-1
         T = torch.cat([torch.cat([X, torch.zeros_like(X)], dim=3), torch.cat([Y, Z], dim=3)], dim=2)
         s *= 2
-    T = T[:, 0, :c, :c]                                              # [nBH, c, c, V]
-    U = (T * (b * vg)[:, None]).sum(2)                               # [nBH, c, V]
-    return T * b_r[:, None], U, kd
+    return T[:, 0, :c, :c], torch.stack([b * vg, b_r], dim=1), kd
 
 
-def _corrections(U, Tb, kg, S):
+def _corrections(Z, T, kg, S):
     """The corrections of a chunk with a step per value channel, column by column:
-    ``u = U - T Diag(beta e^R) (K S)`` (U ``[BH, c, V]``, ``Tb`` ``[BH, c, c, V]`` from
-    :func:`_delta_channel_maps`, kg ``[BH, c, K]``, S ``[BH, K, V]``)."""
-    return U - (Tb * torch.bmm(kg, S)[:, None]).sum(2)
+    ``u = T (beta v - beta e^R (K S))`` (Z ``[BH, 2, c, V]`` the factors ``beta v`` and ``beta e^R``,
+    T ``[BH, c, c, V]`` from :func:`_delta_channel_maps`, kg ``[BH, c, K]``, S ``[BH, K, V]``)."""
+    bv, b_r = Z.unbind(1)
+    return (T * torch.addcmul(bv, b_r, torch.bmm(kg, S), value=-1)[:, None]).sum(2)   # [BH, c, V]
 
 
 def _delta_outputs(qg, kg, u, S_starts, inclusive, read_decay=None, q_fac=None):
