@@ -183,6 +183,30 @@ def test_written_other_ways_gets_the_channel_delta_rule(update):
     assert_same_function(s["W"], s2["W"])
 
 
+def test_a_scalar_gate_times_a_channel_param_is_the_step():
+    spec = memspec.loads(textwrap.dedent(HEAD).replace("gate eta : [d_v]", "gate eta") + "param lr : [d_v] = ones\n"
+                         "update {\n  W = (1 - alpha) * W\n  W = W + outer(k, eta * lr * (v - k @ W))\n}\n"
+                         "read = q @ W\n", "mem")
+    d = analyse(spec)
+    assert d.family == "delta" and d.plans["delta"].per_channel
+    dims = {"heads": 2, "d_k": 4, "d_v": 3}
+    m = make(spec, dims, chunk=3)
+    ins = inputs(spec, m, T=8)
+    st = initial_state(spec, m)
+    o, s = call(m, spec, ins, dict(st), schedule="delta")
+    o2, s2 = reference_run(spec, m, dims, "online", st, ins)
+    assert_same_function(o, o2)
+    assert_same_function(s["W"], s2["W"])
+
+
+def test_a_decay_per_value_channel_is_not_delta():
+    spec = memspec.loads(textwrap.dedent(HEAD) + "update {\n  W = W * eta\n  W = W + outer(k, eta * (v - k @ W))\n}\n"
+                         "read = q @ W\n", "mem")
+    d = analyse(spec)
+    assert d.family != "delta"
+    assert "acts on its columns (W Diag(eta))" in dict(d.rejected)["delta"]
+
+
 def test_a_write_without_the_channel_step_is_not_delta():
     spec = memspec.loads(textwrap.dedent(HEAD) + "update {\n  W = W - outer(k, eta * (k @ W)) + outer(k, v)\n}\n"
                          "read = q @ W\n", "mem")
