@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..lang.expr import Name, Num
 from ..runtime.additive import chunk_additive
+from .calls import Code, KernelCall
 from . import chunked
 from .context import Emitter
 
@@ -60,9 +61,9 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
                     if pc != "None" else "_"
                 s_name = w.fresh(f"{S}_T{ti}") if pi == 0 else "_"
                 m_name = (w.fresh(f"{S}_m") if pi == 0 and pc != "None" else "_") if li else None
-                w.lines.append(f"{o_name}, {s_name}{f', {m_name}' if li else ''} = chunk_additive({pc}, {ac}, "
-                               f"{bc}, {lg}, {init}, {chunk}, inclusive={plan.inclusive}"
-                               f"{f', log_input={li}' if li else ''})")
+                w.lines.append(KernelCall.of(f"{o_name}, {s_name}{f', {m_name}' if li else ''}", chunk_additive,
+                                             [pc, ac, bc, lg, init, chunk],
+                                             dict(inclusive=plan.inclusive, **({"log_input": Code(li)} if li else {}))))
                 if pc != "None":
                     outs[pi].append(o_name)
                 if li and pi == 0 and pc != "None":
@@ -172,8 +173,9 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, 
         o_name = w.fresh(f"{names}_read{pi}") if pc != "None" else "_"
         s_name = final if pi == 0 else "_"
         m_name = (w.fresh(f"{names}_m") if pi == 0 and pc != "None" else "_") if li else None
-        w.lines.append(f"{o_name}, {s_name}{f', {m_name}' if li else ''} = chunk_additive({pc}, {ac}, {bname}, "
-                       f"{lg}, {sname}, {chunk}, inclusive={plan.inclusive}{f', log_input={li}' if li else ''})")
+        w.lines.append(KernelCall.of(f"{o_name}, {s_name}{f', {m_name}' if li else ''}", chunk_additive,
+                                     [pc, ac, bname, lg, sname, chunk],
+                                     dict(inclusive=plan.inclusive, **({"log_input": Code(li)} if li else {}))))
         if li and pi == 0 and pc != "None":
             stab = m_name
         if pc != "None":

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..lang.expr import Name, Num, rewrite
 from ..runtime.additive import chunk_additive
 from ..runtime.chained import _value_decay_reads, chunk_value_decay
+from .calls import KernelCall
 from . import chunked
 from .chunked import fmt_shape
 from .context import Emitter
@@ -121,7 +122,7 @@ def _calls(w, spec, st, coef, pc, state_in, state_out, chunk, inclusive, finals)
     (``"_"`` for none) and adds the final state's parts to ``finals`` the first time."""
     lg, terms = coef
     S = st.name
-    kernel = "chunk_value_decay" if st.side == "columns" else "chunk_additive"
+    kernel = chunk_value_decay if st.side == "columns" else chunk_additive
     S0 = state_in[S] + (".unsqueeze(-1)" if st.vector else "")
     keep = not finals[S]
     one = len(terms) == 1 and not st.vector   # one call: its outputs are the probe and the final state
@@ -130,8 +131,8 @@ def _calls(w, spec, st, coef, pc, state_in, state_out, chunk, inclusive, finals)
     for ti, (ac, bc) in enumerate(terms):
         o_name = (w.fresh(f"{S}_probe_out" if one else f"{S}_read")) if pc != "None" else "_"
         s_name = (state_out[S] if one and not st.transposed else w.fresh(f"{S}_T")) if keep else "_"
-        w.lines.append(f"{o_name}, {s_name} = {kernel}({pc}, {ac}, {bc}, {lg}, {S0 if ti == 0 else 'None'}, {chunk}, "
-                       f"inclusive={inclusive})" + (f"  # {shape}" if one and pc != "None" else ""))
+        w.lines.append(KernelCall.of(f"{o_name}, {s_name}", kernel, [pc, ac, bc, lg, S0 if ti == 0 else "None", chunk],
+                                     dict(inclusive=inclusive), comment=shape if one and pc != "None" else None))
         outs.append(o_name)
         if keep:
             finals[S].append(s_name)

@@ -26,6 +26,7 @@ from ..runtime.varlen import _DocumentChunks, _Documents
 from ..schedule.decide import BY_NAME
 from ..schedule.sides import transposed_spec
 from ..schedule.algebra import is_num, simplify
+from .calls import Code, KernelCall
 
 
 def fmt_shape(shape) -> str:
@@ -219,6 +220,11 @@ def _transposed_in(w, spec, flip, state_in: dict, state_out: dict) -> tuple[dict
     return kernel_in, kernel_out
 
 
+def with_documents(line, docs: str):
+    """A body line, a kernel call taking the packed documents ``docs`` (every kernel call does)."""
+    return line.with_keywords(documents=Code(docs)) if isinstance(line, KernelCall) else line
+
+
 def emit_forward(ctx, L, body, kernel) -> None:
     """``_forward_chunk``: the lets, then the family's ``body``; the module carries ``kernel``."""
     sv = ctx.views + ctx.gates
@@ -229,14 +235,11 @@ def emit_forward(ctx, L, body, kernel) -> None:
         L("documents, B = 1, state [N, H, ...]: each starts a chunk of the one kernel call)." + '"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, T, H")
-        call = f"{kernel.__name__}("
         flip = ctx.decision.transposed if BY_NAME[ctx.default].sided else ()
         for line in forward_lines(ctx.spec, body, ctx.plans[ctx.default], em, ctx.decision.let_forms, lets=False,
                                   taken=tuple(sorted(ctx.spec_names)) + (docs,), flip=flip,
                                   kernel_spec=ctx.decision.transposed_spec if flip else None):
-            if call in line and not line.lstrip().startswith("#"):   # every kernel call takes the documents
-                line = line.rstrip()[:-1] + f", documents={docs})"
-            L.block(line)
+            L.block(with_documents(line, docs))
     L()
     ctx.need_kernel(kernel)
     ctx.need(_Documents)

@@ -191,7 +191,7 @@ class Context:
 
     def need_kernel(self, fn) -> None:
         """The module carries the kernel ``fn``, specialised to the constant arguments its
-        calls pass (:func:`memspec.codegen.specialise.specialise_calls`, once the code is known)."""
+        calls (:class:`memspec.codegen.calls.KernelCall`) pass, once every call is written."""
         if fn not in self.parts:
             self.parts.append(fn)
 

@@ -5,6 +5,7 @@ probe."""
 from __future__ import annotations
 
 from ..runtime.delta import chunk_delta
+from .calls import Code, KernelCall
 from . import chunked
 from .context import Emitter
 
@@ -29,13 +30,13 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     kc = w.value(plan.k, f"{W}_k", vector=True)
     vc = w.value(plan.v, f"{W}_v", vector=True)
     bc = w.value(plan.beta, f"{W}_beta", vector=plan.per_channel)
-    per_channel = ", per_channel=True" if plan.per_channel else ""
+    per_channel = {"per_channel": True} if plan.per_channel else {}
     pcodes = [w.value(p.vector, f"{W}_probe{i}", vector=True) for i, p in enumerate(plan.probes)] or ["None"]
     for pi, pc in enumerate(pcodes):
         o_name = w.fresh(f"{W}_probe_out{pi}" if len(pcodes) > 1 else f"{W}_probe_out") if pc != "None" else "_"
         s_name = state_out[W] if pi == 0 else "_"
-        w.lines.append(f"{o_name}, {s_name} = chunk_delta({pc}, {kc}, {vc}, {bc}, {lg}, {state_in[W]}, {chunk}, "
-                       f"log_rho={lr}, inclusive={plan.inclusive}{per_channel})")
+        w.lines.append(KernelCall.of(f"{o_name}, {s_name}", chunk_delta, [pc, kc, vc, bc, lg, state_in[W], chunk],
+                                     dict(log_rho=Code(lr), inclusive=plan.inclusive, **per_channel)))
         if pc != "None":
             probe_names[plan.probes[pi].name] = o_name
             probe_shapes[o_name] = (spec.state[W].shape[1],)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..lang.expr import Num
 from ..runtime.dplr import chunk_dplr, pair_index
+from .calls import KernelCall
 from . import chunked
 from .context import Emitter
 
@@ -63,10 +64,10 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     for pi, pc in enumerate(pcodes):
         o_name = w.fresh(f"{S}_probe_out{pi}" if len(pcodes) > 1 else f"{S}_probe_out") if pc != "None" else "_"
         s_name = state_out[S] if pi == 0 else "_"
-        w.lines.append(f"{o_name}, {s_name} = chunk_dplr({pc}, {kc}, {vc}, {ac}, {bc}, {lg}, {state_in[S]}, "
-                       f"{chunk}, inclusive={plan.inclusive}, simultaneous={plan.simultaneous}, "
-                       f"read_after_decay={plan.read_after_decay}, a_form={plan.a_form!r}, "
-                       f"b_form={plan.b_form!r}, decay_form={decay_form!r})")
+        w.lines.append(KernelCall.of(f"{o_name}, {s_name}", chunk_dplr, [pc, kc, vc, ac, bc, lg, state_in[S], chunk],
+                                     dict(inclusive=plan.inclusive, simultaneous=plan.simultaneous,
+                                          read_after_decay=plan.read_after_decay, a_form=plan.a_form,
+                                          b_form=plan.b_form, decay_form=decay_form)))
         if pc != "None":
             probe_names[plan.probes[pi].name] = o_name
             probe_shapes[o_name] = (spec.state[S].shape[1],)

@@ -27,7 +27,8 @@ from . import additive, apply_update, cache, chained, delta, dplr, layer, miniba
 from .context import Context, Emitter, kernel_functions, phase_sources, runtime_source
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
-from .specialise import specialise_calls
+from .calls import Placed, bound_constants
+from .specialise import source, specialise, specialise_calls
 from .text import Lines, dims_text, inert, shape_text, string_pieces
 
 SLICE_CHUNKS = 8   # compile=True: chunks per compiled call of an exact chunked forward
@@ -123,11 +124,15 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
     if ctx.spec.wiring.kind != "none":
         wiring = ["# ---- wiring (memspec.wiring, Titans §4): attention around the memory layer ----\n"
                   + wiring_source(ctx.spec.wiring.kind)]
-    code = "\n".join(body.lines)
+    placed = [x for x in body.lines if isinstance(x, Placed)]
     runtime = []
     for part in ctx.parts:
-        if callable(part):   # a kernel: specialised to the constant arguments of its calls
-            code, src = specialise_calls(code, part)
+        if callable(part):   # a kernel: specialised to the constant arguments of its calls, written without them
+            calls = [p for p in placed if p.call.fn is part]
+            consts = bound_constants(part, [p.call for p in calls])
+            for p in calls:
+                p.bound = frozenset(consts)
+            src = specialise(part, **consts) if consts else source(part)
             own = []   # the functions of its module it calls (unless the emitter asked for them itself),
             for fn in kernel_functions(part, src):   # specialised to the constant arguments it passes
                 if runtime_source(fn) not in ctx.parts:
@@ -136,6 +141,7 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
             runtime += [src] + [f for f in own if f not in runtime]
         else:
             runtime.append(part)
+    code = "\n".join(x.text() if isinstance(x, Placed) else x for x in body.lines)
     runtime = phase_sources(runtime) + runtime   # the shared kernel phases they call
     parts = Lines()
     sliced = [runtime_source(_in_slices)] if compiles_chunked(ctx) else []

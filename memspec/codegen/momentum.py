@@ -5,6 +5,7 @@ one kernel call per linear probe of the memory."""
 from __future__ import annotations
 
 from ..runtime.momentum import chunk_momentum_delta
+from .calls import KernelCall
 from . import chunked
 from .context import Emitter
 
@@ -38,8 +39,9 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     for pi, pc in enumerate(pcodes):
         o_name = w.fresh(f"{S}_probe_out{pi}" if len(pcodes) > 1 else f"{S}_probe_out") if pc != "None" else "_"
         s_names = (state_out[S], M_new) if pi == 0 else ("_", "_")
-        w.lines.append(f"{o_name}, {s_names[0]}, {s_names[1]} = chunk_momentum_delta({pc}, {kc}, {vc}, {pc_}, {lg}, "
-                       f"{lm}, {bc}, {ec}, {state_in[S]}, {M0}, {chunk}, inclusive={plan.inclusive})")
+        w.lines.append(KernelCall.of(f"{o_name}, {s_names[0]}, {s_names[1]}", chunk_momentum_delta,
+                                     [pc, kc, vc, pc_, lg, lm, bc, ec, state_in[S], M0, chunk],
+                                     dict(inclusive=plan.inclusive)))
         if pc != "None":
             probe_names[plan.probes[pi].name] = o_name
             probe_shapes[o_name] = (spec.state[S].shape[1],)

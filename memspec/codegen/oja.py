@@ -13,6 +13,7 @@ from ..lang.names import fresh
 from ..runtime.oja import (chunk_oja, oja_chunks, oja_constants, oja_decays, oja_outputs, oja_pass, oja_prepare,
                            oja_screen)
 from ..runtime.varlen import _DocumentChunks, _Documents
+from .calls import KernelCall
 from . import chunked
 from .context import Emitter
 
@@ -32,13 +33,10 @@ def emit(ctx, L) -> None:
         L("kernel call." + '"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, T, H")
-        call = f"{KERNEL.__name__}("
         for line in chunked.forward_lines(ctx.spec, body, plan, em, ctx.decision.let_forms, lets=False,
                                           taken=tuple(sorted(ctx.spec_names)) + (docs,),
                                           flip=(plan.state,) if plan.transposed else ()):
-            if call in line and not line.lstrip().startswith("#"):   # every kernel call takes the documents
-                line = line.rstrip()[:-1] + f", documents={docs})"
-            L.block(line)
+            L.block(chunked.with_documents(line, docs))
     L()
     for part in (oja_screen, oja_chunks, oja_constants, oja_decays, oja_prepare, oja_pass, oja_outputs):
         ctx.need(part)
@@ -62,8 +60,8 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     for pi, pc in enumerate(pcodes):
         o_name = w.fresh(f"{S}_probe_out{pi}" if len(pcodes) > 1 else f"{S}_probe_out") if pc != "None" else "_"
         s_name = state_out[S] if pi == 0 else "_"
-        w.lines.append(f"{o_name}, {s_name} = chunk_oja({pc}, {wc}, {uc}, {cc}, {ac}, {lg}, {state_in[S]}, {chunk}, "
-                       f"inclusive={plan.inclusive}, read_after_decay={plan.read_after_decay})")
+        w.lines.append(KernelCall.of(f"{o_name}, {s_name}", chunk_oja, [pc, wc, uc, cc, ac, lg, state_in[S], chunk],
+                                     dict(inclusive=plan.inclusive, read_after_decay=plan.read_after_decay)))
         if pc != "None":
             probe_names[plan.probes[pi].name] = o_name
             probe_shapes[o_name] = (spec.state[S].shape[1],)

@@ -13,6 +13,7 @@ from ..lang.expr import BinOp, Call, Name, Neg, Transpose
 from ..lang.names import GENERATED_NAMES, fresh
 from ..runtime.scan import chunk_scan, chunk_scan_read
 from ..schedule.algebra import names_in, simplify
+from .calls import KernelCall
 from .exprs import P_ATOM, P_MUL, ExprEmitter
 from .context import Emitter
 
@@ -119,10 +120,11 @@ def emit(ctx, L) -> None:
             L(f"return {em.emit(_fold(plan.read, lets))}")
         L()
         outs = [fresh(f"{s}_new", taken) for s in states]
-        args = ", ".join(f"({', '.join(x)}{',' if len(x) == 1 else ''})" for x in (inputs, read_inputs))
+        xs, ys = (f"({', '.join(x)}{',' if len(x) == 1 else ''})" for x in (inputs, read_inputs))
         h0 = f"({', '.join(f'state[{s!r}]' for s in states)}{',' if len(states) == 1 else ''})"
-        L(f"o, ({', '.join(outs)}{',' if len(outs) == 1 else ''}) = chunk_scan_read({coef}, {read}, {args}, {h0}, "
-          f"self.chunk, inclusive={plan.inclusive})", f"[B, T, H{''.join(', ' + d for d in ctx.read_shape())}]")
+        L.block(KernelCall.of(f"o, ({', '.join(outs)}{',' if len(outs) == 1 else ''})", chunk_scan_read,
+                              [coef, read, xs, ys, h0, "self.chunk"], dict(inclusive=plan.inclusive),
+                              comment=f"[B, T, H{''.join(', ' + d for d in ctx.read_shape())}]"))
         rest = [f"{n!r}: state[{n!r}]" for n in spec.state if n not in states]
         L(f"return o, {{{', '.join([f'{s!r}: {o}' for s, o in zip(states, outs)] + rest)}}}")
     L()
@@ -137,8 +139,9 @@ def _whole(ctx, L, em, plan, whole, lets, taken) -> None:
     for st in plan.states:
         shape = f"[B, T, H, {', '.join(spec.state[st.name].shape)}]"
         seq, new = fresh(f"{st.name}_all", taken), fresh(f"{st.name}_new", taken)
-        L(f"{seq}, {new} = chunk_scan({whole[st.name][0]}, {whole[st.name][1]}, state[{st.name!r}], self.chunk)",
-          f"{shape}: every token's state")
+        L.block(KernelCall.of(f"{seq}, {new}", chunk_scan,
+                              [whole[st.name][0], whole[st.name][1], f"state[{st.name!r}]", "self.chunk"],
+                              comment=f"{shape}: every token's state"))
         if not plan.inclusive:
             before = fresh(f"{st.name}_before", taken)
             L(f"{before} = torch.cat([state[{st.name!r}].unsqueeze(1).to({seq}.dtype), {seq}[:, :-1]], dim=1)",

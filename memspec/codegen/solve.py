@@ -11,6 +11,7 @@ from ..runtime.additive import chunk_additive
 from ..runtime.solve import (_ChunkSolve, _conjugate_gradients, _solve_matvec, _solve_tolerance, _solve_weights,
                              chunk_solve)
 from ..runtime.varlen import _DocumentChunks, _Documents
+from .calls import KernelCall
 from . import chunked
 from .context import Emitter
 
@@ -32,13 +33,9 @@ def emit(ctx, L) -> None:
         L("both kernel calls." + '"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, T, H")
-        calls = tuple(f"{k.__name__}(" for k in KERNELS)
         for line in chunked.forward_lines(ctx.spec, body, plan, em, ctx.decision.let_forms, lets=False,
                                           taken=tuple(sorted(ctx.spec_names)) + (docs,)):
-            if any(c in line for c in calls) and not line.lstrip().startswith("#"):   # both take the documents
-                code, sep, comment = line.partition("  # ")
-                line = code.rstrip()[:-1] + f", documents={docs})" + (sep + comment if sep else "")
-            L.block(line)
+            L.block(chunked.with_documents(line, docs))
     L()
     for part in (_solve_tolerance, _solve_weights, _solve_matvec, _conjugate_gradients, _ChunkSolve):
         ctx.need(part)
@@ -60,16 +57,16 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
     bc = w.value(plan.weight, f"{H}_weight", vector=False)
     pc = w.value(plan.rhs, "rhs", vector=True)
     x = w.fresh("solution")
-    w.lines.append(f"{x}, {state_out[H]} = chunk_solve({pc}, {kc}, {bc}, {lg}, {state_in[H]}, {plan.lam!r}, {chunk}, "
-                   f"inclusive={plan.inclusive})  # [B, T, H, {d}]")
+    w.lines.append(KernelCall.of(f"{x}, {state_out[H]}", chunk_solve, [pc, kc, bc, lg, state_in[H], repr(plan.lam), chunk],
+                                 dict(inclusive=plan.inclusive), comment=f"[B, T, H, {d}]"))
     glg = lg if shared else w.log_decay(plan.probe.decay, f"{G}_log_decay")
     (a, b), = plan.probe.terms
     ac = w.value(a, f"{G}_key", vector=True)
     vc = w.value(b, f"{G}_value", vector=True)
     out = w.fresh(f"{G}_probe_out")
     width = spec.state[G].shape[1]
-    w.lines.append(f"{out}, {state_out[G]} = chunk_additive({x}, {ac}, {vc}, {glg}, {state_in[G]}, {chunk}, "
-                   f"inclusive={plan.inclusive})  # [B, T, H, {width}]")
+    w.lines.append(KernelCall.of(f"{out}, {state_out[G]}", chunk_additive, [x, ac, vc, glg, state_in[G], chunk],
+                                 dict(inclusive=plan.inclusive), comment=f"[B, T, H, {width}]"))
     probe_names[plan.probe_name] = out
     probe_shapes[out] = (width,)
 

@@ -459,7 +459,10 @@ def _dedent(line: str, n: int) -> str:
 
 
 def specialise_calls(code: str, fn) -> tuple[str, str]:
-    """Specialise ``fn`` to the constant arguments every call of it in ``code`` passes.
+    """Specialise ``fn`` to the constant arguments every call of it in ``code`` passes: ``code``
+    is a (specialised) runtime kernel's source, ``fn`` one of the private functions it calls --
+    library source, read as the specialiser reads it; the generated module's own kernel calls stay
+    structures until it is written (:mod:`memspec.codegen.calls`).
 
     A parameter is bound when every call passes the same constant (None, True, False, a string)
     for it, or none passes it and its default is such a constant.  Returns ``(code, source)``:

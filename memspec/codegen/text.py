@@ -6,7 +6,9 @@ import keyword
 import math
 import re
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .calls import Placed
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -59,8 +61,13 @@ class Lines:
         self.records.append(Statement(lines, frozenset(targets), frozenset(reads), returns))
         self._mark = len(self.lines)
 
-    def block(self, text: str):
-        """Several lines at the current indentation (blank lines stay blank)."""
+    def block(self, text):
+        """Several lines at the current indentation (blank lines stay blank); a kernel call
+        (:class:`memspec.codegen.calls.KernelCall`) stays a structure until the module is written."""
+        if not isinstance(text, str):   # (its comment through the one escaping path)
+            comment = inert(text.comment, "comment") if text.comment else None
+            self.lines.append(Placed(self.level, replace(text, comment=comment)))
+            return
         for ln in text.rstrip("\n").split("\n"):
             self.lines.append(("    " * self.level + ln) if ln else "")
 
