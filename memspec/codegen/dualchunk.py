@@ -526,30 +526,28 @@ class DualRead:
                 L(f"{name} = {t.render()}", f"[B, H, nb, {', '.join(shape)}]: the gradients' part of {s} at each "
                   "block's end", targets=(name,), reads=t.names | heads.names)
                 inflow.append(local(name))
-            ends = fresh(f"{s}_ends", taken)
             nb = f"{self.first}.shape[1] // {heads.render()}"   # blocks per chunk
             zeros = Call("torch.zeros_like", (Post(local(s), f".unsqueeze(2).expand(-1, -1, {nb}, *{s}.shape[2:])"),))
             x = Sum.of(*inflow) if inflow else zeros
-            value = Call("_block_scan", (own, x, local(self.starts[s]))) if own is not None else x
-            L(f"{ends} = {value.render()}", f"[B, H, nb, {', '.join(shape)}]: {s} at each block's end",
-              targets=(ends,), reads=value.names | heads.names | {self.first})
-            starts[s] = fresh(f"{s}_starts", taken)
-            L(f"{starts[s]} = torch.cat([{self.starts[s]}.unsqueeze(2), {ends}[:, :, :-1]], dim=2)",
-              f"[B, H, nb, {', '.join(shape)}]: {s} at each block's start", targets=(starts[s],),
-              reads=(self.starts[s], ends))
-            finals[s] = ends
+            starts[s], finals[s] = fresh(f"{s}_starts", taken), fresh(f"{s}_end", taken)
+            dims = ", ".join(shape)
+            comment = f"[B, H, nb, {dims}], [B, H, {dims}]: {s} at each block's start, and after the chunk"
+            if own is not None:
+                value = Call("_block_scan", (own, x, local(self.starts[s])))
+                L(f"{starts[s]}, {finals[s]} = {value.render()}", comment, targets=(starts[s], finals[s]),
+                  reads=value.names | heads.names | {self.first})
+            else:   # no decay of its own: each block's end is what flows in
+                ends = fresh(f"{s}_ends", taken)
+                L(f"{ends} = {x.render()}", f"[B, H, nb, {', '.join(shape)}]: {s} at each block's end", targets=(ends,),
+                  reads=x.names | heads.names | {self.first})
+                L(f"{starts[s]}, {finals[s]} = torch.cat([{self.starts[s]}.unsqueeze(2), {ends}[:, :, :-1]], dim=2), "
+                  f"{ends}[:, :, -1]", comment, targets=(starts[s], finals[s]), reads=(self.starts[s], ends))
         blocks = {s: fresh(f"{s}_blocks", taken) for s in alg.w.states}
         for s in alg.w.states:
             L(f"{blocks[s]} = {starts[s]}.flatten(1, 2)", f"[B, H * nb, {', '.join(alg.spec.state[s].shape)}]: {s} "
               "at each block's start, folded", targets=(blocks[s],), reads=(starts[s],))
         self.starts = dict(blocks)
-        out = []
-        for s in alg.w.states:
-            name = fresh(f"{s}_end", taken)
-            L(f"{name} = {finals[s]}[:, :, -1]", f"[B, H, {', '.join(alg.spec.state[s].shape)}]", targets=(name,),
-              reads=(finals[s],))
-            out.append(name)
-        return out
+        return [finals[s] for s in alg.w.states]
 
     def last_row(self, key: tuple, g: str, weighted: Term) -> Term:
         """The gradients of ``g`` weighted for the state after the chunk: a local when more than
