@@ -19,8 +19,8 @@ from memspec.tools.train import TrainConfig, load_spec, model_dims
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 FAMILIES = {"cache": "softmax_attention", "additive": "linear_attention", "delta": "deltanet", "dplr": "kda",
-            "momentum": "momentum_deltanet", "minibatch": "titans", "online": "mesa", "wired": "titans_mac",
-            "scan": "hgrn"}
+            "momentum": "momentum_deltanet", "minibatch": "titans", "online": "omeganet", "wired": "titans_mac",
+            "scan": "hgrn", "solve": "mesa", "chained": "gsa", "oja": "gated_oja"}
 SHIPPED = sorted(p.stem for p in SPECS.glob("*.yaml"))
 
 

@@ -30,8 +30,8 @@ SPECS = ROOT / "specs"
 VOCAB = 32
 # one spec per schedule family, and a wired one
 FAMILIES = {"cache": "softmax_attention", "additive": "linear_attention", "delta": "deltanet", "dplr": "kda",
-            "momentum": "momentum_deltanet", "minibatch": "titans", "online": "mesa", "scan": "hgrn",
-            "wired": "titans_mac"}
+            "momentum": "momentum_deltanet", "minibatch": "titans", "online": "omeganet", "scan": "hgrn",
+            "solve": "mesa", "chained": "gsa", "oja": "gated_oja", "wired": "titans_mac"}
 
 
 def dims(name: str) -> dict:
