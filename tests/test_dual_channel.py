@@ -335,8 +335,8 @@ def test_per_channel_variant_learns_recall(tmp_path):
     text = to_yaml(memspec.load(ROOT / "specs/variants/titans_mqar.yaml"))
     gate = "    formula: sigmoid(logit)\n    bias: -4.0\n"
     assert "  alpha:\n" + gate in text
-    text = (text.replace("  alpha:\n" + gate, "  alpha_k:\n    shape: [d_k]\n" + gate + "  alpha_h:\n    shape: [hidden]\n"
-                         + gate)
+    gates = "  alpha_k:\n    shape: [d_k]\n" + gate + "  alpha_h:\n    shape: [hidden]\n" + gate
+    text = (text.replace("  alpha:\n" + gate, gates)
             .replace("W1 = (1 - alpha) * W1 + U1", "W1 = diag(1 - alpha_k) @ W1 + U1")
             .replace("W2 = (1 - alpha) * W2 + U2", "W2 = diag(1 - alpha_h) @ W2 + U2")
             .replace("name: titans_mqar", "name: titans_channel_mqar"))
@@ -347,3 +347,55 @@ def test_per_channel_variant_learns_recall(tmp_path):
     assert r.schedule == "minibatch(8)"
     assert r.accuracy > 0.6, r.accuracy
     assert r.losses[-1] < 0.5 * r.losses[0]
+
+
+ONE_LAYER = """
+name: probe
+dims: {d_model: 8, heads: 2, d_k: 3, d_v: 2, hidden: 4}
+views: {q: d_k, k: d_k, v: d_v}
+gates:
+  eta: 0.5 * sigmoid(logit)
+  alpha_k: {shape: [d_k], formula: sigmoid(logit)}
+  alpha_h: {shape: [hidden], formula: sigmoid(logit)}
+state:
+  W1: {shape: [d_k, hidden], init: normal(0.5)}
+  W2: {shape: [hidden, d_v], init: normal(0.5)}
+model: f(u) = tanh(u @ W1) @ W2
+loss: 0.5 * sum((f(k) - v)^2)
+update:
+UPDATE
+read: f(q)
+schedule: minibatch(16)
+"""
+
+
+@pytest.mark.parametrize("update", [
+    ["g1 = grad(loss, W1)", "g2 = grad(loss, W2)",
+     "W1 = diag(1 - alpha_k) @ W1 - eta * g1", "W2 = diag(1 - alpha_h) @ W2 - eta * g2"],
+    ["g1 = grad(loss, W1)", "g2 = grad(loss, W2)",
+     "W1 = diag(1 - alpha_k) @ W1 - g1", "W2 = diag(1 - alpha_h) @ (W2 - eta * g2)"],
+    ["g1 = grad(loss, W1)", "g2 = grad(loss, W2)",
+     "W1 = (1 - eta) * W1 - diag(alpha_k) @ g1", "W2 = diag(1 - alpha_h) @ W2 - diag(eta * alpha_h) @ g2"],
+], ids=["step-in-the-decayed-state", "unit-step-and-decayed-step", "per-channel-steps"])
+def test_gradient_terms_under_a_per_channel_decay_match_reference(update):
+    """A gradient written straight into a state that decays per row (no momentum): the weights
+    of the gradients are the row-wise scan of diagonal ones."""
+    spec = memspec.loads(ONE_LAYER.replace("UPDATE", "".join(f"  - {u}\n" for u in update)), "yaml")
+    assert analyse(spec).family == "minibatch" and analyse_dual(spec).rows == {"W1": "d_k", "W2": "hidden"}
+    assert "no dual form" not in explain(spec)
+    torch.manual_seed(0)
+    m = build_memory(spec, compile=False, chunk=2 * BLOCK, heads=2, d_k=3, d_v=2, hidden=4).double()
+    g = torch.Generator().manual_seed(1)
+    T, H = 2 * 2 * BLOCK + 3, 2
+    ins = {v: 0.5 * torch.randn(2, T, H, getattr(m, d), generator=g, dtype=torch.float64) for v, d in m.VIEWS.items()}
+    ins["eta"] = 0.05 + 0.2 * torch.rand(2, T, H, generator=g, dtype=torch.float64)
+    ins["alpha_k"] = 0.02 + 0.5 * torch.rand(2, T, H, 3, generator=g, dtype=torch.float64)
+    ins["alpha_h"] = 0.02 + 0.5 * torch.rand(2, T, H, 4, generator=g, dtype=torch.float64)
+    st = m.init_state(2, dtype=torch.float64, generator=g)
+    with torch.no_grad():
+        o, fs = call(m, ins, dict(st))
+        dims = {"heads": 2, "d_k": 3, "d_v": 2, "hidden": 4}
+        ro, rs = reference_run(spec, state=dict(st), schedule=("minibatch", m.chunk), dims=dims, params={}, **ins)
+    assert_same_function(o, ro)
+    for n in spec.state:
+        assert_same_function(fs[n], rs[n], msg=n)

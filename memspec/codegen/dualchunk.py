@@ -301,8 +301,8 @@ class ChunkAlgebra:
                                     f"[B, H, C]: coefficient of {r0} (chunk start) in {s} after each token")
         for g in [t for t in self.form.targets if t in x_mat or t in x_diag]:
             parts = list(self.aligned(x_mat.get(g, []), True))
-            parts += [Call("torch.diag_embed", (self.up(Op("*", c, Post(a, ".new_ones(()))")) if c.number else c,
-                                                        False, True),)) for c in x_diag.get(g, [])]
+            ones = Call(method(self.first, "new_ones"), (method(self.first, "shape[:3]"),))
+            parts += [Call("torch.diag_embed", (Op("*", ones, c) if c.number else c,)) for c in x_diag.get(g, [])]
             inflow = Sum.of(*[self.up(p, True, True) for p in parts])
             rep.mat[g] = self.bind(fresh(f"M_{s}_{g}", self.taken), Call("_row_scan", (a, inflow, Ref("-2"))),
                                    f"[B, H, C, C]: weights of the gradients of {g} in {s} after each token")

@@ -163,17 +163,18 @@ def _states_outside_model(spec, e: Expr) -> set:
     return out
 
 
-def _grad_terms(e, placeholders: set, local_scalar) -> dict:
-    """``e`` as ``sum_p coeff_p * p`` over the placeholder names; raises NotDual."""
+def _grad_terms(e, placeholders: set, local_scalar, local_vector=lambda e: False) -> dict:
+    """``e`` as ``sum_p coeff_p * p`` over the placeholder names (a coefficient may be a vector,
+    ``diag(c) @ p``: a row scaling); raises NotDual."""
     if e is None:
         return {}
     if isinstance(e, Name) and e.id in placeholders:
         return {e.id: Num(1)}
     if isinstance(e, Neg):
-        return {p: _neg(c) for p, c in _grad_terms(e.operand, placeholders, local_scalar).items()}
+        return {p: _neg(c) for p, c in _grad_terms(e.operand, placeholders, local_scalar, local_vector).items()}
     if isinstance(e, BinOp) and e.op in "+-":
-        a = _grad_terms(e.left, placeholders, local_scalar)
-        b = _grad_terms(e.right, placeholders, local_scalar)
+        a = _grad_terms(e.left, placeholders, local_scalar, local_vector)
+        b = _grad_terms(e.right, placeholders, local_scalar, local_vector)
         for p, c in b.items():
             c = _neg(c) if e.op == "-" else c
             a[p] = BinOp("+", a[p], c) if p in a else c
@@ -183,10 +184,15 @@ def _grad_terms(e, placeholders: set, local_scalar) -> dict:
             if e.op == "/" and left:
                 continue
             if local_scalar(s) and not _mentions(s, placeholders):
-                inner = _grad_terms(t, placeholders, local_scalar)
+                inner = _grad_terms(t, placeholders, local_scalar, local_vector)
                 if e.op == "/":
                     return {p: BinOp("/", c, s) for p, c in inner.items()}
                 return {p: (s if isinstance(c, Num) and c.value == 1 else BinOp("*", s, c)) for p, c in inner.items()}
+    if isinstance(e, BinOp) and e.op == "@" and isinstance(e.left, Call) and e.left.fn == "diag" \
+            and len(e.left.args) == 1 and local_vector(e.left.args[0]) and not _mentions(e.left.args[0], placeholders):
+        c = e.left.args[0]
+        inner = _grad_terms(e.right, placeholders, local_scalar, local_vector)
+        return {p: (c if isinstance(k, Num) and k.value == 1 else BinOp("*", c, k)) for p, k in inner.items()}
     raise NotDual(f"`{unparse(e)}` is not a sum of token-local scalars times gradients")
 
 
@@ -257,23 +263,12 @@ def analyse_dual(spec) -> DualForm:
     except NotRecurrence as err:
         raise NotDual(str(err)) from None
     env = ShapeEnv.from_spec(spec)
-
-    def local_scalar(e: Expr) -> bool:
-        shape = env.infer(e, scope=scope)
-        return shape is not None and tuple(shape) == () and not _mentions(e, set(spec.state))
-
-    grad_terms = {s: _grad_terms(rec.rest[s], set(placeholders.values()), local_scalar) for s in spec.state}
-    by_name = {v: k for k, v in placeholders.items()}
-    grad_terms = {s: {by_name[p]: c for p, c in terms.items()} for s, terms in grad_terms.items()}
-    for s, terms in grad_terms.items():
-        for t in terms:
-            if tuple(spec.state[t].shape) != tuple(spec.state[s].shape):
-                raise NotDual(f"the update of {s} adds the gradient of {t}, of another shape")
+    grad_terms = _gradient_terms(spec, rec, placeholders, scope, env)
     for s in spec.state:
         for (_, r) in rec.coeff[s]:
             if tuple(spec.state[r].shape) != tuple(spec.state[s].shape):
                 raise NotDual(f"the update of {s} adds {r}, of another shape")
-    rows = _row_scalings(spec, rec, sites, env)
+    rows = _row_scalings(spec, rec, grad_terms, sites, env)
     try:
         grad, no_grad = closed_grad(spec, spec.loss, list(sites), spec_names(spec)), None
     except NoClosedForm as err:
@@ -281,12 +276,33 @@ def analyse_dual(spec) -> DualForm:
     return DualForm(sites, tuple(targets), rec, grad_terms, grad, no_grad, rows)
 
 
-def _row_scalings(spec, rec, sites: dict, env: ShapeEnv) -> dict:
+def _gradient_terms(spec, rec, placeholders: dict, scope: dict, env: ShapeEnv) -> dict:
+    """state -> {target: the coefficient of that target's gradient in the state's update} (a
+    token-local scalar, or a vector for a row scaling); raises NotDual."""
+    def local(e: Expr, rank: int) -> bool:
+        shape = env.infer(e, scope=scope)
+        return shape is not None and len(shape) == rank and not _mentions(e, set(spec.state))
+
+    names = set(placeholders.values())
+    by_name = {v: k for k, v in placeholders.items()}
+    grad_terms = {s: {by_name[p]: c for p, c in _grad_terms(rec.rest[s], names, lambda e: local(e, 0),
+                                                            lambda e: local(e, 1)).items()}
+                  for s in spec.state}
+    for s, terms in grad_terms.items():
+        for t in terms:
+            if tuple(spec.state[t].shape) != tuple(spec.state[s].shape):
+                raise NotDual(f"the update of {s} adds the gradient of {t}, of another shape")
+    return grad_terms
+
+
+def _row_scalings(spec, rec, grad_terms: dict, sites: dict, env: ShapeEnv) -> dict:
     """state -> the row axis of its per-channel coefficients (``diag(c) @ R``: a vector ``c``
-    over the rows of the state), for the states whose recurrence has one; raises NotDual."""
+    over the rows of the state, of a state or of a gradient), for the states whose recurrence has
+    one; raises NotDual."""
     rows: dict = {}
     for s in rec.order:
-        for (when, r), c in rec.coeff[s].items():
+        coefs = [(r, c) for (_, r), c in rec.coeff[s].items()] + [(f"grad({t})", c) for t, c in grad_terms[s].items()]
+        for r, c in coefs:
             shape = env.infer(c)
             if shape is None or len(shape) == 0:
                 continue
