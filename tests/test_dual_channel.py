@@ -377,10 +377,13 @@ schedule: minibatch(16)
     ["g1 = grad(loss, W1)", "g2 = grad(loss, W2)",
      "W1 = (1 - eta) * W1 - diag(alpha_k) @ g1", "W2 = diag(1 - alpha_h) @ W2 - diag(eta * alpha_h) @ g2"],
 ], ids=["step-in-the-decayed-state", "unit-step-and-decayed-step", "per-channel-steps"])
-def test_gradient_terms_under_a_per_channel_decay_match_reference(update):
+@pytest.mark.parametrize("order", ["write_read", "read_write"])
+def test_gradient_terms_under_a_per_channel_decay_match_reference(update, order):
     """A gradient written straight into a state that decays per row (no momentum): the weights
-    of the gradients are the row-wise scan of diagonal ones."""
-    spec = memspec.loads(ONE_LAYER.replace("UPDATE", "".join(f"  - {u}\n" for u in update)), "yaml")
+    of the gradients are the row-wise scan of diagonal ones; read after the write (each token
+    its own state) or before it (the state before the token)."""
+    text = ONE_LAYER.replace("UPDATE", "".join(f"  - {u}\n" for u in update))
+    spec = memspec.loads(text if order == "write_read" else text + "order: read_write\n", "yaml")
     assert analyse(spec).family == "minibatch" and analyse_dual(spec).rows == {"W1": "d_k", "W2": "hidden"}
     assert "no dual form" not in explain(spec)
     torch.manual_seed(0)
