@@ -553,6 +553,7 @@ class LactMemory(nn.Module):
                 o_c, (W0, W1, W2) = self._chunks_fn(W0, W1, W2, v[:, :, t:t + n],
                         eta0[:, :, t:t + n], eta1[:, :, t:t + n], eta2[:, :, t:t + n],
                         qn[:, :, t:t + n], kn[:, :, t:t + n])
+                outputs += o_c  # each chunk's outputs: one concatenation at the end
             else:
                 n = min(C - pos, T - t)
                 # static shapes: one compiled chunk size
@@ -560,7 +561,7 @@ class LactMemory(nn.Module):
                 o_c, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0) = fn(W0, W1, W2, acc_W0_0, acc_W1_0,
                         acc_W2_0, v[:, :, t:t + n], eta0[:, :, t:t + n], eta1[:, :, t:t + n],
                         eta2[:, :, t:t + n], qn[:, :, t:t + n], kn[:, :, t:t + n], pos + n == C)
-            outputs.append(o_c)
+                outputs.append(o_c)
             t, pos = t + n, (pos + n) % C
         state = {'W0': W0, 'W1': W1, 'W2': W2}
         if pos % C:
@@ -627,7 +628,8 @@ class LactMemory(nn.Module):
 
     def _update_chunks(self, W0, W1, W2, v, eta0, eta1, eta2, qn, kn):
         """Whole chunks from a chunk boundary, head-major as in _update_step (their sums start
-        empty and end with each chunk).  Returns (o [B, H, T, d_v], the state after them).
+        empty and end with each chunk).  Returns (each chunk's o [B, H, C, d_v] in a list, the state
+        after them).
         """
         C = self.chunk
         outputs = []
@@ -636,7 +638,7 @@ class LactMemory(nn.Module):
                     v[:, :, s:s + C], eta0[:, :, s:s + C], eta1[:, :, s:s + C], eta2[:, :, s:s + C],
                     qn[:, :, s:s + C], kn[:, :, s:s + C], True)
             outputs.append(o)
-        return torch.cat(outputs, dim=2), (W0, W1, W2)
+        return outputs, (W0, W1, W2)
 
 
 class LactLayer(nn.Module):

@@ -105,19 +105,20 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
             args = carried + [f"{x}{cut}" for x in sv] + [f"{pos} + {n} == {c}"]
             single = [f"{n} = min({c} - {pos}, {T} - {t})",
                       (f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size"),
-                      f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})"]
+                      f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})",
+                      f"{outs}.append({o_c})"]
             if rows:   # at a chunk boundary the sums are None: whole chunks in groups (one compiled call each)
                 L(f"if {pos} == 0 and {c} < {group} <= {T} - {t}:")
                 with L.indent():
                     L(f"{n} = {group}")
                     L(f"{o_c}, {tuple_text(ctx.states)} = self._chunks_fn("
                       f"{', '.join(ctx.states + [f'{x}{cut}' for x in sv])})")
+                    L(f"{outs} += {o_c}", "each chunk's outputs: one concatenation at the end")
                 L("else:")
                 with L.indent():
                     _lines(L, single)
             else:
                 _lines(L, single)
-            L(f"{outs}.append({o_c})")
             L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
         block_sums_out(ctx, L, pos, accs, c)
@@ -159,8 +160,8 @@ def whole_chunks(ctx, L, accs, inputs) -> None:
     L(f"def _update_chunks(self, {', '.join(ctx.states + inputs)}):")
     with L.indent():
         L('"""' + "Whole chunks from a chunk boundary, head-major as in _update_step (their sums start")
-        L("empty and end with each chunk).  Returns (o " + shape_text("B, H, T", ctx.read_shape())
-          + ", the state after them).")
+        L("empty and end with each chunk).  Returns (each chunk's o " + shape_text("B, H, C", ctx.read_shape())
+          + " in a list, the state after them).")
         L('"""')
         L("C = self.chunk")
         L("outputs = []")
@@ -169,7 +170,7 @@ def whole_chunks(ctx, L, accs, inputs) -> None:
             args = ctx.states + ["None"] * len(accs) + [f"{x}[:, :, s:s + C]" for x in inputs] + ["True"]
             L(f"o, ({', '.join(ctx.states)}{', ' + rest if rest else ''}) = self._update_step({', '.join(args)})")
             L("outputs.append(o)")
-        L(f"return torch.cat(outputs, dim=2), {tuple_text(ctx.states)}")
+        L(f"return outputs, {tuple_text(ctx.states)}")
     L()
 
 
