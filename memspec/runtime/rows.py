@@ -18,14 +18,12 @@ def _row_scan(a, x, dim):
         x = torch.full_like(a, float(x))
     shape = torch.broadcast_shapes(x.shape, a.shape)
     x = x.expand(shape)
-    C = shape[dim]
-    out = x.new_empty(shape[:-3] + (C, shape[-3], shape[-1]) if dim == -2 else shape)
-    s = None
-    for i in range(C):
-        xi = x.select(dim, i)
-        s = xi if s is None else torch.addcmul(xi, a.select(dim, i), s)
-        out.select(-3 if dim == -2 else -1, i).copy_(s)
-    return out.transpose(-3, -2) if dim == -2 else out
+    out, s = [], None
+    # unbind and one stack (a select or a write per step would copy the whole tensor in the backward)
+    for xi, ai in zip(x.unbind(dim), a.unbind(dim)):
+        s = xi if s is None else torch.addcmul(xi, ai, s)
+        out.append(s)
+    return torch.stack(out, -3).transpose(-3, -2) if dim == -2 else torch.stack(out, -1)
 
 
 def _block_scan(a, x, s0):
@@ -35,9 +33,8 @@ def _block_scan(a, x, s0):
     if not isinstance(a, torch.Tensor):
         a = torch.full(x.shape[:3], float(a), dtype=x.dtype, device=x.device)
     a = a.reshape(a.shape + (1,) * (x.dim() - a.dim()))
-    starts = x.new_empty(x.shape)
-    s = s0
-    for b in range(x.shape[2]):
-        starts[:, :, b] = s
-        s = torch.addcmul(x[:, :, b], a[:, :, b], s)
-    return starts, s
+    starts, s = [], s0
+    for xb, ab in zip(x.unbind(2), a.unbind(2)):
+        starts.append(s)
+        s = torch.addcmul(xb, ab, s)
+    return torch.stack(starts, 2), s
