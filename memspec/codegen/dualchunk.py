@@ -360,7 +360,7 @@ class DualRead:
         shape = (self.alg.spec.state[s].shape[-1],)
         if kind == "matmul":
             X = local(self.loc(x.id))
-            vec = [matmul(self.rows(v, X), local(self.starts[r0])) if self.alg.is_chan(v)
+            vec = [matmul(Group(self.rows(v, X)), local(self.starts[r0])) if self.alg.is_chan(v)
                    else scaled(v, matmul(X, local(self.starts[r0]))) for r0, v in rep.vec.items()]
             mat = {(m, dd[g]): self.channel_scores(X, local(self.xk[g]), m) if self.alg.is_chan(m)
                    else matmul(X, Post(local(self.xk[g]), ".transpose(-2, -1)")) for g, m in rep.mat.items()}
@@ -400,7 +400,7 @@ class DualRead:
 
     def rows(self, v: Term, x: Term) -> Term:
         """``x`` ``[B, H, C, d]`` with each row scaled by the per-channel coefficient ``v`` ``[B, H, d, C]``."""
-        return Group(Op("*", x, Post(v, ".transpose(-2, -1)")))
+        return Op("*", x, Post(v, ".transpose(-2, -1)"))
 
     def channel_scores(self, x: Term, xk: Term, m: Term) -> Term:
         """The scores of the inputs ``x`` and ``xk`` ``[B, H, C, d]`` weighted per channel by ``m``
