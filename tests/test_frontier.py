@@ -533,7 +533,10 @@ def test_torch_compile_equals_eager(name):
         with torch.no_grad():
             a, _ = call(eager, spec, ins, None, schedule)
             b, _ = call(comp, spec, ins, None, schedule)
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        # float32 from two code paths (inductor's fused kernels order sums otherwise); five Newton-Schulz
+        # steps amplify the rounding (measured up to 1.4e-5 absolute on outputs of order 0.04)
+        tol = 5e-5 if "newton_schulz" in (ROOT / f"specs/{name}.yaml").read_text() else 1e-5
+        torch.testing.assert_close(b, a, atol=tol, rtol=tol)
 
 
 def test_a_module_with_apply_update_and_minibatch_runs_both():

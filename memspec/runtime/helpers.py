@@ -208,15 +208,26 @@ def _decay_matrix(a):
 
 
 def _linear_scan(a, x, s0):
-    """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0, in closed form.
+    """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0.
 
-    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]:
-    s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of _decay_matrix.
+    a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape] (token-major,
+    contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of
+    _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds) from 4,096 floats
+    per token (B H |shape|) on, where the closed form's work outgrows them (measured 1.2x faster at 1,024
+    floats per head, 5x at 8,192) -- but not under torch.compile, where the loop would unroll.
     """
     B, C, H = x.shape[:3]
     if not isinstance(a, torch.Tensor):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
-    L, P = _decay_matrix(a.expand(B, C, H).transpose(1, 2))                # [B, H, C, C], [B, H, C]
+    a = a.expand(B, C, H)
+    if B * x[0, 0].numel() >= 4096 and not torch.compiler.is_compiling():
+        lift = (1,) * (x.dim() - 3)
+        out, s = [], s0
+        for x_i, a_i in zip(x.unbind(1), a.unbind(1)):
+            s = torch.addcmul(x_i, a_i.reshape(a_i.shape + lift), s)
+            out.append(s)
+        return torch.stack(out, 1)
+    L, P = _decay_matrix(a.transpose(1, 2))                                # [B, H, C, C], [B, H, C]
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]
     # token-major and contiguous: products of the per-token matrices (a Newton-Schulz iteration,
