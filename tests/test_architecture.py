@@ -159,8 +159,6 @@ SIZE_EXCEPTIONS = {
     "codegen/minibatch.py:chunk_step": 123,
     "lang/frontend/mem_frontend.py:read_mem": 173,
     "lang/frontend/yaml_frontend.py:read_yaml": 116,
-    "lang/shapes.py": 869,
-    "lang/shapes.py:ShapeEnv": 669,
     "runtime/additive.py:chunk_additive": 224,
     "runtime/delta.py:chunk_delta": 185,
     "runtime/dplr.py:chunk_dplr": 349,
