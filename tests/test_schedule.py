@@ -359,7 +359,7 @@ def _build(spec):
     family = EMITTERS[d.family].module
     lines = forward_lines(spec, family.body, d.plan, em, d.let_forms, chunk="chunk", lets=True)
     args = ", ".join([*spec.views, *spec.gates])
-    body = textwrap.indent("\n".join(lines), "    ")
+    body = textwrap.indent("\n".join(x if isinstance(x, str) else x.text() for x in lines), "    ")   # calls: written whole
     helper_src = "\n\n".join(inspect.getsource(getattr(helpers, h)) for h in sorted(em.helpers))
     src = ("import math\nimport torch\nimport torch.nn.functional as F\n\n" + inspect.getsource(family.KERNEL)
            + "\n\n" + helper_src + f"\n\ndef forward(self, {args}, state, chunk):\n{body}\n")

@@ -57,6 +57,13 @@ class Family:
     # (ScheduleDecision, spec) -> further explain notes when it is the decision
     more_notes: Callable = lambda d, spec: []
     sided: bool = False          # its kernel takes the key side: it sees states used on their value side transposed
+    exact_text: str | None = None    # explain's "exact:" line when it says more than yes / no
+
+    def exact_line(self, exact: bool) -> str:
+        """The value of explain's ``exact:`` line for a decision of this family."""
+        if self.exact_text is not None and exact:
+            return self.exact_text
+        return "yes" if exact else "no (an approximation of online learning)"
 
 
 def _has_grads(spec) -> bool:
@@ -208,7 +215,9 @@ register(Family("solve", lambda alg, chunk: solve.analyse_solve(alg), exact=True
                        "a d x d system: it matches online to that tolerance times the system's condition number",
                 hint="read p @ solve(S + lam * eye(d), G) with S <- gamma S + beta outer(k, k) (a scalar decay, beta "
                      ">= 0, lam a constant > 0) and G an additive memory",
-                hint_applies=solve.solves, prefers=solve.preferred_chunk), before="delta")
+                hint_applies=solve.solves, prefers=solve.preferred_chunk,
+                exact_text="yes, to the solver's tolerance (" + ", ".join(f"{v:g} in {k}" for k, v in solve.TOLERANCE.items())
+                           + ")"), before="delta")
 
 
 @dataclass(frozen=True)
@@ -320,7 +329,7 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     d = analyse(spec) if decision is None else decision
     fam = BY_NAME[d.family]
     lines = [f"{spec.name}: {fam.text}"]
-    lines.append(f"  exact: {'yes' if d.exact else 'no (an approximation of online learning)'}")
+    lines.append(f"  exact: {fam.exact_line(d.exact)}")
     if d.chunk is not None:
         lines.append(f"  chunk: {d.chunk}" + ("" if fam.exact else "  (chunk 1 equals online)"))
     lines.append(f"  admits: {', '.join(d.admits)}")

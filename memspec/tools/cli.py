@@ -246,7 +246,7 @@ def cmd_explain(args) -> int:
 
 def brief(spec, d) -> str:
     """``explain --brief``: the schedule, whether it is exact, the chunk, and one line of why."""
-    from ..schedule.decide import NAMES
+    from ..schedule.decide import BY_NAME, NAMES
 
     forced = [r for r in d.reasons if r.startswith("forced by")]
     rejected = [f"{f}: {why}" for f, why in d.rejected if NAMES.index(f) < NAMES.index(d.family) and f != "cache"]
@@ -259,7 +259,7 @@ def brief(spec, d) -> str:
     else:
         why = d.reasons[0] if d.reasons else "-"
     lines = [f"{spec.name}: {d.family}" + (f"({d.chunk})" if d.chunk and d.family != "cache" else ""),
-             "  exact: " + ("yes" if d.exact else "no (an approximation of online learning)"),
+             "  exact: " + BY_NAME[d.family].exact_line(d.exact),
              f"  chunk: {d.chunk if d.chunk and d.family != 'cache' else '-'}",
              f"  admits: {', '.join(d.admits)}",
              f"  why: {why}"]
