@@ -220,6 +220,22 @@ class _Lowering:
             self.typed(spec.read, "read")
         if spec.order == "read_write":
             self.read()
+        self.updates()
+        if spec.order == "write_read":
+            self.read()
+        for n in spec.state:
+            self.add(f"state_out:{n}", "state_out", "state", env.names.get(n), spec.key_span("state", n),
+                     f"{n} (after)", (self.current.get(n),))
+        for nid in list(g.nodes):
+            for a in g.nodes[nid]["args"]:
+                if a in g:
+                    g.add_edge(a, nid)
+        g.graph["diagnostics"] = self.diags.items
+        return g
+
+    def updates(self) -> None:
+        """The update statements in order: each temporary's and state's new version a node."""
+        spec, env = self.spec, self.env
         versions: dict[str, int] = {}
         temp_shapes: dict = {}   # the temporaries bound so far (name -> shape) ...
         temp_nodes: dict = {}    # ... and their nodes
@@ -245,17 +261,6 @@ class _Lowering:
                      index=i, target_span=st.target_span)
             if env.kind(st.target) == "state":
                 self.current[st.target] = owner
-        if spec.order == "write_read":
-            self.read()
-        for n in spec.state:
-            self.add(f"state_out:{n}", "state_out", "state", env.names.get(n), spec.key_span("state", n),
-                     f"{n} (after)", (self.current.get(n),))
-        for nid in list(g.nodes):
-            for a in g.nodes[nid]["args"]:
-                if a in g:
-                    g.add_edge(a, nid)
-        g.graph["diagnostics"] = self.diags.items
-        return g
 
     def read(self) -> None:
         spec = self.spec
