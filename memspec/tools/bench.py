@@ -106,6 +106,35 @@ def alternate(fns: dict, rounds: int, sync=lambda: None) -> dict:
     return times
 
 
+# the compiled step functions a generated module may carry (compile=True)
+COMPILED_STEPS = ("_token_fn", "_chunk_fn", "_update_fn", "_chunks_fn", "_prepare_fn", "_chunked_fn")
+
+
+def _first_calls(run, schedules, device: str, failed) -> dict:
+    """The first (building / compiling) and second (warm-up) call of every schedule:
+    {schedule: {first, second, mem}} (seconds, peak MB); a schedule that raises goes to
+    ``failed(schedule, err)`` instead (the others still run)."""
+    live = {}
+    for schedule in schedules:
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t1 = time.perf_counter()
+        try:
+            run(schedule)
+        except Exception as err:  # a broken schedule is reported, the others still run
+            failed(schedule, err)
+            continue
+        _sync(device)
+        first = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        run(schedule)
+        _sync(device)
+        second = time.perf_counter() - t1
+        mem = (torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else _peak_rss_mb()
+        live[schedule] = {"first": first, "second": second, "mem": mem}
+    return live
+
+
 def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, device: str = "cpu",
                dtype: str = "float32", repeat: int = 5, grad: bool = False, schedules=None,
                compile: bool = False, peak: float | None = None, budget_s: float = 20.0) -> list[dict]:
@@ -141,25 +170,9 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
     # noisy machine lands on all of them alike and the ratios between them stay fair; each timed
     # run follows an untimed one of its own schedule (the steady state of a model in use, not the
     # cost of switching from the schedule before)
-    live = {}                                                 # schedule -> {first, second, mem}
-    for schedule in wanted:
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t1 = time.perf_counter()
-        try:
-            run(schedule)
-        except Exception as err:  # a broken schedule is reported, the others still run
-            records.append({"spec": spec.name, "schedule": schedule, "exact": schedule not in APPROXIMATE,
-                            "error": f"{type(err).__name__}: {err}", "build_s": build_s})
-            continue
-        _sync(device)
-        first = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        run(schedule)
-        _sync(device)
-        second = time.perf_counter() - t1
-        mem = (torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else _peak_rss_mb()
-        live[schedule] = {"first": first, "second": second, "mem": mem}
+    live = _first_calls(run, wanted, device, lambda schedule, err: records.append(
+        {"spec": spec.name, "schedule": schedule, "exact": schedule not in APPROXIMATE,
+         "error": f"{type(err).__name__}: {err}", "build_s": build_s}))
     # as many rounds as the budget allows (at least one)
     n = max(1, min(repeat, int(budget_s / max(2 * sum(x["second"] for x in live.values()), 1e-9))))
     times = alternate({schedule: (lambda s=schedule: run(s)) for schedule in live}, n, lambda: _sync(device))
@@ -182,7 +195,7 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             "build_s": build_s,
             "first_call_s": x["first"],
             # with compile: the first (compiling) call of each compiled step function
-            "compile_s": {name: getattr(memory, name).seconds for name in ("_token_fn", "_chunk_fn", "_update_fn")
+            "compile_s": {name: getattr(memory, name).seconds for name in COMPILED_STEPS
                           if getattr(getattr(memory, name, None), "seconds", None) is not None} or None,
         }
         records.append(rec)

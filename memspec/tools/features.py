@@ -205,26 +205,8 @@ def state_updates(spec: Spec) -> list[tuple[str, Expr]]:
     return out
 
 
-def features(spec: Spec) -> Features:
-    ft = Features()
-    caches = {n for n, s in spec.state.items() if s.cache}
-    # a cache the read matches against (attention); a cache only the loss reads is its window
-    ft.cache = bool(names(inline_lets(spec, spec.read)) & caches)
-    ft.window = bool(spec.loss is not None and names(inline_lets(spec, spec.loss)) & caches)
-    ft.learned_init = any(s.learned for s in spec.state.values())
-    states = set(spec.state)
-    retention: dict[str, list[list[Term]]] = {}
-    increments: dict[str, list[Term]] = {}
-    for x, value in state_updates(spec):
-        ret, inc = [], []
-        for c, f in terms(value):
-            hits = [i for i, y in enumerate(f) if _is_state(y, x)]
-            if len(hits) == 1:
-                ret.append((c, f[: hits[0]] + f[hits[0] + 1:]))
-            else:
-                inc.append((c, f))
-        retention.setdefault(x, []).append(_simplify_coef(ret))
-        increments.setdefault(x, []).extend(inc)
+def _step(spec: Spec, ft: Features, increments: dict, states: set) -> None:
+    """``ft.step`` and its kind: the gradient step's factors, or an additive write's gate."""
     # step: the factors multiplying grad(...) -- in a term of the update, or inside a call that
     # transforms the step (a normalisation, Newton-Schulz, a softmax): its gradient terms
     step_terms = [(c, tuple(y for y in f if not _is_grad(y)))
@@ -256,6 +238,29 @@ def features(spec: Spec) -> Features:
             mult = tuple(y for y in f if names(y) & set(spec.gates))
             ft.step = _feature(spec, mult, _coef_expr(1.0, mult))
             ft.step_kind = "additive"
+
+
+def features(spec: Spec) -> Features:
+    ft = Features()
+    caches = {n for n, s in spec.state.items() if s.cache}
+    # a cache the read matches against (attention); a cache only the loss reads is its window
+    ft.cache = bool(names(inline_lets(spec, spec.read)) & caches)
+    ft.window = bool(spec.loss is not None and names(inline_lets(spec, spec.loss)) & caches)
+    ft.learned_init = any(s.learned for s in spec.state.values())
+    states = set(spec.state)
+    retention: dict[str, list[list[Term]]] = {}
+    increments: dict[str, list[Term]] = {}
+    for x, value in state_updates(spec):
+        ret, inc = [], []
+        for c, f in terms(value):
+            hits = [i for i, y in enumerate(f) if _is_state(y, x)]
+            if len(hits) == 1:
+                ret.append((c, f[: hits[0]] + f[hits[0] + 1:]))
+            else:
+                inc.append((c, f))
+        retention.setdefault(x, []).append(_simplify_coef(ret))
+        increments.setdefault(x, []).extend(inc)
+    _step(spec, ft, increments, states)
     # decay: a retention coefficient other than exactly 1
     decayed: dict[str, list[Term]] = {}
     for x, rets in retention.items():
