@@ -163,7 +163,6 @@ SIZE_EXCEPTIONS = {
     "runtime/dplr.py:chunk_dplr": 349,
     "runtime/momentum.py:chunk_momentum_delta": 102,
     "schedule/recurrence.py:minibatch_recurrence": 164,
-    "tools/train.py:train": 99,
 }
 
 

@@ -236,15 +236,7 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
     distributed = world > 1
     if cfg.batch % data_world(cfg, world):
         raise ValueError(f"the global batch {cfg.batch} is not divisible by the {world} processes")
-    device = torch.device("cpu")
-    if distributed:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    device = _join_processes(rank) if distributed else torch.device("cpu")
     main_process = rank == 0
     label = name or spec.name
     t_wall = time.perf_counter()
@@ -294,33 +286,50 @@ def train(spec, cfg: TrainConfig, *, make_layer: Callable | None = None, name: s
         bar.update(step + 1, losses[-1], tokens / t_train)
     bar.close()
 
-    bpb = None
-    if cfg.task == "text":
-        acc, bpb = evaluate(model, cfg.task_("test"), cfg, device, bits=True)
-    else:
-        acc = evaluate(model, task, cfg, device)
+    acc, bpb = _final_evaluation(model, task, cfg, device)
     result = RunResult(spec=label, schedule=schedule_name(spec, cfg.dims.get("chunk")), parameters=n_params, accuracy=acc,
                        chance=task.chance, tokens_per_s=tokens / max(t_train, 1e-9), seconds=t_train,
                        losses=losses, out=cfg.out, seed=cfg.seed, wall_seconds=time.perf_counter() - t_wall,
                        bits_per_byte=bpb)
     if cfg.out and main_process:
-        from ..pipeline.write import write_atomic
-
-        out = Path(cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        text = spec_text(spec, path)
         record = {"spec": label, "spec_path": path, "seed": cfg.seed, "config": asdict(cfg), "world_size": world,
                   "parameters": n_params, "schedule": result.schedule, "accuracy": acc, "bits_per_byte": bpb, "chance": task.chance,
                   "tokens_per_s": result.tokens_per_s, "seconds": t_train, "wall_seconds": result.wall_seconds,
                   "threads": torch.get_num_threads(), "load_average": _load_average(), "log": log_steps}
-        write_atomic(out / "log.json", json.dumps(record, indent=1) + "\n")
-        _save_checkpoint(out / "checkpoint.pt", {"state_dict": model.state_dict(), "spec_text": text,
-                                                 "spec_name": spec.name, "config": asdict(cfg)})
+        _write_run(Path(cfg.out), record, model, spec, spec_text(spec, path), cfg)
     if cfg.save_hf and main_process:
         from ..hf import export, from_memory_lm
 
         export(spec, cfg.save_hf, model=from_memory_lm(model, **model_dims(spec, cfg)))
     return result
+
+
+def _final_evaluation(model, task, cfg: TrainConfig, device) -> tuple:
+    """(accuracy, bits per byte or None): text on its held-out split, in bits per byte too."""
+    if cfg.task == "text":
+        return evaluate(model, cfg.task_("test"), cfg, device, bits=True)
+    return evaluate(model, task, cfg, device), None
+
+
+def _join_processes(rank: int) -> torch.device:
+    """Under torchrun: join the process group (nccl with CUDA, else gloo) unless joined; this rank's device."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    return torch.device("cpu")
+
+
+def _write_run(out: Path, record: dict, model, spec, text: str, cfg: TrainConfig) -> None:
+    """``out/log.json`` (the run's record) and ``out/checkpoint.pt`` (weights, spec text, config)."""
+    from ..pipeline.write import write_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "log.json", json.dumps(record, indent=1) + "\n")
+    _save_checkpoint(out / "checkpoint.pt", {"state_dict": model.state_dict(), "spec_text": text,
+                                             "spec_name": spec.name, "config": asdict(cfg)})
 
 
 def _load_average() -> float | None:
