@@ -4,8 +4,9 @@
   one :class:`Emitter` per schedule family (the rows of :data:`memspec.schedule.FAMILIES`),
   each declared by its emitter module (``EMITTER``), from which the frame derives its tables;
   :func:`register` adds one (with :func:`memspec.schedule.decide.register` for its row);
-* the emitters -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.dplr`,
-  :mod:`.momentum`, :mod:`.scan` and :mod:`.chained` (the exact chunked ones sharing :mod:`.chunked`),
+* the emitters -- :mod:`.cache`, :mod:`.additive`, :mod:`.delta`, :mod:`.dplr`, :mod:`.oja`,
+  :mod:`.momentum`, :mod:`.scan`, :mod:`.chained` and :mod:`.solve` (the exact chunked ones sharing
+  :mod:`.chunked`),
   :mod:`.minibatch` (with :mod:`.dual`, its dual form -- the chunk algebra in :mod:`.dualchunk`
   on the term objects of :mod:`.dualterms` --, :mod:`.prestep`, the state-independent part of a
   chunk step, and :mod:`.window`, window losses), :mod:`.online`, :mod:`.apply_update`;
@@ -14,6 +15,8 @@
 * :mod:`.exprs`      -- :class:`ExprEmitter`, one expression AST -> one line of torch;
 * :mod:`.program`    -- the update program as emitted statements;
 * :mod:`.layer`      -- the ``<Name>Layer`` (projections, wiring);
+* :mod:`.calls`      -- kernel calls as structure until the module is written (the constants
+  every call passes bound, each call written without them);
 * :mod:`.specialise` -- runtime functions specialised to the arguments a module passes;
 * :mod:`.layout`     -- lines within 100 columns, checked against the AST;
 * :mod:`.text`       -- lines, shape comments, names, the one escaping path of spec text.

@@ -9,7 +9,8 @@ imports and no closures over module state.
 * :mod:`.additive`  -- the additive family's exact chunked kernel;
 * :mod:`.chained`   -- an additive state decayed on its columns (``chunk_value_decay``: gated slot
                        attention's key memory, the chained family's first pass);
-* :mod:`.delta`     -- the delta family's exact chunked kernel;
+* :mod:`.delta`     -- the delta family's exact chunked kernel (a scalar step, or one per value
+                       channel);
 * :mod:`.dplr`      -- diagonal-plus-low-rank transitions (``chunk_dplr``: R rank-1 sub-steps per
                        token, scalar or per-key-channel decays; DeltaNet, gated DeltaNet, KDA, GDN-2,
                        Comba, RWKV-7, gated DeltaProduct);
@@ -17,6 +18,11 @@ imports and no closures over module state.
                        layout of a sequence into chunks and back, the state passing over chunks
                        (``_pass_states``: each chunk's map ``S <- M S + D``, packed documents
                        entered and left); carried with the kernels that call them;
+* :mod:`.oja`       -- a state transformed on its value side and read on its key side
+                       (``chunk_oja``: the gated Oja rule);
+* :mod:`.solve`     -- reads that solve a linear system with an additive state (``chunk_solve``:
+                       conjugate gradients for every token of a chunk at once; Mesa);
+* :mod:`.rows`      -- the dual form's scans of states decayed per row (exact products of decays);
 * :mod:`.momentum`  -- the momentum delta rule (``chunk_momentum_delta``: two states coupled
                        linearly);
 * :mod:`.scan`      -- elementwise linear recurrences ``h <- a * h + b`` (``chunk_scan``: every
