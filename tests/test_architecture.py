@@ -160,7 +160,7 @@ SIZE_EXCEPTIONS = {
     "lang/frontend/yaml_frontend.py:read_yaml": 116,
     "runtime/additive.py:chunk_additive": 224,
     "runtime/delta.py:chunk_delta": 185,
-    "runtime/dplr.py:chunk_dplr": 349,
+    "runtime/dplr.py:chunk_dplr": 97,
     "runtime/momentum.py:chunk_momentum_delta": 102,
     "schedule/recurrence.py:minibatch_recurrence": 164,
 }

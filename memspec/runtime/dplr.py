@@ -154,33 +154,9 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, inclusive=True, group=Non
     """Exact chunked diagonal-plus-low-rank recurrence (WY / UT representation, generalised).
 
     The recurrence is :func:`recurrent_dplr`'s; all arguments mean the same (shapes there).
-    Inside a chunk the C R sub-steps are indexed ``i = t R + r``.  With cumulative log decays
-    ``L_t`` (per channel where the decay is), the read of sub-step i, ``u_i = b_i^T S_{i-1}``,
-    is affine in the chunk's start state:
-    ``u_i = (e^{l_i} b_i)^T S_start + sum_{j < i} A_ij u_j + (A^k V)_i`` with
-    ``A_ij = sum_c b_ic a_jc e^{l_ic - L_jc}`` (``l_i`` the log decay the read of i sees), so
-    all reads of a chunk come from ONE unit-lower-triangular solve (batched over chunks),
-    ``u = W S_start + U``.  Then the chunk's effect on the state is one affine map
-    ``S_end = M S_start + D`` (``M = Diag(e^{L_C}) + A~^T W``, ``D = A~^T U + K~^T V``, tildes
-    decayed to the chunk end), and the outputs are ``o = (Q~ + P^a W) S_start + P^a U + P^k V``
-    with ``P`` the masked, decayed query scores: batched matmuls over chunks; the only
-    sequential part is ``S <- M_n S + D_n`` per chunk.  When ``a`` is a scalar times ``k``
-    (every delta-rule variant), the write and the correction share the key and the system is
-    the delta rule's: ``z = alpha u + v`` solves ``(I - diag(alpha) A) z = alpha e^{l} b S + V``.
-
-    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays).  Per key
-    channel no ``[C, C]`` matrix of decays serves, and none is exponentiated: the chunk (a power of
-    two: ``chunk`` is rounded down to one, a tail is padded with identity tokens) is halved level
-    by level, as in the additive kernel (``chunk_additive``).  In a block of 2h tokens a
-    pair (i in the second half, j in the first) weighs ``F_h(i) E_h(j)``: ``F_h(i)`` the product
-    of the decays from the second half's start to the state i reads, ``E_h(j)`` of those after j
-    to the first half's end.  All such pairs of a level are one batched product
-    ``(X F) (Y E)^T`` of the rows (reads and probes) and the columns ([-a | k]); the factors pass
-    to the next level by one product with the halves' decays, and after the last level they are
-    the rows' decays from the chunk start and the columns' to its end.  Two sub-steps of one
-    token weigh 1.  So only products of decays (each <= 1) enter, one ``exp`` per token and
-    channel, in the kernel's dtype, with no cancellation in long sums.  Log decays below -40 per
-    token are clamped to -40 (a factor of 4e-18): finite values and gradients for any input.
+    Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each chunk's pairs
+    of sub-steps, one triangular solve for all its reads, the state passed over the chunks by their
+    maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
 
     Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
     replaced by an identity token (by ``torch.where``), and every output that reads a state at or
@@ -204,72 +180,154 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, inclusive=True, group=Non
         read_after_decay: the reads of sub-step 0 see the state after the token's decay.
         group: chunks per batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere);
             any G >= 1 gives the same numbers.
-        a_form, b_form, decay_form: the forms of ``a`` (``"vector"`` or ``"scalar"``), ``b``
+        a_form, b_form, decay_form: the forms of ``a`` (``"vector"``, ``"scalar"``), ``b``
             (``"key"``: None, ``"scalar"``, ``"vector"``) and ``log_decay`` (``"none"``,
-            ``"scalar"``, ``"channel"``), which must agree with the tensors passed; None: read
-            from their ranks.  A generated module passes them, so that its specialised copy of
-            this kernel keeps only the paths it runs.
+            ``"scalar"``, ``"channel"``) as passed; None: read from their ranks (a generated module
+            passes them: its specialised copy of this kernel keeps only the paths it runs).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
     """
+    B, T, H = k.shape[:3]
+    R, K, V = k.shape[3] if k.dim() == 5 else 1, k.shape[-1], v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    # the forms of a, b and the decay (the passed forms first: the specialiser folds them)
+    a_vec = a_form == "vector" if a_form is not None else a.dim() == k.dim()   # a as vectors (else a scalar times k)
+    b_kind = (("k" if b_form == "key" else "vec" if b_form == "vector" else "scalar") if b_form is not None
+              else "k" if b is None else "vec" if b.dim() == k.dim() else "scalar")
+    decay = ((None if decay_form == "none" else decay_form) if decay_form is not None
+             else None if log_decay is None else "channel" if log_decay.dim() == 4 else "scalar")
+    # (packed: every chunk that starts a document enters its initial state)
+    S = k.new_zeros(B * H, K, V, dtype=dt) if S0 is None or documents is not None else S0.to(dt).reshape(-1, K, V)
+    s_dtype = S0.dtype if S0 is not None else v.dtype
+    if T == 0:
+        S_T = S0 if S0 is not None and documents is not None else S.reshape(B, H, K, V).to(s_dtype)
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), S_T
+    w = 2 if a_vec else 1                                            # column factor sets: [-a | k] or [k]
+    # the chunk C, the groups (nc, c, cp), the inputs [B, T', H, R, ...] (packed: laid out)
+    C, groups, docs, tokens = _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, group, w, dt, decay)
+    after = read_after_decay and decay is not None
+    # which reads see the state before the token's decay: none, all (simultaneous, R = 1), the first
+    before = "none" if after else ("all" if simultaneous or R == 1 else "first")
+    shared = after and inclusive and not simultaneous and (R == 1 and q is not None)   # (scalar decays)
+    zero = torch.zeros((), dtype=dt, device=k.device)
+    nan_value = torch.full((), float("nan"), dtype=dt, device=k.device)
+    pieces, state_bad = _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive, before)
+    masks = {c: _dplr_masks(c, R, simultaneous, inclusive, k.device) for c in {cp for _, _, cp in groups}}
+    if decay == "channel":   # the places of the pairs in each chunk's matrix; pairs of one token enter
+        same = q is not None and inclusive or R > 1 and not simultaneous   # (inclusive probes, sequential reads)
+        pairs = {c: pair_index(c, R + (q is not None), w, R, same, masks[c]) for c in masks}
+    outs, j0 = [], 0                                                 # [B, nc, c, H, V] per group; chunks before it
+    for (nc, c, cp), (kp, vp, qp, gp, ap, bp, ok, q_ok, bad, dg) in zip(groups, pieces):
+        kg, vg, rows, cols, an, qg, gch = _dplr_factors(kp, vp, qp, ap, bp, gp, ok, q_ok, B, H, c, cp, C, zero, a_vec,
+                                                        b_kind, decay)
+        if decay == "channel":
+            Nmat, rk, ends, g_end, reads = _dplr_channel_pairs(rows, cols, qg, gch, pairs[cp], same, before, inclusive)
+        else:
+            Nmat, rk, ends, g_end, reads = _dplr_pairs(rows, cols, dg, masks[cp][0], C, R, zero, a_vec, simultaneous,
+                                                       decay, shared)
+        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
+        if a_vec:
+            Nba, Nbk = Nmat[:, :, :cp * R], Nmat[:, :, cp * R:]       # -A^{ba}, A^{bk}
+            X = _dplr_solve(Nba, torch.cat([rk, torch.bmm(Nbk, vg)], dim=-1))   # [e^l b | A^{bk} V]
+        else:
+            X = _dplr_solve(Nmat, torch.cat([rk, vg], dim=-1))       # [-alpha e^l b | V]
+        S, starts, zs = _pass_states(_dplr_maps(X, kg, vg, an, ends, g_end, nc, a_vec, decay), nc, S, docs, j0)
+        j0 += nc
+        if q is not None:
+            og = _dplr_outputs(qg, cols, vg, _stacked(starts), _stacked(zs), reads, dg, masks[cp][1], bad, C, R, zero,
+                               nan_value, inclusive, a_vec, decay)
+            outs.append(_token_major(og, B, H, c))                   # [B, nc, c, H, V] (a view)
+    S = docs.final().reshape(-1, K, V) if docs is not None else S   # (packed: [N H, K, V])
+    S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)
+    if q is None:
+        return None, S_out                                           # (a bad token poisons the state)
+    o = _join_chunks(outs)                                           # [B, T, H, V]
+    return (o if docs is None else docs.unlay(o)).to(v.dtype), S_out   # (packed: the documents' tokens)
+
+
+def _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, group, w, dt, decay):
+    """The layout of ``chunk_dplr``'s row: the chunk C (per-channel decays: a power of two, halved
+    level by level), the inputs with their sub-step axis (``[B, T, H, R, *]``), packed documents
+    laid out in one row, each from a chunk's start (``documents.for_kernel``; S0 ``[N, H, K, V]``
+    their initial states, or None), and the groups of chunks (:func:`_chunk_groups`; ``w`` column
+    sets per sub-step size them): a per-channel tail chunk is padded with identity tokens to a
+    power of two.
+
+    Returns:
+        ``(C, groups, docs or None, (k, v, a, b, q, log_decay))``.
+    """
+    B, T, H = k.shape[:3]
+    C = max(1, min(int(chunk), T))
+    if decay == "channel":
+        C = 1 << (C.bit_length() - 1)
     b_r = b                                                          # b with the sub-step axis (b is never rebound)
     if k.dim() == 4:
         k, v, a = k.unsqueeze(3), v.unsqueeze(3), a.unsqueeze(3)
         if b is not None:
             b_r = b.unsqueeze(3)
-    B, T, H, R, K = k.shape
-    V = v.shape[-1]
-    BH = B * H
-    dt = torch.promote_types(k.dtype, torch.float32)
-    dev = k.device
-    # the forms of a, b and the decay (the passed forms first: the specialiser folds them)
-    a_vec = a_form == "vector" if a_form is not None else a.dim() == 5   # a as vectors (else a scalar times k)
-    b_kind = (("k" if b_form == "key" else "vec" if b_form == "vector" else "scalar") if b_form is not None
-              else "k" if b is None else "vec" if b_r.dim() == 5 else "scalar")
-    decay = ((None if decay_form == "none" else decay_form) if decay_form is not None
-             else None if log_decay is None else "channel" if log_decay.dim() == 4 else "scalar")
-    # (packed: every chunk that starts a document enters its initial state)
-    S = k.new_zeros(BH, K, V, dtype=dt) if S0 is None or documents is not None else S0.to(dt).reshape(BH, K, V)
-    s_dtype = S0.dtype if S0 is not None else v.dtype
-    if T == 0:
-        S_T = S0 if S0 is not None and documents is not None else S.reshape(B, H, K, V).to(s_dtype)
-        return (v.new_zeros(B, 0, H, V) if q is not None else None), S_T
-    C = max(1, min(int(chunk), T))
-    if decay == "channel":                                           # a power of two: halved level by level
-        C = 1 << (C.bit_length() - 1)
+    R, K, V = k.shape[3], k.shape[-1], v.shape[-1]
     docs = None
-    q_in, lg_in = q, log_decay                                       # per-token inputs [B, T, H, ...]
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
-        docs = documents.for_kernel(C, S_docs)
+    q_in, lg_in = q, log_decay
+    if documents is not None:
+        docs = documents.for_kernel(C, S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt))
         T = docs.T                                                   # the laid-out row
         k, v, a, b_r = (docs.lay(x) for x in (k, v, a, b_r))
         q_in, lg_in = docs.lay(q), docs.lay(log_decay)
-    N, rem = divmod(T, C)
-    Np = N + (rem > 0)
-    w = 2 if a_vec else 1                                            # column factor sets: [-a | k] or [k]
-    n_full = C * R
-    width = max(K + V, w * n_full)
-    G = _group_size(N, BH * n_full * width, group, dev)            # chunks per group
-    # groups (chunks nc, tokens c, tokens after padding cp): a per-channel tail chunk is padded with
-    # identity tokens (zeros, decay 1) to a power of two
+    G = _group_size(T // C, B * H * C * R * max(K + V, w * C * R), group, k.device)   # chunks per group
     groups = _chunk_groups(T, C, G, "power of two" if decay == "channel" else None)
-    after = read_after_decay and decay is not None
+    return C, groups, docs, (k, v, a, b_r, q_in, lg_in)
 
-    # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
+
+def _dplr_solve(N, rhs):
+    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``
+    (N ``[nBH, n, n]``, only its strict lower triangle read; rhs ``[nBH, n, K + V]``)."""
+    # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
+    return torch.linalg.solve_triangular(N.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
+                                         unitriangular=True).transpose(1, 2)   # [nBH, n, K + V]
+
+
+def _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive, before):
+    """The per-token flags and scalars of ``chunk_dplr``, and its scalar decays' factors, for all
+    chunks at once (chunk-major ``[Np, BH, C]`` per token, ``[Np, BH, C R]`` per sub-step; a tail
+    chunk padded with ok tokens of log decay 0), cut into one piece per group.
+
+    Args:
+        tokens: ``(k, v, a, b, q, log_decay)`` laid out: the state inputs with their sub-step
+            axis (``[B, T, H, R, ...]``), the probes and the log decays (or None).
+        docs: the packed documents' chunks (``_DocumentChunks``), or None.
+        groups: ``(nc, c, cp)`` per group (:func:`_chunk_groups`); C: tokens per chunk.
+        zero: a 0 of the kernel's dtype and device.
+        a_vec, b_kind, decay: the forms of a, b and the decay (``chunk_dplr``'s).
+        inclusive: the probes read the state after their token.
+        before: which reads see the state before the token's decay (``"none"``, ``"all"``,
+            ``"first"``).
+
+    Returns:
+        ``(pieces, state_bad)``: per group the pieces of the keys, values, probes, per-channel log
+        decays (clamped; ``[B, nc c, H, ...]``), a and b (vectors: per token; scalars ``[nc, BH,
+        C R]``), the ok flags of the tokens and probes, the outputs' bad flags (``[nc, BH, C]``) and
+        the scalar decays' factors (a dict); ``state_bad [BH or N H, 1, 1]``: the final states a
+        bad token poisons.
+    """
+    k, v, a, b_r, q, lg = tokens
+    B, T, H, R = k.shape[:4]
+    Np = -(-T // C)                                                  # chunks, the tail included
+    dt, dev = zero.dtype, zero.device
+
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
-        return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, BH, C * r)
+        return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, B * H, C * r)
 
     # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
     total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
     total = total + (a.sum((-2, -1), dtype=dt) if a_vec else a.sum(-1, dtype=dt))
     if b_kind != "k":
         total = total + (b_r.sum((-2, -1), dtype=dt) if b_kind == "vec" else b_r.sum(-1, dtype=dt))
+    lg_all = None
     if decay is not None:
-        lg_all = lg_in.to(dt).clamp_min(-40.0)                   # (a decay of 0, log -inf, is valid)
+        lg_all = lg.to(dt).clamp_min(-40.0)                          # (a decay of 0, log -inf, is valid)
         total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
     okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
     # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
@@ -277,250 +335,209 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, inclusive=True, group=Non
     bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
     if docs is None:
         bad_before = torch.cumsum(bad, dim=1)                        # bad tokens at or before t
-        state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1)
+        state_bad = (bad_before[:, -1] > 0).reshape(B * H, 1, 1)
     else:                                                            # ... in its document
         bad_before = docs.cumsum(bad)
         state_bad = (docs.total(bad) > 0).reshape(-1, 1, 1)         # [N H, 1, 1]
-    zero = torch.zeros((), dtype=dt, device=dev)
-    nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
+    q_okf = read_bad = None
     if q is not None:
-        q_okf = torch.isfinite(per_chunk(q_in.sum(-1, dtype=dt), 1))
+        q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
         read_bad = per_chunk(bad_before if inclusive else bad_before - bad, 1) > 0
         read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
     a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
     b_s = torch.where(ok_r, per_chunk(b_r.to(dt), R), zero) if b_kind == "scalar" else None
 
-    # ---- masks of a chunk of c tokens (sub-step i = t R + r; token of i = i // R)
-    def masks(c):
-        n = c * R
-        tok = torch.arange(n, device=dev) // R
-        if simultaneous:
-            solve = tok[:, None] > tok[None, :]                      # j in an earlier token
-        else:
-            solve = torch.arange(n, device=dev)[:, None] > torch.arange(n, device=dev)[None, :]
-        ti = torch.arange(c, device=dev)
-        read = ti[:, None] >= tok[None, :] if inclusive else ti[:, None] > tok[None, :]   # [c, n]
-        return solve, read
-
-    mask_cache = {c: masks(c) for c in {cp for _, _, cp in groups}}
-    # which reads see the state before the token's decay: none (read_after_decay), all (simultaneous,
-    # or R = 1), or sub-step 0 only
-    before = "none" if after else ("all" if simultaneous or R == 1 else "first")
-    if decay == "channel":
-        # without autograd, the halving's factors are updated in place
-        inplace = not (torch.is_grad_enabled()
-                       and any(x is not None and x.requires_grad for x in (q, k, v, a, b_r, log_decay, S0)))
-        sl = R + (q is not None)                                     # row slots per token: R reads (+ the probe)
-        wR = w * R                                                   # column slots per token: (set, sub-step)
-        # the slots whose state has the token's own decay (F_1 = its decay; the others F_1 = 1)
-        decayed = [not (before == "all" or (before == "first" and r == 0)) for r in range(R)]
-        decayed += [inclusive] if q is not None else []
-        # pairs of sub-steps of one token enter (weight 1): inclusive probes, R > 1 sequential reads
-        same = q is not None and inclusive or R > 1 and not simultaneous
-        pair_cache = {c: pair_index(c, sl, w, R, same, mask_cache[c]) for c in mask_cache}
-
-    def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
-        return _split_groups(x, groups)
-
     def split_c(x):  # [Np, BH, ...] -> one [nc, BH, ...] piece per group
         return x.split([nc for nc, _, _ in groups], dim=0) if x is not None else [None] * len(groups)
 
-    # ---- decay factors of every chunk at once
-    dec = {}
+    dec_p = [{}] * len(groups)                                       # the scalar decays' factors per group
     if decay == "scalar":
         g = torch.where(okf, per_chunk(lg_all, 1), zero)             # [Np, BH, C]
         L = torch.cumsum(g, dim=-1)                                   # cumulative log decay in the chunk
         Lp = L - g                                                    # before token t's decay
         Lr = L.repeat_interleave(R, dim=-1) if R > 1 else L          # [Np, BH, C R] column log of sub-step j
-        first = torch.arange(C * R, device=dev) % R == 0              # sub-step 0 of each token
         l_row = Lr if before == "none" else (Lp.repeat_interleave(R, dim=-1) if R > 1 else Lp)
-        if before == "first":
-            l_row = torch.where(first, l_row, Lr)
+        if before == "first":                                         # (sub-step 0 of each token)
+            l_row = torch.where(torch.arange(C * R, device=dev) % R == 0, l_row, Lr)
         Lq = L if inclusive else Lp                                   # the log decay a probe sees
         dec = {"L": L, "Lr": Lr, "l_row": l_row, "Lq": Lq, "e_row": torch.exp(l_row),
                "end": torch.exp(L[..., -1:] - Lr), "g_end": torch.exp(L[..., -1]), "e_q": torch.exp(Lq)}
-
-    dec_p = {key: split_c(x) for key, x in dec.items()}
-
-    k_p, v_p, q_p = split_t(k), split_t(v), split_t(q_in)
-    g_p = split_t(lg_all) if decay == "channel" else None
-    a_p = split_t(a) if a_vec else split_c(a_s)
-    b_p = split_t(b_r) if b_kind == "vec" else split_c(b_s)
-    ok_p = split_c(okf)
-    rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
-    q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
-    outs = []                                                        # [B, nc, c, H, V] per group
-    j0 = 0                                                           # chunks before this group
-    for gi, (nc, c, cp) in enumerate(groups):
-        nBH, n = nc * BH, cp * R
-        m_solve, m_read = mask_cache[cp]
-        okg = ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
-        dg_ = {key: x[gi] for key, x in dec_p.items()}               # this group's decay factors
-
-        def lay(x, rr=R):  # piece [B, nc c, H(, rr), d] -> [nc, B, H, cp, rr, d] chunk-major view (tail padded)
-            return _chunk_major(x.reshape(B, nc * c, H, rr, x.shape[-1]), nc, cp)
-
-        def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
-            return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
-
-        # k and v side by side in one buffer, bad tokens zeroed (torch.where, never a product)
-        kv = torch.where(okg, torch.cat([lay(k_p[gi]), lay(v_p[gi])], dim=-1).to(dt), zero).reshape(nBH, n, K + V)
-        kg, vg = kv[:, :, :K], kv[:, :, K:]                          # [nBH, n, K], [nBH, n, V] (views)
-        if b_kind == "vec":
-            bg = torch.where(okg, lay(b_p[gi]).to(dt), zero).reshape(nBH, n, K)
-        # solve rows (the reads) and the column factor sets; the signs are folded in:
-        # vector a: rows b, columns [-a | k]; scalar a: rows -alpha b, columns k
-        if a_vec:
-            an = torch.where(okg, -lay(a_p[gi]).to(dt), zero).reshape(nBH, n, K)
-            cols = torch.cat([an, kg], dim=1)                       # [nBH, 2 n, K]
-            rows = bg if b_kind == "vec" else (kg * scal(b_p[gi])[..., None] if b_kind == "scalar" else kg)
-        else:
-            cols = kg
-            rscale = -scal(a_p[gi])                                  # [nBH, n]
-            if b_kind == "scalar":
-                rscale = rscale * scal(b_p[gi])
-            rows = (bg if b_kind == "vec" else kg) * rscale[..., None]
-        qg = None
-        if q is not None:
-            qkeep = q_ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
-            qg = torch.where(qkeep, lay(q_p[gi].unsqueeze(3), 1).to(dt), zero).reshape(nBH, cp, K)
-
-        if decay == "channel":
-            # ---- per-channel decays, halved level by level: rows X [nBH, cp, sl, K] (the reads, then
-            # the probe), columns Y [nBH, cp, w R, K] ([-a | k] per sub-step)
-            gch = torch.where(okg[..., 0, :], lay(g_p[gi].unsqueeze(3), 1)[..., 0, :].to(dt), zero)   # [nc, B, H, cp, K]
-            gam = torch.exp(gch).reshape(nBH, cp, 1, K)              # the decay of each token
-            xs = rows.reshape(nBH, cp, R, K)
-            if q is not None:
-                xs = torch.cat([xs, qg.reshape(nBH, cp, 1, K)], dim=2)   # [nBH, cp, sl, K]
-            ys = cols.reshape(nBH, w, cp, R, K).transpose(1, 2).reshape(nBH, cp, wR, K).contiguous()
-            full, xF, yE, Pd = _dplr_halving(xs, ys, gam, decayed, same, inplace, pair_cache[cp])
-            full = full.reshape(nBH, cp, sl, w * n)
-            Nmat = full[:, :, :R].reshape(nBH, n, w * n)              # [nBH, n, w n]
-            rk = xF[:, :, :R].reshape(nBH, n, K)                      # e^{l_i} rows (decayed from the chunk start)
-            if q is not None:
-                P = full[:, :, R]                                     # [nBH, cp, w n]
-                qd = xF[:, :, R]                                      # [nBH, cp, K]
-            yE = yE.reshape(nBH, cp, w, R, K)                         # columns decayed to the chunk end
-            kd = yE[:, :, w - 1].reshape(nBH, n, K)
-            if a_vec:
-                ad = yE[:, :, 0].reshape(nBH, n, K)
-            g_end = Pd.reshape(nBH, K)                                # e^{L_C}
-        elif decay == "scalar":
-            L, Lr, l_row = scal(dg_["L"]), scal(dg_["Lr"]), scal(dg_["l_row"])
-            shared = R == 1 and not simultaneous and after and inclusive and q is not None
-            if shared:   # the reads and the probes see the same decays: one matrix, masked at the read
-                dec_s = torch.exp((L[:, :, None] - L[:, None, :]).tril())
-            else:
-                dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))   # [nBH, n, n]
-            Nmat = torch.bmm(rows, cols.transpose(1, 2))              # [nBH, n, w n]
-            Nmat = (Nmat.reshape(nBH, n, w, n) * dec_s[:, :, None, :]).reshape(nBH, n, w * n) if a_vec else Nmat * dec_s
-            rk = rows * scal(dg_["e_row"])[..., None]
-            end_fac = scal(dg_["end"])[..., None]                     # [nBH, n, 1]
-            g_end = dg_["g_end"].reshape(nBH)
-        else:
-            Nmat = torch.bmm(rows, cols.transpose(1, 2))
-            rk = rows
-        if decay != "channel" and (a_vec or (simultaneous and R > 1)):
-            # the solve reads only the strict lower triangle; A^{bk} V and simultaneous steps need zeros
-            Nmat = torch.where(m_solve.repeat(1, 2) if a_vec else m_solve, Nmat, zero)
-
-        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
-        if a_vec:
-            Nba, Nbk = Nmat[:, :, :n], Nmat[:, :, n:]                 # -A^{ba}, A^{bk}
-            rhs = torch.cat([rk, torch.bmm(Nbk, vg)], dim=-1)         # [e^l b | A^{bk} V]
-        else:
-            Nba = Nmat
-            rhs = torch.cat([rk, vg], dim=-1)                         # [-alpha e^l b | V]
-        # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
-        X = torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
-                                          unitriangular=True).transpose(1, 2)   # [nBH, n, K + V]
-        Wk, U = X.split([K, V], dim=-1)
-        # ---- the sequential part, per chunk: the reads from the start state, then the state update
-        # (vector a: u = W S + U, S <- Diag(g) S + K~^T V - (-A~)^T u; scalar a: z = U - W S (the right
-        # side carried -alpha), S <- Diag(g) S + K~^T z)
-        if decay != "channel":                                       # (per channel: from the halving)
-            kd = kg if decay is None else kg * end_fac               # keys decayed to the chunk end
-            if a_vec:
-                ad = an if decay is None else an * end_fac           # -a decayed to the chunk end
-        if a_vec:
-            Dv = torch.bmm(kd.transpose(1, 2), vg).reshape(nc, BH, K, V)   # K~^T V: no state in it
-            ad_j = ad.reshape(nc, BH, n, K).unbind(0)
-        kd_j = kd.reshape(nc, BH, n, K).unbind(0)
-        # [BH, 1, 1] or [BH, K, 1] per chunk: the decay over the chunk
-        g_j = [None] * nc
-        if decay is not None:
-            g_j = (g_end.reshape(nc, BH, -1, 1) if decay == "channel" else g_end.reshape(nc, BH, 1, 1)).unbind(0)
-        W_j, U_j = Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, V).unbind(0)
-        # chunk j's map: the reads from its start state, then the state update (each def closes over
-        # assigned locals only: torch.compile)
-        if a_vec:
-            def step(j, S):
-                z = torch.baddbmm(U_j[j], W_j[j], S)                  # u = W S + U  [BH, n, V]
-                Sg = S + Dv[j] if g_j[j] is None else torch.addcmul(Dv[j], S, g_j[j])   # Diag(g) S + K~^T V
-                return torch.baddbmm(Sg, ad_j[j].transpose(1, 2), z, alpha=-1), z
-        else:
-            def step(j, S):
-                z = torch.baddbmm(U_j[j], W_j[j], S, alpha=-1)        # z = U - W S
-                return torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z), z
-
-        S, starts, zs = _pass_states(step, nc, S, docs, j0)
-        j0 += nc
-        if q is None:
-            continue
-        S_starts, z = _stacked(starts), _stacked(zs)                 # [nBH, K, V], [nBH, n, V]
-        # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
-        if decay != "channel":
-            P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]
-            qd = qg
-            if decay == "scalar":
-                Lq = scal(dg_["Lq"])
-                dec_q = dec_s if shared else torch.exp(torch.where(m_read, Lq[:, :, None] - Lr[:, None, :], zero))
-                P = (P.reshape(nBH, cp, w, n) * dec_q[:, :, None, :]).reshape(nBH, cp, w * n) if a_vec else P * dec_q
-                qd = qg * scal(dg_["e_q"])[..., None]
-            if R == 1 and not a_vec:
-                P = P.tril_(0 if inclusive else -1)
-            else:
-                P = torch.where((m_read.repeat(1, 2) if a_vec else m_read), P, zero)
-        if a_vec:   # o = Q~ S + P^a u + P^k V, P holding [-P^a | P^k]
-            og = torch.baddbmm(torch.bmm(P, torch.cat([-z, vg], dim=1)), qd, S_starts)
-        else:       # o = Q~ S + P z
-            og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
-        og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan_value, og)
-        outs.append(_token_major(og, B, H, c))                     # [B, nc, c, H, V] (a view)
-    if docs is not None:
-        S = docs.final().reshape(-1, K, V)                           # [N H, K, V]
-    S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)   # a bad token poisons the state
-    if q is None:
-        return None, S_out
-    o = _join_chunks(outs)                                           # [B, T, H, V]
-    if docs is not None:
-        o = docs.unlay(o)                                            # the documents' tokens, packed
-    return o.to(v.dtype), S_out
+        dec_p = [dict(zip(dec, x)) for x in zip(*(split_c(x) for x in dec.values()))]
+    token_p = [_split_groups(x, groups) for x in (k, v, q)]
+    token_p.append(_split_groups(lg_all if decay == "channel" else None, groups))   # per-channel log decays
+    a_p = _split_groups(a, groups) if a_vec else split_c(a_s)
+    b_p = _split_groups(b_r, groups) if b_kind == "vec" else split_c(b_s)
+    return list(zip(*token_p, a_p, b_p, split_c(okf), split_c(q_okf), split_c(read_bad), dec_p)), state_bad
 
 
-def _dplr_halving(xs, ys, gam, decayed, same, inplace, pairs):
-    """The pairs of a per-channel chunk of ``chunk_dplr``, halved level by level: in a block of 2h
-    tokens a pair (row i in the second half, column j in the first) weighs ``F_h(i) E_h(j)``, one
-    batched product ``(X F) (Y E)^T`` per level; the factors pass to the next level by one product
-    with the halves' decays.
+def _dplr_masks(c, R, simultaneous, inclusive, device):
+    """The masks of a chunk of c tokens in ``chunk_dplr`` (sub-step ``i = t R + r``, its token
+    ``i // R``): ``(solve [c R, c R], read [c, c R])``, the sub-steps whose writes a read, and a
+    probe, sees."""
+    n = c * R
+    tok = torch.arange(n, device=device) // R
+    if simultaneous:
+        solve = tok[:, None] > tok[None, :]                          # j in an earlier token
+    else:
+        solve = torch.arange(n, device=device)[:, None] > torch.arange(n, device=device)[None, :]
+    ti = torch.arange(c, device=device)
+    read = ti[:, None] >= tok[None, :] if inclusive else ti[:, None] > tok[None, :]   # [c, n]
+    return solve, read
+
+
+def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero, a_vec, b_kind, decay):
+    """The factors of a group's chunks in ``chunk_dplr``, chunk-major (chunk j of the group is the
+    batch slice ``[j BH, (j + 1) BH)``), bad tokens zeroed (by ``torch.where``, never a product).
+
+    Inside a chunk the C R sub-steps are indexed ``i = t R + r``.  With cumulative log decays
+    ``L_t`` (per channel where the decay is), the read of sub-step i, ``u_i = b_i^T S_{i-1}``, is
+    affine in the chunk's start state: ``u_i = (e^{l_i} b_i)^T S_start + sum_{j < i} A_ij u_j +
+    (A^k V)_i`` with ``A_ij = sum_c b_ic a_jc e^{l_ic - L_jc}`` (``l_i`` the log decay the read of i
+    sees), so all reads of a chunk come from ONE unit-lower-triangular solve, ``u = W S_start + U``,
+    whose matrix pairs the rows (the reads ``b``) with the columns (``[-a | k]``).  When ``a`` is a
+    scalar times ``k`` (every delta-rule variant), the write and the correction share the key and
+    the system is the delta rule's: ``z = alpha u + v`` solves
+    ``(I - diag(alpha) A) z = alpha e^{l} b S + V`` (rows ``-alpha b``, columns ``k``).
 
     Args:
-        xs: ``[nBH, cp, sl, K]`` the rows (the reads, then the probe); ys: ``[nBH, cp, w R, K]`` the
-            columns (``[-a | k]`` per sub-step), contiguous; gam: ``[nBH, cp, 1, K]`` each token's decay.
-        decayed: per row slot, whether its state has the token's own decay (F_1 = its decay, else 1).
-        same: whether pairs of one token enter (weight 1).
-        inplace: update the factors in place (no autograd).
-        pairs: the positions of the matrix's entries in the flat list of pairs (``pair_index``).
+        k, v: the group's piece ``[B, nc c, H, R, *]``; q: its probes ``[B, nc c, H, K]``, or None.
+        a, b: vectors: pieces like ``k``; scalars: ``[nc, BH, C R]`` (b: None when it is ``k``).
+        lg: the per-channel log decays' piece ``[B, nc c, H, K]`` (clamped), or None.
+        ok, q_ok: ``[nc, BH, C]`` the ok flags of the tokens and the probes (or None).
+        B, H: batch and heads; c, cp: tokens per chunk and slots (a tail chunk's padded).
+        C: tokens per chunk of the row.
+        zero: a 0 of the kernel's dtype.
+        a_vec, b_kind, decay: the forms of a, b and the decay (``chunk_dplr``'s).
 
     Returns:
-        ``(entries [nBH, cp sl w R cp], X F, Y E, P)``: the matrix's entries (zeros off the pairs), the
-        rows decayed from the chunk start, the columns decayed to its end, the decay over the chunk
-        ``[nBH, 1, 1, K]``.
+        ``(kg [nBH, n, K], vg [nBH, n, V], rows [nBH, n, K], cols [nBH, w n, K], -a [nBH, n, K]
+        or None, probes [nBH, cp, K] or None, per-channel log decays [nc, B, H, cp, K] or None)``,
+        n = cp R.
     """
-    nBH, cp, sl, K = xs.shape
-    wR = ys.shape[2]
+    nc, R, K, V = ok.shape[0], k.shape[3], k.shape[-1], v.shape[-1]
+    nBH, n = nc * B * H, cp * R
+    okg = ok[..., :cp].reshape(nc, B, H, cp, 1, 1)
+
+    def lay(x, rr=R):  # piece [B, nc c, H(, rr), d] -> [nc, B, H, cp, rr, d] chunk-major view (tail padded)
+        return _chunk_major(x.reshape(B, nc * c, H, rr, x.shape[-1]), nc, cp)
+
+    def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+        return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
+
+    # k and v side by side in one buffer, bad tokens zeroed (torch.where, never a product)
+    kv = torch.where(okg, torch.cat([lay(k), lay(v)], dim=-1).to(zero.dtype), zero).reshape(nBH, n, K + V)
+    kg, vg = kv[:, :, :K], kv[:, :, K:]                              # [nBH, n, K], [nBH, n, V] (views)
+    if b_kind == "vec":
+        bg = torch.where(okg, lay(b).to(zero.dtype), zero).reshape(nBH, n, K)
+    # solve rows (the reads) and the column factor sets; the signs are folded in:
+    # vector a: rows b, columns [-a | k]; scalar a: rows -alpha b, columns k
+    if a_vec:
+        an = torch.where(okg, -lay(a).to(zero.dtype), zero).reshape(nBH, n, K)
+        cols = torch.cat([an, kg], dim=1)                            # [nBH, 2 n, K]
+        rows = bg if b_kind == "vec" else (kg * scal(b)[..., None] if b_kind == "scalar" else kg)
+    else:
+        cols = kg
+        rscale = -scal(a)                                            # [nBH, n]
+        if b_kind == "scalar":
+            rscale = rscale * scal(b)
+        rows = (bg if b_kind == "vec" else kg) * rscale[..., None]
+    qg = None
+    if q is not None:
+        qkeep = q_ok[..., :cp].reshape(nc, B, H, cp, 1, 1)
+        qg = torch.where(qkeep, lay(q.unsqueeze(3), 1).to(zero.dtype), zero).reshape(nBH, cp, K)
+    if decay == "channel":
+        gch = torch.where(okg[..., 0, :], lay(lg.unsqueeze(3), 1)[..., 0, :].to(zero.dtype), zero)   # [nc, B, H, cp, K]
+    return kg, vg, rows, cols, (an if a_vec else None), qg, (gch if decay == "channel" else None)
+
+
+def _dplr_pairs(rows, cols, dg, m_solve, C, R, zero, a_vec, simultaneous, decay, shared):
+    """The matrix of a group's pairs of sub-steps in ``chunk_dplr`` with a scalar decay or none:
+    ``N = rows cols^T``, decayed by ``exp(l_i - L_j)`` (exponentiated only as such differences,
+    each <= 0), the right side's rows ``e^{l_i} b_i`` and the factors of the chunk maps.
+
+    Args:
+        rows: ``[nBH, n, K]``; cols: ``[nBH, w n, K]`` (:func:`_dplr_factors`).
+        dg: the group's decay factors (``"L"``, ``"Lr"``, ``"l_row"``, ``"e_row"``, ``"end"``,
+            ``"g_end"``: ``[nc, BH, C]`` or ``[nc, BH, C R]``; empty without a decay).
+        m_solve: ``[n, n]`` the pairs a read sees; C, R: the chunk and the sub-steps per token.
+        zero: a 0 of the kernel's dtype.
+        a_vec, simultaneous, decay: ``chunk_dplr``'s forms.
+        shared: the reads and the probes see the same decays (R = 1, inclusive, reads after the
+            decay).
+
+    Returns:
+        ``(N [nBH, n, w n], e^l rows, the decay from each sub-step to the chunk end [nBH, n, 1],
+        the decay over each chunk [nBH], the probes' decays [nBH, n, n] when shared)`` (the decays
+        None without a decay).
+    """
+    nBH, n = rows.shape[:2]
+    w = cols.shape[1] // n
+
+    def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+        return x[..., :x.shape[-1] // C * (n // R)].reshape(nBH, -1)
+
+    if decay == "scalar":
+        L, Lr, l_row = scal(dg["L"]), scal(dg["Lr"]), scal(dg["l_row"])
+        if shared:   # the reads and the probes see the same decays: one matrix, masked at the read
+            dec_s = torch.exp((L[:, :, None] - L[:, None, :]).tril())
+        else:
+            dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))   # [nBH, n, n]
+        Nmat = torch.bmm(rows, cols.transpose(1, 2))                  # [nBH, n, w n]
+        Nmat = (Nmat.reshape(nBH, n, w, n) * dec_s[:, :, None, :]).reshape(nBH, n, w * n) if a_vec else Nmat * dec_s
+        rk = rows * scal(dg["e_row"])[..., None]
+        ends = scal(dg["end"])[..., None]                             # [nBH, n, 1]
+        g_end = dg["g_end"].reshape(nBH)
+        reads = dec_s if shared else None
+    else:
+        Nmat = torch.bmm(rows, cols.transpose(1, 2))
+        rk, ends, g_end, reads = rows, None, None, None
+    if a_vec or (simultaneous and R > 1):
+        # the solve reads only the strict lower triangle; A^{bk} V and simultaneous steps need zeros
+        Nmat = torch.where(m_solve.repeat(1, 2) if a_vec else m_solve, Nmat, zero)
+    return Nmat, rk, ends, g_end, reads
+
+
+def _dplr_channel_pairs(rows, cols, qg, gch, pairs, same, before, inclusive):
+    """The matrix of a group's pairs of sub-steps in ``chunk_dplr`` with per-channel decays, halved
+    level by level (no ``[C, C]`` matrix of decays serves, and none is exponentiated): in a block
+    of 2h tokens a pair (row i in the second half, column j in the first) weighs ``F_h(i) E_h(j)``,
+    ``F_h(i)`` the product of the decays from the second half's start to the state i reads,
+    ``E_h(j)`` of those after j to the first half's end; all pairs of a level are one batched
+    product ``(X F) (Y E)^T``, and the factors pass to the next level by one product with the
+    halves' decays: after the last level they are the rows' decays from the chunk start and the
+    columns' to its end.  Two sub-steps of one token weigh 1.  So only products of decays (each
+    <= 1) enter, one ``exp`` per token and channel, with no cancellation in long sums.
+
+    Args:
+        rows: ``[nBH, cp R, K]``; cols: ``[nBH, w cp R, K]``; qg: ``[nBH, cp, K]`` the probes (or
+            None).
+        gch: ``[nc, B, H, cp, K]`` the tokens' log decays (cp a power of two).
+        pairs: the positions of the matrix's entries in the flat list of pairs (``pair_index``).
+        same: whether pairs of one token enter (weight 1).
+        before: which reads see the state before the token's decay (``"none"``, ``"all"``,
+            ``"first"``).
+        inclusive: the probes read the state after their token.
+
+    Returns:
+        ``(N [nBH, n, w n], e^l rows [nBH, n, K], the columns decayed to the chunk end
+        [nBH, cp, w, R, K], the decay over each chunk [nBH, K], (P [nBH, cp, w n], the decayed
+        probes [nBH, cp, K]) or None)``.
+    """
+    nBH, n, K = rows.shape
+    cp, w = gch.shape[3], cols.shape[1] // n
+    R = n // cp
+    # the row slots whose state has the token's own decay (F_1 = its decay; the others F_1 = 1)
+    decayed = [not (before == "all" or (before == "first" and r == 0)) for r in range(R)]
+    decayed += [inclusive] if qg is not None else []
+    # without autograd, the factors are updated in place
+    inplace = not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (rows, cols, qg, gch)))
+    gam = torch.exp(gch).reshape(nBH, cp, 1, K)                      # the decay of each token
+    # rows X [nBH, cp, sl, K] (the reads, then the probe), columns Y [nBH, cp, w R, K] ([-a | k])
+    xs = rows.reshape(nBH, cp, R, K) if qg is None else torch.cat([rows.reshape(nBH, cp, R, K),
+                                                                   qg.reshape(nBH, cp, 1, K)], dim=2)
+    ys = cols.reshape(nBH, w, cp, R, K).transpose(1, 2).reshape(nBH, cp, w * R, K).contiguous()
+    sl, wR = xs.shape[2], w * R
     # flat entries of the chunk's matrix: 0, the same-token pairs, then each level's pairs
     pieces = [gam.new_zeros(nBH, 1)]
     if same:
@@ -554,4 +571,108 @@ def _dplr_halving(xs, ys, gam, decayed, same, inplace, pairs):
         Pd = Pb[:, :, 0] * Pb[:, :, 1]                               # [nBH, nb, 1, K]
         h *= 2
     # rows (token, slot), columns (set, token, sub-step); zeros off the pairs
-    return torch.cat(pieces, dim=1).index_select(1, pairs), xF, yE, Pd
+    full = torch.cat(pieces, dim=1).index_select(1, pairs).reshape(nBH, cp, sl, w * n)
+    reads = None
+    if qg is not None:                                               # the probes' scores, masked and decayed
+        reads = full[:, :, R], xF[:, :, R]                           # [nBH, cp, w n], [nBH, cp, K]
+    # e^{l_i} rows (decayed from the chunk start), the columns decayed to the chunk end, e^{L_C}
+    return (full[:, :, :R].reshape(nBH, n, w * n), xF[:, :, :R].reshape(nBH, n, K), yE.reshape(nBH, cp, w, R, K),
+            Pd.reshape(nBH, K), reads)
+
+
+def _dplr_maps(X, kg, vg, an, ends, g_end, nc, a_vec, decay):
+    """The map of each chunk of a group in ``chunk_dplr``, ``step(j, S) -> (S_end, x_j)`` for
+    :func:`_pass_states`: the reads from the chunk's start state, then the state update (vector a:
+    ``u = W S + U``, ``S <- Diag(g) S + K~^T V - (-A~)^T u``; scalar a: ``z = U - W S`` (the right
+    side carried ``-alpha``), ``S <- Diag(g) S + K~^T z``; tildes decayed to the chunk end).
+
+    Args:
+        X: ``[nBH, n, K + V]`` the solve's ``[W | U]``; kg, vg: ``[nBH, n, K]``, ``[nBH, n, V]``
+            the keys and values; an: ``[nBH, n, K]`` -a, or None (scalar a).
+        ends: the decays to the chunk end: ``[nBH, n, 1]`` (scalar decay), the columns decayed
+            ``[nBH, cp, w, R, K]`` (per channel), or None; g_end: ``[nBH]`` / ``[nBH, K]`` the decay
+            over each chunk, or None.
+        nc: the group's chunks.
+        a_vec, decay: ``chunk_dplr``'s forms.
+
+    Returns:
+        ``step``; its ``x_j``: ``[BH, n, V]`` the chunk's reads ``u`` (vector a) or ``z``.
+    """
+    nBH, n, K = kg.shape
+    BH = nBH // nc
+    Wk, U = X.split([K, X.shape[-1] - K], dim=-1)
+    if decay == "channel":                                           # (from the halving: [-a | k] decayed)
+        kd = ends[:, :, -1].reshape(nBH, n, K)
+        if a_vec:
+            ad = ends[:, :, 0].reshape(nBH, n, K)
+    else:
+        kd = kg if decay is None else kg * ends                      # keys decayed to the chunk end
+        if a_vec:
+            ad = an if decay is None else an * ends                  # -a decayed to the chunk end
+    if a_vec:
+        Dv = torch.bmm(kd.transpose(1, 2), vg).reshape(nc, BH, K, -1)   # K~^T V: no state in it
+        ad_j = ad.reshape(nc, BH, n, K).unbind(0)
+    kd_j = kd.reshape(nc, BH, n, K).unbind(0)
+    # [BH, 1, 1] or [BH, K, 1] per chunk: the decay over the chunk
+    g_j = [None] * nc
+    if decay is not None:
+        g_j = (g_end.reshape(nc, BH, -1, 1) if decay == "channel" else g_end.reshape(nc, BH, 1, 1)).unbind(0)
+    W_j, U_j = Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, -1).unbind(0)
+    # (each def closes over assigned locals only: torch.compile)
+    if a_vec:
+        def step(j, S):
+            z = torch.baddbmm(U_j[j], W_j[j], S)                      # u = W S + U  [BH, n, V]
+            Sg = S + Dv[j] if g_j[j] is None else torch.addcmul(Dv[j], S, g_j[j])   # Diag(g) S + K~^T V
+            return torch.baddbmm(Sg, ad_j[j].transpose(1, 2), z, alpha=-1), z
+    else:
+        def step(j, S):
+            z = torch.baddbmm(U_j[j], W_j[j], S, alpha=-1)            # z = U - W S
+            return torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z), z
+    return step
+
+
+def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero, nan_value, inclusive, a_vec,
+                  decay):
+    """The outputs of a group's chunks in ``chunk_dplr`` from the states at their starts:
+    ``o = (Q~ + P^a W) S_start + P^a U + P^k V``, i.e. ``o = Q~ S_start + P [-u | V]`` (vector a)
+    or ``Q~ S_start + P z``, ``P`` the masked, decayed query scores.
+
+    Args:
+        qg: ``[nBH, cp, K]`` the probes; cols: ``[nBH, w n, K]`` the columns; vg: ``[nBH, n, V]``.
+        S_starts: ``[nBH, K, V]`` the chunks' start states; z: ``[nBH, n, V]`` their reads.
+        reads: per channel ``(P, Q~)`` from the halving; a shared scalar decay's matrix; or None.
+        dg: the group's scalar decay factors (``"Lq"``, ``"Lr"``, ``"e_q"``), or empty.
+        m_read: ``[cp, n]`` the pairs a probe reads; bad: ``[nc, BH, C]`` the outputs set to NaN.
+        C, R: the chunk and the sub-steps per token.
+        zero, nan_value: constants of the kernel's dtype.
+        inclusive, a_vec, decay: ``chunk_dplr``'s arguments and forms.
+
+    Returns:
+        ``[nBH, cp, V]``.
+    """
+    nBH, cp = qg.shape[:2]
+    w = cols.shape[1] // (cp * R)
+
+    def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+        return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
+
+    if decay == "channel":
+        P, qd = reads                                                # [nBH, cp, w n], [nBH, cp, K]
+    else:
+        P = torch.bmm(qg, cols.transpose(1, 2))                      # [nBH, cp, w n]
+        qd = qg
+        if decay == "scalar":
+            Lq = scal(dg["Lq"])
+            dec_q = reads if reads is not None else torch.exp(   # (shared: the reads' decays)
+                torch.where(m_read, Lq[:, :, None] - scal(dg["Lr"])[:, None, :], zero))
+            P = (P.reshape(nBH, cp, w, -1) * dec_q[:, :, None, :]).reshape(nBH, cp, -1) if a_vec else P * dec_q
+            qd = qg * scal(dg["e_q"])[..., None]
+        if R == 1 and not a_vec:
+            P = P.tril_(0 if inclusive else -1)
+        else:
+            P = torch.where((m_read.repeat(1, 2) if a_vec else m_read), P, zero)
+    if a_vec:   # o = Q~ S + P^a u + P^k V, P holding [-P^a | P^k]
+        og = torch.baddbmm(torch.bmm(P, torch.cat([-z, vg], dim=1)), qd, S_starts)
+    else:       # o = Q~ S + P z
+        og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
+    return torch.where(bad[..., :cp].reshape(nBH, cp, 1), nan_value, og)
