@@ -50,14 +50,15 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=False)
+        self.compiled = torch.compile(fn, dynamic=dynamic)
         self.seconds = None
 
     def __call__(self, *args):
@@ -326,33 +327,9 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, documents=None):
 
     The recurrence is :func:`memspec.runtime.dplr.recurrent_dplr`'s; all arguments mean the same
     (shapes there).
-    Inside a chunk the C R sub-steps are indexed ``i = t R + r``.  With cumulative log decays
-    ``L_t`` (per channel where the decay is), the read of sub-step i, ``u_i = b_i^T S_{i-1}``,
-    is affine in the chunk's start state:
-    ``u_i = (e^{l_i} b_i)^T S_start + sum_{j < i} A_ij u_j + (A^k V)_i`` with
-    ``A_ij = sum_c b_ic a_jc e^{l_ic - L_jc}`` (``l_i`` the log decay the read of i sees), so
-    all reads of a chunk come from ONE unit-lower-triangular solve (batched over chunks),
-    ``u = W S_start + U``.  Then the chunk's effect on the state is one affine map
-    ``S_end = M S_start + D`` (``M = Diag(e^{L_C}) + A~^T W``, ``D = A~^T U + K~^T V``, tildes
-    decayed to the chunk end), and the outputs are ``o = (Q~ + P^a W) S_start + P^a U + P^k V``
-    with ``P`` the masked, decayed query scores: batched matmuls over chunks; the only
-    sequential part is ``S <- M_n S + D_n`` per chunk.  When ``a`` is a scalar times ``k``
-    (every delta-rule variant), the write and the correction share the key and the system is
-    the delta rule's: ``z = alpha u + v`` solves ``(I - diag(alpha) A) z = alpha e^{l} b S + V``.
-
-    Decays are exponentiated only as differences ``l_i - L_j <= 0`` (scalar decays).  Per key
-    channel no ``[C, C]`` matrix of decays serves, and none is exponentiated: the chunk (a power of
-    two: ``chunk`` is rounded down to one, a tail is padded with identity tokens) is halved level
-    by level, as in the additive kernel (``chunk_additive``).  In a block of 2h tokens a
-    pair (i in the second half, j in the first) weighs ``F_h(i) E_h(j)``: ``F_h(i)`` the product
-    of the decays from the second half's start to the state i reads, ``E_h(j)`` of those after j
-    to the first half's end.  All such pairs of a level are one batched product
-    ``(X F) (Y E)^T`` of the rows (reads and probes) and the columns ([-a | k]); the factors pass
-    to the next level by one product with the halves' decays, and after the last level they are
-    the rows' decays from the chunk start and the columns' to its end.  Two sub-steps of one
-    token weigh 1.  So only products of decays (each <= 1) enter, one ``exp`` per token and
-    channel, in the kernel's dtype, with no cancellation in long sums.  Log decays below -40 per
-    token are clamped to -40 (a factor of 4e-18): finite values and gradients for any input.
+    Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each chunk's pairs
+    of sub-steps, one triangular solve for all its reads, the state passed over the chunks by their
+    maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
 
     Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
     replaced by an identity token (by ``torch.where``), and every output that reads a state at or
@@ -380,53 +357,129 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, documents=None):
     Specialised for this module: inclusive=True, group=None, simultaneous=False,
     read_after_decay=True, a_form='scalar', b_form='vector', decay_form='scalar'.
     """
+    B, T, H = k.shape[:3]
+    R, K, V = k.shape[3] if k.dim() == 5 else 1, k.shape[-1], v.shape[-1]
+    dt = torch.promote_types(k.dtype, torch.float32)
+    # (packed: every chunk that starts a document enters its initial state)
+    S = (k.new_zeros(B * H, K, V, dtype=dt) if S0 is None or documents is not None
+            else S0.to(dt).reshape(-1, K, V))
+    s_dtype = S0.dtype if S0 is not None else v.dtype
+    if T == 0:
+        S_T = S0 if S0 is not None and documents is not None else S.reshape(B, H, K, V).to(s_dtype)
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), S_T
+    w = 1                                            # column factor sets: [-a | k] or [k]
+    # the chunk C, the groups (nc, c, cp), the inputs [B, T', H, R, ...] (packed: laid out)
+    C, groups, docs, tokens = _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, w, dt)
+    shared = R == 1 and q is not None   # (scalar decays)
+    zero = torch.zeros((), dtype=dt, device=k.device)
+    nan_value = torch.full((), float("nan"), dtype=dt, device=k.device)
+    pieces, state_bad = _dplr_tokens(tokens, docs, groups, C, zero)
+    masks = {c: _dplr_masks(c, R, k.device) for c in {cp for _, _, cp in groups}}
+    # [B, nc, c, H, V] per group; chunks before it
+    outs, j0 = [], 0
+    for (nc, c, cp), (kp, vp, qp, gp, ap, bp, ok, q_ok, bad, dg) in zip(groups, pieces):
+        kg, vg, rows, cols, an, qg, gch = _dplr_factors(kp, vp, qp, ap, bp, gp, ok, q_ok, B, H, c,
+                cp, C, zero)
+        Nmat, rk, ends, g_end, reads = _dplr_pairs(rows, cols, dg, masks[cp][0], C, R, zero, shared)
+        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
+        X = _dplr_solve(Nmat, torch.cat([rk, vg], dim=-1))       # [-alpha e^l b | V]
+        S, starts, zs = _pass_states(_dplr_maps(X, kg, vg, an, ends, g_end, nc), nc, S, docs, j0)
+        j0 += nc
+        if q is not None:
+            og = _dplr_outputs(qg, cols, vg, _stacked(starts), _stacked(zs), reads, dg,
+                    masks[cp][1], bad, C, R, zero, nan_value)
+            outs.append(_token_major(og, B, H, c))                   # [B, nc, c, H, V] (a view)
+    S = docs.final().reshape(-1, K, V) if docs is not None else S   # (packed: [N H, K, V])
+    S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)
+    if q is None:
+        # (a bad token poisons the state)
+        return None, S_out
+    o = _join_chunks(outs)                                           # [B, T, H, V]
+    # (packed: the documents' tokens)
+    return (o if docs is None else docs.unlay(o)).to(v.dtype), S_out
+
+
+def _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, w, dt):
+    """The layout of ``chunk_dplr``'s row: the chunk C (per-channel decays: a power of two, halved
+    level by level), the inputs with their sub-step axis (``[B, T, H, R, *]``), packed documents
+    laid out in one row, each from a chunk's start (``documents.for_kernel``; S0 ``[N, H, K, V]``
+    their initial states, or None), and the groups of chunks (:func:`_chunk_groups`; ``w`` column
+    sets per sub-step size them): a per-channel tail chunk is padded with identity tokens to a
+    power of two.
+
+    Returns:
+        ``(C, groups, docs or None, (k, v, a, b, q, log_decay))``.
+
+    Specialised for this module: group=None, decay='scalar'.
+    """
+    B, T, H = k.shape[:3]
+    C = max(1, min(int(chunk), T))
     # b with the sub-step axis (b is never rebound)
     b_r = b
     if k.dim() == 4:
         k, v, a = k.unsqueeze(3), v.unsqueeze(3), a.unsqueeze(3)
         if b is not None:
             b_r = b.unsqueeze(3)
-    B, T, H, R, K = k.shape
-    V = v.shape[-1]
-    BH = B * H
-    dt = torch.promote_types(k.dtype, torch.float32)
-    dev = k.device
-    # (packed: every chunk that starts a document enters its initial state)
-    S = (k.new_zeros(BH, K, V, dtype=dt) if S0 is None or documents is not None
-            else S0.to(dt).reshape(BH, K, V))
-    s_dtype = S0.dtype if S0 is not None else v.dtype
-    if T == 0:
-        S_T = S0 if S0 is not None and documents is not None else S.reshape(B, H, K, V).to(s_dtype)
-        return (v.new_zeros(B, 0, H, V) if q is not None else None), S_T
-    C = max(1, min(int(chunk), T))
+    R, K, V = k.shape[3], k.shape[-1], v.shape[-1]
     docs = None
-    # per-token inputs [B, T, H, ...]
     q_in, lg_in = q, log_decay
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
-        docs = documents.for_kernel(C, S_docs)
+    if documents is not None:
+        docs = documents.for_kernel(C,
+                S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt))
         T = docs.T                                                   # the laid-out row
         k, v, a, b_r = (docs.lay(x) for x in (k, v, a, b_r))
         q_in, lg_in = docs.lay(q), docs.lay(log_decay)
-    N, rem = divmod(T, C)
-    Np = N + (rem > 0)
-    w = 1                                            # column factor sets: [-a | k] or [k]
-    n_full = C * R
-    width = max(K + V, w * n_full)
-    G = _group_size(N, BH * n_full * width, None, dev)            # chunks per group
-    # groups (chunks nc, tokens c, tokens after padding cp): a per-channel tail chunk is padded with
-    # identity tokens (zeros, decay 1) to a power of two
+    # chunks per group
+    G = _group_size(T // C, B * H * C * R * max(K + V, w * C * R), None, k.device)
     groups = _chunk_groups(T, C, G, None)
+    return C, groups, docs, (k, v, a, b_r, q_in, lg_in)
 
-    # ---- per-token flags and scalars, all chunks at once ([Np, BH, C] or [Np, BH, C R])
+
+def _dplr_solve(N, rhs):
+    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``
+    (N ``[nBH, n, n]``, only its strict lower triangle read; rhs ``[nBH, n, K + V]``)."""
+    # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
+    # [nBH, n, K + V]
+    return torch.linalg.solve_triangular(N.transpose(1, 2), rhs.transpose(1, 2), upper=True,
+            left=False, unitriangular=True).transpose(1, 2)
+
+
+def _dplr_tokens(tokens, docs, groups, C, zero):
+    """The per-token flags and scalars of ``chunk_dplr``, and its scalar decays' factors, for all
+    chunks at once (chunk-major ``[Np, BH, C]`` per token, ``[Np, BH, C R]`` per sub-step; a tail
+    chunk padded with ok tokens of log decay 0), cut into one piece per group.
+
+    Args:
+        tokens: ``(k, v, a, b, q, log_decay)`` laid out: the state inputs with their sub-step
+            axis (``[B, T, H, R, ...]``), the probes and the log decays (or None).
+        docs: the packed documents' chunks (``_DocumentChunks``), or None.
+        groups: ``(nc, c, cp)`` per group (:func:`_chunk_groups`); C: tokens per chunk.
+        zero: a 0 of the kernel's dtype and device.
+
+    Returns:
+        ``(pieces, state_bad)``: per group the pieces of the keys, values, probes, per-channel log
+        decays (clamped; ``[B, nc c, H, ...]``), a and b (vectors: per token; scalars ``[nc, BH,
+        C R]``), the ok flags of the tokens and probes, the outputs' bad flags (``[nc, BH, C]``) and
+        the scalar decays' factors (a dict); ``state_bad [BH or N H, 1, 1]``: the final states a
+        bad token poisons.
+
+    Specialised for this module: a_vec=False, b_kind='vec', decay='scalar', inclusive=True,
+    before='none'.
+    """
+    k, v, a, b_r, q, lg = tokens
+    B, T, H, R = k.shape[:4]
+    Np = -(-T // C)                                                  # chunks, the tail included
+    dt, dev = zero.dtype, zero.device
+
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
-        return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, BH, C * r)
+        return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, B * H, C * r)
 
     # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
     total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
     total = total + a.sum(-1, dtype=dt)
     total = total + b_r.sum((-2, -1), dtype=dt)
-    lg_all = lg_in.to(dt).clamp_min(-40.0)                   # (a decay of 0, log -inf, is valid)
+    # (a decay of 0, log -inf, is valid)
+    lg_all = lg.to(dt).clamp_min(-40.0)
     total = total + lg_all
     okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
     # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
@@ -435,38 +488,22 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, documents=None):
     bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
     if docs is None:
         bad_before = torch.cumsum(bad, dim=1)                        # bad tokens at or before t
-        state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1)
+        state_bad = (bad_before[:, -1] > 0).reshape(B * H, 1, 1)
     else:                                                            # ... in its document
         bad_before = docs.cumsum(bad)
         state_bad = (docs.total(bad) > 0).reshape(-1, 1, 1)         # [N H, 1, 1]
-    zero = torch.zeros((), dtype=dt, device=dev)
-    nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
+    q_okf = read_bad = None
     if q is not None:
-        q_okf = torch.isfinite(per_chunk(q_in.sum(-1, dtype=dt), 1))
+        q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
         read_bad = per_chunk(bad_before, 1) > 0
         read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
     a_s = torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
 
-    # ---- masks of a chunk of c tokens (sub-step i = t R + r; token of i = i // R)
-    def masks(c):
-        n = c * R
-        tok = torch.arange(n, device=dev) // R
-        solve = torch.arange(n, device=dev)[:, None] > torch.arange(n, device=dev)[None, :]
-        ti = torch.arange(c, device=dev)
-        read = ti[:, None] >= tok[None, :]   # [c, n]
-        return solve, read
-
-    mask_cache = {c: masks(c) for c in {cp for _, _, cp in groups}}
-
-    def split_t(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
-        return _split_groups(x, groups)
-
     def split_c(x):  # [Np, BH, ...] -> one [nc, BH, ...] piece per group
         return (x.split([nc for nc, _, _ in groups], dim=0) if x is not None
                 else [None] * len(groups))
 
-    # ---- decay factors of every chunk at once
     g = torch.where(okf, per_chunk(lg_all, 1), zero)             # [Np, BH, C]
     # cumulative log decay in the chunk
     L = torch.cumsum(g, dim=-1)
@@ -476,111 +513,200 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, documents=None):
     Lq = L                                   # the log decay a probe sees
     dec = {"L": L, "Lr": Lr, "l_row": l_row, "Lq": Lq, "e_row": torch.exp(l_row),
            "end": torch.exp(L[..., -1:] - Lr), "g_end": torch.exp(L[..., -1]), "e_q": torch.exp(Lq)}
-
-    dec_p = {key: split_c(x) for key, x in dec.items()}
-
-    k_p, v_p, q_p = split_t(k), split_t(v), split_t(q_in)
+    dec_p = [dict(zip(dec, x)) for x in zip(*(split_c(x) for x in dec.values()))]
+    token_p = [_split_groups(x, groups) for x in (k, v, q)]
+    token_p.append(_split_groups(None, groups))   # per-channel log decays
     a_p = split_c(a_s)
-    b_p = split_t(b_r)
-    ok_p = split_c(okf)
-    rb_p = split_c(read_bad) if q is not None else [None] * len(groups)
-    q_ok_p = split_c(q_okf) if q is not None else [None] * len(groups)
-    outs = []                                                        # [B, nc, c, H, V] per group
-    j0 = 0                                                           # chunks before this group
-    for gi, (nc, c, cp) in enumerate(groups):
-        nBH, n = nc * BH, cp * R
-        m_solve, m_read = mask_cache[cp]
-        okg = ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
-        dg_ = {key: x[gi] for key, x in dec_p.items()}               # this group's decay factors
+    b_p = _split_groups(b_r, groups)
+    return list(zip(*token_p, a_p, b_p, split_c(okf), split_c(q_okf), split_c(read_bad),
+            dec_p)), state_bad
 
-        # piece [B, nc c, H(, rr), d] -> [nc, B, H, cp, rr, d] chunk-major view (tail padded)
-        def lay(x, rr=R):
-            return _chunk_major(x.reshape(B, nc * c, H, rr, x.shape[-1]), nc, cp)
 
-        def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
-            return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
+def _dplr_masks(c, R, device):
+    """The masks of a chunk of c tokens in ``chunk_dplr`` (sub-step ``i = t R + r``, its token
+    ``i // R``): ``(solve [c R, c R], read [c, c R])``, the sub-steps whose writes a read, and a
+    probe, sees.
 
-        # k and v side by side in one buffer, bad tokens zeroed (torch.where, never a product)
-        kv = torch.where(okg, torch.cat([lay(k_p[gi]), lay(v_p[gi])], dim=-1).to(dt),
-                zero).reshape(nBH, n, K + V)
-        # [nBH, n, K], [nBH, n, V] (views)
-        kg, vg = kv[:, :, :K], kv[:, :, K:]
-        bg = torch.where(okg, lay(b_p[gi]).to(dt), zero).reshape(nBH, n, K)
-        # solve rows (the reads) and the column factor sets; the signs are folded in:
-        # vector a: rows b, columns [-a | k]; scalar a: rows -alpha b, columns k
-        cols = kg
-        rscale = -scal(a_p[gi])                                  # [nBH, n]
-        rows = bg * rscale[..., None]
-        qg = None
-        if q is not None:
-            qkeep = q_ok_p[gi][..., :cp].reshape(nc, B, H, cp, 1, 1)
-            qg = torch.where(qkeep, lay(q_p[gi].unsqueeze(3), 1).to(dt), zero).reshape(nBH, cp, K)
+    Specialised for this module: simultaneous=False, inclusive=True.
+    """
+    n = c * R
+    tok = torch.arange(n, device=device) // R
+    solve = torch.arange(n, device=device)[:, None] > torch.arange(n, device=device)[None, :]
+    ti = torch.arange(c, device=device)
+    read = ti[:, None] >= tok[None, :]   # [c, n]
+    return solve, read
 
-        L, Lr, l_row = scal(dg_["L"]), scal(dg_["Lr"]), scal(dg_["l_row"])
-        shared = R == 1 and True and True and True and q is not None
-        if shared:   # the reads and the probes see the same decays: one matrix, masked at the read
-            dec_s = torch.exp((L[:, :, None] - L[:, None, :]).tril())
-        else:
-            # [nBH, n, n]
-            dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))
-        Nmat = torch.bmm(rows, cols.transpose(1, 2))              # [nBH, n, w n]
-        Nmat = Nmat * dec_s
-        rk = rows * scal(dg_["e_row"])[..., None]
-        end_fac = scal(dg_["end"])[..., None]                     # [nBH, n, 1]
-        g_end = dg_["g_end"].reshape(nBH)
 
-        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
-        Nba = Nmat
-        rhs = torch.cat([rk, vg], dim=-1)                         # [-alpha e^l b | V]
-        # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
-        # [nBH, n, K + V]
-        X = torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True,
-                left=False, unitriangular=True).transpose(1, 2)
-        Wk, U = X.split([K, V], dim=-1)
-        # ---- the sequential part, per chunk: the reads from the start state, then the state update
-        # (vector a: u = W S + U, S <- Diag(g) S + K~^T V - (-A~)^T u; scalar a: z = U - W S (the
-        # right
-        # side carried -alpha), S <- Diag(g) S + K~^T z)
-        kd = kg * end_fac               # keys decayed to the chunk end
-        kd_j = kd.reshape(nc, BH, n, K).unbind(0)
-        # [BH, 1, 1] or [BH, K, 1] per chunk: the decay over the chunk
-        g_j = g_end.reshape(nc, BH, 1, 1).unbind(0)
-        W_j, U_j = Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, V).unbind(0)
-        # chunk j's map: the reads from its start state, then the state update (each def closes over
-        # assigned locals only: torch.compile)
-        def step(j, S):
-            z = torch.baddbmm(U_j[j], W_j[j], S, alpha=-1)        # z = U - W S
-            return torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z), z
+def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero):
+    """The factors of a group's chunks in ``chunk_dplr``, chunk-major (chunk j of the group is the
+    batch slice ``[j BH, (j + 1) BH)``), bad tokens zeroed (by ``torch.where``, never a product).
 
-        S, starts, zs = _pass_states(step, nc, S, docs, j0)
-        j0 += nc
-        if q is None:
-            continue
-        S_starts, z = _stacked(starts), _stacked(zs)                 # [nBH, K, V], [nBH, n, V]
-        # ---- outputs: query scores P [nBH, cp, w n], masked and decayed
-        P = torch.bmm(qg, cols.transpose(1, 2))                   # [nBH, cp, w n]
-        Lq = scal(dg_["Lq"])
-        dec_q = (dec_s if shared
-                else torch.exp(torch.where(m_read, Lq[:, :, None] - Lr[:, None, :], zero)))
-        P = P * dec_q
-        qd = qg * scal(dg_["e_q"])[..., None]
-        if (R == 1):
-            P = P.tril_(0)
-        else:
-            P = torch.where(m_read, P, zero)
-        og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
-        og = torch.where(rb_p[gi][..., :cp].reshape(nBH, cp, 1), nan_value, og)
-        outs.append(_token_major(og, B, H, c))                     # [B, nc, c, H, V] (a view)
-    if docs is not None:
-        S = docs.final().reshape(-1, K, V)                           # [N H, K, V]
-    # a bad token poisons the state
-    S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)
-    if q is None:
-        return None, S_out
-    o = _join_chunks(outs)                                           # [B, T, H, V]
-    if docs is not None:
-        o = docs.unlay(o)                                            # the documents' tokens, packed
-    return o.to(v.dtype), S_out
+    Inside a chunk the C R sub-steps are indexed ``i = t R + r``.  With cumulative log decays
+    ``L_t`` (per channel where the decay is), the read of sub-step i, ``u_i = b_i^T S_{i-1}``, is
+    affine in the chunk's start state: ``u_i = (e^{l_i} b_i)^T S_start + sum_{j < i} A_ij u_j +
+    (A^k V)_i`` with ``A_ij = sum_c b_ic a_jc e^{l_ic - L_jc}`` (``l_i`` the log decay the read of i
+    sees), so all reads of a chunk come from ONE unit-lower-triangular solve, ``u = W S_start + U``,
+    whose matrix pairs the rows (the reads ``b``) with the columns (``[-a | k]``).  When ``a`` is a
+    scalar times ``k`` (every delta-rule variant), the write and the correction share the key and
+    the system is the delta rule's: ``z = alpha u + v`` solves
+    ``(I - diag(alpha) A) z = alpha e^{l} b S + V`` (rows ``-alpha b``, columns ``k``).
+
+    Args:
+        k, v: the group's piece ``[B, nc c, H, R, *]``; q: its probes ``[B, nc c, H, K]``, or None.
+        a, b: vectors: pieces like ``k``; scalars: ``[nc, BH, C R]`` (b: None when it is ``k``).
+        lg: the per-channel log decays' piece ``[B, nc c, H, K]`` (clamped), or None.
+        ok, q_ok: ``[nc, BH, C]`` the ok flags of the tokens and the probes (or None).
+        B, H: batch and heads; c, cp: tokens per chunk and slots (a tail chunk's padded).
+        C: tokens per chunk of the row.
+        zero: a 0 of the kernel's dtype.
+
+    Returns:
+        ``(kg [nBH, n, K], vg [nBH, n, V], rows [nBH, n, K], cols [nBH, w n, K], -a [nBH, n, K]
+        or None, probes [nBH, cp, K] or None, per-channel log decays [nc, B, H, cp, K] or None)``,
+        n = cp R.
+
+    Specialised for this module: a_vec=False, b_kind='vec', decay='scalar'.
+    """
+    nc, R, K, V = ok.shape[0], k.shape[3], k.shape[-1], v.shape[-1]
+    nBH, n = nc * B * H, cp * R
+    okg = ok[..., :cp].reshape(nc, B, H, cp, 1, 1)
+
+    # piece [B, nc c, H(, rr), d] -> [nc, B, H, cp, rr, d] chunk-major view (tail padded)
+    def lay(x, rr=R):
+        return _chunk_major(x.reshape(B, nc * c, H, rr, x.shape[-1]), nc, cp)
+
+    def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+        return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
+
+    # k and v side by side in one buffer, bad tokens zeroed (torch.where, never a product)
+    kv = torch.where(okg, torch.cat([lay(k), lay(v)], dim=-1).to(zero.dtype), zero).reshape(nBH, n,
+            K + V)
+    # [nBH, n, K], [nBH, n, V] (views)
+    kg, vg = kv[:, :, :K], kv[:, :, K:]
+    bg = torch.where(okg, lay(b).to(zero.dtype), zero).reshape(nBH, n, K)
+    # solve rows (the reads) and the column factor sets; the signs are folded in:
+    # vector a: rows b, columns [-a | k]; scalar a: rows -alpha b, columns k
+    cols = kg
+    rscale = -scal(a)                                            # [nBH, n]
+    rows = bg * rscale[..., None]
+    qg = None
+    if q is not None:
+        qkeep = q_ok[..., :cp].reshape(nc, B, H, cp, 1, 1)
+        qg = torch.where(qkeep, lay(q.unsqueeze(3), 1).to(zero.dtype), zero).reshape(nBH, cp, K)
+    return kg, vg, rows, cols, None, qg, None
+
+
+def _dplr_pairs(rows, cols, dg, m_solve, C, R, zero, shared):
+    """The matrix of a group's pairs of sub-steps in ``chunk_dplr`` with a scalar decay or none:
+    ``N = rows cols^T``, decayed by ``exp(l_i - L_j)`` (exponentiated only as such differences,
+    each <= 0), the right side's rows ``e^{l_i} b_i`` and the factors of the chunk maps.
+
+    Args:
+        rows: ``[nBH, n, K]``; cols: ``[nBH, w n, K]`` (:func:`memspec.runtime.dplr._dplr_factors`).
+        dg: the group's decay factors (``"L"``, ``"Lr"``, ``"l_row"``, ``"e_row"``, ``"end"``,
+            ``"g_end"``: ``[nc, BH, C]`` or ``[nc, BH, C R]``; empty without a decay).
+        m_solve: ``[n, n]`` the pairs a read sees; C, R: the chunk and the sub-steps per token.
+        zero: a 0 of the kernel's dtype.
+        shared: the reads and the probes see the same decays (R = 1, inclusive, reads after the
+            decay).
+
+    Returns:
+        ``(N [nBH, n, w n], e^l rows, the decay from each sub-step to the chunk end [nBH, n, 1],
+        the decay over each chunk [nBH], the probes' decays [nBH, n, n] when shared)`` (the decays
+        None without a decay).
+
+    Specialised for this module: a_vec=False, simultaneous=False, decay='scalar'.
+    """
+    nBH, n = rows.shape[:2]
+
+    def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+        return x[..., :x.shape[-1] // C * (n // R)].reshape(nBH, -1)
+
+    L, Lr, l_row = scal(dg["L"]), scal(dg["Lr"]), scal(dg["l_row"])
+    if shared:   # the reads and the probes see the same decays: one matrix, masked at the read
+        dec_s = torch.exp((L[:, :, None] - L[:, None, :]).tril())
+    else:
+        # [nBH, n, n]
+        dec_s = torch.exp(torch.where(m_solve, l_row[:, :, None] - Lr[:, None, :], zero))
+    Nmat = torch.bmm(rows, cols.transpose(1, 2))                  # [nBH, n, w n]
+    Nmat = Nmat * dec_s
+    rk = rows * scal(dg["e_row"])[..., None]
+    ends = scal(dg["end"])[..., None]                             # [nBH, n, 1]
+    g_end = dg["g_end"].reshape(nBH)
+    reads = dec_s if shared else None
+    return Nmat, rk, ends, g_end, reads
+
+
+def _dplr_maps(X, kg, vg, an, ends, g_end, nc):
+    """The map of each chunk of a group in ``chunk_dplr``, ``step(j, S) -> (S_end, x_j)`` for
+    :func:`_pass_states`: the reads from the chunk's start state, then the state update (vector a:
+    ``u = W S + U``, ``S <- Diag(g) S + K~^T V - (-A~)^T u``; scalar a: ``z = U - W S`` (the right
+    side carried ``-alpha``), ``S <- Diag(g) S + K~^T z``; tildes decayed to the chunk end).
+
+    Args:
+        X: ``[nBH, n, K + V]`` the solve's ``[W | U]``; kg, vg: ``[nBH, n, K]``, ``[nBH, n, V]``
+            the keys and values; an: ``[nBH, n, K]`` -a, or None (scalar a).
+        ends: the decays to the chunk end: ``[nBH, n, 1]`` (scalar decay), the columns decayed
+            ``[nBH, cp, w, R, K]`` (per channel), or None; g_end: ``[nBH]`` / ``[nBH, K]`` the decay
+            over each chunk, or None.
+        nc: the group's chunks.
+
+    Returns:
+        ``step``; its ``x_j``: ``[BH, n, V]`` the chunk's reads ``u`` (vector a) or ``z``.
+
+    Specialised for this module: a_vec=False, decay='scalar'.
+    """
+    nBH, n, K = kg.shape
+    BH = nBH // nc
+    Wk, U = X.split([K, X.shape[-1] - K], dim=-1)
+    kd = kg * ends                      # keys decayed to the chunk end
+    kd_j = kd.reshape(nc, BH, n, K).unbind(0)
+    # [BH, 1, 1] or [BH, K, 1] per chunk: the decay over the chunk
+    g_j = g_end.reshape(nc, BH, 1, 1).unbind(0)
+    W_j, U_j = Wk.reshape(nc, BH, n, K).unbind(0), U.reshape(nc, BH, n, -1).unbind(0)
+    # (each def closes over assigned locals only: torch.compile)
+    def step(j, S):
+        z = torch.baddbmm(U_j[j], W_j[j], S, alpha=-1)            # z = U - W S
+        return torch.baddbmm(S if g_j[j] is None else S * g_j[j], kd_j[j].transpose(1, 2), z), z
+    return step
+
+
+def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero, nan_value):
+    """The outputs of a group's chunks in ``chunk_dplr`` from the states at their starts:
+    ``o = (Q~ + P^a W) S_start + P^a U + P^k V``, i.e. ``o = Q~ S_start + P [-u | V]`` (vector a)
+    or ``Q~ S_start + P z``, ``P`` the masked, decayed query scores.
+
+    Args:
+        qg: ``[nBH, cp, K]`` the probes; cols: ``[nBH, w n, K]`` the columns; vg: ``[nBH, n, V]``.
+        S_starts: ``[nBH, K, V]`` the chunks' start states; z: ``[nBH, n, V]`` their reads.
+        reads: per channel ``(P, Q~)`` from the halving; a shared scalar decay's matrix; or None.
+        dg: the group's scalar decay factors (``"Lq"``, ``"Lr"``, ``"e_q"``), or empty.
+        m_read: ``[cp, n]`` the pairs a probe reads; bad: ``[nc, BH, C]`` the outputs set to NaN.
+        C, R: the chunk and the sub-steps per token.
+        zero, nan_value: constants of the kernel's dtype.
+
+    Returns:
+        ``[nBH, cp, V]``.
+
+    Specialised for this module: inclusive=True, a_vec=False, decay='scalar'.
+    """
+    nBH, cp = qg.shape[:2]
+
+    def scal(x):  # [nc, BH, C r] -> [nBH, cp r]
+        return x[..., :x.shape[-1] // C * cp].reshape(nBH, -1)
+
+    P = torch.bmm(qg, cols.transpose(1, 2))                      # [nBH, cp, w n]
+    Lq = scal(dg["Lq"])
+    dec_q = reads if reads is not None else torch.exp(   # (shared: the reads' decays)
+        torch.where(m_read, Lq[:, :, None] - scal(dg["Lr"])[:, None, :], zero))
+    P = P * dec_q
+    qd = qg * scal(dg["e_q"])[..., None]
+    if (R == 1):
+        P = P.tril_(0)
+    else:
+        P = torch.where(m_read, P, zero)
+    og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
+    return torch.where(bad[..., :cp].reshape(nBH, cp, 1), nan_value, og)
 
 
 class _Documents:

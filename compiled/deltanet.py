@@ -51,14 +51,15 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=False)
+        self.compiled = torch.compile(fn, dynamic=dynamic)
         self.seconds = None
 
     def __call__(self, *args):
@@ -370,7 +371,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
 
     Args:
         q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
-        beta: ``[B, T, H]`` step sizes.
+        beta: ``[B, T, H]`` step sizes (``[B, T, H, V]`` with ``per_channel``).
         S0: ``[B, H, K, V]`` or None.
         chunk: chunk size C.
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
@@ -379,7 +380,8 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
     Returns:
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
-    Specialised for this module: log_gamma=None, inclusive=True, group=None, log_rho=None.
+    Specialised for this module: log_gamma=None, inclusive=True, group=None, log_rho=None,
+    per_channel=False.
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -393,7 +395,8 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
         docs = documents.for_kernel(C, S_docs)
         T = docs.T
     N, r = divmod(T, C)
-    G = _group_size(N, BH * C * max(K + V, C), None, dev)          # chunks per group
+    width = max(K + V, C)  # floats per token of a chunk's temporaries
+    G = _group_size(N, BH * C * width, None, dev)                   # chunks per group
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
     bt, lgt, lrt = beta, None, None                          # per-token scalars [B, T, H]
@@ -408,7 +411,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
 
     # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
     def per_chunk(x):
-        return _chunk_major(x.to(dt), Np, C).contiguous().reshape(Np, BH, C)
+        return _chunk_major(x.to(dt), Np, C).contiguous().reshape(Np, BH, C, *x.shape[3:])
 
     # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity
     # token
@@ -432,7 +435,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
 
     # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
     # log decay 0, so L at the chunk's last slot is L at its last real token
-    bc = torch.where(ok, per_chunk(bt), zero)                        # beta
+    bc = torch.where(ok, per_chunk(bt), zero)  # beta
 
     # groups of n chunks of c tokens; every per-group piece comes from one split
     groups = _chunk_groups(T, C, G)
@@ -443,7 +446,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
 
     # [Np, BH, ...] -> one [n, BH, ...] piece per group ([n B H, c] for c < C: the tail)
     def c_split(x):
-        return [p[..., :c] for p, (n, c, _) in zip(x.split(c_pieces, dim=0), groups)]
+        return [p[:, :, :c] for p, (n, c, _) in zip(x.split(c_pieces, dim=0), groups)]
 
     pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc), c_split(ok)]
     pieces.append(c_split(read_bad) if qq is not None else [None] * len(groups))
@@ -452,8 +455,8 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
     for gi, (n, c, _) in enumerate(groups):
         kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
         nBH = n * BH
-        flat = lambda x: x.reshape(nBH, c)  # noqa: E731  [n, BH, c] -> [n B H, c]
-        b = flat(b)[:, :, None]                                      # [nBH, c, 1]
+        flat = lambda x: x.flatten(0, 1)  # noqa: E731  [n, BH, c, ...] -> [n B H, c, ...]
+        b = flat(b)[:, :, None]  # [nBH, c, 1] (per channel: [nBH, c, V])
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1)
         # BH)),
         # bad tokens zeroed
@@ -462,11 +465,10 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
         Wk, U, kd = _delta_maps(kv, b, K)
         # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
         gs = [None] * n
-        Ws, Us = Wk.reshape(n, BH, c, K).unbind(0), U.reshape(n, BH, c, V).unbind(0)
-        kds = kd.reshape(n, BH, c, K).unbind(0)
+        Ws, Us, kds = (x.reshape(n, BH, *x.shape[1:]).unbind(0) for x in (Wk, U, kd))
 
-        def step(j, S):  # chunk j's map: the corrections u_j, S <- g_j S + Kd_j^T u_j
-            u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)           # [BH, c, V]
+        def step(j, S):  # chunk j's map: the corrections u_j [BH, c, V], S <- g_j S + Kd_j^T u_j
+            u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)
             Sg = S if gs[j] is None else S * gs[j][:, None, None]
             return torch.baddbmm(Sg, kds[j].transpose(1, 2), u_j), u_j
 
@@ -490,9 +492,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
         # a bad token poisons the final state
         S = torch.where(state_bad, nan_value, S)
     S_out = S.reshape(-1, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
-    if qq is None:
-        return None, S_out
-    return o.to(v.dtype), S_out
+    return (o.to(v.dtype) if qq is not None else None), S_out
 
 
 def _delta_maps(kv, b, K):

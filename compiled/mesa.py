@@ -3,9 +3,10 @@
 # hashes: the spec's canonical resolved form (`memspec fmt --to yaml`), and the file
 # spec sha256: 652ba6b791760369e85f3a69449980a9cf049824bd9548a6e69d58b1a9233c95
 # file sha256: 652ba6b791760369e85f3a69449980a9cf049824bd9548a6e69d58b1a9233c95
-# schedule: online: one token at a time (exact)
-# derived by memspec.schedule.analyse: online, exact; admits online
-# schedules of this module: online
+# schedule: solve chunked form (conjugate gradients over chunks, exact to the solver's tolerance),
+# chunk 32
+# derived by memspec.schedule.analyse: solve, exact; admits solve, online
+# schedules of this module: solve, online
 """mesa: The mesa layer / MesaNet: the read is the exact solution of a regularised least-squares
 problem over all past pairs, o = q (H + lam I)^-1 G with H = sum of outer(k, k) and G = sum of
 outer(k, v), both running sums decayed by a forget gate (the memory keeps 1 - alpha) and weighted by
@@ -50,14 +51,15 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=False)
+        self.compiled = torch.compile(fn, dynamic=dynamic)
         self.seconds = None
 
     def __call__(self, *args):
@@ -207,33 +209,705 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
-def _recomputing(option, T):
-    """Does a call over T tokens recompute its per-token states in the backward?  ``option``: the
-    module's `checkpoint` (True, False, or None: when training on more than 256 tokens, where the
-    per-token states start to outweigh the rest of the layer)."""
-    return torch.is_grad_enabled() and (option if option is not None else T > 256)
+def _group_size(chunks, width, group, device):
+    """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
+    so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
+    are returned to the OS and page-faulted back on every call); on other devices 64 (caching
+    allocators: fewer, larger launches).  At least 1, at most ``chunks`` (when there are any)."""
+    if group is not None:
+        G = int(group)
+    elif device.type == "cpu":
+        G = round((1 << 17) / width)
+    else:
+        G = 64
+    return max(1, min(chunks, G))
 
 
-def _recomputed(fn):
-    """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
-    autograd keeps its
-    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
-    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
-    when an input requires grad -- its gradients then come through ``.backward()``, which
-    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
-    ready once per backward; a reentrant chunk would mark the ones it reads again),
-    non-reentrant."""
-    # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
-    def flat(*args):
-        o, states = fn(*args)
-        return (o, *states)
+def _chunk_groups(T, C, G, tail=None):
+    """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
+    group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
+    group
+    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    (``"chunk"``): the slots after its tokens are padding."""
+    N, r = divmod(T, C)
+    groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
+    if r:
+        groups.append((1, r,
+                C if tail == "chunk" else 1 << (r - 1).bit_length() if tail == "power of two"
+                else r))
+    return groups
 
-    def run(*args):
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        reentrant = not distributed and any(torch.is_tensor(a) and a.requires_grad for a in args)
-        o, *states = torch.utils.checkpoint.checkpoint(flat, *args, use_reentrant=reentrant)
-        return o, tuple(states)
-    return run
+
+def _split_groups(x, groups):
+    """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
+    slices:
+    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    if x is None:
+        return [None] * len(groups)
+    return x.split([n * c for n, c, _ in groups], dim=1)
+
+
+def _chunk_major(x, n, c, value=0.0):
+    """``[B, T', H, *D]`` -> ``[n, B, H, c, *D]`` (a view unless padded): chunk j is ``[j]``; a
+    sequence shorter than ``n c`` (a tail chunk) is padded with tokens of ``value``."""
+    B, T, H = x.shape[:3]
+    if T < n * c:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, n * c - T), value=value)
+    x = x.reshape(B, n, c, H, *x.shape[3:])
+    return x.permute(1, 0, 3, 2, *range(4, x.dim()))
+
+
+def _token_major(o, B, H, c):
+    """``[n B H, cp, D]`` -> ``[B, n, c, H, D]`` (a view): the first c slots of each chunk."""
+    cp, D = o.shape[1:]
+    return o.reshape(-1, B, H, cp, D)[:, :, :, :c].permute(1, 0, 3, 2, 4)
+
+
+def _join_chunks(parts):
+    """``[B, n, c, H, D]`` per group -> ``[B, T, H, D]``: one copy (a second one only for a tail
+    chunk); no in-place writes."""
+    B, _, C, H, D = parts[0].shape
+    full = [x for x in parts if x.shape[2] == C]
+    o = torch.cat(full, dim=1).reshape(B, -1, H, D)
+    if len(full) < len(parts):
+        o = torch.cat([o, parts[-1].reshape(B, -1, H, D)], dim=1)
+    return o
+
+
+def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
+    """The state passing over n chunks in order: ``S, x_j = step(j, S)`` applies chunk j's map
+    ``S <- M_j S + D_j`` to the state at its start (and returns what its outputs need of the state:
+    a chunk's reads of it, or None).
+
+    Packed documents (``docs``, a ``_DocumentChunks``; ``j0`` the chunks before these): a chunk that
+    starts a document enters its initial state, one that ends it leaves its final state
+    (``true_state(j, S)``: the state at its true scale, when the kernel carries it scaled).
+
+    Returns ``(S, starts, xs)``: the state after the last chunk, the states at the chunks' starts
+    and the ``x_j`` (lists of n).
+    """
+    starts, xs = [], []
+    for j in range(n):
+        if docs is not None:
+            S = docs.enter(j0 + j, S)                                # a document's initial state
+        starts.append(S)
+        S, x = step(j, S)
+        if docs is not None:                                         # a document's final state
+            docs.leave(j0 + j, S if true_state is None else true_state(j, S))
+        xs.append(x)
+    return S, starts, xs
+
+
+def _stacked(xs):
+    """n tensors ``[BH, ...]`` -> ``[n BH, ...]`` (the one tensor itself when n = 1)."""
+    return torch.stack(xs).flatten(0, 1) if len(xs) > 1 else xs[0]
+
+
+def _solve_tolerance(dtype):
+    """The relative residual at which the solver stops: near the precision of ``dtype`` (a
+    residual of ``tol ||q||`` leaves an error of at most ``tol`` times the condition number)."""
+    return 1e-12 if dtype == torch.float64 else 1e-6
+
+
+def _solve_weights(lg, bg, kg, n, inclusive):
+    """A group's chunk constants from its log decays ``lg`` and write weights ``bg``
+    ``[nBH, c]`` and keys ``kg`` ``[nBH, c, K]`` (n chunks): the pair weights ``W [nBH, c, c]``
+    (``exp(L_t - L_s) beta_s`` for s <= t, s < t when exclusive), the log decay ``Lq [nBH, c]``
+    of the chunk-start state at each token, the decay over each chunk ``[n, BH, 1, 1]`` and the
+    keys weighted and decayed to the chunk's end ``[nBH, c, K]``."""
+    nBH, c = lg.shape
+    later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
+    # seg[t, s] = sum of lg_u over s < u <= t
+    seg = torch.cumsum(lg[:, :, None].expand(-1, c, c).masked_fill(~later, 0.0), dim=1)
+    L = torch.cumsum(lg, dim=1)                                      # [nBH, c]
+    if not inclusive:                              # token t sees the state through t - 1
+        seg = torch.nn.functional.pad(seg[:, :-1], (0, 0, 1, 0))
+        L_q = torch.nn.functional.pad(L[:, :-1], (1, 0))
+    else:
+        L_q = L
+    pairs = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(0 if inclusive else -1)
+    W = torch.exp(seg).masked_fill(~pairs, 0.0) * bg[:, None, :]     # [nBH, c, c]
+    # the log decay after each token to the chunk's end
+    after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
+    kd = kg * (bg * torch.exp(after))[..., None]                     # [nBH, c, K]
+    g_end = torch.exp(L[:, -1]).view(n, -1, 1, 1)
+    return W, L_q, g_end, kd
+
+
+def _solve_matvec(P, H0, k, W, a, lam):
+    """Every token's matrix applied to its own row of ``P [nBH, c, K]``:
+    ``a_t (p_t H_0) + sum_s W[t, s] (p_t . k_s) k_s + lam p_t`` (H_0 ``[nBH, K, K]`` the
+    chunk's start state, symmetric; ``a [nBH, c]`` its decay at each token)."""
+    out = torch.baddbmm(P, P * a[..., None], H0, beta=lam)        # lam p_t + (a_t p_t) H_0
+    return torch.baddbmm(out, torch.bmm(P, k.transpose(1, 2)).mul_(W), k)
+
+
+def _conjugate_gradients(matvec, b, tol, steps):
+    """``x`` with ``matvec(x) = b`` row by row (``b [N, c, K]``, every row its own symmetric
+    positive definite system): conjugate gradients, a row stopping (its step 0 from then on)
+    once its residual is at most ``tol ||b_t||``; at most ``steps`` steps.  A row of zeros is
+    solved at once (x = 0); a non-finite one stays active and gives a non-finite x.  Runs
+    without autograd (updates in place)."""
+    x = torch.zeros_like(b)
+    r, p = b.clone(), b.clone()
+    rr = (b * b).sum(-1)                                             # [N, c] squared residuals
+    stop = rr * (tol * tol)
+    for _ in range(steps):
+        active = ~(rr <= stop)                                       # (NaN rows stay active)
+        if not bool(active.any()):
+            break
+        Ap = matvec(p)
+        alpha = torch.where(active, rr / (p * Ap).sum(-1), 0.0).unsqueeze(-1)   # [N, c, 1]
+        x.addcmul_(alpha, p)
+        r.addcmul_(alpha, Ap, value=-1.0)
+        rr_new = (r * r).sum(-1)
+        p.mul_(torch.where(active, rr_new / rr, 0.0).unsqueeze(-1)).add_(r)
+        rr = torch.where(active, rr_new, rr)
+    return x
+
+
+class _ChunkSolve(torch.autograd.Function):
+    """``x_t = q_t A_t^-1`` for a group of chunks (:func:`_solve_matvec` applies ``A``), by
+    conjugate gradients; the backward solves the adjoint systems ``y_t A_t = g_t`` the same way
+    and takes ``dL/dA_t = -x_tᵀ y_t`` to the operands of ``A`` in closed form."""
+
+    @staticmethod
+    def forward(ctx, q, H0, k, W, a, lam, tol, steps):
+        with torch.no_grad():
+            x = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), q, tol, steps)
+        ctx.save_for_backward(x, H0, k, W, a)
+        ctx.solver = (lam, tol, steps)
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, H0, k, W, a = ctx.saved_tensors
+        lam, tol, steps = ctx.solver
+        y = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), g, tol, steps)
+        # x_t A_t = a_t (x_t H_0) + sum_s W[t, s] (x_t . k_s) k_s + lam x_t against -y_t
+        xk = torch.bmm(x, k.transpose(1, 2))                         # [nBH, c, c] x_t . k_s
+        yk = torch.bmm(y, k.transpose(1, 2))                         # [nBH, c, c] y_t . k_s
+        d_a = -(torch.bmm(x, H0) * y).sum(-1)                        # [nBH, c]
+        d_H0 = -torch.bmm((x * a[..., None]).transpose(1, 2), y)     # [nBH, K, K]
+        d_W = -(xk * yk)                                             # [nBH, c, c]
+        d_k = -torch.bmm((xk * W).transpose(1, 2), y) - torch.bmm((yk * W).transpose(1, 2), x)
+        return y, d_H0, d_k, d_W, d_a, None, None, None
+
+
+def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, documents=None):
+    """Chunked form of :func:`memspec.runtime.solve.recurrent_solve`: ``x_t = solve(H_t + lam I,
+    q_t)`` for every
+    token by conjugate gradients over whole chunks (the module docstring gives the algebra).
+    The state passes over chunks as ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s
+    k_sᵀ``, its writes symmetrised (it stays symmetric in floating point); a group of G chunks
+    runs one batched solver.  A log decay of -inf (a decay of exactly 0) forgets exactly.
+
+    Args:
+        q: ``[B, T, H, K]`` right-hand sides.
+        k: ``[B, T, H, K]`` keys; beta: ``[B, T, H]`` write weights (>= 0).
+        log_gamma: ``[B, T, H]`` log decays (<= 0), or None for no decay.
+        H0: ``[B, H, K, K]`` initial state (symmetric positive semi-definite), or None for
+            zeros; one that is not symmetric (to ``tol`` of its largest entry) takes a direct
+            solve per token (:func:`_direct_solve`).
+        lam: the regulariser (a number > 0).
+        chunk: chunk size C.
+        documents: packed documents (``_Documents(cu_seqlens)``: B = 1; H0 and the final state
+            ``[N, H, K, K]``): each starts at a chunk, from its own state; or None.
+
+    Returns:
+        (x ``[B, T, H, K]``, the final state ``[B, H, K, K]``).
+
+    Specialised for this module: inclusive=True, tol=None, steps=None, group=None.
+    """
+    B, T, Hh, K = k.shape
+    BH = B * Hh
+    dt = torch.promote_types(k.dtype, torch.float32)
+    out_dtype = H0.dtype if H0 is not None else k.dtype
+    tolerance = _solve_tolerance(dt)
+    most = K   # conjugate-gradient steps at most
+    if T == 0:
+        H_T = H0 if H0 is not None else k.new_zeros(B, Hh, K, K, dtype=out_dtype)
+        return q.new_zeros(B, 0, Hh, K), H_T
+    C = max(1, min(int(chunk), T))
+    docs = None
+    if documents is not None:   # packed documents: each starts at a chunk, from its own state
+        H_docs = H0.to(dt) if H0 is not None else k.new_zeros(documents.count, Hh, K, K, dtype=dt)
+        docs = documents.for_kernel(C, H_docs)
+        T = docs.T
+    fresh = H0 is None or docs is not None
+    S = k.new_zeros(BH, K, K, dtype=dt) if fresh else H0.to(dt).reshape(BH, K, K)
+    # conjugate gradients needs symmetric systems; an initial state that is not (beyond the
+    # solver's tolerance of its largest entry) takes the direct solve (one device sync)
+    symmetric = H0 is None or bool((H0 - H0.transpose(-1, -2)).abs().amax()
+                                   <= tolerance * H0.abs().amax())
+    G = _group_size(-(-T // C), BH * C * max(K, C), None, k.device)
+    groups = _chunk_groups(T, C, G)
+    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # (no decay: 0)
+    inputs = (q, k, beta, lg_all)
+    if docs is not None:   # the laid-out row
+        inputs = tuple(docs.lay(x) for x in inputs)
+    pieces = zip(groups, *(_split_groups(x, groups) for x in inputs))
+    outs, j0 = [], 0
+    for (n, m, c), qp, kp, bp, lp in pieces:
+        def block(x):   # [B, n c, H, *D] -> [n B H, c, *D]
+            x = _chunk_major(x.to(dt), n, c)
+            return x.reshape(n * BH, c, *x.shape[4:])
+
+        qg, kg, bg, lg = block(qp), block(kp), block(bp), block(lp)   # [nBH, c, (K)]
+        kg, bg, lg, bad = _finite_writes(kg, bg, lg)
+        W, Lq, g_end, kd = _solve_weights(lg, bg, kg, n, True)
+        kk = torch.bmm(kd.transpose(1, 2), kg)          # each chunk's writes, decayed to its end
+        kk = (kk + kk.transpose(1, 2)) * 0.5 + bad[:, -1:, None]   # symmetric in floating point
+        kk = kk.view(n, BH, K, K)
+        S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(kk[j], g_end[j], S), None), n, S,
+                                    docs, j0)
+        j0 += n
+        H_starts, a = _stacked(starts), torch.exp(Lq)   # [nBH, K, K], [nBH, c]
+        if symmetric:
+            x = _ChunkSolve.apply(qg, H_starts, kg, W, a, float(lam), tolerance, most)
+        else:
+            x = _direct_solve(qg, H_starts, kg, W, a, float(lam))
+        outs.append(_token_major(x + bad[..., None], B, Hh, m))   # [B, n, m, H, K]
+    H_T = docs.final() if docs is not None else S.view(B, Hh, K, K)
+    x = _join_chunks(outs)
+    x = docs.unlay(x) if docs is not None else x
+    return x.to(q.dtype), H_T.to(out_dtype)
+
+
+def _finite_writes(kg, bg, lg):
+    """A group's keys ``[nBH, c, K]``, write weights and log decays ``[nBH, c]`` with every
+    non-finite write taken out, and ``bad [nBH, c]``: 0, or NaN from the first non-finite write
+    of its chunk on.  A non-finite write reaches the tokens from its own on: the chunk runs on
+    zeros in its place (no earlier token sees it through a masked product), and the caller adds
+    ``bad`` to the outputs and the state.  A log decay of -inf (a decay of 0) is finite here."""
+    f = kg.sum(-1) + bg + lg.masked_fill(lg == float("-inf"), 0.0)
+    bad = torch.cumsum(f - f, 1)
+    clean = (torch.nan_to_num(kg, 0.0, 0.0, 0.0), torch.nan_to_num(bg, 0.0, 0.0, 0.0),
+             torch.nan_to_num(lg, 0.0, 0.0))
+    return clean + (bad,)
+
+
+def _direct_solve(q, H0, k, W, a, lam):
+    """Every token's system solved directly,
+    ``x_t (a_t H_0 + sum_s W[t, s] k_s k_sᵀ + lam I) = q_t`` (``q [nBH, c, K]``, ``H_0
+    [nBH, K, K]`` any matrix): the path of an initial state that is not symmetric, where
+    conjugate gradients does not apply; every token's matrix is formed (``[nBH, c, K, K]``),
+    differentiated by autograd."""
+    K = q.shape[-1]
+    kk = k.unsqueeze(-1) * k.unsqueeze(-2)                           # [nBH, c, K, K]
+    A = a[..., None, None] * H0.unsqueeze(1) + torch.einsum("bts,bsij->btij", W, kk)
+    A = A + lam * torch.eye(K, dtype=q.dtype, device=q.device)
+    return torch.linalg.solve(A, q.unsqueeze(-2), left=False).squeeze(-2)   # x_t A_t = q_t
+
+
+def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
+    """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t
+    @ S_t``.
+
+    Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and
+    ``Lq_t = L_t`` (``inclusive=False``: ``L_{t-1}``, and pairs ``s < t`` instead of ``s <= t``):
+    ``o_t = (q_t * exp(Lq_t)) @ S_start + sum_{s <= t} (sum_i q_ti k_si exp(Lq_ti - L_si)) v_s`` and
+    ``S_end = Diag(exp(L_C)) S_start + sum_s outer(k_s * exp(L_C - L_s), v_s)``.
+    Every weight is the decay from an earlier token to a later one (<= 1): nothing overflows,
+    whatever the decays.
+
+    * One log decay per head (``[B, T, H]``: RetNet, Mamba-2): the pair weights
+      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (masked after the product), applied
+      to the scores ``q k^T``.  Their exponents are segment sums of the log decays between s and
+      t (a masked cumulative sum, never a difference of two cumulative sums), so a log decay of
+      -inf (a decay of exactly 0) zeroes the past exactly and no ``-inf - -inf`` arises.
+    * An exponential input weight per head (``log_input``, ``[B, T, H]``: xLSTM's mLSTM,
+      ``S_t = gamma_t S_{t-1} + exp(log_input_t) outer(k_t, v_t)``): the weights are kept in log
+      space and the kernel carries a max stabiliser ``m`` (Beck et al. 2024, the mLSTM's m
+      state): the state between chunks is ``exp(-m) S``, ``m`` following
+      ``m <- max(L_C + m, max_s (L_C - L_s + log_input_s))``, and each output row is scaled by
+      ``exp(-m_t)``, ``m_t`` the running maximum of its own log weights (the start state's and
+      every pair's), so every ``exp`` has an exponent <= 0: finite for any log input.  The
+      stabilisers are constants to autograd (the true function does not depend on them).
+      Scalar decays only.
+    * One per key channel (``[B, T, H, K]``: GLA, RWKV-6, HGRN-2): the weights differ per
+      channel, so no ``[C, C]`` matrix serves.  The chunk (a power of two: ``chunk`` is rounded
+      down to one, and a shorter tail is padded with zero tokens) is halved level by level:
+      in a block of 2h tokens, a pair (t in the second half, s in the first) weighs
+      ``E_h(s) F_h(t)``, E_h(s) the product of the decays after s to the end of the first half,
+      F_h(t) the product from the second half's start through t (to t - 1 if exclusive); all
+      such pairs of a level are one batched ``(q F) (k E)^T`` matmul applied to the first
+      halves' values, and ``[k E | q F]`` passes to the next level by one product with the
+      halves' decays.  The pairs s = t (inclusive) weigh 1.  So only products of decays enter,
+      one ``exp`` per token and channel: no per-channel ``[C, C, K]`` tensor, no cancellation
+      in long cumulative sums, and a log decay of -inf (a decay of exactly 0) is exact.
+      Without autograd the factors are updated in place.
+
+    Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
+    512 KB: large per-call allocations are returned to the OS and page-faulted back on every
+    call; on other devices G = 64).  Within a group every product is one batched matmul over
+    (chunks, B, H): the scores, the chunk increments ``K_j^T V_j``, the reads of the chunk-start
+    states; the states themselves follow ``S <- Diag(exp(L_C)) S + K_j^T V_j``, one fused
+    elementwise step per chunk.  In-place writes go only into tensors that depend on every
+    input, so ``torch.func.grad`` and ``vmap`` work.
+
+    Causality with non-finite inputs: a NaN or inf in token t's inputs changes no output before
+    t.  Masks are applied after products, never by multiplying a future value by zero.  The
+    per-head weights are one dense triangular product with v: v's non-finite entries are taken
+    out of it (``nan_to_num``) and put back, through a prefix sum, into the whole rows of o from
+    t to the chunk's end; later chunks see them through the state, as the token loop does.  Per
+    channel no pair is masked at all, and the non-finite entries are exactly the loop's.
+
+    Args:
+        q: ``[B, T, H, K]`` probes, or None (state only).
+        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, or a tuple of ``[B, T, H, V_i]`` read as their
+            concatenation on the last axis (``V = sum V_i``) without a full-size copy.
+        log_gamma: log decays (<= 0): ``[B, T, H]`` (per head, finite), ``[B, T, H, K]`` (per key
+            channel: row i of S scales by ``exp(log_gamma[..., i])``), or None for no decay.
+        S0: ``[B, H, K, V]`` initial state, or None for zeros.
+        chunk: chunk size C.
+        documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
+            S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
+
+    Returns:
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
+        With ``log_input``: (o, S_T, m), o the outputs scaled by ``exp(-m)`` (the true output
+        is ``exp(m) o``), m ``[B, T, H]`` the stabiliser of each token's output (None without
+        q), S_T at its true scale (inf in float32 where the true state exceeds 3.4e38).
+
+    Specialised for this module: inclusive=True, group=None, per_channel=None, log_input=None.
+    """
+    B, T, H, K = k.shape
+    vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    V = sum(x.shape[-1] for x in vs)
+    BH = B * H
+    dt = torch.promote_types(k.dtype, torch.float32)
+    out_dtype = S0.dtype if S0 is not None else vs[0].dtype
+    if T == 0:
+        o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
+        S_T = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype)
+        return o, S_T
+    # one log decay per key channel (decided operands first: the specialiser folds them)
+    channel = log_gamma is not None and log_gamma.dim() == 4
+    C = max(1, min(int(chunk), T))
+    # a power of two: halved level by level
+    if channel:
+        C = 1 << (C.bit_length() - 1)
+    docs = None
+    if documents is not None:   # packed documents: each starts at a chunk, from its own state
+        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
+        docs = documents.for_kernel(C, S_docs)
+        T = docs.T
+    q_in, k_in, lg_in, li_in = q, k, log_gamma, None            # per-token inputs [B, T, H, ...]
+    if docs is not None:                                             # the laid-out row
+        k_in = docs.lay(k)
+        q_in = docs.lay(q) if q is not None else None
+        lg_in = docs.lay(log_gamma) if log_gamma is not None else None
+        li_in = None
+        vs = tuple(docs.lay(x) for x in vs)
+    # (packed: every chunk that starts a document enters its initial state)
+    S = (k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None
+            else S0.to(dt).reshape(BH, K, V))
+    N, r = divmod(T, C)
+    G = _group_size(N, BH * C * max(K, V, C), None, k.device)     # chunks per group
+    # groups of n chunks of c slots holding m tokens each (m < c only in a per-channel tail,
+    # padded with zero tokens: they follow every real token, so they change no output or state)
+    groups = _chunk_groups(T, C, G, "power of two" if channel else None)
+
+    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group
+        return _split_groups(x, groups)
+
+    def block(xs, n, c, m, pad=0.0):  # pieces [B, n m, H, D_i] -> [n B H, c, sum D_i], one copy;
+        # chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH); a tail of m < c
+        # tokens is padded with c - m tokens of value pad
+        parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return x.reshape(n * BH, c, x.shape[-1]).contiguous()
+
+    if channel:  # without autograd, the per-channel factors are updated in place
+        inputs = (q, k, log_gamma, S0) + vs
+        inplace = not (torch.is_grad_enabled()
+                and any(x is not None and x.requires_grad for x in inputs))
+    outs = []                                                        # [B, n, c, H, V] per group
+    j0 = 0                                                           # chunks before this group
+    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in),
+            split(li_in))
+    for (n, m, c), qp, kp, vp, lp, ip in pieces:
+        nBH = n * BH
+        vg = block(vp, n, c, m)                                      # [nBH, c, V]
+        if channel:
+            # a pair (t in the second half of a block of 2h tokens, s in its first half) weighs
+            # exp(Lq_t - L_s) = E_h(s) F_h(t): E_h(s) the decays after s to the end of its h-block,
+            # F_h(t) those from the start of its h-block through t (to t - 1 if exclusive), products
+            # of decays (each <= 1); XE_h = [k E_h | q F_h] goes to the next level by one product
+            # [B, n m, H, K] decay of each token
+            gam_t = torch.exp(lp.to(dt))
+            # [nBH, c, K] decay of each h-block (h = 1)
+            P = block([gam_t], n, c, m, pad=1.0)
+            if q is None:
+                XE = block([kp], n, c, m)                            # [nBH, c, K] (E_1 = 1)
+            # [nBH, c, 2K] (F_1 = gamma_t, or 1)
+            else:
+                XE = block([kp, (qp.to(dt) * gam_t)], n, c, m)
+            # [nBH, c, V] outputs of the chunk's pairs
+            og = None
+            if (q is not None):                          # pairs s = t weigh 1
+                og = block([(qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True)], n, c, m) * vg
+            XE, P, og = _additive_halving(XE, P, vg, og, q is not None, inplace)
+            kd = XE[..., :K]                                         # keys decayed to the chunk end
+            # [n, BH, K, 1] decay over each chunk
+            g_end = P.view(n, BH, K, 1)
+        else:
+            kg = block([kp], n, c, m)                                # [nBH, c, K]
+            if (log_gamma is not None):
+                # [nBH, c] log decays (may be -inf)
+                lg = (block([lp[..., None]], n, c, m)[..., 0] if log_gamma is not None
+                        else kg.new_zeros(nBH, c))
+                L = torch.cumsum(lg, dim=1)                          # [nBH, c] cumulative log decay
+                # the log decay after each token to the chunk end: a reversed cumsum, shifted (no
+                # difference)
+                after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
+                # [n, BH] log decay over each chunk
+                g_log = L[:, -1].view(n, BH)
+                kd = kg * torch.exp(after)[..., None]            # keys decayed to the chunk end
+                # [n, BH, 1, 1] decay over each chunk
+                g_end = torch.exp(g_log).view(n, BH, 1, 1)
+            else:
+                kd = kg
+        kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
+        # chunk j's map S <- Diag(g_j) S + K_j^T V_j [BH, K, V], forward in the chunks (a non-finite
+        # increment reaches only later chunks); each map closes over assigned locals only
+        # (torch.compile)
+        step = ((lambda j, S: (torch.addcmul(kv[j], g_end[j], S), None)) if (log_gamma is not None)
+                else (lambda j, S: (S + kv[j], None)))
+        S, starts, _ = _pass_states(step, n, S, docs, j0, None)
+        j0 += n
+        if q is None:
+            continue
+        S_starts = _stacked(starts)                                  # [nBH, K, V]
+        if channel:                                                  # + (q F_c) @ S_start
+            og = (torch.baddbmm(og, XE[..., K:], S_starts) if og is not None
+                    else torch.bmm(XE[..., K:], S_starts))
+        else:
+            qg = block([qp], n, c, m)                                # [nBH, c, K]
+            if log_gamma is not None:
+                og, _ = _additive_outputs(qg, kg, vg, S_starts, lg, L)
+            else:
+                og, _ = _additive_outputs(qg, kg, vg, S_starts)
+        outs.append(_token_major(og, B, H, m))                     # [B, n, m, H, V] (a view)
+    if docs is not None:
+        S_out = docs.final().to(out_dtype)
+    # (stabilised: back to the true scale)
+    else:
+        S_out = S.view(B, H, K, V).to(out_dtype)
+    if q is None:
+        return (None, S_out)
+
+    def join(parts):  # [B, n, m, H, width] per group -> [B, T, H, width]
+        x = _join_chunks(parts)
+        return docs.unlay(x) if docs is not None else x              # the documents' tokens, packed
+
+    o = join(outs).to(vs[0].dtype)
+    return (o, S_out)
+
+
+def _additive_outputs(qg, kg, vg, S_starts, lg=None, L=None):
+    """The outputs of a group of chunks with one log decay per head (``chunk_additive``):
+    ``o_t = (q_t exp(Lq_t)) @ S_start + sum_{s <= t} exp(seg_ts) (q_t . k_s) v_s``.
+
+    Args:
+        qg, kg: ``[nBH, c, K]`` probes and keys; vg: ``[nBH, c, V]`` values; S_starts: ``[nBH, K,
+        V]``
+            the states at the chunks' starts.
+        lg, L: ``[nBH, c]`` the log decays and their cumulative sums in the chunk, or None (no
+        decay).
+
+    Returns:
+        ``(o [nBH, c, V], m)``: with ``li``, o scaled by ``exp(-m)``, m ``[nBH, c]`` each row's
+        stabiliser; else m is None.
+
+    Specialised for this module: inclusive=True, li=None, m0=None.
+    """
+    c = qg.shape[1]
+    d = 0                                       # pairs s <= t (s < t)
+    scores = torch.bmm(qg, kg.transpose(1, 2))                       # [nBH, c, c]
+    m_row = None
+    if lg is not None:
+        # segment sums seg[t, s] = sum of lg_u over s < u <= t (u < t if exclusive): the log
+        # decay of the pair, a masked cumulative sum (0 above the diagonal: exp(0) = 1, masked
+        # after)
+        later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
+        seg = torch.cumsum(lg[:, :, None].expand(-1, c, c).masked_fill(~later, 0.0), dim=1)
+        # [nBH, c] the log decay a probe sees
+        Lq = L
+        decay = torch.exp(seg)
+        qg = qg * torch.exp(Lq)[..., None]                       # [nBH, c, K] decayed probes
+        scores = (scores * decay).tril_(d)
+    else:
+        scores = scores.tril_(d)
+    # the triangular product with v: its non-finite entries go around it, from their row on
+    v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)                       # [nBH, c, V]
+    # [nBH, c, 1] non-finite iff the row is
+    v_sum = vg.sum(-1, keepdim=True)
+    # [nBH, c, 1] 0, or nan from s on
+    v_bad = torch.cumsum(v_sum - v_sum, dim=1)
+    return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
+
+
+def _additive_halving(XE, P, vg, og, probes, inplace):
+    """The pairs of per-channel chunks of ``chunk_additive``, halved level by level: in a block of
+    2h
+    tokens a pair (t in the second half, s in the first) weighs ``E_h(s) F_h(t)``; all pairs of a
+    level are one batched ``(q F) (k E)^T`` product applied to the first halves' values, and
+    ``XE = [k E | q F]`` passes to the next level by one product with the halves' decays.
+
+    Args:
+        XE: ``[nBH, c, K]`` (no probes) or ``[nBH, c, 2K]``: ``[k E_1 | q F_1]``; P: ``[nBH, c, K]``
+            each token's decay; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the outputs of the
+            pairs s = t, or None.
+        probes: whether there are probes (their outputs are computed); inclusive: o_t reads S_t.
+        inplace: update the factors in place (no autograd).
+
+    Returns:
+        ``(XE, P, og)``: the keys decayed to the chunk end and the probes' decays from its start,
+        the
+        decay over each chunk ``[nBH, 1, K]``, the outputs of the chunk's pairs (None without
+        probes).
+
+    Specialised for this module: inclusive=True.
+    """
+    nBH, c, W = XE.shape
+    K, V = P.shape[-1], vg.shape[-1]
+    ones = P.new_ones(nBH * c // 2, 1, 1, K)
+    h = 1
+    while h < c:
+        nb = nBH * c // (2 * h)                              # blocks of 2h tokens
+        XEb = XE.view(nb, 2, h, W)
+        if probes:
+            # [nb, h, K]: first halves' k E, second halves' q F
+            kt, qt = XEb[:, 0, :, :K], XEb[:, 1, :, K:]
+            v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
+            o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves
+            # out of place until og depends on q, k, v and the decays: in place after (vmap)
+            fresh = h <= 1
+            if h <= 2:                                       # tiny blocks: column by column
+                scores = ((qt * kt).sum(-1, keepdim=True) if h == 1
+                        else torch.bmm(qt, kt.transpose(1, 2)))
+                # [nb, h, 1], [nb, 1, V]
+                cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]
+                if fresh:
+                    cross = sum(a * b for a, b in cols)
+                    o2 = cross if o2 is None else o2 + cross
+                    o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
+                    og = torch.stack([o1, o2], 1).view(nBH, c, V)
+                else:
+                    for a, b in cols:
+                        o2.addcmul_(a, b)
+            else:
+                o2.add_(torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1))
+        Pb = P.view(nb, 2, 1, K)                             # the decays of the two halves
+        # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the
+        # first's
+        # in place from XE_2 on (XE_1 may be k itself; XE_2 depends on the decays: vmap)
+        if inplace and h > 1:
+            XEb[:, 0, :, :K].mul_(Pb[:, 1])
+            if probes:
+                XEb[:, 1, :, K:].mul_(Pb[:, 0])
+        else:
+            one = ones[:nb]
+            fac = torch.cat([Pb[:, 1:], one] + ([one, Pb[:, :1]] if probes else []), -1)
+            XE = (XEb * fac.view(nb, 2, 1, W)).view(nBH, c, W)
+        P = Pb[:, 0] * Pb[:, 1]                              # [nb, 1, K]
+        h *= 2
+    return XE, P, og
+
+
+class _Documents:
+    """Packed documents for the exact chunked kernels: offsets ``cu_seqlens [N + 1]`` of a row of T
+    tokens.  A kernel lays them out for its chunk with :meth:`for_kernel`."""
+
+    def __init__(self, cu_seqlens):
+        self.offsets = [int(x) for x in cu_seqlens.tolist()]   # one device sync per call
+        self.count = len(self.offsets) - 1                       # N
+
+    def for_kernel(self, C, S0):
+        """The layout of one kernel call: chunks of C tokens, initial states ``S0 [N, ...]`` (in the
+        kernel's dtype)."""
+        return _DocumentChunks(self.offsets, C, S0)
+
+
+class _DocumentChunks:
+    """Packed documents laid out for one exact chunked kernel call (flash-linear-attention's chunk
+    indices): every document starts at a chunk, and its last chunk is filled up with zero tokens (an
+    identity token of every kernel: no write, no decay), so that a chunk holds one document.  The
+    state passes from chunk to chunk as ever, replaced by a document's initial state where it starts
+    (:meth:`enter`) and read out where it ends (:meth:`leave`).
+
+    ``offsets``: the documents' offsets ``[N + 1]`` in a row of T tokens; ``C``: the kernel's chunk;
+    ``S0``: the initial states ``[N, ...]`` (already in the kernel's dtype).
+    """
+
+    def __init__(self, offsets, C, S0):
+        dev = S0.device
+        self.first, self.last = {}, {}                     # chunk -> the document it starts / ends
+        # each document's first slot in the laid-out row
+        slots, slot = [], 0
+        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+            n = -(-(b - a) // C)                           # the document's chunks
+            if n:
+                self.first[slot // C] = i
+                self.last[slot // C + n - 1] = i
+            slots.append(slot)
+            slot += n * C
+        self.T = slot                                      # tokens of the laid-out row
+        lengths = torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], device=dev)
+        padded = (lengths + C - 1) // C * C
+        first_slot = torch.tensor(slots, dtype=torch.long, device=dev)
+        shift = first_slot - torch.tensor(offsets[:-1], dtype=torch.long, device=dev)
+        # the slot of each packed token, and per slot its document and its document's first slot
+        shift = shift.repeat_interleave(lengths, output_size=offsets[-1])
+        self.give = torch.arange(offsets[-1], device=dev) + shift
+        self.doc_of = torch.arange(len(slots), device=dev).repeat_interleave(padded,
+                output_size=slot)
+        self.start = first_slot.repeat_interleave(padded, output_size=slot)
+        filled = torch.zeros(slot, dtype=torch.bool, device=dev).index_fill_(0, self.give, True)
+        self.pads = (~filled).nonzero()[:, 0]              # the slots after each document's end
+        self.S0 = S0
+        self.finals = list(S0.unbind(0))                   # an empty document keeps its state
+
+    def lay(self, x):
+        """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
+        stays
+        None)."""
+        if x is None:
+            return None
+        out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
+        return out.index_fill_(1, self.pads, 0)
+
+    def unlay(self, o):
+        """``[1, T', ...]`` -> ``[1, T, ...]``: the outputs of the real tokens, in packed order."""
+        return o.index_select(1, self.give)
+
+    def enter(self, j, S):
+        """The state at the start of chunk j: a document's initial state where one starts."""
+        i = self.first.get(j)
+        return S if i is None else self.S0[i].reshape(S.shape)
+
+    def leave(self, j, S):
+        """Chunk j has run: keep S as its document's final state where the document ends."""
+        i = self.last.get(j)
+        if i is not None:
+            self.finals[i] = S.reshape(self.S0.shape[1:])
+
+    def final(self):
+        """The documents' final states ``[N, ...]``."""
+        return torch.stack(self.finals)
+
+    def cumsum(self, x):
+        """Cumulative sums over ``[1, T', ...]`` that restart at each document."""
+        c = torch.cumsum(x, dim=1)
+        return c - (c - x).index_select(1, self.start)
+
+    def total(self, x):
+        """Sums of ``[1, T', *rest]`` per document: ``[N, *rest]``."""
+        out = x.new_zeros(self.S0.shape[0], *x.shape[2:])
+        return out.index_add(0, self.doc_of, x[0])
 
 
 class MesaMemory(nn.Module):
@@ -249,28 +923,24 @@ class MesaMemory(nn.Module):
         state['G']: [B, H, d_k, d_v]
         output: [B, T, H, d_v]
 
-    Schedules: 'online'; "auto" is 'online'.
+    Schedules: 'solve', 'online'; "auto" is 'solve'.
     """
 
     VIEWS = {'q': 'd_k', 'k': 'd_k', 'v': 'd_v'}
     GATES = {'eta': (), 'alpha': ()}
     STATE = {'H': ('d_k', 'd_k', ), 'G': ('d_k', 'd_v', )}
     LOSS_STATES = ()
-    SCHEDULES = ('online', )
-    DEFAULT_SCHEDULE = 'online'
+    SCHEDULES = ('solve', 'online', )
+    DEFAULT_SCHEDULE = 'solve'
     STEP_SCHEDULE = 'online'
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False,
-            state_dtype=None, checkpoint=None):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=32, compile=False,
+            state_dtype=None):
         """Dims as keywords (defaults from the spec); `chunk`: the chunk size of chunked schedules;
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, with static shapes.
-        `checkpoint`: the backward recomputes each chunk (torch.utils.checkpoint) instead of
-        keeping its per-token states for autograd: peak memory of one chunk's states, not the
-        sequence's; None: when training on more than 256 tokens; False: memory growing with T
-        times the state (and gradients through torch.autograd.grad, which a recomputed chunk
-        whose inputs require grad does not support: use .backward()).
+        The exact chunked forward stays eager (with per-channel decays it takes minutes to compile).
         """
         super().__init__()
         self.d_model = d_model
@@ -280,7 +950,6 @@ class MesaMemory(nn.Module):
         self.chunk = chunk
         self.compile = compile
         self.state_dtype = state_dtype
-        self.checkpoint = checkpoint
         self._token_fn = _Compiled(self._token_step) if compile else self._token_step
 
     def init_state(self, batch, device=None, dtype=None, generator=None):
@@ -305,7 +974,7 @@ class MesaMemory(nn.Module):
             eta: [B, T, H] (gate value, after its formula)
             alpha: [B, T, H] (gate value, after its formula)
             state: {name: [B, H, ...]} to continue from (default: init_state).
-            schedule: "auto" (online) or one of online.
+            schedule: "auto" (solve) or one of solve, online.
             cu_seqlens: packed documents: B = 1, int offsets [N + 1] (0, ..., T); each document
                 runs alone from its own state row (state and the final state: [N, H, ...]).
         Returns: (o [B, T, H, d_v], the final state).
@@ -334,9 +1003,11 @@ class MesaMemory(nn.Module):
             schedule = self.DEFAULT_SCHEDULE
         if schedule not in self.SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not admitted by "
-                             'mesa: use "auto" or one of online')
+                             'mesa: use "auto" or one of solve, online')
         if T == 0:  # no tokens: every schedule returns an empty output and the state as it was
             return q.new_zeros(B, 0, q.shape[2], self.d_v), state
+        if schedule == 'solve':
+            return self._forward_chunk(q, k, v, eta, alpha, state)
         return self._forward_online(q, k, v, eta, alpha, state)
 
     def _forward_documents(self, q, k, v, eta, alpha, state, schedule, cu_seqlens):
@@ -349,6 +1020,8 @@ class MesaMemory(nn.Module):
         bounds = _document_bounds(cu_seqlens, q.shape[0], q.shape[1])
         state = self._check_state(state, len(bounds), q)
         schedule = self.DEFAULT_SCHEDULE if schedule == "auto" else schedule
+        if schedule == 'solve':  # one kernel call over the packed row
+            return self._forward_chunk(q, k, v, eta, alpha, state, _Documents(cu_seqlens))
 
         def run(q, k, v, eta, alpha, state):
             return self.forward(q, k, v, eta=eta, alpha=alpha, state=state, schedule=schedule)
@@ -446,30 +1119,15 @@ class MesaMemory(nn.Module):
         """Token by token: the per-token step (compiled once when compile=True) in a Python loop."""
         # (an expanded initial state would compile a second graph)
         H, G = state['H'].contiguous(), state['G'].contiguous()
-        T = q.shape[1]
-        # segments of 64 tokens, each recomputed in the backward
-        step = 64 if _recomputing(self.checkpoint, T) else T
-        run = _recomputed(self._online_tokens) if step < T else self._online_tokens
-        outputs = []
-        for t0 in range(0, T, step):
-            o_s, (H, G) = run(H, G, q[:, t0:t0 + step], k[:, t0:t0 + step], v[:, t0:t0 + step],
-                    eta[:, t0:t0 + step], alpha[:, t0:t0 + step])
-            outputs.append(o_s)
-        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)  # (decoding: no copy)
-        return o, {'H': H, 'G': G}
-
-    def _online_tokens(self, H, G, q, k, v, eta, alpha):
-        """A segment of S tokens of the loop (torch.utils.checkpoint recomputes it): the state
-        tensors [B, H, ...], the views and gates [B, S, H, ...];
-        -> (o [B, S, H, d_v], the state after the segment).
-        """
         outputs = []
         # views (one stack of their gradients when training)
         for q_t, k_t, v_t, eta_t, alpha_t in zip(q.unbind(1), k.unbind(1), v.unbind(1),
                 eta.unbind(1), alpha.unbind(1)):
             o_t, (H, G) = self._token_fn(H, G, q_t, k_t, v_t, eta_t, alpha_t)
             outputs.append(o_t)
-        return torch.stack(outputs, dim=1), (H, G)
+        # (decoding: no copy)
+        o = outputs[0].unsqueeze(1) if len(outputs) == 1 else torch.stack(outputs, dim=1)
+        return o, {'H': H, 'G': G}
 
     def _token_step(self, H, G, q, k, v, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], alpha [B, H];
@@ -488,6 +1146,29 @@ class MesaMemory(nn.Module):
                 qn.unsqueeze(-2), left=False) @ G).squeeze(-2)
         return o, (H, G)
 
+    def _forward_chunk(self, q, k, v, eta, alpha, state, documents=None):
+        """The solve chunked form over chunks of self.chunk tokens: conjugate gradients
+        for every token's system at once, to the solver's tolerance at the dtype's precision,
+        then the probe of G with the solutions.
+
+        `documents`: packed documents (B = 1, state [N, H, ...]), each starting a chunk of
+        both kernel calls."""
+        qn = l2norm(q)  # [B, T, H, d_k]
+        kn = l2norm(k)  # [B, T, H, d_k]
+        # solve chunked schedule (exact to the solver's tolerance): x_t (H_t + lam I) = p_t by
+        # conjugate gradients for every token of a chunk at once, then o_t = x_t @ G_t
+        decay = 1 - alpha  # [B, T, H]
+        log_decay = torch.log(decay.clamp(min=0))  # [B, T, H]
+        # [B, T, H, d_k]
+        solution, H_new = chunk_solve(qn, kn, eta, log_decay, state["H"], 1.0, self.chunk,
+                documents=documents)
+        G_value = eta[..., None] * v  # [B, T, H, d_v]
+        # [B, T, H, d_v]
+        G_probe_out, G_new = chunk_additive(solution, kn, G_value, log_decay, state["G"],
+                self.chunk, documents=documents)
+        o = G_probe_out  # [B, T, H, d_v]
+        return o, {'H': H_new, 'G': G_new}
+
 
 class MesaLayer(nn.Module):
     """x [B, T, d_model] -> projections into views (and gates) -> MesaMemory -> output projection.
@@ -499,7 +1180,7 @@ class MesaLayer(nn.Module):
     alpha = sigmoid(logit) with logit = alpha_proj(x) [B, T, H] (bias init -4.0)
     """
 
-    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=64, compile=False):
+    def __init__(self, *, d_model=256, heads=4, d_k=64, d_v=64, chunk=32, compile=False):
         super().__init__()
         self.d_model = d_model
         self.heads = heads

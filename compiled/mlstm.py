@@ -45,14 +45,15 @@ def _check(name, t, axes, sizes, ref=None):
 
 
 class _Compiled:
-    """`torch.compile(fn, dynamic=False)` (static shapes), compiled at the first call.
+    """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
+    dynamic shapes), compiled at the first call.
 
     If compilation fails, warns once and runs `fn` eagerly from then on.
     `seconds` is the wall time of the first (compiling) call."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=False)
+        self.compiled = torch.compile(fn, dynamic=dynamic)
         self.seconds = None
 
     def __call__(self, *args):
@@ -1002,7 +1003,7 @@ class MlstmMemory(nn.Module):
         C_n_b = (C_b, n_b.unsqueeze(-1))
         C_n_0 = torch.cat([state["C"], state["n"].unsqueeze(-1)], dim=-1)  # [B, H, d_k, d_v + 1]
         C_n_read0, C_n_T, C_n_m = chunk_additive(q, k, C_n_b, C_n_log_gamma, C_n_0, self.chunk,
-                documents=documents, log_input=ig)
+                log_input=ig, documents=documents)
         C_probe_out, n_probe_out = torch.split(C_n_read0, [self.d_v, 1], dim=-1)
         n_probe_out = n_probe_out.squeeze(-1)  # [B, T, H]
         C_new, n_new = torch.split(C_n_T, [self.d_v, 1], dim=-1)
