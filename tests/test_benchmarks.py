@@ -131,8 +131,11 @@ def test_report_quick_every_section(tmp_path):
     text = out.read_text()
     _check_family_table(text)
     for command in ("`memspec bench specs/linear_attention.yaml", "`python benchmarks/anchors.py --T 128",
-                    "`python benchmarks/anchors.py --dplr", "`python benchmarks/floor.py"):
+                    "`python benchmarks/anchors.py --dplr", "`python benchmarks/floor.py",
+                    "`python benchmarks/lact_anchor.py --T 128"):
         assert command in text
+    lact = _table_rows(text, "| chunk | pass | anchor |")
+    assert [(r[0], r[1]) for r in lact] == [("16", "forward"), ("16", "fwd+bwd")] and all(_ms(r[3]) > 0 for r in lact)
     bench = _table_rows(text, "| spec | schedule | exact |")
     assert {(r[0], r[1]) for r in bench} == {("linear_attention", "additive"), ("linear_attention", "online"),
                                              ("hgrn", "scan"), ("hgrn", "online")}
