@@ -175,7 +175,7 @@ def whole_chunks(ctx, L, accs, inputs) -> None:
 
 
 def compiled_methods(ctx, plan) -> list:
-    """The rows chunk step's further compiled methods: the preparation (symbolic sizes) and the
+    """The rows chunk step's further compiled methods: the preparation (automatic dynamic shapes) and the
     groups of whole chunks."""
     if rows_grads(ctx, plan) is None:
         return []

@@ -46,12 +46,8 @@ class KernelCall:
         names = list(inspect.signature(fn).parameters)
         if len(positional) > len(names):
             raise TypeError(f"{fn.__name__} takes {len(names)} arguments, the call writes {len(positional)}")
-        args = [(n, None if t == "None" else Code(t), False) for n, t in zip(names, positional)]
-        for n, v in (keywords or {}).items():
-            if n not in names:
-                raise TypeError(f"{fn.__name__} has no parameter {n!r}")
-            args.append((n, None if v == Code("None") else v, True))
-        return cls(targets, fn, tuple(args), comment)
+        args = tuple((n, None if t == "None" else Code(t), False) for n, t in zip(names, positional))
+        return cls(targets, fn, args, comment).with_keywords(**(keywords or {}))
 
     def with_keywords(self, **keywords) -> "KernelCall":
         """The same call with more keyword arguments (values as in :meth:`of`)."""
