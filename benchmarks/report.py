@@ -510,6 +510,11 @@ def lact_table(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def memory_table(text: str) -> str:
+    """frontier_memory.py's Markdown table, its own title line included."""
+    return text.strip() + "\n"
+
+
 def families_table() -> str:
     """The shipped specs by their default schedule's family, in the order of FAMILIES (no timing)."""
     by = {name: [] for name in NAMES}
@@ -563,6 +568,7 @@ class Sizes:
     dplr: list[str]
     floor: list[str]
     lact: list[str]
+    memory: list[str]
 
 
 def sizes(quick: bool) -> Sizes:
@@ -572,14 +578,16 @@ def sizes(quick: bool) -> Sizes:
                      anchors=["--T", "128", "--repeat", "1"],
                      dplr=["--T", "128", "--repeat", "1", "--peer-repeat", "1", "--recurrent-repeat", "1"],
                      floor=["--T", "128", "--D", "16", "--chunk", "16", "--group", "4", "--repeat", "1"],
-                     lact=["--T", "128", "--chunks", "16", "--repeat", "1", "--no-compile"])
+                     lact=["--T", "128", "--chunks", "16", "--repeat", "1", "--no-compile"],
+                     memory=["--T", "128", "titans", "lact"])
     return Sizes(T=2048, repeat=5, budget_s=20.0,
                  bench=[f"specs/{p.name}" for p in sorted((ROOT / "specs").glob("*.yaml")) if p.stem not in SAME_MEMORY],
                  bench_argv=["--T", "2048", "--B", "1", "--H", "4", "--D", "64", "--repeat", "3"],
                  anchors=["--T", "2048", "--repeat", "7"],
                  dplr=["--T", "2048", "--repeat", "3", "--peer-repeat", "1", "--recurrent-repeat", "1"],
                  floor=["--T", "2048", "--repeat", "9"],
-                 lact=["--T", "2048", "--repeat", "7"])
+                 lact=["--T", "2048", "--repeat", "7"],
+                 memory=["--T", "2048"])
 
 
 def checked_specs(paths: list[str]) -> tuple[list[str], list[str]]:
@@ -607,7 +615,8 @@ def scripts_section(z: Sizes, threads: int) -> tuple[list[str], list[str]]:
                 "dplr_bwd": ["python", "benchmarks/anchors.py", "--dplr", *z.dplr, *t, "--backward",
                              "--json", j["dplr_bwd"]],
                 "floor": ["python", "benchmarks/floor.py", *z.floor, *t],
-                "lact": ["python", "benchmarks/lact_anchor.py", *z.lact, *t]}
+                "lact": ["python", "benchmarks/lact_anchor.py", *z.lact, *t],
+                "memory": ["python", "benchmarks/frontier_memory.py", *t, "--markdown", *z.memory]}
         got, failed = {}, {}
         for k, a in argv.items():
             try:
@@ -651,7 +660,11 @@ def scripts_section(z: Sizes, threads: int) -> tuple[list[str], list[str]]:
            (f"{cmd('lact')}: LaCT's memory (d 64, hidden 128) against the apply-then-update chunks written by hand "
             "from the paper in the script, eager and with `compile=True` (against the eager anchor), forward and "
             "forward + backward; ratios are memspec / anchor here (below 1, memspec is faster):"), "",
-           *table(["lact"], lact_table)]
+           *table(["lact"], lact_table),
+           "## Peak memory of the frontier layers at training length", "",
+           ("The frontier memories, whose schedules form every token's state, against the titans layer (recomputed "
+            "chunks keep each within 2x; seconds: one run):"), "",
+           *table(["memory"], memory_table)]
     return out, [f"{shlex.join(argv[k])}: {why}" for k, why in failed.items()] + unchecked
 
 

@@ -120,7 +120,7 @@ def test_report_family_table_quick(tmp_path):
 
 @pytest.mark.slow
 def test_report_quick_every_section(tmp_path):
-    """The whole --quick report: the scripts' tables (memspec bench, anchors, floor) from their own
+    """The whole --quick report: the scripts' tables (memspec bench, anchors, floor, frontier memory) from their own
     commands, each shown with its command line, and the family table of the shipped specs."""
     out = tmp_path / "benchmarks.md"
     threads = torch.get_num_threads()
@@ -143,6 +143,8 @@ def test_report_quick_every_section(tmp_path):
     kernels = [r[0] for r in _table_rows(text, "| kernel | memspec, forward |")]
     assert kernels[:4] == ["delta rule", "gated delta rule", "linear attention", "decayed lin. attn"]
     assert [r[0] for r in _table_rows(text, "| row | median |")] == ["online", "chunked", "minimal", "matmuls"]
+    memory = _table_rows(text, "| spec | schedule | peak GB |")
+    assert [r[0] for r in memory] == ["titans", "lact"] and memory[0][3] == "1.00" and float(memory[1][2]) > 0
     families = {r[0]: r[2] for r in _table_rows(text, "| family | exact | shipped specs")}
     assert "deltanet" in families["delta"].split(", ") and families["apply_update"] == "lact"
 
