@@ -135,139 +135,22 @@ def minibatch_recurrence(spec, values=None, scope=None, inputs: bool = False) ->
       ``S = c * softmax(Z, d)`` (softmax ignores the shift a log c - a logsumexp(Z, d) that
       log S adds to Z along d): ``coeff``/``rest`` hold the recurrence of Z, ``mirror[S]`` is
       ``(c, d)``."""
-    env = ShapeEnv.from_spec(spec)
+    x = _Extraction(spec, scope, inputs)
     values = [st.value for st in spec.update] if values is None else list(values)
-    states = list(spec.state)
-    model = spec.model.name if spec.model is not None else None
-    grads: dict = {}
-    last = {stmt.target: i for i, stmt in enumerate(spec.update)}
-    temps: dict = {}   # temporary -> its _Affine (a token-local input when it has no coefficients)
-    used_inputs: dict = {s: set() for s in states}
-    mirror: dict = {}
-
-    def local(e: Expr) -> bool:
-        """Token-local: no state, no model application outside grad(...)."""
-        if isinstance(e, Call) and e.fn == "grad":
-            return True
-        if isinstance(e, Name) and (e.id in spec.state or (e.id in temps and temps[e.id].coeffs)):
-            return False
-        if isinstance(e, Call) and (e.fn == model or e.fn == "append"):
-            return False
-        return all(local(c) for c in e.children())
-
-    def scalar(e: Expr) -> bool:
-        shape = env.infer(e, scope=scope)
-        return shape is not None and tuple(shape) == ()
-
-    def negated(v: _Affine) -> _Affine:
-        return _Affine({k: term_neg(c) for k, c in v.coeffs.items()}, term_neg(v.rest))
-
-    def walk(e: Expr, cur: dict, i: int) -> _Affine:
-        if local(e):
-            for c in e.walk():
-                if isinstance(c, Call) and c.fn == "grad":
-                    grads.setdefault(unparse(c), c)
-            pure = {t: v.rest if v.rest is not None else Num(0) for t, v in temps.items() if not v.coeffs}
-            return _Affine({}, substitute(e, pure) if pure else e)
-        if isinstance(e, Name):
-            if e.id in temps:
-                return _Affine(dict(temps[e.id].coeffs), temps[e.id].rest)
-            if e.id != spec.update[i].target and last.get(e.id, i) < i:
-                return _Affine({("cur", e.id): Num(1)}, None)   # finished earlier in this token
-            v = cur[e.id]
-            return _Affine(dict(v.coeffs), v.rest)
-        if isinstance(e, Neg):
-            return negated(walk(e.operand, cur, i))
-        if isinstance(e, BinOp) and e.op in "+-":
-            a, b = walk(e.left, cur, i), walk(e.right, cur, i)
-            if e.op == "-":
-                b = negated(b)
-            coeffs = dict(a.coeffs)
-            for k, c in b.coeffs.items():
-                coeffs[k] = term_add(coeffs.get(k), c)
-            return _Affine({k: c for k, c in coeffs.items() if c is not None}, term_add(a.rest, b.rest))
-        factor = _factor(e, local, scalar, lambda c: len(env.infer(c, scope=scope) or ()) == 1)
-        if factor is not None:   # c * X (c a token-local scalar) or diag(c) @ X (c one factor per row)
-            c, t, lift = factor
-            v = walk(t, cur, i)
-            return _Affine({k: term_mul(c, cf) for k, cf in v.coeffs.items()}, lift(v.rest))
-        if isinstance(e, BinOp) and e.op == "/" and local(e.right) and scalar(e.right):
-            v = walk(e.left, cur, i)
-            return _Affine({k: term_div(c, e.right) for k, c in v.coeffs.items()}, term_div(v.rest, e.right))
-        if inputs:
-            tin = token_input(e, cur, i)
-            if tin is not None:
-                return tin
-        raise NotRecurrence(f"`{unparse(e)}` is not a token-local scalar times a state")
-
-    def token_input(e: Expr, cur: dict, i: int) -> Optional[_Affine]:
-        """``e`` as an input of the recurrence: a function of token-local values and of states
-        other than the statement's target, each read as a solved sequence (None if not)."""
-        target = spec.update[i].target
-        subst: dict = {}
-        for n in e.walk():
-            if isinstance(n, Call) and (n.fn == model or n.fn == "append"):
-                return None
-            if isinstance(n, Name) and n.id in temps and temps[n.id].coeffs:
-                return None
-            if isinstance(n, Name) and n.id in spec.state:
-                if n.id == target or spec.state[n.id].cache:
-                    return None
-                finished = last.get(n.id, -1) < i and n.id in last
-                if not finished and cur[n.id].coeffs != {("prev", n.id): Num(1)}:
-                    return None   # written earlier in this token, not finished: not one sequence
-                when = "cur" if finished else "prev"
-                subst[n.id] = Name(input_name(when, n.id))
-                used_inputs[target].add((when, n.id))
-        if target not in spec.state:
-            return None
-        for c in e.walk():
-            if isinstance(c, Call) and c.fn == "grad":
-                grads.setdefault(unparse(c), c)
-        pure = {t: v.rest if v.rest is not None else Num(0) for t, v in temps.items() if not v.coeffs}
-        return _Affine({}, substitute(e, {**pure, **subst}))
-
-    def mirror_step(e: Expr, target: str, cur: dict, i: int) -> Optional[_Affine]:
-        """``c * softmax(a * log(S) + X, d)``: the recurrence of the logits (None if not)."""
-        c, sm = Num(1), e
-        if isinstance(e, BinOp) and e.op == "*":
-            for s_, t_ in ((e.left, e.right), (e.right, e.left)):
-                if isinstance(t_, Call) and t_.fn == "softmax" and local(s_) and scalar(s_):
-                    c, sm = s_, t_
-        if not (isinstance(sm, Call) and sm.fn == "softmax" and len(sm.args) == 2):
-            return None
-        if last.get(target) != i or cur[target].coeffs != {("prev", target): Num(1)}:
-            return None   # the mirror step must be the state's only statement
-        logs = [n for n in sm.args[0].walk() if isinstance(n, Call) and n.fn == "log"
-                and n.args and isinstance(n.args[0], Name) and n.args[0].id == target]
-        if not logs:
-            return None
-        arg = rewrite(sm.args[0], lambda n: Name(target) if isinstance(n, Call) and n.fn == "log" and n.args
-                      and isinstance(n.args[0], Name) and n.args[0].id == target else None)
-        try:
-            z = walk(arg, cur, i)
-        except NotRecurrence:
-            return None
-        if set(z.coeffs) != {("prev", target)}:
-            return None
-        mirror[target] = (c, sm.args[1].id)
-        return z
-
-    cur = {s: _Affine({("prev", s): Num(1)}, None) for s in states}
-    for i, stmt in enumerate(spec.update):
-        if stmt.target not in spec.state:   # a per-token temporary: substituted where it is used
-            if stmt.target not in temps:
-                temps[stmt.target] = walk(values[i], cur, i)
-            continue
-        if spec.state[stmt.target].cache:
-            if inputs:   # the window of a window loss: the chunk step appends, no recurrence
-                continue
-            raise NotRecurrence(f"state {stmt.target} is a cache")
-        z = mirror_step(values[i], stmt.target, cur, i) if inputs else None
-        cur[stmt.target] = z if z is not None else walk(values[i], cur, i)
-    if not grads and scope is None:
+    for i in range(len(spec.update)):
+        x.statement(i, values[i])
+    if not x.grads and scope is None:
         raise NotRecurrence("the update takes no gradient")
-    coeff = {s: {k: c for k, c in cur[s].coeffs.items() if c is not None} for s in states}
+    states = list(spec.state)
+    coeff = {s: {k: c for k, c in x.cur[s].coeffs.items() if c is not None} for s in states}
+    return Recurrence(_solve_order(states, coeff, x.used_inputs), coeff, {s: x.cur[s].rest for s in states},
+                      tuple(x.grads.values()), {s: tuple(sorted(v)) for s, v in x.used_inputs.items() if v},
+                      x.mirror)
+
+
+def _solve_order(states: list, coeff: dict, used_inputs: dict) -> tuple:
+    """The states in an order where each one depends (off the diagonal, and through its inputs)
+    only on states before it; :class:`NotRecurrence` if some feed each other within a token."""
     order: list = []
     pending = list(states)
     while pending:
@@ -277,5 +160,157 @@ def minibatch_recurrence(spec, values=None, scope=None, inputs: bool = False) ->
             raise NotRecurrence(f"states {', '.join(pending)} feed each other within a token")
         order.append(ready[0])
         pending.remove(ready[0])
-    return Recurrence(tuple(order), coeff, {s: cur[s].rest for s in states}, tuple(grads.values()),
-                      {s: tuple(sorted(v)) for s, v in used_inputs.items() if v}, mirror)
+    return tuple(order)
+
+
+def _negated(v: _Affine) -> _Affine:
+    """``-v``: every coefficient and the rest negated."""
+    return _Affine({k: term_neg(c) for k, c in v.coeffs.items()}, term_neg(v.rest))
+
+
+class _Extraction:
+    """The update program read statement by statement into affine forms of the states before
+    the token: ``cur`` (each state after the statements read so far), the temporaries, the
+    distinct ``grad(...)`` calls met, the inputs each state reads and its mirror steps."""
+
+    def __init__(self, spec, scope, inputs: bool):
+        self.spec, self.scope, self.inputs = spec, scope, inputs
+        self.env = ShapeEnv.from_spec(spec)
+        self.model = spec.model.name if spec.model is not None else None
+        self.grads: dict = {}
+        self.last = {stmt.target: i for i, stmt in enumerate(spec.update)}   # state -> its last statement
+        self.temps: dict = {}   # temporary -> its _Affine (a token-local input when it has no coefficients)
+        self.used_inputs: dict = {s: set() for s in spec.state}
+        self.mirror: dict = {}
+        self.cur = {s: _Affine({("prev", s): Num(1)}, None) for s in spec.state}
+
+    def statement(self, i: int, value: Expr) -> None:
+        """Read statement ``i`` (right-hand side ``value``) into ``cur`` or ``temps``."""
+        target = self.spec.update[i].target
+        if target not in self.spec.state:   # a per-token temporary: substituted where it is used
+            if target not in self.temps:
+                self.temps[target] = self.walk(value, i)
+            return
+        if self.spec.state[target].cache:
+            if self.inputs:   # the window of a window loss: the chunk step appends, no recurrence
+                return
+            raise NotRecurrence(f"state {target} is a cache")
+        z = self.mirror_step(value, target, i) if self.inputs else None
+        self.cur[target] = z if z is not None else self.walk(value, i)
+
+    def local(self, e: Expr) -> bool:
+        """Token-local: no state, no model application outside grad(...)."""
+        if isinstance(e, Call) and e.fn == "grad":
+            return True
+        if isinstance(e, Name) and (e.id in self.spec.state or (e.id in self.temps and self.temps[e.id].coeffs)):
+            return False
+        if isinstance(e, Call) and (e.fn == self.model or e.fn == "append"):
+            return False
+        return all(self.local(c) for c in e.children())
+
+    def scalar(self, e: Expr) -> bool:
+        """Does ``e`` have shape ``()``?"""
+        shape = self.env.infer(e, scope=self.scope)
+        return shape is not None and tuple(shape) == ()
+
+    def vector(self, e: Expr) -> bool:
+        """Is ``e`` one-dimensional (a row scaling's factors)?"""
+        return len(self.env.infer(e, scope=self.scope) or ()) == 1
+
+    def note_grads(self, e: Expr) -> None:
+        """Record the ``grad(...)`` calls in ``e`` (the first of equal ones)."""
+        for c in e.walk():
+            if isinstance(c, Call) and c.fn == "grad":
+                self.grads.setdefault(unparse(c), c)
+
+    def pure_temps(self) -> dict:
+        """The temporaries that are token-local inputs -> their values."""
+        return {t: v.rest if v.rest is not None else Num(0) for t, v in self.temps.items() if not v.coeffs}
+
+    def walk(self, e: Expr, i: int) -> _Affine:
+        """``e`` (in statement ``i``) as an affine form of the states before the token, or
+        :class:`NotRecurrence` saying which term is not a token-local scalar times a state."""
+        if self.local(e):
+            self.note_grads(e)
+            pure = self.pure_temps()
+            return _Affine({}, substitute(e, pure) if pure else e)
+        if isinstance(e, Name):
+            if e.id in self.temps:
+                return _Affine(dict(self.temps[e.id].coeffs), self.temps[e.id].rest)
+            if e.id != self.spec.update[i].target and self.last.get(e.id, i) < i:
+                return _Affine({("cur", e.id): Num(1)}, None)   # finished earlier in this token
+            v = self.cur[e.id]
+            return _Affine(dict(v.coeffs), v.rest)
+        if isinstance(e, Neg):
+            return _negated(self.walk(e.operand, i))
+        if isinstance(e, BinOp) and e.op in "+-":
+            a, b = self.walk(e.left, i), self.walk(e.right, i)
+            if e.op == "-":
+                b = _negated(b)
+            coeffs = dict(a.coeffs)
+            for k, c in b.coeffs.items():
+                coeffs[k] = term_add(coeffs.get(k), c)
+            return _Affine({k: c for k, c in coeffs.items() if c is not None}, term_add(a.rest, b.rest))
+        factor = _factor(e, self.local, self.scalar, self.vector)
+        if factor is not None:   # c * X (c a token-local scalar) or diag(c) @ X (c one factor per row)
+            c, t, lift = factor
+            v = self.walk(t, i)
+            return _Affine({k: term_mul(c, cf) for k, cf in v.coeffs.items()}, lift(v.rest))
+        if isinstance(e, BinOp) and e.op == "/" and self.local(e.right) and self.scalar(e.right):
+            v = self.walk(e.left, i)
+            return _Affine({k: term_div(c, e.right) for k, c in v.coeffs.items()}, term_div(v.rest, e.right))
+        if self.inputs:
+            tin = self.token_input(e, i)
+            if tin is not None:
+                return tin
+        raise NotRecurrence(f"`{unparse(e)}` is not a token-local scalar times a state")
+
+    def token_input(self, e: Expr, i: int) -> Optional[_Affine]:
+        """``e`` as an input of the recurrence: a function of token-local values and of states
+        other than the statement's target, each read as a solved sequence (None if not)."""
+        spec, target = self.spec, self.spec.update[i].target
+        subst: dict = {}
+        for n in e.walk():
+            if isinstance(n, Call) and (n.fn == self.model or n.fn == "append"):
+                return None
+            if isinstance(n, Name) and n.id in self.temps and self.temps[n.id].coeffs:
+                return None
+            if isinstance(n, Name) and n.id in spec.state:
+                if n.id == target or spec.state[n.id].cache:
+                    return None
+                finished = self.last.get(n.id, -1) < i and n.id in self.last
+                if not finished and self.cur[n.id].coeffs != {("prev", n.id): Num(1)}:
+                    return None   # written earlier in this token, not finished: not one sequence
+                when = "cur" if finished else "prev"
+                subst[n.id] = Name(input_name(when, n.id))
+                self.used_inputs[target].add((when, n.id))
+        if target not in spec.state:
+            return None
+        self.note_grads(e)
+        return _Affine({}, substitute(e, {**self.pure_temps(), **subst}))
+
+    def mirror_step(self, e: Expr, target: str, i: int) -> Optional[_Affine]:
+        """``c * softmax(a * log(S) + X, d)``: the recurrence of the logits (None if not)."""
+        c, sm = Num(1), e
+        if isinstance(e, BinOp) and e.op == "*":
+            for s_, t_ in ((e.left, e.right), (e.right, e.left)):
+                if isinstance(t_, Call) and t_.fn == "softmax" and self.local(s_) and self.scalar(s_):
+                    c, sm = s_, t_
+        if not (isinstance(sm, Call) and sm.fn == "softmax" and len(sm.args) == 2):
+            return None
+        if self.last.get(target) != i or self.cur[target].coeffs != {("prev", target): Num(1)}:
+            return None   # the mirror step must be the state's only statement
+        logs = [n for n in sm.args[0].walk() if isinstance(n, Call) and n.fn == "log"
+                and n.args and isinstance(n.args[0], Name) and n.args[0].id == target]
+        if not logs:
+            return None
+        arg = rewrite(sm.args[0], lambda n: Name(target) if isinstance(n, Call) and n.fn == "log" and n.args
+                      and isinstance(n.args[0], Name) and n.args[0].id == target else None)
+        try:
+            z = self.walk(arg, i)
+        except NotRecurrence:
+            return None
+        if set(z.coeffs) != {("prev", target)}:
+            return None
+        self.mirror[target] = (c, sm.args[1].id)
+        return z
