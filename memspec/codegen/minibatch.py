@@ -12,7 +12,8 @@ reads its own state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 from ..lang.expr import Call, Name, substitute, unparse
 from ..lang.names import fresh
@@ -40,26 +41,83 @@ class TokenGrads:
     maps: list
 
 
+@dataclass
+class _Forward:
+    """The locals of ``_forward_minibatch`` (fresh names, taken in a fixed order) and what the
+    pieces that write it share."""
+
+    ctx: object
+    plan: object
+    taken: set
+    starts: dict   # state -> the local of its chunk-start value
+    C: str
+    t: str
+    n: str
+    pos: str
+    outs: str
+    o_c: str
+    T: str
+    ok: str
+    bpos: str
+    sizes: str
+    pre: Optional[tuple] = None   # the dual form's (pre inputs, pre outputs, core inputs)
+    seq: list = field(default_factory=list)   # the chunk step's inputs over the whole sequence
+    pieces: dict = field(default_factory=dict)   # input -> the local of its chunks
+    chunk_args: dict = field(default_factory=dict)   # input -> the loop's local of one chunk
+
+    @classmethod
+    def named(cls, ctx, plan) -> "_Forward":
+        """The names of the method's locals, fresh against the spec's names."""
+        taken = ctx.taken()
+        starts = {s: fresh(f"{s}_start", taken) for s in chunk_starts(ctx)}
+        names = [fresh(x, taken) for x in ("C", "t", "n", "pos", "outputs", "o_c", "T", "ok", "bpos", "sizes")]
+        return cls(ctx, plan, taken, starts, *names)
+
+    @property
+    def sv(self) -> list:
+        """The views and gates: the method's sequence arguments."""
+        return self.ctx.views + self.ctx.gates
+
+    @property
+    def head_major(self) -> bool:
+        """The dual form runs head-major [B, H, C, ...]."""
+        return self.plan.dual is not None
+
+    @property
+    def axis(self) -> int:
+        """The time axis of the chunk step's inputs and outputs."""
+        return 2 if self.head_major else 1
+
+    @property
+    def carried(self) -> list:
+        """What the loop carries from chunk to chunk: the states and the open blocks' sums."""
+        return self.ctx.states + [a.name for a in self.ctx.accs]
+
+
 def emit(ctx, L) -> None:
-    taken = ctx.taken()
-    sv = ctx.views + ctx.gates
-    starts = {s: fresh(f"{s}_start", taken) for s in chunk_starts(ctx)}
-    cur = ctx.states
-    c = fresh("C", taken)
-    t = fresh("t", taken)
-    n = fresh("n", taken)
-    pos = fresh("pos", taken)
-    outs = fresh("outputs", taken)
-    o_c = fresh("o_c", taken)
-    T = fresh("T", taken)
+    """``_forward_minibatch`` and the chunk methods it calls: the dual form's, the window dual
+    form's, or the materialising ``_token_grads`` (or the window's row gradients) and ``_chunk_step``."""
     plan = ctx.plans["minibatch"]
-    head_major = plan.dual is not None   # the dual form runs head-major [B, H, C, ...]
-    pre = None
-    if head_major:   # the chunk methods first: the loop calls them as they came out
+    f = _Forward.named(ctx, plan)
+    if f.head_major:   # the chunk methods first: the loop calls them as they came out
         methods = Lines()
         methods.level = L.level
-        pre = dual.emit(ctx, plan.dual, methods).pre
-    L(f"def _forward_minibatch(self, {', '.join(sv + ['state'])}):")
+        f.pre = dual.emit(ctx, plan.dual, methods).pre
+    forward_method(ctx, L, f)
+    if f.head_major:
+        L.lines.extend(methods.lines)
+        return
+    if plan.window is not None and plan.window.dual is not None:
+        emit_window_dual(ctx, L, plan)
+        return
+    grads = window_grads(ctx, L, plan.window) if plan.window is not None else token_grads(ctx, L)
+    chunk_step(ctx, L, plan, grads)
+
+
+def forward_method(ctx, L, f: _Forward) -> None:
+    """``_forward_minibatch``: the inputs masked (and laid out), the carried state, the chunk
+    lengths and pieces, the loop over the chunks and the outputs with the state after them."""
+    L(f"def _forward_minibatch(self, {', '.join(f.sv + ['state'])}):")
     with L.indent():
         L('"""' + "Mini-batch: chunks of `self.chunk` tokens; every gradient of a chunk at its start state.")
         L()
@@ -68,105 +126,136 @@ def emit(ctx, L) -> None:
         L("returns the chunk-start state and position as state['minibatch.<name>'] and")
         L("state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one call.")
         L('"""')
-        L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
-        ok = fresh("ok", taken)
-        L(f"{ok} = _finite_prefix({', '.join(sv)})",
-          "[B, T, H]: the tokens before the first non-finite input (of each batch row and head)")
-        L(f"{', '.join(sv)} = {', '.join(f'_where_ok({ok}, {x}, 0.0)' for x in sv)}",
-          "masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products")
-        ctx.need(_finite_prefix)
-        ctx.need(_where_ok)
-        nan = 'float("nan")'
-        seq = sv
-        if head_major:
-            L(f"{', '.join(sv)}{',' if len(sv) == 1 else ''} = (x.transpose(1, 2).contiguous() for x in ({', '.join(sv)}{',' if len(sv) == 1 else ''}))",
-              "head-major [B, H, T, ...], once")
-            seq = dual.sequence_inputs(ctx, L)   # the lets once over the whole sequence
-        L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}].contiguous()' for s in cur)}",
-          "(an expanded initial state would compile a second graph)")
-        carried = cur + [a.name for a in ctx.accs]
-        bpos = fresh("bpos", taken)
-        if ctx.accs:   # block updates (states with `every`): nested chunks
-            blocks = tuple(ctx.flags)
-            L(f"if any(b % {c} for b in {blocks!r}):")
-            L(f"    raise ValueError(f\"the chunk {{{c}}} must divide the blocks {blocks!r} of the block updates \"")
-            L("                     \"(nested chunks)\")")
-            block_sums_in(ctx, L, bpos, ctx.accs)
-        L(f"{pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
-        if starts:
-            L(f"{', '.join(starts.values())} = "
-              f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in starts)}")
-        sizes = fresh("sizes", taken)
-        axis = 2 if head_major else 1
-        L(f"{sizes} = []", "chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one")
-        L(f"{t} = 0")
-        L(f"while {t} < {T}:")
-        with L.indent():
-            L(f"{sizes}.append(min({c} - ({pos} + {t}) % {c}, {T} - {t}))")
-            L(f"{t} += {sizes}[-1]")
-        pieces = {x: fresh(f"{x}_chunks", taken) for x in seq}
-        L(f"({', '.join(pieces.values())}{',' if len(seq) == 1 else ''}) = "
-          f"(x.split({sizes}, dim={axis}) for x in ({', '.join(seq)}{',' if len(seq) == 1 else ''}))",
-          "views, not copies (one concatenation of their gradients when training)")
-        chunk_args = {x: fresh(f"{x}_c", taken) for x in seq}
-        if pre is not None:
-            pre_in, pre_out, core_in = pre
-            full, batched, per_full, i, pre_c = (fresh(x, taken) for x in ("full", "pre", "pre_full", "i", "pre_c"))
-            L(f"{full} = [{i} for {i}, {n} in enumerate({sizes}) if {n} == {c}]", "the full chunks")
-            L(f"{batched} = self._chunk_pre(*(torch.cat([x[{i}] for {i} in {full}]) for x in "
-              f"{tuple_text([pieces[x] for x in pre_in])})) if {full} else ()",
-              "what reads no state, for every full chunk at once (stacked on the batch axis)")
-            L(f"{per_full} = dict(zip({full}, zip(*(x.unflatten(0, (len({full}), -1)).unbind(0) for x in {batched}))))")
-        L(f"{outs} = []")
+        L(f"{f.C}, {f.T} = self.chunk, {ctx.first}.shape[1]")
+        masked_inputs(ctx, L, f)
+        carried_state(ctx, L, f)
+        chunk_pieces(L, f)
+        pre_names = batched_pre(L, f) if f.pre is not None else None
+        L(f"{f.outs} = []")
         if ctx.flags:
-            L(f"{t} = 0")
-        if pre is not None:
-            L(f"for {i}, ({n}, {', '.join(chunk_args.values())}) in enumerate(zip({sizes}, {', '.join(pieces.values())})):")
-        else:
-            L(f"for {n}, {', '.join(chunk_args.values())} in zip({sizes}, {', '.join(pieces.values())}):")
-        with L.indent():
-            if starts:
-                L(f"if {pos} == 0:")
-                L(f"    {', '.join(starts.values())} = {', '.join(starts)}", "a new chunk starts here")
-            if pre is not None:
-                L(f"if {n} == {c}:", "static shapes: one compiled chunk size")
-                L(f"    fn, {pre_c} = self._chunk_fn, {per_full}[{i}]")
-                L("else:", "a partial chunk: eagerly, with its own state-independent part")
-                L(f"    fn, {pre_c} = self._chunk_step, self._chunk_pre({', '.join(chunk_args[x] for x in pre_in)})")
-                args = list(starts.values()) + carried + [chunk_args[x] for x in core_in] + [f"*{pre_c}"]
-            else:
-                L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
-                recompute_lines(ctx, L, plan, T)
-                args = list(starts.values()) + carried + list(chunk_args.values())
-                args += [f"({bpos} + {t} + {n}) % {f} == 0" for f in ctx.flags]
-            L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
-            L(f"{outs}.append({o_c})")
-            L(f"{pos} = ({pos} + {n}) % {c}")
-            if ctx.flags:
-                L(f"{t} += {n}", "the next chunk's offset in this call")
-        L(f"{', '.join(cur)} = {', '.join(f'_where_ok({ok}[:, -1], {x}, {nan})' for x in cur)}",
-          "after a non-finite input the state is not finite, as token by token")
-        L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
-        if ctx.accs:
-            block_sums_out(ctx, L, f"({bpos} + {T})", ctx.accs, ctx.block_period)
-        L(f"if {pos}:")
-        with L.indent():
-            L(f"state[\"minibatch.pos\"] = {pos}")
-            for s, v in starts.items():
-                L(f"state[\"minibatch.{s}\"] = {v}")
-        o = "o"   # a reserved local name (lang.names)
-        L(f"{o} = {outs}[0] if len({outs}) == 1 else torch.cat({outs}, dim={axis})", "(decoding: no copy)")
-        L(f"return _where_ok({ok}, {o}.transpose(1, 2), {nan}), state" if head_major
-          else f"return _where_ok({ok}, {o}, {nan}), state")
+            L(f"{f.t} = 0")
+        chunk_loop(ctx, L, f, pre_names)
+        forward_return(ctx, L, f)
     L()
-    if head_major:
-        L.lines.extend(methods.lines)
-        return
-    if plan.window is not None and plan.window.dual is not None:
-        emit_window_dual(ctx, L, plan)
-        return
-    grads = window_grads(ctx, L, plan.window) if plan.window is not None else token_grads(ctx, L)
-    chunk_step(ctx, L, plan, grads)
+
+
+def masked_inputs(ctx, L, f: _Forward) -> None:
+    """The inputs zeroed from the first non-finite token on (``f.ok``: the tokens before it);
+    for the dual form laid out head-major, with the lets over the whole sequence (``f.seq``)."""
+    sv = f.sv
+    L(f"{f.ok} = _finite_prefix({', '.join(sv)})",
+      "[B, T, H]: the tokens before the first non-finite input (of each batch row and head)")
+    L(f"{', '.join(sv)} = {', '.join(f'_where_ok({f.ok}, {x}, 0.0)' for x in sv)}",
+      "masked by where: a later nan or inf cannot reach earlier tokens through a chunk's products")
+    ctx.need(_finite_prefix)
+    ctx.need(_where_ok)
+    f.seq = sv
+    if f.head_major:
+        one = ',' if len(sv) == 1 else ''
+        L(f"{', '.join(sv)}{one} = (x.transpose(1, 2).contiguous() for x in ({', '.join(sv)}{one}))",
+          "head-major [B, H, T, ...], once")
+        f.seq = dual.sequence_inputs(ctx, L)   # the lets once over the whole sequence
+
+
+def carried_state(ctx, L, f: _Forward) -> None:
+    """The state the loop starts from: the states, the open blocks' sums (nested chunks), the
+    position in a chunk begun by an earlier call and that chunk's start state."""
+    cur = ctx.states
+    L(f"{', '.join(cur)} = {', '.join(f'state[{s!r}].contiguous()' for s in cur)}",
+      "(an expanded initial state would compile a second graph)")
+    if ctx.accs:   # block updates (states with `every`): nested chunks
+        blocks = tuple(ctx.flags)
+        L(f"if any(b % {f.C} for b in {blocks!r}):")
+        L(f"    raise ValueError(f\"the chunk {{{f.C}}} must divide the blocks {blocks!r} of the block updates \"")
+        L("                     \"(nested chunks)\")")
+        block_sums_in(ctx, L, f.bpos, ctx.accs)
+    L(f"{f.pos} = state.get(\"minibatch.pos\", 0)", "a Python int: no device sync when decoding")
+    if f.starts:
+        L(f"{', '.join(f.starts.values())} = "
+          f"{', '.join(f'state.get({chr(34)}minibatch.{s}{chr(34)}, {s})' for s in f.starts)}")
+
+
+def chunk_pieces(L, f: _Forward) -> None:
+    """The chunk lengths (the rest of a chunk begun earlier, full chunks, a partial last one)
+    and every sequence input split into its chunks (``f.pieces``; the loop's ``f.chunk_args``)."""
+    t, seq = f.t, f.seq
+    L(f"{f.sizes} = []", "chunk lengths: the rest of a chunk begun earlier, full chunks, a partial last one")
+    L(f"{t} = 0")
+    L(f"while {t} < {f.T}:")
+    with L.indent():
+        L(f"{f.sizes}.append(min({f.C} - ({f.pos} + {t}) % {f.C}, {f.T} - {t}))")
+        L(f"{t} += {f.sizes}[-1]")
+    f.pieces = {x: fresh(f"{x}_chunks", f.taken) for x in seq}
+    L(f"({', '.join(f.pieces.values())}{',' if len(seq) == 1 else ''}) = "
+      f"(x.split({f.sizes}, dim={f.axis}) for x in ({', '.join(seq)}{',' if len(seq) == 1 else ''}))",
+      "views, not copies (one concatenation of their gradients when training)")
+    f.chunk_args = {x: fresh(f"{x}_c", f.taken) for x in seq}
+
+
+def batched_pre(L, f: _Forward) -> tuple:
+    """The dual form's state-independent part for every full chunk at once; returns the locals
+    ``(i, per_full, pre_c)``: the loop's chunk index, full chunk -> its part, one chunk's part."""
+    pre_in = f.pre[0]
+    full, batched, per_full, i, pre_c = (fresh(x, f.taken) for x in ("full", "pre", "pre_full", "i", "pre_c"))
+    L(f"{full} = [{i} for {i}, {f.n} in enumerate({f.sizes}) if {f.n} == {f.C}]", "the full chunks")
+    L(f"{batched} = self._chunk_pre(*(torch.cat([x[{i}] for {i} in {full}]) for x in "
+      f"{tuple_text([f.pieces[x] for x in pre_in])})) if {full} else ()",
+      "what reads no state, for every full chunk at once (stacked on the batch axis)")
+    L(f"{per_full} = dict(zip({full}, zip(*(x.unflatten(0, (len({full}), -1)).unbind(0) for x in {batched}))))")
+    return i, per_full, pre_c
+
+
+def chunk_loop(ctx, L, f: _Forward, pre_names: Optional[tuple]) -> None:
+    """The loop over the chunks: a new chunk's start state, the compiled step for a full chunk
+    (eagerly for a partial one) from the carried state, its output kept, the position advanced."""
+    n, c, pos, carried, chunk_args = f.n, f.C, f.pos, f.carried, f.chunk_args
+    starts = list(f.starts.values())
+    if pre_names is not None:
+        i, per_full, pre_c = pre_names
+        L(f"for {i}, ({n}, {', '.join(chunk_args.values())}) in enumerate(zip({f.sizes}, {', '.join(f.pieces.values())})):")
+    else:
+        L(f"for {n}, {', '.join(chunk_args.values())} in zip({f.sizes}, {', '.join(f.pieces.values())}):")
+    with L.indent():
+        if starts:
+            L(f"if {pos} == 0:")
+            L(f"    {', '.join(starts)} = {', '.join(f.starts)}", "a new chunk starts here")
+        if pre_names is not None:
+            pre_in, _, core_in = f.pre
+            L(f"if {n} == {c}:", "static shapes: one compiled chunk size")
+            L(f"    fn, {pre_c} = self._chunk_fn, {per_full}[{i}]")
+            L("else:", "a partial chunk: eagerly, with its own state-independent part")
+            L(f"    fn, {pre_c} = self._chunk_step, self._chunk_pre({', '.join(chunk_args[x] for x in pre_in)})")
+            args = starts + carried + [chunk_args[x] for x in core_in] + [f"*{pre_c}"]
+        else:
+            L(f"fn = self._chunk_fn if {n} == {c} else self._chunk_step", "static shapes: one compiled chunk size")
+            recompute_lines(ctx, L, f.plan, f.T)
+            args = starts + carried + list(chunk_args.values())
+            args += [f"({f.bpos} + {f.t} + {n}) % {flag} == 0" for flag in ctx.flags]
+        L(f"{f.o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
+        L(f"{f.outs}.append({f.o_c})")
+        L(f"{pos} = ({pos} + {n}) % {c}")
+        if ctx.flags:
+            L(f"{f.t} += {n}", "the next chunk's offset in this call")
+
+
+def forward_return(ctx, L, f: _Forward) -> None:
+    """The state after the call (not finite after a non-finite input; a chunk begun but not
+    finished: its start state and position) and the chunks' outputs joined."""
+    cur, nan = ctx.states, 'float("nan")'
+    L(f"{', '.join(cur)} = {', '.join(f'_where_ok({f.ok}[:, -1], {x}, {nan})' for x in cur)}",
+      "after a non-finite input the state is not finite, as token by token")
+    L(f"state = {{{', '.join(f'{s!r}: {s}' for s in cur)}}}")
+    if ctx.accs:
+        block_sums_out(ctx, L, f"({f.bpos} + {f.T})", ctx.accs, ctx.block_period)
+    L(f"if {f.pos}:")
+    with L.indent():
+        L(f"state[\"minibatch.pos\"] = {f.pos}")
+        for s, v in f.starts.items():
+            L(f"state[\"minibatch.{s}\"] = {v}")
+    o = "o"   # a reserved local name (lang.names)
+    L(f"{o} = {f.outs}[0] if len({f.outs}) == 1 else torch.cat({f.outs}, dim={f.axis})", "(decoding: no copy)")
+    L(f"return _where_ok({f.ok}, {o}.transpose(1, 2), {nan}), state" if f.head_major
+      else f"return _where_ok({f.ok}, {o}, {nan}), state")
 
 
 def recompute_lines(ctx, L, plan, T: str) -> None:
