@@ -72,7 +72,36 @@ _NUMBER_TAGS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
 
 def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
     """Parse ``text`` (YAML) into a RawSpec; problems go to ``diags``."""
+    node = _compose(text, file, diags)
+    if node is None:
+        return None
     raw = RawSpec(file=file)
+    converter = _Converter(raw, text.splitlines(), diags)
+    try:
+        data = converter.value(node, (), 0)
+    except RecursionError:
+        diags.error(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", Span(file, 1, 1))
+        return None
+    except yaml.YAMLError as err:  # e.g. a malformed timestamp or number
+        diags.error(f"YAML error: {err}", Span(file, 1, 1))
+        return None
+    if not converter.ok:
+        return None
+    raw.spans[()] = Span(file, 1, 1)
+    if "extends" in data:
+        ext = data.pop("extends")
+        raw.extends_span = raw.spans.get(("extends",))
+        if not isinstance(ext, str):
+            diags.error("extends must be a file name", raw.extends_span)
+            return None
+        raw.extends = ext
+    raw.data = data
+    return raw
+
+
+def _compose(text: str, file: str, diags: Collector):
+    """The YAML node tree of ``text`` when it is a mapping; otherwise None after reporting
+    why (a syntax or reader error, an anchor or alias, too deep, empty, not a mapping)."""
     try:
         node = yaml.compose(text, Loader=_Loader)
     except _AliasFound as err:
@@ -88,17 +117,8 @@ def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
         diags.error(f"YAML syntax error: {problem}", span, hint=_yaml_hint(err))
         return None
     except yaml.YAMLError as err:  # reader errors (control characters, bad encoding)
-        mark = getattr(err, "problem_mark", None)
-        pos = getattr(err, "position", None)
-        if mark is not None:
-            span = Span(file, mark.line + 1, mark.column + 1)
-        elif pos is not None:
-            before = text[:pos]
-            span = Span(file, before.count("\n") + 1, pos - (before.rfind("\n") + 1) + 1)
-        else:
-            span = Span(file, 1, 1)
         reason = getattr(err, "reason", None) or "cannot read YAML"
-        diags.error(f"YAML error: {reason}", span, hint="a spec is UTF-8 text")
+        diags.error(f"YAML error: {reason}", _reader_error_span(err, text, file), hint="a spec is UTF-8 text")
         return None
     except RecursionError:
         diags.error(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", Span(file, 1, 1))
@@ -111,81 +131,94 @@ def read_yaml(text: str, file: str, diags: Collector) -> RawSpec | None:
         diags.error(f"a spec must be a YAML mapping, got {kind}", _span(node, file),
                     hint="start with `name: my_memory`")
         return None
-    lines = text.splitlines()
-    constructor = SafeConstructor()
-    ok = True
+    return node
 
-    def convert(n, path: tuple, depth: int):
-        nonlocal ok
-        raw.spans[path] = _span(n, file)
+
+def _reader_error_span(err: yaml.YAMLError, text: str, file: str) -> Span:
+    """Where a reader error (no mark of its own, or a character offset) sits in ``text``."""
+    mark = getattr(err, "problem_mark", None)
+    pos = getattr(err, "position", None)
+    if mark is not None:
+        return Span(file, mark.line + 1, mark.column + 1)
+    if pos is not None:
+        before = text[:pos]
+        return Span(file, before.count("\n") + 1, pos - (before.rfind("\n") + 1) + 1)
+    return Span(file, 1, 1)
+
+
+class _Converter:
+    """Turns a composed YAML node tree into plain values (dicts, lists, core scalars) and
+    records in ``raw`` where each value, each key and each string's characters sit.  Every
+    problem is reported; ``ok`` is False after any."""
+
+    def __init__(self, raw: RawSpec, lines: list[str], diags: Collector):
+        self.raw, self.file, self.lines, self.diags = raw, raw.file, lines, diags
+        self.constructor = SafeConstructor()
+        self.ok = True
+
+    def _fail(self, message: str, node, hint: str | None = None) -> None:
+        """Report a problem at ``node`` (the value it stands for is dropped)."""
+        self.diags.error(message, _span(node, self.file), hint=hint)
+        self.ok = False
+
+    def value(self, n, path: tuple, depth: int):
+        """The plain value of node ``n`` at ``path``, ``depth`` levels deep (None after a problem)."""
+        self.raw.spans[path] = _span(n, self.file)
         if depth > MAX_DEPTH:
-            diags.error(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", _span(n, file))
-            ok = False
+            self._fail(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", n)
             return None
         if n.tag not in _CORE_TAGS:
-            diags.error(f"YAML tag {quote(n.tag)} is not allowed in a spec", _span(n, file),
-                        hint="specs use plain YAML: mappings, lists, strings and numbers")
-            ok = False
+            self._fail(f"YAML tag {quote(n.tag)} is not allowed in a spec", n,
+                       hint="specs use plain YAML: mappings, lists, strings and numbers")
             return None
         if isinstance(n, yaml.MappingNode):
-            out = {}
-            for kn, vn in n.value:
-                if not isinstance(kn, yaml.ScalarNode) or kn.tag not in _CORE_TAGS:
-                    diags.error("mapping keys must be plain names", _span(kn, file))
-                    ok = False
-                    continue
-                try:
-                    key = constructor.construct_object(kn)
-                except (ValueError, OverflowError):
-                    diags.error("mapping keys must be plain names", _span(kn, file))
-                    ok = False
-                    continue
-                if not isinstance(key, str):
-                    key = str(key) if key is not None else "null"
-                if key in out:
-                    diags.error(f"duplicate key {quote(key)}", _span(kn, file),
-                                hint="each key may appear once in a mapping")
-                    ok = False
-                    continue
-                raw.key_spans[path + (key,)] = _span(kn, file)
-                out[key] = convert(vn, path + (key,), depth + 1)
-            return out
+            return self._mapping(n, path, depth)
         if isinstance(n, yaml.SequenceNode):
-            return [convert(c, path + (i,), depth + 1) for i, c in enumerate(n.value)]
-        if n.tag in _NUMBER_TAGS and len(n.value) > MAX_NUMBER_CHARS:
-            diags.error(f"number too long ({len(n.value)} characters; at most {MAX_NUMBER_CHARS})", _span(n, file))
-            ok = False
+            return [self.value(c, path + (i,), depth + 1) for i, c in enumerate(n.value)]
+        return self._scalar(n, path)
+
+    def _mapping(self, n, path: tuple, depth: int) -> dict:
+        """A mapping's entries, keyed by plain names, each key once."""
+        out = {}
+        for kn, vn in n.value:
+            key = self._key(kn)
+            if key is None:
+                continue
+            if key in out:
+                self._fail(f"duplicate key {quote(key)}", kn, hint="each key may appear once in a mapping")
+                continue
+            self.raw.key_spans[path + (key,)] = _span(kn, self.file)
+            out[key] = self.value(vn, path + (key,), depth + 1)
+        return out
+
+    def _key(self, kn) -> str | None:
+        """A mapping key as text (a number or boolean key as its text, null as "null"); None
+        after reporting a key that is not a plain scalar."""
+        if not isinstance(kn, yaml.ScalarNode) or kn.tag not in _CORE_TAGS:
+            self._fail("mapping keys must be plain names", kn)
             return None
         try:
-            value = constructor.construct_object(n)
+            key = self.constructor.construct_object(kn)
+        except (ValueError, OverflowError):
+            self._fail("mapping keys must be plain names", kn)
+            return None
+        if not isinstance(key, str):
+            key = str(key) if key is not None else "null"
+        return key
+
+    def _scalar(self, n, path: tuple):
+        """A scalar's value; a string also records where its characters start in the file."""
+        if n.tag in _NUMBER_TAGS and len(n.value) > MAX_NUMBER_CHARS:
+            self._fail(f"number too long ({len(n.value)} characters; at most {MAX_NUMBER_CHARS})", n)
+            return None
+        try:
+            value = self.constructor.construct_object(n)
         except (ValueError, OverflowError) as err:
-            diags.error(f"cannot read this value: {clip(str(err))}", _span(n, file))
-            ok = False
+            self._fail(f"cannot read this value: {clip(str(err))}", n)
             return None
         if isinstance(value, str):
-            raw.text_pos[path] = _text_pos(n, file, lines)
+            self.raw.text_pos[path] = _text_pos(n, self.file, self.lines)
         return value
-
-    try:
-        data = convert(node, (), 0)
-    except RecursionError:
-        diags.error(f"YAML nesting too deep (limit {MAX_DEPTH} levels)", Span(file, 1, 1))
-        return None
-    except yaml.YAMLError as err:  # e.g. a malformed timestamp or number
-        diags.error(f"YAML error: {err}", Span(file, 1, 1))
-        return None
-    if not ok:
-        return None
-    raw.spans[()] = Span(file, 1, 1)
-    if "extends" in data:
-        ext = data.pop("extends")
-        raw.extends_span = raw.spans.get(("extends",))
-        if not isinstance(ext, str):
-            diags.error("extends must be a file name", raw.extends_span)
-            return None
-        raw.extends = ext
-    raw.data = data
-    return raw
 
 
 def _yaml_hint(err) -> str | None:
