@@ -381,23 +381,15 @@ def token_grads(ctx, L) -> TokenGrads:
 
 
 def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
-    spec = ctx.spec
+    """``_chunk_step``, materialising: every token's gradients at the chunk-start state (vmapped
+    over the chunk), the plan's recurrences solved with them held fixed, the block updates, and
+    each token's read of its own state."""
     taken = ctx.taken()
     starts = {s: fresh(f"{s}_start", taken) for s in grads.starts}
     carried = ctx.states + [a.name for a in ctx.accs]
     L(f"def _chunk_step(self, {', '.join(list(starts.values()) + carried + ctx.views + ctx.gates + list(ctx.flags.values()))}):")
     with L.indent():
-        L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
-          + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates) + ";")
-        if starts:
-            L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
-        L(", ".join(ctx.states) + ": the state before the chunk's first token [B, H, ...].")
-        if ctx.accs:
-            L(", ".join(a.name for a in ctx.accs) + ": the open blocks' sums; "
-              + ", ".join(f"{f}: does this chunk end a block of {b}" for b, f in ctx.flags.items()) + ".")
-        L("Returns (o " + shape_text("B, C, H", ctx.read_shape()) + ", the state after the chunk"
-          + (" and the block sums)." if ctx.accs else ")."))
-        L('"""')
+        chunk_docstring(ctx, L, starts)
         em = ctx.emitter()
         ctx.lets(L, em, "B, C, H")
         # every token's gradients at once: vmap over the chunk's tokens
@@ -407,102 +399,169 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
         if plan.window is not None:   # a window loss: the rows' gradients, summed over each window
             caches_after = window_rows(ctx, L, em, plan, grads, starts, locals_, taken)
         else:
-            in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
-            in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
-            L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
-              f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
-              "[B, C, H, ...]: every token's gradients")
-        # the plan's recurrences, each statement's gradient placeholders named by their per-token values
+            vmapped_token_grads(L, grads, starts, locals_)
+        step = _ChunkSolve.of(ctx, L, plan, grads, ren, taken)
+        held = {b.target for b in ctx.blocks} | set(caches_after)
+        for s in plan.recurrence.order:
+            if s not in held:
+                solve_state(step, plan.recurrence, s)
+        block_chunk(ctx, L, grads, ren, step.seq, taken)
+        chunk_reads(step, caches_after)
+    L()
+
+
+def chunk_docstring(ctx, L, starts: dict) -> None:
+    """The docstring of ``_chunk_step``: its arguments (``starts``: state -> chunk-start local)
+    and what it returns."""
+    spec = ctx.spec
+    L('"""' + "One mini-batch chunk of C tokens: " + ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views)
+      + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates) + ";")
+    if starts:
+        L(", ".join(starts.values()) + ": the chunk-start state the gradients are taken at;")
+    L(", ".join(ctx.states) + ": the state before the chunk's first token [B, H, ...].")
+    if ctx.accs:
+        L(", ".join(a.name for a in ctx.accs) + ": the open blocks' sums; "
+          + ", ".join(f"{f}: does this chunk end a block of {b}" for b, f in ctx.flags.items()) + ".")
+    L("Returns (o " + shape_text("B, C, H", ctx.read_shape()) + ", the state after the chunk"
+      + (" and the block sums)." if ctx.accs else ")."))
+    L('"""')
+
+
+def vmapped_token_grads(L, grads: TokenGrads, starts: dict, locals_: list) -> None:
+    """Every token's gradients (``locals_``, [B, C, H, ...]): ``_token_grads`` vmapped over the
+    chunk's tokens, the chunk-start states shared."""
+    in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
+    in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
+    L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
+      f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
+      "[B, C, H, ...]: every token's gradients")
+
+
+@dataclass
+class _ChunkSolve:
+    """What solving the chunk's recurrences shares: each gradient placeholder of the plan ->
+    the ``Name`` of its per-token local (``names``), those locals' shapes (``scope``), every
+    state's per-token sequence local (``seq``) and, once emitted, its value before each token
+    (``prev``)."""
+
+    ctx: object
+    L: object
+    taken: set
+    names: dict
+    scope: dict
+    seq: dict
+    prev: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, ctx, L, plan, grads: TokenGrads, ren: dict, taken: set) -> "_ChunkSolve":
+        """The placeholders named by the per-token gradient locals (``ren``: ``grads.locals`` ->
+        the chunk step's locals) and a fresh sequence local per state."""
         calls = {unparse(c): c for group in ctx.grad_groups for c in group}
         scope = {ren[local]: ctx.shape(calls[key]) for mp in grads.maps for key, local in mp.items()}
         names = {ph: Name(ren[grads.maps[i][unparse(call)]]) for ph, (i, call) in plan.grad_sites.items()}
-        rec = plan.recurrence
         seq = {s: fresh(f"{s}_seq", taken) for s in ctx.states}
-        prev: dict = {}
-        def before(r: str) -> str:
-            if r not in prev:
-                prev[r] = fresh(f"{r}_before", taken)
-                L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
-                  shape_text("B, C, H", spec.state[r].shape) + f": {r} before each token")
-            return prev[r]
+        return cls(ctx, L, taken, names, scope, seq)
 
-        held = {b.target for b in ctx.blocks} | set(caches_after)
-        for s in rec.order:
-            if s in held:
-                continue
-            coeffs = {k: substitute(cf, names) for k, cf in rec.coeff[s].items()}
-            shape = tuple(spec.state[s].shape)
-            terms = substitute(rec.rest[s], names) if rec.rest[s] is not None else None
-            sc = dict(scope)
-            sub_names = {}
-            for when, r in rec.inputs.get(s, ()):   # functions of sequences solved before s
-                ph = input_name(when, r)
-                sc[ph] = tuple(spec.state[r].shape)
-                sub_names[ph] = before(r) if when == "prev" else seq[r]
-            for (when, r), cf in coeffs.items():
-                if when == "prev" and r == s:
-                    continue
-                if when == "prev":
-                    before(r)
-                ph = f"{r}__{when}"
-                sc[ph] = tuple(spec.state[r].shape)
-                sub_names[ph] = prev[r] if when == "prev" else seq[r]
-                terms = term_add(terms, term_mul(cf, Name(ph)))
-            sub = ExprEmitter(spec, names=sub_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers, scope=sc)
-            decay = coeffs.get(("prev", s))
-            if terms is None:
-                x = f"torch.zeros_like({s}).unsqueeze(1).expand(-1, {ctx.first}.shape[1], *{s}.shape[1:])"
-            else:
-                xc = sub._emit(terms)
-                if xc.number:
-                    x = f"({xc.text}) * torch.ones_like({s}.unsqueeze(1))"
-                elif xc.rank < len(shape):
-                    x = f"{sub._lift(xc, len(shape))} * torch.ones_like({s}.unsqueeze(1))"
-                else:
-                    x = xc.text
-            comment = shape_text("B, C, H", shape)
-            mirror = rec.mirror.get(s)
-            out, start = seq[s], s
-            if mirror is not None:   # a mirror-descent step: the recurrence of its logits
-                out, start = fresh(f"Z_{s}", taken), fresh(f"log_{s}", taken)
-                L(f"{start} = torch.log({s})", shape_text("B, H", shape) + f": the logits of {s} before the chunk")
-                comment += f": the logits Z of {s}"
-            if decay is None:
-                L(f"{out} = {x}", comment)
-            elif is_num(decay, 1):
-                xs = x if x.isidentifier() else f"({x})"
-                L(f"{out} = {start}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
-            else:
-                ctx.need(_decay_matrix)
-                ctx.need(_linear_scan)
-                a = sub._emit(decay)
-                L(f"{out} = _linear_scan({a.text}, {x}, {start})",
-                  comment + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
-            if mirror is not None:
-                c, axis = mirror
-                dim = list(shape).index(axis) - len(shape)
-                cc = sub._emit(substitute(c, names))
-                one = is_num(c, 1) or (cc.number and float(cc.text) == 1.0)
-                scale = "" if one else f"{cc.text if cc.number else sub._lift(cc, len(shape))} * "
-                L(f"{seq[s]} = {scale}torch.softmax({out}, dim={dim})",
-                  shape_text("B, C, H", shape) + f": {s} = {unparse(c)} * softmax(Z, {axis})")
-        block_chunk(ctx, L, grads, ren, seq, taken)
-        # the read of every token with its own state
-        if spec.order == "write_read":
-            read_names = {s: seq[s] for s in ctx.states}
-        else:
-            for r in ctx.states:
-                if r not in prev:
-                    prev[r] = fresh(f"{r}_before", taken)
-                    L(f"{prev[r]} = torch.cat([{r}.unsqueeze(1), {seq[r]}[:, :-1]], dim=1)",
-                      shape_text("B, C, H", spec.state[r].shape))
-            read_names = {s: prev[s] for s in ctx.states}
-        rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
-        L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
-        # copies: a view of the last token would keep the chunk's per-token states alive
-        after = [caches_after[s] if s in caches_after else seq[s] + '[:, -1].clone()' for s in ctx.states]
-        L(f"return o, {tuple_text(after + [a.name for a in ctx.accs])}")
-    L()
+    def before(self, r: str) -> str:
+        """The local of state ``r`` before each token [B, C, H, ...] (emitted on first use)."""
+        if r not in self.prev:
+            self.prev[r] = fresh(f"{r}_before", self.taken)
+            self.L(f"{self.prev[r]} = torch.cat([{r}.unsqueeze(1), {self.seq[r]}[:, :-1]], dim=1)",
+                   shape_text("B, C, H", self.ctx.spec.state[r].shape) + f": {r} before each token")
+        return self.prev[r]
+
+
+def recurrence_terms(step: _ChunkSolve, rec, s: str) -> tuple:
+    """State ``s``'s recurrence with the gradients named: ``(coeffs, terms, sub)``, its coefficients,
+    the terms that drive it (the rest, the solved inputs and the other states' terms, read from
+    their sequences) or None, and the emitter that reads them."""
+    spec, ctx = step.ctx.spec, step.ctx
+    coeffs = {k: substitute(cf, step.names) for k, cf in rec.coeff[s].items()}
+    terms = substitute(rec.rest[s], step.names) if rec.rest[s] is not None else None
+    sc = dict(step.scope)
+    sub_names = {}
+    for when, r in rec.inputs.get(s, ()):   # functions of sequences solved before s
+        ph = input_name(when, r)
+        sc[ph] = tuple(spec.state[r].shape)
+        sub_names[ph] = step.before(r) if when == "prev" else step.seq[r]
+    for (when, r), cf in coeffs.items():
+        if when == "prev" and r == s:
+            continue
+        ph = f"{r}__{when}"
+        sc[ph] = tuple(spec.state[r].shape)
+        sub_names[ph] = step.before(r) if when == "prev" else step.seq[r]
+        terms = term_add(terms, term_mul(cf, Name(ph)))
+    sub = ExprEmitter(spec, names=sub_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers, scope=sc)
+    return coeffs, terms, sub
+
+
+def driving_text(ctx, sub, terms, s: str, shape: tuple) -> str:
+    """The code of the terms that drive ``s`` [B, C, H, ...] (zeros when there are none; a
+    number or a lower-rank value broadcast to the state's shape)."""
+    if terms is None:
+        return f"torch.zeros_like({s}).unsqueeze(1).expand(-1, {ctx.first}.shape[1], *{s}.shape[1:])"
+    xc = sub._emit(terms)
+    if xc.number:
+        return f"({xc.text}) * torch.ones_like({s}.unsqueeze(1))"
+    if xc.rank < len(shape):
+        return f"{sub._lift(xc, len(shape))} * torch.ones_like({s}.unsqueeze(1))"
+    return xc.text
+
+
+def solve_state(step: _ChunkSolve, rec, s: str) -> None:
+    """The sequence of ``s`` over the chunk: driven alone, a running sum (decay 1) or a linear
+    scan; for a mirror-descent step, the scan of its logits and then their softmax."""
+    ctx, L, taken = step.ctx, step.L, step.taken
+    coeffs, terms, sub = recurrence_terms(step, rec, s)
+    shape = tuple(ctx.spec.state[s].shape)
+    decay = coeffs.get(("prev", s))
+    x = driving_text(ctx, sub, terms, s, shape)
+    comment = shape_text("B, C, H", shape)
+    mirror = rec.mirror.get(s)
+    out, start = step.seq[s], s
+    if mirror is not None:   # a mirror-descent step: the recurrence of its logits
+        out, start = fresh(f"Z_{s}", taken), fresh(f"log_{s}", taken)
+        L(f"{start} = torch.log({s})", shape_text("B, H", shape) + f": the logits of {s} before the chunk")
+        comment += f": the logits Z of {s}"
+    if decay is None:
+        L(f"{out} = {x}", comment)
+    elif is_num(decay, 1):
+        xs = x if x.isidentifier() else f"({x})"
+        L(f"{out} = {start}.unsqueeze(1) + {xs}.cumsum(1)", comment + f": {s}_i = {s}_(i-1) + ...")
+    else:
+        ctx.need(_decay_matrix)
+        ctx.need(_linear_scan)
+        a = sub._emit(decay)
+        L(f"{out} = _linear_scan({a.text}, {x}, {start})",
+          comment + f": {s}_i = ({unparse(decay)}) {s}_(i-1) + ...")
+    if mirror is not None:
+        c, axis = mirror
+        dim = list(shape).index(axis) - len(shape)
+        cc = sub._emit(substitute(c, step.names))
+        one = is_num(c, 1) or (cc.number and float(cc.text) == 1.0)
+        scale = "" if one else f"{cc.text if cc.number else sub._lift(cc, len(shape))} * "
+        L(f"{step.seq[s]} = {scale}torch.softmax({out}, dim={dim})",
+          shape_text("B, C, H", shape) + f": {s} = {unparse(c)} * softmax(Z, {axis})")
+
+
+def chunk_reads(step: _ChunkSolve, caches_after: dict) -> None:
+    """Each token's read of its own state (after its write, or before it for read_write) and the
+    return of the outputs with the state after the chunk (copies of the last token's)."""
+    ctx, L, spec = step.ctx, step.L, step.ctx.spec
+    if spec.order == "write_read":
+        read_names = {s: step.seq[s] for s in ctx.states}
+    else:
+        for r in ctx.states:
+            if r not in step.prev:
+                step.prev[r] = fresh(f"{r}_before", step.taken)
+                L(f"{step.prev[r]} = torch.cat([{r}.unsqueeze(1), {step.seq[r]}[:, :-1]], dim=1)",
+                  shape_text("B, C, H", spec.state[r].shape))
+        read_names = {s: step.prev[s] for s in ctx.states}
+    rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
+    L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
+    # copies: a view of the last token would keep the chunk's per-token states alive
+    after = [caches_after[s] if s in caches_after else step.seq[s] + '[:, -1].clone()' for s in ctx.states]
+    L(f"return o, {tuple_text(after + [a.name for a in ctx.accs])}")
 
 
 def block_chunk(ctx, L, grads: TokenGrads, ren: dict, seq: dict, taken: set) -> None:
