@@ -7,13 +7,76 @@ composed the same way: the sequence is cut into chunks of C tokens, processed G 
 (:func:`_chunk_major`), the family prepares each chunk's affine map of the state,
 ``S_end = M S_start + D``, batched over the group's chunks; :func:`_pass_states` carries the state
 over the chunks in order, applying each chunk's map; the family's outputs are batched over the
-group again, and :func:`_join_chunks` lays them back out token-major.  The oja and chained kernels
+group again, and :func:`_join_chunks` lays them back out token-major.  Every kernel starts from
+:func:`_initial_states` (packed documents laid out, the state before the first chunk) and screens
+non-finite inputs by one rule (:func:`_screen`).  The oja and chained kernels
 keep layouts of their own and pass their states with :func:`_pass_states`; the scan carries its
 chunks' end states by a scan of the same kind one level up.
 
 Generated modules carry the functions their kernels call (copied by source: torch only).
 """
 import torch
+
+
+def _initial_states(S0, documents, C, B, shape, dt, device):
+    """Packed documents laid out for chunks of C tokens, each from a chunk's start
+    (``documents.for_kernel``: their initial states S0 ``[N, *shape]`` in dtype ``dt``, or zeros),
+    or None (``documents`` None: one sequence per batch row); and the state before the first chunk
+    ``[B shape[0], *shape[1:]]``: S0 (``[B, *shape]``), or zeros (no S0, or packed: each document's
+    state enters where it starts).  ``shape``: the state of a batch row, ``(H, ...)``."""
+    docs = None
+    if documents is not None:
+        S_docs = S0.to(dt) if S0 is not None else torch.zeros(documents.count, *shape, dtype=dt, device=device)
+        docs = documents.for_kernel(C, S_docs)
+    if S0 is None or docs is not None:
+        return docs, torch.zeros(B * shape[0], *shape[1:], dtype=dt, device=device)
+    return docs, S0.to(dt).reshape(B * shape[0], *shape[1:])
+
+
+def _screen(writes, decays, probes, docs, inclusive):
+    """Non-finite inputs, one rule for every exact kernel: a token whose state inputs are not all
+    finite runs as an identity token (the kernel clears it by ``torch.where``, never by a product
+    with zero), and every output that reads a state at or after it (in its document), and the final
+    state, are set to NaN at the end; a non-finite probe makes only its own output NaN.  So no NaN
+    meets a product, forward or backward: the outputs before a bad token, and their gradients, are
+    those of the clean sequence.  The flags come from one sum per token (NaN or inf when one of its
+    inputs is), taken on the packed row and laid out with the documents.
+
+    Args:
+        writes: the state inputs ``[B, T, H, ...]`` (keys, values, steps...; None where absent),
+            as the kernel takes them (not laid out); the axes after the heads are summed.
+        decays: the log decays ``[B, T, H, ...]`` (None where absent): a decay of 0 (log -inf) is
+            finite here.
+        probes: ``[B, T, H, K]``, or None.
+        docs: the packed documents' chunks (``_DocumentChunks``), or None.
+        inclusive: the outputs read the state after their token (else before it).
+
+    Returns:
+        ``(ok [B, T', H], read_bad [B, T', H] or None (no probes), state_bad [B or N, H])``, bool on
+        the laid-out row: the tokens that run as written, the outputs and the final states that are
+        NaN.
+    """
+    dt = torch.promote_types(writes[0].dtype, torch.float32)
+    total = 0
+    for x in writes:
+        if x is not None:
+            total = total + (x.sum(tuple(range(3, x.dim())), dtype=dt) if x.dim() > 3 else x.to(dt))
+    for x in decays:
+        if x is not None:
+            lg = x.to(dt).clamp_min(-80.0)
+            total = total + (lg.sum(tuple(range(3, x.dim()))) if x.dim() > 3 else lg)
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    if docs is not None:
+        bad = docs.lay(bad)                                          # (the slots after a document: ok)
+    before = docs.cumsum(bad) if docs is not None else torch.cumsum(bad, dim=1)   # bad at or before t
+    state_bad = (docs.total(bad) if docs is not None else bad.sum(1)) > 0
+    read_bad = None
+    if probes is not None:
+        probe_bad = (~torch.isfinite(probes.sum(-1, dtype=dt))).to(dt)
+        if docs is not None:
+            probe_bad = docs.lay(probe_bad)
+        read_bad = (before if inclusive else before - bad) + probe_bad > 0
+    return bad == 0, read_bad, state_bad
 
 
 def _group_size(chunks, width, group, device):
