@@ -156,8 +156,8 @@ def _extreme(dtype):
 
 
 def test_extreme_gates_float64_schedules_agree():
-    """Preactivations of +-200: exp(200) is finite in float64, so the unstabilised online step,
-    the stabilised chunked form and the token loop all compute the same function."""
+    """Preactivations of +-200: exp(200) is finite in float64, so the stabilised online step,
+    the stabilised chunked form and the unstabilised token loop all compute the same function."""
     m = make(SPEC, DIMS, chunk=8)
     ins = _extreme(torch.float64)
     want, s_want = token_loop(*(ins[x] for x in ("q", "k", "v", "ig", "fg")),
@@ -180,6 +180,44 @@ def test_extreme_gates_float32_chunked_finite_and_exact(chunk):
     o, _ = call(m, SPEC, {n: x.float() for n, x in ins.items()}, schedule="additive")
     assert torch.isfinite(o).all()
     torch.testing.assert_close(o.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [200.0, 300.0])
+def test_extreme_gates_float32_online_finite_and_exact(scale):
+    """The online step carries the states as exp(-m) times their value with the max stabiliser m:
+    in float32 its outputs and gradients at preactivations of +-200 and +-300 are finite and equal
+    the float64 loop's (the unstabilised step gives NaN once exp(ig) overflows)."""
+    m = make(SPEC, DIMS, chunk=8, dtype=torch.float32)
+    ins = _extreme(torch.float64)
+    ins["ig"] = ins["ig"] * (scale / 200.0)
+    ins = {n: x.float().requires_grad_(True) for n, x in ins.items()}
+    o, _ = call(m, SPEC, ins, schedule="online")
+    ref = {n: x.detach().double().requires_grad_(True) for n, x in ins.items()}
+    zeros = torch.zeros(2, 2, 4, 5, dtype=torch.float64), torch.zeros(2, 2, 4, dtype=torch.float64)
+    want, _ = token_loop(*(ref[x] for x in ("q", "k", "v", "ig", "fg")), *zeros)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o.double(), want, rtol=1e-4, atol=1e-5)
+    o.sum().backward()
+    want.sum().backward()
+    for n in ins:
+        assert torch.isfinite(ins[n].grad).all(), n
+        assert float((ins[n].grad.double() - ref[n].grad).norm() / ref[n].grad.norm()) < 1e-4, n
+
+
+def test_online_state_goes_out_at_its_true_scale():
+    """The stabiliser lives inside a call: the state that goes out is exp(m) times the carried one,
+    so streaming in pieces through the online schedule gives the one-call numbers (float64)."""
+    m = make(SPEC, DIMS, chunk=8)
+    ins, s0 = _inputs(T=13, ig_scale=6.0), _state()
+    whole, s_whole = call(m, SPEC, ins, state=s0, schedule="online")
+    first, s_mid = call(m, SPEC, {n: x[:, :6] for n, x in ins.items()}, state=s0, schedule="online")
+    second, s_end = call(m, SPEC, {n: x[:, 6:] for n, x in ins.items()}, state=s_mid, schedule="online")
+    assert_same_function(torch.cat([first, second], 1), whole)
+    for n in ("C", "n"):
+        assert_same_function(s_end[n], s_whole[n], msg=n)
+    want, s_want = token_loop(*(ins[x] for x in ("q", "k", "v", "ig", "fg")), s0["C"], s0["n"])
+    assert_same_function(whole, want)
+    assert_same_function(s_whole["C"], s_want["C"])
 
 
 def test_compile_keeps_the_stabilised_kernel_in_one_call():

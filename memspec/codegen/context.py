@@ -163,6 +163,15 @@ class Context:
             taken.add(self.flags[c])
         self.spec_names |= set(self.flags.values())
         self.block_period = math.lcm(*self.flags) if self.flags else 1
+        # the online step's max stabiliser of exponential input weights (memspec.schedule.stabiliser)
+        self.stabiliser = online.stabiliser
+        self.stab = fresh("m", self.taken()) if self.stabiliser is not None else None
+        if self.stab:
+            self.spec_names.add(self.stab)
+
+    def carried(self) -> list:
+        """The online step's carried tensors: the states, the stabiliser, the block sums."""
+        return self.states + ([self.stab] if self.stab else []) + [a.name for a in self.accs]
 
     def block_accs(self, blocks) -> list:
         """One running sum per gradient term of the block statements ``blocks``

@@ -3,9 +3,10 @@
 never a compiled loop over T)."""
 from __future__ import annotations
 
-from ..lang.expr import unparse
+from ..lang.expr import BinOp, Call, Name, rewrite, unparse
 from ..lang.names import fresh
 from ..runtime.helpers import _recomputed, _recomputing
+from .chunked import closed_log, stabilised_read
 from .program import emit_updates, grad_target, window_closed
 from .text import shape_text, tuple_text
 from .context import Emitter
@@ -16,7 +17,7 @@ SEGMENT = 64   # tokens per recomputed segment of the online loop (the `checkpoi
 def emit(ctx, L) -> None:
     taken = ctx.taken()
     sv = ctx.views + ctx.gates
-    carried = ctx.states + [a.name for a in ctx.accs]
+    carried = ctx.carried()
     L(f"def _forward_online(self, {', '.join(sv + ['state'])}):")
     with L.indent():
         if ctx.accs:
@@ -30,6 +31,10 @@ def emit(ctx, L) -> None:
             L('"""' + "Token by token: the per-token step (compiled once when compile=True) in a Python loop." + '"""')
         L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}].contiguous()' for s in ctx.states)}",
           "(an expanded initial state would compile a second graph)")
+        if ctx.stab:
+            first = ctx.states[0]
+            L(f"{ctx.stab} = {first}.new_zeros({first}.shape[:2])",
+              "[B, H] the stabiliser: the states come in at their true scale")
         pos = fresh("pos", taken)
         if ctx.accs:
             block_sums_in(ctx, L, pos, ctx.accs)
@@ -55,6 +60,10 @@ def emit(ctx, L) -> None:
             token_loop(ctx, L, taken, outs, pos)
             L(f"o = {outs}[0].unsqueeze(1) if len({outs}) == 1 else torch.stack({outs}, dim=1)", "(decoding: no copy)")
         o = "o"   # a reserved local name (lang.names)
+        if ctx.stab:
+            L("# the states at their true scale (exp(m) times the carried ones)")
+            for n in ctx.states:
+                L(f"{n} = {n} * torch.exp({ctx.stab})[{', '.join(['...'] + ['None'] * len(ctx.spec.state[n].shape))}]")
         if ctx.accs:
             L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
             block_sums_out(ctx, L, f"({pos} + {ctx.first}.shape[1])", ctx.accs, ctx.block_period)
@@ -81,7 +90,7 @@ def recomputes(ctx, plan) -> bool:
 def token_loop(ctx, L, taken, outs: str, pos: str) -> None:
     """The loop over tokens: each runs the per-token step and appends its output to ``outs``."""
     sv = ctx.views + ctx.gates
-    carried = ctx.states + [a.name for a in ctx.accs]
+    carried = ctx.carried()
     o_t = fresh("o_t", taken)
     per_token = {x: fresh(f"{x}_t", taken) for x in sv}
     tokens = (f"{sv[0]}.unbind(1)" if len(sv) == 1
@@ -145,7 +154,7 @@ def block_sums_out(ctx, L, end: str, accs, period) -> None:
 def token_step(ctx, L) -> None:
     spec = ctx.spec
     taken = ctx.taken()
-    carried = ctx.states + [a.name for a in ctx.accs]
+    carried = ctx.carried()
     flags = list(ctx.flags.values())
     L(f"def _token_step(self, {', '.join(carried + ctx.views + ctx.gates + flags)}):")
     with L.indent():
@@ -156,9 +165,15 @@ def token_step(ctx, L) -> None:
               + ", ".join(f"{f}: is this the last token of a block of {c}" for c, f in ctx.flags.items()) + ";")
         L("the state tensors [B, H, ...] -> (o " + shape_text("B, H", ctx.read_shape())
           + ", the new state tensors" + (" and block sums)." if ctx.accs else ")."))
+        if ctx.stab:
+            L(f"The states come and go as exp(-{ctx.stab}) times their value, {ctx.stab} [B, H] their max stabiliser.")
         L('"""')
         em = ctx.emitter()
         ctx.lets(L, em, "B, H")
+        if ctx.stab:
+            stabilised_step(ctx, L, em, taken)
+            L()
+            return
         o = "o"
         if spec.order == "read_write":
             L(f"{o} = {em.emit(spec.read)}", shape_text("B, H", ctx.read_shape()) + " (read before the write)")
@@ -167,6 +182,55 @@ def token_step(ctx, L) -> None:
             L(f"{o} = {em.emit(spec.read)}", shape_text("B, H", ctx.read_shape()))
         L(f"return {o}, {tuple_text(carried)}")
     L()
+
+
+def stabilised_step(ctx, L, em, taken) -> None:
+    """The body of a step that carries its states scaled by exp(-m) (xLSTM's max stabiliser,
+    :mod:`memspec.schedule.stabiliser`): the new m, each state's scaled decay and input weight
+    (both at most 1), the updates, then the read of the scaled probes (:func:`.chunked.stabilised_read`)."""
+    st, m, spec = ctx.stabiliser, ctx.stab, ctx.spec
+    names = {}
+    for x in ("log_f", "log_i", "m_new", "f_s", "i_s", "inv_scale"):
+        names[x] = fresh(x, taken)
+        taken.add(names[x])
+    lf, li, m_new, f, w, inv = names.values()
+    L(f"{lf} = {em.emit(closed_log(st.gamma) or Call('log', (st.gamma,)))}", "[B, H] the log decay")
+    L(f"{li} = {em.emit(st.log_input)}", "[B, H] the log input weight")
+    o = "o"
+    if spec.order == "read_write":
+        L(f"{o} = {stabilised_probe_read(ctx, L, em, taken, m, inv)}",
+          shape_text("B, H", ctx.read_shape()) + " (read before the write)")
+    L(f"{m_new} = torch.maximum({lf} + {m}, {li})", "[B, H] the stabiliser")
+    L(f"{f} = torch.exp({lf} + {m} - {m_new})", "[B, H] the decay and the input weight at the new scale")
+    L(f"{w} = torch.exp({li} - {m_new})")
+    scaled = em.with_scope(**{f: (), w: ()})
+    for s in st.states:
+        inc = None
+        for a, b in s.terms:
+            term = BinOp("*", b, a) if s.vector else Call("outer", (a, b))
+            inc = term if inc is None else BinOp("+", inc, term)
+        update = BinOp("+", BinOp("*", Name(f), Name(s.name)), BinOp("*", Name(w), inc))
+        L(f"{s.name} = {scaled.emit(update)}", shape_text("B, H", spec.state[s.name].shape))
+    if spec.order == "write_read":
+        L(f"{o} = {stabilised_probe_read(ctx, L, em, taken, m_new, inv)}", shape_text("B, H", ctx.read_shape()))
+    L(f"return {o}, {tuple_text([s.name for s in st.states] + [m_new])}")
+
+
+def stabilised_probe_read(ctx, L, em, taken, m: str, inv: str) -> str:
+    """Bind the probes of the scaled states and exp(-m); -> the read's code in them."""
+    shapes = {}
+    for p in ctx.stabiliser.probes:
+        name = fresh(f"p_{p.state}", taken)
+        taken.add(name)
+        shape = tuple(ctx.spec.state[p.state].shape[1:])
+        shapes[p.name] = (name, shape)
+        L(f"{name} = {em.emit(BinOp('@', p.vector, Name(p.state)))}",
+          shape_text("B, H", shape) + f": exp(-m) times the probe of {p.state}")
+    L(f"{inv} = torch.exp(-{m})", "[B, H] the probes' scale")
+    read = rewrite(ctx.stabiliser.read, lambda e: Name(shapes[e.id][0]) if isinstance(e, Name) and e.id in shapes
+                   else None)
+    read = stabilised_read(read, {n for n, _ in shapes.values()}, inv)
+    return em.with_scope(**{n: sh for n, sh in shapes.values()}, **{inv: ()}).emit(read)
 
 
 EMITTER = Emitter(family="online", emit=emit, forward_method="_forward_online",

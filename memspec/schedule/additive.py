@@ -9,17 +9,17 @@ Decided on the normal form (:mod:`.transition`), so a decay written ``diag(d) @ 
 
 An increment with an exponential scalar factor ``exp(x) outer(a, b)`` (xLSTM's mLSTM input gate
 written as its preactivation, ``exp(ig)``) passes ``x`` to the kernel as a log input weight: the
-kernel carries a max stabiliser (Beck et al. 2024, the mLSTM's m state), so the factor never
-overflows.
+kernel carries a max stabiliser (:mod:`.stabiliser`), so the factor never overflows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import BinOp, Call, Expr, Name, Num, rewrite
+from ..lang.expr import BinOp, Call, Expr, Name, rewrite
 from .algebra import ZERO, Algebra, NotAdmitted, is_num, simplify, txt
 from .polynomial import Probe, find_probes
 from .ranges import check_decay
+from .stabiliser import exp_weight, find_stabiliser
 from .transition import diagonal, normal_form, side_text
 
 
@@ -87,7 +87,7 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
         if dr:
             reasons.append(dr)
         terms, log_input = tuple(m.incs), None
-        weighted = _exp_weight(alg, terms)
+        weighted = exp_weight(alg, terms)
         if weighted is not None and per_channel:
             reasons.append(f"the increment of {n} has an exponential factor exp({txt(weighted[0])}); with a decay "
                            f"per key channel the kernel takes it as it is (not stabilised: it overflows float32 "
@@ -97,10 +97,14 @@ def analyse_additive(alg: Algebra) -> tuple[AdditivePlan, list[str]]:
             reasons.append(f"the increment of {n} has an exponential input weight exp({txt(log_input)}): the kernel "
                            f"keeps it in log space and carries a max stabiliser m (xLSTM's mLSTM: the state between "
                            f"chunks as exp(-m) {n}, each output row scaled by the running max of its own log "
-                           f"weights), so no exp overflows and the numbers are the unstabilised function's (the online "
-                           f"step computes exp({txt(log_input)}) as written: in float32 it overflows above 88)")
+                           f"weights), so no exp overflows and the numbers are the unstabilised function's")
         reasons += _exp_gates(spec, terms, n)
         states.append(AdditiveState(n, None if is_num(gamma, 1) else gamma, terms, m.vector, log_input))
+    if any(st.log_input is not None for st in states):
+        stab, why = find_stabiliser(alg)
+        reasons.append("the online step carries the same stabiliser (one m for every state)" if stab else
+                       f"the online step computes the exponential input weight as written (in float32 it overflows "
+                       f"above 88): {why}")
     read, probes = find_probes(alg, alg.inline(spec.read), set(alg.states))
     reasons.append("the read is a function of the linear probes "
                    + ", ".join(txt(BinOp("@", p.vector, Name(p.state))) for p in probes)
@@ -128,36 +132,6 @@ def _exp_gates(spec, terms, n: str) -> list[str]:
             f"({g} = logit) with exp({g}) in the update runs in the stabilised kernel"
             for g in sorted(used & set(spec.gates))
             if any(isinstance(x, Call) and x.fn == "exp" for x in spec.gates[g].formula.walk())]
-
-
-def _exp_weight(alg: Algebra, terms) -> tuple[Expr, tuple] | None:
-    """``(x, terms without the factor)`` when the state's one increment ``outer(a, b)`` has a
-    scalar factor ``exp(x)`` in ``a`` or ``b`` (a product), else None."""
-    if len(terms) != 1:
-        return None
-    a, b = terms[0]
-    for side in (1, 0):
-        found = _take_exp(alg, (a, b)[side])
-        if found is not None:
-            x, rest = found
-            return x, ((rest, b) if side == 0 else (a, rest),)
-    return None
-
-
-def _take_exp(alg: Algebra, e: Expr) -> tuple[Expr, Expr] | None:
-    """``(x, e / exp(x))`` for a factor ``exp(x)`` of the product ``e`` with ``x`` a scalar."""
-    if isinstance(e, Call) and e.fn == "exp" and alg.rank(e.args[0]) == 0:
-        return e.args[0], Num(1)
-    if isinstance(e, BinOp) and e.op in ("*", "/"):
-        for i, part in enumerate((e.left, e.right) if e.op == "*" else (e.left,)):
-            found = _take_exp(alg, part)
-            if found is not None:
-                x, rest = found
-                other = e.right if i == 0 else e.left
-                if e.op == "/":
-                    return x, BinOp("/", rest, e.right)
-                return x, other if is_num(rest, 1) else BinOp("*", rest, other) if i == 0 else BinOp("*", other, rest)
-    return None
 
 
 def _has_token_local_term(read: Expr, probe_names: set[str]) -> bool:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from ..lang.blocks import block_statements, frequencies
 from ..lang.expr import Call, Name, unparse
-from .algebra import Algebra, grad_calls
+from .algebra import Algebra, grad_calls, txt
 from .backprop import NoClosedForm, closed_grad, spec_names
+from .stabiliser import Stabiliser, find_stabiliser
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,15 @@ class OnlinePlan:
     ``closed``: for each group, its :class:`.backprop.ClosedGrad` (None: no group, or no
     closed form, and the step calls ``torch.func.grad``).
     ``blocks``: the statements of states updated once every C > 1 tokens
-    (:class:`memspec.lang.blocks.BlockStatement`), whose gradient terms the step sums."""
+    (:class:`memspec.lang.blocks.BlockStatement`), whose gradient terms the step sums.
+    ``stabiliser``: the states' shared exponential input weight and decay when the step carries
+    them scaled by exp(-m) with xLSTM's max stabiliser m (:mod:`.stabiliser`), else None."""
 
     loss_states: tuple
     grad_groups: tuple
     closed: tuple = ()
     blocks: tuple = ()
+    stabiliser: Stabiliser | None = None
 
 
 def loss_states(spec) -> tuple:
@@ -113,4 +117,10 @@ def analyse_online(alg: Algebra) -> tuple[OnlinePlan, list[str]]:
         why.append(f"{b.target} updates every {b.every} tokens: the step adds "
                    + ", ".join(unparse(t) for t in b.terms) + f" to a running sum and applies "
                    f"`{unparse(spec.update[b.index].value)}` with the sum at each block's last token")
-    return OnlinePlan(reads, groups, closed, blocks), why
+    stab, _ = find_stabiliser(alg) if not groups or not any(groups) else (None, "")
+    if stab is not None:
+        why.append(f"every state has the exponential input weight exp({txt(stab.log_input)}) and the decay "
+                   f"{txt(stab.gamma)}: the step carries the states as exp(-m) times their value with the max "
+                   f"stabiliser m <- max(log({txt(stab.gamma)}) + m, {txt(stab.log_input)}) (xLSTM), so that no "
+                   f"exp overflows; the state goes out at its true scale")
+    return OnlinePlan(reads, groups, closed, blocks, stab), why
