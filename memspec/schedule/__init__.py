@@ -13,7 +13,8 @@ Modules:
   probes, symbolic gradients), :mod:`.ranges` (interval arithmetic: decays provably >= 0),
   :mod:`.recurrence` (the update program as linear recurrences), :mod:`.linear` (values
   linear in the state, structurally), :mod:`.transition` (the normal form
-  ``S_t = T_t(S_{t-1}) + W_t``), :mod:`.backprop` (closed-form gradients of the inner loss);
+  ``S_t = T_t(S_{t-1}) + W_t``), :mod:`.backprop` (closed-form gradients of the inner loss),
+  :mod:`.stabiliser` (exponential input weights and their max stabiliser);
 * one module per family, each a plan and its reasons or :class:`NotAdmitted` --
   :mod:`.cache`, :mod:`.additive`, :mod:`.chained`, :mod:`.solve`, :mod:`.delta`, :mod:`.dplr`,
   :mod:`.oja`, :mod:`.momentum`, :mod:`.scan`, :mod:`.minibatch` (with :mod:`.dual`, its dual
