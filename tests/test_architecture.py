@@ -154,15 +154,9 @@ def test_plan_printed_form_is_pinned_and_explained(name):
 MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 700, 400, 80
 SIZE_EXCEPTIONS = {
     "codegen/exprs.py:ExprEmitter._call": 111,
-    "codegen/minibatch.py:emit": 130,
-    "codegen/minibatch.py:chunk_step": 123,
-    "lang/frontend/mem_frontend.py:read_mem": 173,
-    "lang/frontend/yaml_frontend.py:read_yaml": 116,
     "runtime/additive.py:chunk_additive": 224,
-    "runtime/delta.py:chunk_delta": 185,
     "runtime/dplr.py:chunk_dplr": 97,
     "runtime/momentum.py:chunk_momentum_delta": 102,
-    "schedule/recurrence.py:minibatch_recurrence": 164,
 }
 
 
