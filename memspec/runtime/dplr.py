@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from .phases import (_chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups, _stacked,
-                     _token_major)
+from .phases import (_chunk_groups, _chunk_major, _group_size, _initial_states, _join_chunks, _pass_states, _screen,
+                     _split_groups, _stacked, _token_major)
 
 
 def recurrent_dplr(q, k, v, a, b, log_decay, S0, inclusive=True, simultaneous=False, read_after_decay=False):
@@ -155,25 +155,16 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, inclusive=True, group=Non
 
     The recurrence is :func:`recurrent_dplr`'s; all arguments mean the same (shapes there).
     Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each chunk's pairs
-    of sub-steps, one triangular solve for all its reads, the state passed over the chunks by their
-    maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
+    of sub-steps, one triangular solve for all its reads (:func:`_dplr_solve`), the state passed
+    over the chunks by their maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
 
-    Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
-    replaced by an identity token (by ``torch.where``), and every output that reads a state at or
-    after it, and the final state, are NaN; a non-finite probe makes only its own output NaN.
-    Outputs before such a token are exact and their gradients finite.
+    Non-finite inputs (k, v, a, b, log decay; the probes): as in every exact kernel, a bad token
+    runs as an identity token, and the outputs from it on and the final state are NaN; a bad probe
+    makes only its own output NaN.  Outputs before such a token, and their gradients, are exact.
 
     Args:
-        q: ``[B, T, H, K]`` probes, or None (state only).
-        k: ``[B, T, H, R, K]`` write keys, or ``[B, T, H, K]`` for R = 1.
-        v: ``[B, T, H, R, V]`` write values (``[B, T, H, V]`` for R = 1).
-        a: ``[B, T, H, R, K]`` left factors of the low-rank term, or ``[B, T, H, R]`` scalars
-            meaning ``a_{t,r} * k_{t,r}`` (R = 1: ``[B, T, H, K]`` / ``[B, T, H]``).
-        b: read vectors shaped like ``k``, or scalars shaped like a scalar ``a`` (meaning
-            ``b_{t,r} * k_{t,r}``), or None (``b = k``).
-        log_decay: ``[B, T, H]`` (scalar) or ``[B, T, H, K]`` (per key channel) log decays
-            (<= 0), or None (no decay).
-        S0: ``[B, H, K, V]`` initial state, or None for zeros.
+        q, k, v, a, b, log_decay, S0: as :func:`recurrent_dplr`'s (k ``[B, T, H, R, K]``, or
+            ``[B, T, H, K]`` for R = 1; a and b vectors or scalars; b None: ``b = k``).
         chunk: tokens per chunk C (C R sub-steps enter each solve).
         inclusive: True: o_t reads the state after token t; False: before it.
         simultaneous: the R terms of a token read the state before the token.
@@ -192,74 +183,66 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, inclusive=True, group=Non
     """
     B, T, H = k.shape[:3]
     R, K, V = k.shape[3] if k.dim() == 5 else 1, k.shape[-1], v.shape[-1]
-    dt = torch.promote_types(k.dtype, torch.float32)
     # the forms of a, b and the decay (the passed forms first: the specialiser folds them)
     a_vec = a_form == "vector" if a_form is not None else a.dim() == k.dim()   # a as vectors (else a scalar times k)
     b_kind = (("k" if b_form == "key" else "vec" if b_form == "vector" else "scalar") if b_form is not None
               else "k" if b is None else "vec" if b.dim() == k.dim() else "scalar")
     decay = ((None if decay_form == "none" else decay_form) if decay_form is not None
              else None if log_decay is None else "channel" if log_decay.dim() == 4 else "scalar")
-    # (packed: every chunk that starts a document enters its initial state)
-    S = k.new_zeros(B * H, K, V, dtype=dt) if S0 is None or documents is not None else S0.to(dt).reshape(-1, K, V)
     s_dtype = S0.dtype if S0 is not None else v.dtype
     if T == 0:
-        S_T = S0 if S0 is not None and documents is not None else S.reshape(B, H, K, V).to(s_dtype)
-        return (v.new_zeros(B, 0, H, V) if q is not None else None), S_T
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), (S0 if S0 is not None else
+                                                                       k.new_zeros(B, H, K, V, dtype=s_dtype))
     w = 2 if a_vec else 1                                            # column factor sets: [-a | k] or [k]
-    # the chunk C, the groups (nc, c, cp), the inputs [B, T', H, R, ...] (packed: laid out)
-    C, groups, docs, tokens = _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, group, w, dt, decay)
+    # the chunk C, the groups (nc, c, cp), the inputs [B, T', H, R, ...] (packed: laid out), the start state
+    C, groups, docs, S, tokens = _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, group, w, decay)
+    ok, read_bad, state_bad = _screen((k, v, a, b), (log_decay,), q, docs, inclusive)
     after = read_after_decay and decay is not None
     # which reads see the state before the token's decay: none, all (simultaneous, R = 1), the first
     before = "none" if after else ("all" if simultaneous or R == 1 else "first")
     shared = after and inclusive and not simultaneous and (R == 1 and q is not None)   # (scalar decays)
-    zero = torch.zeros((), dtype=dt, device=k.device)
-    nan_value = torch.full((), float("nan"), dtype=dt, device=k.device)
-    pieces, state_bad = _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive, before)
+    zero = torch.zeros((), dtype=S.dtype, device=k.device)
+    pieces = _dplr_tokens(tokens, ok, read_bad, groups, C, zero, a_vec, b_kind, decay, inclusive, before)
     masks = {c: _dplr_masks(c, R, simultaneous, inclusive, k.device) for c in {cp for _, _, cp in groups}}
     if decay == "channel":   # the places of the pairs in each chunk's matrix; pairs of one token enter
         same = q is not None and inclusive or R > 1 and not simultaneous   # (inclusive probes, sequential reads)
         pairs = {c: pair_index(c, R + (q is not None), w, R, same, masks[c]) for c in masks}
     outs, j0 = [], 0                                                 # [B, nc, c, H, V] per group; chunks before it
-    for (nc, c, cp), (kp, vp, qp, gp, ap, bp, ok, q_ok, bad, dg) in zip(groups, pieces):
-        kg, vg, rows, cols, an, qg, gch = _dplr_factors(kp, vp, qp, ap, bp, gp, ok, q_ok, B, H, c, cp, C, zero, a_vec,
+    for (nc, c, cp), (kp, vp, qp, gp, ap, bp, okg, bad, dg) in zip(groups, pieces):
+        kg, vg, rows, cols, an, qg, gch = _dplr_factors(kp, vp, qp, ap, bp, gp, okg, bad, B, H, c, cp, C, zero, a_vec,
                                                         b_kind, decay)
         if decay == "channel":
             Nmat, rk, ends, g_end, reads = _dplr_channel_pairs(rows, cols, qg, gch, pairs[cp], same, before, inclusive)
         else:
             Nmat, rk, ends, g_end, reads = _dplr_pairs(rows, cols, dg, masks[cp][0], C, R, zero, a_vec, simultaneous,
                                                        decay, shared)
-        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
-        if a_vec:
-            Nba, Nbk = Nmat[:, :, :cp * R], Nmat[:, :, cp * R:]       # -A^{ba}, A^{bk}
-            X = _dplr_solve(Nba, torch.cat([rk, torch.bmm(Nbk, vg)], dim=-1))   # [e^l b | A^{bk} V]
-        else:
-            X = _dplr_solve(Nmat, torch.cat([rk, vg], dim=-1))       # [-alpha e^l b | V]
+        X = _dplr_solve(Nmat, rk, vg, a_vec)                         # [W | U]
         S, starts, zs = _pass_states(_dplr_maps(X, kg, vg, an, ends, g_end, nc, a_vec, decay), nc, S, docs, j0)
         j0 += nc
         if q is not None:
             og = _dplr_outputs(qg, cols, vg, _stacked(starts), _stacked(zs), reads, dg, masks[cp][1], bad, C, R, zero,
-                               nan_value, inclusive, a_vec, decay)
+                               inclusive, a_vec, decay)
             outs.append(_token_major(og, B, H, c))                   # [B, nc, c, H, V] (a view)
     S = docs.final().reshape(-1, K, V) if docs is not None else S   # (packed: [N H, K, V])
-    S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)
+    S_out = torch.where(state_bad.reshape(-1, 1, 1), float("nan"), S).reshape(-1, H, K, V).to(s_dtype)
     if q is None:
         return None, S_out                                           # (a bad token poisons the state)
     o = _join_chunks(outs)                                           # [B, T, H, V]
     return (o if docs is None else docs.unlay(o)).to(v.dtype), S_out   # (packed: the documents' tokens)
 
 
-def _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, group, w, dt, decay):
+def _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, group, w, decay):
     """The layout of ``chunk_dplr``'s row: the chunk C (per-channel decays: a power of two, halved
     level by level), the inputs with their sub-step axis (``[B, T, H, R, *]``), packed documents
-    laid out in one row, each from a chunk's start (``documents.for_kernel``; S0 ``[N, H, K, V]``
-    their initial states, or None), and the groups of chunks (:func:`_chunk_groups`; ``w`` column
-    sets per sub-step size them): a per-channel tail chunk is padded with identity tokens to a
-    power of two.
+    laid out in one row, each from a chunk's start (their initial states S0 ``[N, H, K, V]``, or
+    None), the state before the first chunk, and the groups of chunks (``w`` column sets per
+    sub-step size them): a per-channel tail chunk is padded with identity tokens to a power of two.
 
     Returns:
-        ``(C, groups, docs or None, (k, v, a, b, q, log_decay))``.
+        ``(C, groups, docs or None, S [B H, K, V], (k, v, a, b, q, log_decay))``.
     """
     B, T, H = k.shape[:3]
+    dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     if decay == "channel":
         C = 1 << (C.bit_length() - 1)
@@ -269,27 +252,34 @@ def _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, group, w, dt, d
         if b is not None:
             b_r = b.unsqueeze(3)
     R, K, V = k.shape[3], k.shape[-1], v.shape[-1]
-    docs = None
+    docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, k.device)
     q_in, lg_in = q, log_decay
-    if documents is not None:
-        docs = documents.for_kernel(C, S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt))
+    if docs is not None:
         T = docs.T                                                   # the laid-out row
         k, v, a, b_r = (docs.lay(x) for x in (k, v, a, b_r))
         q_in, lg_in = docs.lay(q), docs.lay(log_decay)
     G = _group_size(T // C, B * H * C * R * max(K + V, w * C * R), group, k.device)   # chunks per group
     groups = _chunk_groups(T, C, G, "power of two" if decay == "channel" else None)
-    return C, groups, docs, (k, v, a, b_r, q_in, lg_in)
+    return C, groups, docs, S, (k, v, a, b_r, q_in, lg_in)
 
 
-def _dplr_solve(N, rhs):
-    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``
-    (N ``[nBH, n, n]``, only its strict lower triangle read; rhs ``[nBH, n, K + V]``)."""
+def _dplr_solve(N, rk, vg, a_vec):
+    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``,
+    ``X = [W | U]`` (N ``[nBH, n, w n]``, only its strict lower triangle read; rk ``[nBH, n, K]``
+    the decayed rows, vg ``[nBH, n, V]`` the values): vector a, ``N = [-A^{ba} | A^{bk}]`` and
+    ``rhs = [e^l b | A^{bk} V]``; scalar a, ``rhs = [-alpha e^l b | V]``.  Returns ``[nBH, n, K + V]``."""
+    if a_vec:
+        n = rk.shape[1]
+        Nba, Nbk = N[:, :, :n], N[:, :, n:]                          # -A^{ba}, A^{bk}
+        rhs = torch.cat([rk, torch.bmm(Nbk, vg)], dim=-1)
+    else:
+        Nba, rhs = N, torch.cat([rk, vg], dim=-1)
     # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
-    return torch.linalg.solve_triangular(N.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
+    return torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True, left=False,
                                          unitriangular=True).transpose(1, 2)   # [nBH, n, K + V]
 
 
-def _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive, before):
+def _dplr_tokens(tokens, ok, read_bad, groups, C, zero, a_vec, b_kind, decay, inclusive, before):
     """The per-token flags and scalars of ``chunk_dplr``, and its scalar decays' factors, for all
     chunks at once (chunk-major ``[Np, BH, C]`` per token, ``[Np, BH, C R]`` per sub-step; a tail
     chunk padded with ok tokens of log decay 0), cut into one piece per group.
@@ -297,8 +287,8 @@ def _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive,
     Args:
         tokens: ``(k, v, a, b, q, log_decay)`` laid out: the state inputs with their sub-step
             axis (``[B, T, H, R, ...]``), the probes and the log decays (or None).
-        docs: the packed documents' chunks (``_DocumentChunks``), or None.
-        groups: ``(nc, c, cp)`` per group (:func:`_chunk_groups`); C: tokens per chunk.
+        ok, read_bad: ``[B, T, H]`` the screen's flags (read_bad None without probes).
+        groups: ``(nc, c, cp)`` per group; C: tokens per chunk.
         zero: a 0 of the kernel's dtype and device.
         a_vec, b_kind, decay: the forms of a, b and the decay (``chunk_dplr``'s).
         inclusive: the probes read the state after their token.
@@ -306,11 +296,10 @@ def _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive,
             ``"first"``).
 
     Returns:
-        ``(pieces, state_bad)``: per group the pieces of the keys, values, probes, per-channel log
-        decays (clamped; ``[B, nc c, H, ...]``), a and b (vectors: per token; scalars ``[nc, BH,
-        C R]``), the ok flags of the tokens and probes, the outputs' bad flags (``[nc, BH, C]``) and
-        the scalar decays' factors (a dict); ``state_bad [BH or N H, 1, 1]``: the final states a
-        bad token poisons.
+        per group the pieces of the keys, values, probes, per-channel log decays (clamped; ``[B,
+        nc c, H, ...]``), a and b (vectors: per token; scalars ``[nc, BH, C R]``), the ok flags of
+        the tokens and the outputs' bad flags (``[nc, BH, C]``) and the scalar decays' factors (a
+        dict).
     """
     k, v, a, b_r, q, lg = tokens
     B, T, H, R = k.shape[:4]
@@ -320,30 +309,9 @@ def _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive,
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
         return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, B * H, C * r)
 
-    # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
-    total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
-    total = total + (a.sum((-2, -1), dtype=dt) if a_vec else a.sum(-1, dtype=dt))
-    if b_kind != "k":
-        total = total + (b_r.sum((-2, -1), dtype=dt) if b_kind == "vec" else b_r.sum(-1, dtype=dt))
-    lg_all = None
-    if decay is not None:
-        lg_all = lg.to(dt).clamp_min(-40.0)                          # (a decay of 0, log -inf, is valid)
-        total = total + (lg_all.sum(-1) if decay == "channel" else lg_all)
-    okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
-    # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
-    # outputs reading a state at or after a bad token, and the final state, are set to NaN at the end
-    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
-    if docs is None:
-        bad_before = torch.cumsum(bad, dim=1)                        # bad tokens at or before t
-        state_bad = (bad_before[:, -1] > 0).reshape(B * H, 1, 1)
-    else:                                                            # ... in its document
-        bad_before = docs.cumsum(bad)
-        state_bad = (docs.total(bad) > 0).reshape(-1, 1, 1)         # [N H, 1, 1]
-    q_okf = read_bad = None
-    if q is not None:
-        q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
-        read_bad = per_chunk(bad_before if inclusive else bad_before - bad, 1) > 0
-        read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
+    okf = _chunk_major(ok, Np, C, True).reshape(Np, B * H, C)        # [Np, BH, C] (padding: ok)
+    bad = per_chunk(read_bad, 1) if read_bad is not None else None  # [Np, BH, C]
+    lg_all = lg.to(dt).clamp_min(-40.0) if decay is not None else None   # (a decay of 0, log -inf, is valid)
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
     a_s = None if a_vec else torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
     b_s = torch.where(ok_r, per_chunk(b_r.to(dt), R), zero) if b_kind == "scalar" else None
@@ -368,7 +336,7 @@ def _dplr_tokens(tokens, docs, groups, C, zero, a_vec, b_kind, decay, inclusive,
     token_p.append(_split_groups(lg_all if decay == "channel" else None, groups))   # per-channel log decays
     a_p = _split_groups(a, groups) if a_vec else split_c(a_s)
     b_p = _split_groups(b_r, groups) if b_kind == "vec" else split_c(b_s)
-    return list(zip(*token_p, a_p, b_p, split_c(okf), split_c(q_okf), split_c(read_bad), dec_p)), state_bad
+    return list(zip(*token_p, a_p, b_p, split_c(okf), split_c(bad), dec_p))
 
 
 def _dplr_masks(c, R, simultaneous, inclusive, device):
@@ -386,7 +354,7 @@ def _dplr_masks(c, R, simultaneous, inclusive, device):
     return solve, read
 
 
-def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero, a_vec, b_kind, decay):
+def _dplr_factors(k, v, q, a, b, lg, ok, bad, B, H, c, cp, C, zero, a_vec, b_kind, decay):
     """The factors of a group's chunks in ``chunk_dplr``, chunk-major (chunk j of the group is the
     batch slice ``[j BH, (j + 1) BH)``), bad tokens zeroed (by ``torch.where``, never a product).
 
@@ -404,7 +372,8 @@ def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero, a_vec, b_ki
         k, v: the group's piece ``[B, nc c, H, R, *]``; q: its probes ``[B, nc c, H, K]``, or None.
         a, b: vectors: pieces like ``k``; scalars: ``[nc, BH, C R]`` (b: None when it is ``k``).
         lg: the per-channel log decays' piece ``[B, nc c, H, K]`` (clamped), or None.
-        ok, q_ok: ``[nc, BH, C]`` the ok flags of the tokens and the probes (or None).
+        ok, bad: ``[nc, BH, C]`` the ok flags of the tokens, the bad flags of the outputs (their
+            probes are zeroed; None without probes).
         B, H: batch and heads; c, cp: tokens per chunk and slots (a tail chunk's padded).
         C: tokens per chunk of the row.
         zero: a 0 of the kernel's dtype.
@@ -444,7 +413,7 @@ def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero, a_vec, b_ki
         rows = (bg if b_kind == "vec" else kg) * rscale[..., None]
     qg = None
     if q is not None:
-        qkeep = q_ok[..., :cp].reshape(nc, B, H, cp, 1, 1)
+        qkeep = ~bad[..., :cp].reshape(nc, B, H, cp, 1, 1)
         qg = torch.where(qkeep, lay(q.unsqueeze(3), 1).to(zero.dtype), zero).reshape(nBH, cp, K)
     if decay == "channel":
         gch = torch.where(okg[..., 0, :], lay(lg.unsqueeze(3), 1)[..., 0, :].to(zero.dtype), zero)   # [nc, B, H, cp, K]
@@ -631,8 +600,7 @@ def _dplr_maps(X, kg, vg, an, ends, g_end, nc, a_vec, decay):
     return step
 
 
-def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero, nan_value, inclusive, a_vec,
-                  decay):
+def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero, inclusive, a_vec, decay):
     """The outputs of a group's chunks in ``chunk_dplr`` from the states at their starts:
     ``o = (Q~ + P^a W) S_start + P^a U + P^k V``, i.e. ``o = Q~ S_start + P [-u | V]`` (vector a)
     or ``Q~ S_start + P z``, ``P`` the masked, decayed query scores.
@@ -644,7 +612,7 @@ def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero,
         dg: the group's scalar decay factors (``"Lq"``, ``"Lr"``, ``"e_q"``), or empty.
         m_read: ``[cp, n]`` the pairs a probe reads; bad: ``[nc, BH, C]`` the outputs set to NaN.
         C, R: the chunk and the sub-steps per token.
-        zero, nan_value: constants of the kernel's dtype.
+        zero: a 0 of the kernel's dtype.
         inclusive, a_vec, decay: ``chunk_dplr``'s arguments and forms.
 
     Returns:
@@ -675,4 +643,4 @@ def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero,
         og = torch.baddbmm(torch.bmm(P, torch.cat([-z, vg], dim=1)), qd, S_starts)
     else:       # o = Q~ S + P z
         og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
-    return torch.where(bad[..., :cp].reshape(nBH, cp, 1), nan_value, og)
+    return torch.where(bad[..., :cp].reshape(nBH, cp, 1), float("nan"), og)
