@@ -3,16 +3,18 @@ the same numbers as the general kernel for every binding, the decided branches g
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import itertools
 from pathlib import Path
 
 import pytest
 import torch
+from close import assert_same_function
 from test_generated_readable import docstring_mismatches, unused_assignments
 
 from memspec.codegen.context import kernel_functions, phase_sources, runtime_source
-from memspec.codegen.specialise import specialise, specialise_calls, specialise_source
+from memspec.codegen.specialise import constant_arguments, specialise, specialise_calls, specialise_source
 from memspec.codegen.tidy import drop_dead
 from memspec.runtime import dplr
 from memspec.runtime.additive import chunk_additive
@@ -114,7 +116,7 @@ def test_chunk_dplr_specialised_equals_general(decay, a_vec, b_kind, after):
     for left in ("a_vec", "b_kind", "decay ==", "decay is", "decay !=", "_form"):
         assert left not in body, left
     assert ("pair_index" in body) == (decay == "channel")
-    assert f"_dplr_solve(Nmat, rk, vg, {a_vec})" in body   # the solve of the a form decided at its call
+    assert ("Nbk" in body) == a_vec
     _assert_readable(src)
 
 
@@ -227,21 +229,208 @@ def test_a_false_operand_ends_an_and_chain():
     assert fn(1) == (False, True) and fn(2) == (False, True)
 
 
+def _calls_of(fn, code: str) -> list:
+    return [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id == fn.__name__]
+
+
 def test_calls_lose_their_constant_arguments():
-    code = ("o, S = chunk_delta(qn, kn, v, eta, None, state['W'], self.chunk, log_rho=None, inclusive=True)\n"
-            "o2, S2 = chunk_delta(qn, kn, v, eta, None, S, self.chunk, log_rho=None, inclusive=True)\n")
-    new, src = specialise_calls(code, chunk_delta)
-    assert new == ("o, S = chunk_delta(qn, kn, v, eta, state['W'], self.chunk)\n"
-                   "o2, S2 = chunk_delta(qn, kn, v, eta, S, self.chunk)\n")
-    assert src.startswith("def chunk_delta(q, k, v, beta, S0, chunk):")
+    code = ("def f(qn, kn, v, eta, state, S, self):\n"
+            "    o, S = chunk_delta(qn, kn, v, eta, None, state['W'], self.chunk, log_rho=None, inclusive=True)\n"
+            "    o2, S2 = chunk_delta(qn, kn, v, eta, None, S, self.chunk, log_rho=None, inclusive=True)\n"
+            "    return o, o2\n")
+    consts = constant_arguments(chunk_delta, _calls_of(chunk_delta, code))
+    assert {"log_gamma": None, "log_rho": None, "inclusive": True}.items() <= consts.items()
+    new = specialise_source(code, {}, drop={chunk_delta: frozenset(consts)})
+    assert new == ("def f(qn, kn, v, eta, state, S, self):\n"
+                   "    o, S = chunk_delta(qn, kn, v, eta, state['W'], self.chunk)\n"
+                   "    o2, S2 = chunk_delta(qn, kn, v, eta, S, self.chunk)\n"
+                   "    return o, o2\n")
+    assert specialise(chunk_delta, **consts).startswith("def chunk_delta(q, k, v, beta, S0, chunk):")
 
 
 def test_arguments_that_differ_between_calls_stay():
-    code = ("a = chunk_delta(q, k, v, b, None, S, 8, inclusive=True)\n"
-            "c = chunk_delta(q, k, v, b, lg, S, 8, inclusive=True)\n")
-    new, src = specialise_calls(code, chunk_delta)
+    code = ("def f(q, k, v, b, lg, S):\n"
+            "    a = chunk_delta(q, k, v, b, None, S, 8, inclusive=True)\n"
+            "    c = chunk_delta(q, k, v, b, lg, S, 8, inclusive=True)\n"
+            "    return a, c\n")
+    consts = constant_arguments(chunk_delta, _calls_of(chunk_delta, code))
+    assert {"log_rho": None, "inclusive": True}.items() <= consts.items()  # log_rho: never passed, its default
+    assert "log_gamma" not in consts
+    new = specialise_source(code, {}, drop={chunk_delta: frozenset(consts)})
     assert "a = chunk_delta(q, k, v, b, None, S, 8)" in new and "c = chunk_delta(q, k, v, b, lg, S, 8)" in new
-    assert src.startswith("def chunk_delta(q, k, v, beta, log_gamma, S0, chunk):")   # log_rho: never passed
+    assert specialise(chunk_delta, **consts).startswith("def chunk_delta(q, k, v, beta, log_gamma, S0, chunk):")
+
+
+def _join(a, b, weight=None, *, mode="sum"):
+    return a + b if mode == "sum" else a - b
+
+
+def test_a_dropped_call_is_written_from_its_structure():
+    """Positional and keyword arguments dropped, kept ones written through the folder (a decided
+    conditional inside, an argument over two lines with its comment), calls nested in expressions, in
+    a comprehension, in a lambda, in another dropped call's arguments and in a loop's header."""
+    src = ("def f(x, y, flag=None):\n"
+           "    z = _join(\n"
+           "        x,\n"
+           "        (y   # the second\n"
+           "         * 2),\n"
+           "        None,\n"
+           "        mode='sum',\n"
+           "    )\n"
+           "    w = torch.tanh(_join(y, x if flag is None else -x, None, mode='sum') * 2)\n"
+           "    pairs = [_join(a, b, None, mode='sum') for a, b in ((z, w), (w, z))]\n"
+           "    twice = lambda t: _join(t, t, None, mode='sum')  # noqa: E731\n"
+           "    for r in _join(_join(z, w, None, mode='sum'), (z, w)[0], None, mode='sum').unbind(0):\n"
+           "        w = w + r.sum()\n"
+           "    return z, w, pairs, twice(z), _join(x, y, mode='sum')\n")
+    new = specialise_source(src, {"flag": None}, drop={_join: frozenset({"weight", "mode"})})
+    assert "    z = _join(x, y   # the second\n         * 2)\n" in new    # the call's brackets hold it
+    assert "    w = torch.tanh(_join(y, x) * 2)\n" in new
+    assert "    pairs = [_join(a, b) for a, b in ((z, w), (w, z))]\n" in new
+    assert "    twice = lambda t: _join(t, t)  # noqa: E731\n" in new
+    assert "    for r in _join(_join(z, w), (z, w)[0]).unbind(0):\n" in new
+    assert "return z, w, pairs, twice(z), _join(x, y)\n" in new
+    assert "None" not in new.split("Specialised")[-1] and "mode" not in new
+    ns = {"torch": torch, "_join": lambda a, b: a + b}
+    exec(new, ns)
+    ns_general = {"torch": torch, "_join": _join}
+    exec(src, ns_general)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, generator=g, dtype=torch.float64)
+    for got, want in zip(ns["f"](x, y), ns_general["f"](x, y)):
+        for a, b in zip(*(t if isinstance(t, list) else [t] for t in (got, want))):
+            assert_same_function(a, b)
+
+
+_RECURSIVE = '''
+def kernel(x, mode=None):
+    return _ping(x, 3, mode) + sum(map(_as_value, [x], [None]))
+
+
+def _ping(x, n, mode=None):
+    return x if n == 0 else _pong(x, n - 1, mode)
+
+
+def _pong(x, n, mode=None):
+    return _ping(x + 1, n, mode)
+
+
+def _as_value(x, mode=None):
+    return x if mode is None else -x
+
+
+def _caller():
+    return _as_value(1, None)
+'''
+
+
+def test_recursive_functions_and_ones_passed_as_values_stay_general(tmp_path, monkeypatch):
+    (tmp_path / "recursive_demo.py").write_text(_RECURSIVE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("recursive_demo")
+    kernel_src, *own = specialise_calls(mod.kernel, {"mode": None}, lambda text: kernel_functions(mod.kernel, text))
+    assert own == [inspect.getsource(f) for f in (mod._ping, mod._pong, mod._as_value)]
+    assert "_ping(x, 3, None)" in kernel_src
+    ns = {}
+    for part in own + [kernel_src]:
+        exec(part, ns)
+    assert ns["kernel"](2) == mod.kernel(2) == 7
+
+
+def test_an_unpacked_call_cannot_lose_arguments():
+    src = "def f(x, args):\n    return _join(x, *args)\n"
+    with pytest.raises(TypeError, match="unpacks its arguments"):
+        specialise_source(src, {}, drop={_join: frozenset({"weight"})})
+    assert constant_arguments(_join, _calls_of(_join, src)) == {}
+
+
+_PHASES = '''
+import torch
+
+
+def kernel(x, y, scale=None, mode="sum", flag=False):
+    """x and y combined, twice over.
+
+    Args:
+        x, y: the tensors.
+        scale: a factor, or None.
+        mode: "sum" or "diff".
+        flag: add one to the doubled part.
+    """
+    z = _combine(
+        x,
+        (y   # the second, doubled
+         * 2),
+        None,
+        mode=mode,
+    )
+    w = torch.tanh(_combine(y, x, None, mode=mode) * 2) + _twice(z, flag=flag)
+    if scale is not None:
+        w = w * scale
+    return [_combine(a, b, None, mode=mode) for a, b in ((z, w), (w, z))], w
+
+
+def _combine(a, b, weight=None, *, mode="sum"):
+    """a and b combined (b weighted first when a weight is given)."""
+    if weight is not None:
+        b = b * weight
+    if mode == "sum":
+        return a + b
+    return a - b
+
+
+def _twice(t, flag=False):
+    """t doubled by :func:`_combine`, plus one when flagged."""
+    u = _combine(t, t, None, mode="sum")
+    if flag:
+        u = _bump(u, None)
+    return u
+
+
+def _bump(u, step=None):
+    return u + (1 if step is None else step)
+
+
+def _unused(t):
+    return _combine(t, t)
+'''
+
+
+@pytest.mark.parametrize("consts", [{"mode": "sum", "scale": None, "flag": True},
+                                    {"mode": "diff", "flag": False}, {}])
+def test_a_kernel_and_the_functions_it_calls_are_specialised_together(tmp_path, monkeypatch, consts):
+    """Each private function is specialised to what every call of it passes -- the kernel's calls
+    and those of another private function alike -- every call is written without those arguments,
+    and the sources run with the general kernel's numbers."""
+    (tmp_path / "phases_demo.py").write_text(_PHASES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("phases_demo")
+    reach = lambda text: kernel_functions(mod.kernel, text)  # noqa: E731
+    kernel_src, *own = specialise_calls(mod.kernel, consts, reach)
+    names = [ast.parse(s).body[0].name for s in own]
+    flagged = consts.get("flag", True)     # _twice calls _bump (the kernel never does) when flagged
+    assert names == ["_combine", "_twice"] + ["_bump"] * flagged   # in the module's order; _unused: never called
+    combine, twice = own[:2]
+    if flagged:
+        assert own[2].startswith("def _bump(u):") and "u = _bump(u)" in twice
+    everywhere = consts.get("mode") == "sum"                  # _twice passes "sum" too
+    assert combine.startswith("def _combine(a, b):" if everywhere else "def _combine(a, b, *, mode='sum'):")
+    assert ("_combine(t, t)" in twice) == everywhere and "_combine(t, t, None" not in twice
+    assert "_combine(x, y   # the second, doubled\n" in kernel_src
+    assert "None, mode" not in kernel_src.split('"""')[-1]
+    assert twice.startswith("def _twice(t):" if "flag" in consts else "def _twice(t, flag=False):")
+    ns = {}
+    for part in own + [kernel_src]:
+        exec("import torch\n" + part, ns)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(2, 3, generator=g, dtype=torch.float64)
+    got_pairs, got_w = ns["kernel"](x, y, *(() if "scale" in consts else (torch.tensor(0.5, dtype=torch.float64),)))
+    scale = None if "scale" in consts else torch.tensor(0.5, dtype=torch.float64)
+    want_pairs, want_w = mod.kernel(x, y, scale, consts.get("mode", "sum"), consts.get("flag", False))
+    assert_same_function(got_w, want_w)
+    for a, b in zip(got_pairs, want_pairs):
+        assert_same_function(a, b)
 
 
 def test_a_reassigned_parameter_is_refused():

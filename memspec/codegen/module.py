@@ -28,7 +28,7 @@ from .context import Context, Emitter, kernel_functions, phase_sources, runtime_
 from .exprs import P_ATOM, CodegenError, ExprEmitter
 from .layout import layout
 from .calls import Placed, bound_constants
-from .specialise import source, specialise, specialise_calls
+from .specialise import specialise_calls
 from .text import Lines, dims_text, inert, shape_text, string_pieces
 
 SLICE_CHUNKS = 8   # compile=True: chunks per compiled call of an exact chunked forward
@@ -132,12 +132,10 @@ def generate(spec, decision: ScheduleDecision, *, source_path=None, source_text=
             consts = bound_constants(part, [p.call for p in calls])
             for p in calls:
                 p.bound = frozenset(consts)
-            src = specialise(part, **consts) if consts else source(part)
-            own = []   # the functions of its module it calls (unless the emitter asked for them itself),
-            for fn in kernel_functions(part, src):   # specialised to the constant arguments it passes
-                if runtime_source(fn) not in ctx.parts:
-                    src, fn_src = specialise_calls(src, fn)
-                    own.append(fn_src)
+            # and the functions of its module it calls (unless the emitter asked for them itself),
+            # specialised to the constant arguments they are passed
+            src, *own = specialise_calls(part, consts, lambda text, part=part: [
+                fn for fn in kernel_functions(part, text) if runtime_source(fn) not in ctx.parts])
             runtime += [src] + [f for f in own if f not in runtime]
         else:
             runtime.append(part)

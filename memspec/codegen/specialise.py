@@ -17,6 +17,14 @@ Only what is provably decided is folded (constants, strings included, ``is None`
 ``is not None``, ``not``, ``and`` / ``or`` with a decided prefix, ``==`` / ``!=`` between
 constants); a parameter or local that is assigned in a loop, a branch or a nested function
 is never folded.  The tests run every specialisation of every kernel against the general one.
+
+A kernel's private functions (its phases) are specialised with it (:func:`specialise_calls`): each
+to the constant arguments every call of it passes, read in the specialised sources of its callers,
+and the writer itself writes each call of such a function without those arguments
+(:func:`specialise_source`'s ``drop``), its other arguments through the same path as any folded
+expression -- wherever the call stands: nested in an expression, spread over lines, in a loop's
+header, in another phase.  Text is written once, by the writer; nothing it wrote is read back and
+edited.
 """
 from __future__ import annotations
 
@@ -56,7 +64,11 @@ def source(fn) -> str:
     return re.sub(r"(:func:`)(\w+)`", qualify, src)
 
 
-def specialise_source(src: str, consts: dict) -> str:
+def specialise_source(src: str, consts: dict, drop: dict | None = None) -> str:
+    """The source ``src`` of one function with the parameters ``consts`` bound to those constants,
+    and every call of a function in ``drop`` (function -> the names of the parameters its specialised
+    copy no longer has) written without those arguments.  With nothing bound the docstring, the
+    signature and the statements without such a call stay as written, and nothing is tidied away."""
     tree = ast.parse(src)
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef):
@@ -65,21 +77,30 @@ def specialise_source(src: str, consts: dict) -> str:
     unknown = sorted(set(consts) - set(params))
     if unknown:
         raise TypeError(f"{fdef.name} has no parameter {', '.join(unknown)}")
-    if not consts:
+    drop = {f.__name__: (inspect.signature(f), frozenset(names)) for f, names in (drop or {}).items() if names}
+    if not consts and not any(_dropped_call(n, drop) for n in ast.walk(fdef)):
         return src
     assigned = _assigned_counts(fdef)
     bound = [p for p in consts if assigned.get(p, 0)]
     if bound:
         raise TypeError(f"{fdef.name} reassigns {', '.join(bound)}; it cannot be specialised on it")
-    w = _Writer(src.split("\n"), assigned)
+    w = _Writer(src.split("\n"), assigned, drop)
     env = dict(consts)
-    out = "\n".join(w.header(fdef, consts) + w.body(fdef.body, env, drop_docstring_note=consts)) + "\n"
+    head = w.header(fdef, consts) if consts else w.lines[w._first_line(fdef) - 1:w._first_line(fdef.body[0]) - 1]
+    out = "\n".join(head + w.body(fdef.body, env, drop_docstring_note=consts or None)) + "\n"
+    if not consts:   # only calls lost constant arguments: nothing folded, nothing left dead
+        return out
     out = drop_dead(out)
     left = sorted({n.id for n in ast.walk(ast.parse(out)) if isinstance(n, ast.Name)} & set(consts))
     if left:   # a use the folder did not reach (e.g. inside a loop over a tuple of parameters)
         raise TypeError(f"{fdef.name}: {', '.join(left)} still read after specialising; write each use "
                         f"as a test the folder reads (`if {left[0]} is not None:`) or a direct expression")
     return out
+
+
+def _dropped_call(node, drop: dict) -> bool:
+    """Is ``node`` a call of a function of ``drop`` (name -> (signature, dropped parameters))?"""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in drop
 
 
 def _assigned_counts(node) -> dict:
@@ -165,16 +186,27 @@ def _is_bool(e: ast.expr) -> bool:
 
 
 class _Writer:
-    def __init__(self, lines: list, assigned: dict):
+    """Writes one function's specialised source: the statements it keeps, line for line, with each
+    decided sub-expression (and each call of a function in ``drop``) written anew in its place."""
+
+    def __init__(self, lines: list, assigned: dict, drop: dict | None = None):
         self.lines = lines
         self.assigned = assigned
+        self.drop = drop or {}    # function name -> (its signature, the parameters its calls lose)
 
     # -------------------------------------------------------------- text of nodes
     def seg(self, node) -> str:
-        """The source of an expression node (one or more lines joined as they are)."""
-        return ast.get_source_segment("\n".join(self.lines), node)
+        """The source of an expression node (one or more lines joined as they are; columns count
+        UTF-8 bytes, as :func:`ast.get_source_segment` reads them)."""
+        first, last = node.lineno - 1, node.end_lineno - 1
+        if first == last:
+            return self.lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+        return "\n".join([self.lines[first].encode()[node.col_offset:].decode()] + self.lines[first + 1:last]
+                         + [self.lines[last].encode()[:node.end_col_offset].decode()])
 
     def _expr(self, e: ast.expr, env: dict) -> str:
+        if _dropped_call(e, self.drop):
+            return self._call(e, env)
         v = fold(e, env)
         if v is not UNKNOWN and isinstance(v, (bool, int, float, str, type(None))):
             return repr(v)
@@ -207,6 +239,28 @@ class _Writer:
                 return self._paren(kept[0], self._expr(kept[0], env))
         return self._substitute(e, env)
 
+    def _call(self, c: ast.Call, env: dict) -> str:
+        """A call of a function of ``drop``, written without the arguments of its dropped
+        parameters; the others in the order written, each through :meth:`_expr`."""
+        name = c.func.id
+        sig, dropped = self.drop[name]
+        if any(isinstance(a, ast.Starred) for a in c.args) or any(k.arg is None for k in c.keywords):
+            raise TypeError(f"a call of {name} unpacks its arguments: its parameters cannot be dropped")
+        try:
+            bound = sig.bind(*c.args, **{k.arg: k.value for k in c.keywords})
+        except TypeError as err:
+            raise TypeError(f"a call of {name} does not fit its signature: {err}") from None
+        param = {id(node): p for p, node in bound.arguments.items()}
+        parts = [self._arg(a, env) for a in c.args if param[id(a)] not in dropped]
+        parts += [f"{k.arg}={self._arg(k.value, env)}" for k in c.keywords if k.arg not in dropped]
+        return f"{name}({', '.join(parts)})"
+
+    def _arg(self, e: ast.expr, env: dict) -> str:
+        """An argument of a call written anew: parentheses around it are a call's own."""
+        text = self._expr(e, env) if self._touched(e, env) else self.seg(e)
+        grouped = text.startswith("(") and text.endswith(")") and _balanced(text[1:-1])
+        return text[1:-1] if grouped and not isinstance(e, (ast.Tuple, ast.GeneratorExp)) else text
+
     def _paren(self, node, text: str) -> str:
         atomic = isinstance(node, (ast.Name, ast.Constant, ast.Call, ast.Attribute, ast.Subscript))
         return text if atomic else f"({text})"
@@ -214,9 +268,7 @@ class _Writer:
     def _substitute(self, e: ast.expr, env: dict) -> str:
         """The source of ``e`` with decided sub-expressions replaced (by column, right to left)."""
         text = self.seg(e)
-        edits = []
-        for sub in self._decided_children(e, env):
-            edits.append((sub, self._expr(sub, env)))
+        edits = [(sub, self._expr(sub, inner), _atomic(sub, inner)) for sub, inner in self._decided_children(e, env)]
         if not edits:
             return text
         base_line, base_col = e.lineno, e.col_offset
@@ -227,29 +279,40 @@ class _Writer:
                 return col - base_col
             return sum(len(ln) + 1 for ln in src_lines[:line - base_line]) + col
 
-        for sub, rep in sorted(edits, key=lambda x: (x[0].lineno, x[0].col_offset), reverse=True):
+        for sub, rep, atomic in sorted(edits, key=lambda x: (x[0].lineno, x[0].col_offset), reverse=True):
             a, b = offset(sub.lineno, sub.col_offset), offset(sub.end_lineno, sub.end_col_offset)
-            a, b = _unwrap(text, a, b, _atomic(sub, env))
+            a, b = _unwrap(text, a, b, atomic)
             text = text[:a] + rep + text[b:]
         return text
 
-    def _decided_children(self, e: ast.expr, env: dict):
-        """The outermost sub-expressions of ``e`` that fold or hold a decided conditional."""
+    def _decided_children(self, e, env: dict) -> list:
+        """(node, env) for the outermost sub-expressions of ``e`` (an expression, or a statement's
+        parts) that fold, hold a decided conditional or are a call of a function of ``drop`` (inside a
+        lambda: under ``env`` less its parameters)."""
         out = []
         for child in ast.iter_child_nodes(e):
-            if not isinstance(child, ast.expr):
-                continue
-            if isinstance(child, (ast.Lambda,)):
-                continue
-            if self._touched(child, env):
-                if fold(child, env) is not UNKNOWN or isinstance(child, (ast.IfExp, ast.BoolOp)):
-                    out.append(child)
-                else:
-                    out.extend(self._decided_children(child, env))
+            if isinstance(child, ast.Lambda):
+                a = child.args
+                own = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x}
+                out += self._decided(child.body, {k: v for k, v in env.items() if k not in own})
+            elif isinstance(child, ast.expr):
+                out += self._decided(child, env)
+            elif isinstance(child, (ast.keyword, ast.comprehension, ast.withitem, ast.arg)):
+                out += self._decided_children(child, env)
         return out
 
-    def _touched(self, e: ast.expr, env: dict) -> bool:
-        return any(isinstance(n, ast.Name) and n.id in env and isinstance(n.ctx, ast.Load) for n in ast.walk(e))
+    def _decided(self, e: ast.expr, env: dict) -> list:
+        """[(e, env)] when :meth:`_expr` writes ``e`` anew, else its decided sub-expressions."""
+        if not self._touched(e, env):
+            return []
+        if _dropped_call(e, self.drop) or fold(e, env) is not UNKNOWN or isinstance(e, (ast.IfExp, ast.BoolOp)):
+            return [(e, env)]
+        return self._decided_children(e, env)
+
+    def _touched(self, e, env: dict) -> bool:
+        """Does ``e`` read a decided name or call a function of ``drop``?"""
+        return any(isinstance(n, ast.Name) and n.id in env and isinstance(n.ctx, ast.Load)
+                   or _dropped_call(n, self.drop) for n in ast.walk(e))
 
     # -------------------------------------------------------------- statements
     def header(self, fdef: ast.FunctionDef, consts: dict) -> list:
@@ -345,34 +408,24 @@ class _Writer:
 
     def simple(self, node, env: dict, dedent: int) -> list:
         lines = self.stmt_lines(node)
-        if not any(self._touched(e, env) for e in ast.walk(node) if isinstance(e, ast.expr)):
+        if not self._touched(node, env):
             return [_dedent(ln, dedent) for ln in lines]
-        # rewrite the decided expressions inside the statement, by position
+        tops = self._decided_children(node, env)
+        return [_dedent(ln, dedent) for ln in self._rewrite(lines, node.lineno, tops, getattr(node, "value", None))]
+
+    def _rewrite(self, lines: list, first: int, tops: list, whole=None) -> list:
+        """``lines`` (from line ``first``) with each (node, env) of ``tops`` written anew in its place
+        (by position, last first); ``whole``, a statement's whole value, needs no parentheses."""
         text = "\n".join(lines)
-        tops = self._decided_children_stmt(node, env)
-        whole = getattr(node, "value", None)   # the statement's whole value needs no parentheses
-        for sub in sorted(tops, key=lambda s: (s.lineno, s.col_offset), reverse=True):
+        for sub, env in sorted(tops, key=lambda s: (s[0].lineno, s[0].col_offset), reverse=True):
             rep = self._expr(sub, env)
             if sub is whole and rep.startswith("(") and rep.endswith(")") and _balanced(rep[1:-1]):
                 rep = rep[1:-1]
-            a = _offset(lines, node.lineno, sub.lineno, sub.col_offset)
-            b = _offset(lines, node.lineno, sub.end_lineno, sub.end_col_offset)
+            a = _offset(lines, first, sub.lineno, sub.col_offset)
+            b = _offset(lines, first, sub.end_lineno, sub.end_col_offset)
             a, b = _unwrap(text, a, b, _atomic(sub, env))
             text = text[:a] + rep + text[b:]
-        return [_dedent(ln, dedent) for ln in text.split("\n")]
-
-    def _decided_children_stmt(self, node, env: dict) -> list:
-        out = []
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.expr):
-                if self._touched(child, env):
-                    if fold(child, env) is not UNKNOWN or isinstance(child, (ast.IfExp, ast.BoolOp)):
-                        out.append(child)
-                    else:
-                        out.extend(self._decided_children(child, env))
-            elif isinstance(child, (ast.keyword, ast.arg, ast.comprehension)):
-                out.extend(self._decided_children_stmt(child, env))
-        return out
+        return text.split("\n")
 
     def if_(self, node: ast.If, env: dict, dedent: int, chained: bool = False) -> list:
         """An undecided ``if`` (``chained``: an ``elif`` that goes on the chain written before it)."""
@@ -417,11 +470,16 @@ class _Writer:
         return [_dedent(ln, dedent) for ln in gap] + self.body(sub.orelse, env, dedent)
 
     def compound(self, node, env: dict, dedent: int) -> list:
-        """A loop, with, try or nested def: its header as written, its bodies specialised."""
+        """A loop, with, try or nested def: its header as written (but for the calls of functions of
+        ``drop``), its bodies specialised."""
         out: list = []
         blocks = [b for b in ("body", "orelse", "handlers", "finalbody") if getattr(node, b, None)]
         first_body = getattr(node, blocks[0])
-        out += [_dedent(ln, dedent) for ln in self.lines[self._first_line(node) - 1:self._first_line(first_body[0]) - 1]]
+        start = self._first_line(node)
+        head = self.lines[start - 1:self._first_line(first_body[0]) - 1]
+        calls = [(c, env) for e in _header(node) for c in ast.walk(e) if _dropped_call(c, self.drop)]
+        calls = [(c, e) for c, e in calls if not any(o is not c and _within(c, o) for o, _ in calls)]
+        out += [_dedent(ln, dedent) for ln in self._rewrite(head, start, calls)]
         prev = None
         for b in blocks:
             stmts = getattr(node, b)
@@ -435,6 +493,26 @@ class _Writer:
                 out += self.body(stmts, env, dedent)
             prev = stmts[-1].end_lineno
         return out
+
+
+def _header(node) -> list:
+    """The expressions written in a compound statement's header (what a loop iterates, a while's
+    test, a with's items, a nested def's decorators and defaults)."""
+    if isinstance(node, ast.For):
+        return [node.target, node.iter]
+    if isinstance(node, ast.While):
+        return [node.test]
+    if isinstance(node, ast.With):
+        return [e for i in node.items for e in (i.context_expr, i.optional_vars) if e is not None]
+    if isinstance(node, ast.FunctionDef):
+        return node.decorator_list + node.args.defaults + [d for d in node.args.kw_defaults if d is not None]
+    return []
+
+
+def _within(inner, outer) -> bool:
+    """Does node ``outer``'s span hold node ``inner``'s?"""
+    return (outer.lineno, outer.col_offset) <= (inner.lineno, inner.col_offset) and \
+        (inner.end_lineno, inner.end_col_offset) <= (outer.end_lineno, outer.end_col_offset)
 
 
 def _balanced(text: str) -> bool:
@@ -458,27 +536,92 @@ def _dedent(line: str, n: int) -> str:
     return line[n:]
 
 
-def specialise_calls(code: str, fn) -> tuple[str, str]:
-    """Specialise ``fn`` to the constant arguments every call of it in ``code`` passes: ``code``
-    is a (specialised) runtime kernel's source, ``fn`` one of the private functions it calls --
-    library source, read as the specialiser reads it; the generated module's own kernel calls stay
-    structures until it is written (:mod:`memspec.codegen.calls`).
+def specialise_calls(kernel, consts: dict, reach) -> list:
+    """The sources a generated module carries for ``kernel`` called with the constant arguments
+    ``consts``: the kernel specialised to them, then the private functions of its module it calls,
+    in their order in the module.  ``reach(source)`` names the functions a (specialised) source
+    calls that the module carries this way; a function they call is reached in turn.
 
-    A parameter is bound when every call passes the same constant (None, True, False, a string)
-    for it, or none passes it and its default is such a constant.  Returns ``(code, source)``:
-    the code with those arguments taken out of every call, and the specialised source of
-    ``fn`` (its general source when nothing is bound or nothing calls it)."""
+    Each function is specialised to the constant arguments every call of it passes, read in the
+    specialised sources of its callers (:func:`constant_arguments`), and every call of it -- in the
+    kernel and in the other functions, several calls, calls nested in expressions or spread over
+    lines alike -- is written without those arguments by the specialiser itself
+    (:func:`specialise_source`'s ``drop``).  A function also named other than in calls (passed on as
+    a value), one that calls itself, directly or through others, and what only such a one reaches,
+    stay general."""
+    general: dict = {}
+
+    def original(fn) -> str:
+        if fn not in general:
+            general[fn] = source(fn)
+        return general[fn]
+
+    first = specialise_source(original(kernel), consts)   # what the calls pass, once the kernel is folded
+    texts, bound, reached, uses = {kernel: first}, {kernel: dict(consts)}, {kernel: reach(first)}, {}
+    ordered, cyclic = _callers_first(reached[kernel], lambda fn: reach(original(fn)))
+    for fn in ordered + cyclic * len(cyclic):   # a cycle: each pass over it reaches one more at least
+        callers = [c for c in reached if fn in reached[c]]
+        if fn in bound or not callers:   # not (yet) reached from what specialising kept
+            continue
+        for c in callers:
+            uses.setdefault(c, _uses(texts[c]))
+        calls = [n for c in callers for n in uses[c][0].get(fn.__name__, [])]
+        named = sum(uses[c][1].get(fn.__name__, 0) for c in callers)
+        bound[fn] = constant_arguments(fn, calls) if fn not in cyclic and len(calls) == named else {}
+        texts[fn] = specialise_source(original(fn), bound[fn])
+        reached[fn] = reach(texts[fn])
+    drop = {fn: frozenset(b) for fn, b in bound.items() if fn is not kernel and b}
+    own = sorted((fn for fn in bound if fn is not kernel), key=lambda f: f.__code__.co_firstlineno)
+    return [specialise_source(original(fn), bound[fn], drop) if any(g in drop for g in reached[fn]) else texts[fn]
+            for fn in [kernel] + own]
+
+
+def _uses(text: str) -> tuple[dict, dict]:
+    """The calls in ``text`` of a plain name (name -> its ``ast.Call`` nodes), and how often each
+    name is read at all."""
+    calls: dict = {}
+    names: dict = {}
+    for n in ast.walk(ast.parse(text)):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+            calls.setdefault(n.func.id, []).append(n)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+            names[n.id] = names.get(n.id, 0) + 1
+    return calls, names
+
+
+def _callers_first(start: list, calls_of) -> tuple[list, list]:
+    """The functions ``start`` and what they call (``calls_of(fn)``, read in its general source),
+    each after every one that calls it; then those on a cycle of calls and what they reach, in their
+    order in the module."""
+    calls, todo = {}, list(start)
+    while todo:
+        fn = todo.pop()
+        if fn not in calls:
+            calls[fn] = list(dict.fromkeys(calls_of(fn)))   # itself too, when it recurses
+            todo += calls[fn]
+    waiting = {fn: sum(fn in callees for callees in calls.values()) for fn in calls}
+    ready = sorted((fn for fn, n in waiting.items() if n == 0), key=lambda f: f.__code__.co_firstlineno)
+    ordered = []
+    while ready:
+        fn = ready.pop(0)
+        ordered.append(fn)
+        for g in calls[fn]:
+            waiting[g] -= 1
+            if waiting[g] == 0:
+                ready.append(g)
+    rest = sorted(set(calls) - set(ordered), key=lambda f: f.__code__.co_firstlineno)
+    return ordered, rest
+
+
+def constant_arguments(fn, calls: list) -> dict:
+    """The parameters of ``fn`` that every call of ``calls`` (``ast.Call`` nodes) passes the same
+    constant (None, True, False, a string) -- or none passes and their default is such a constant --
+    with those constants; none when no call is given or one unpacks its arguments."""
     sig = inspect.signature(fn)
-    tree = ast.parse(code)
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-             and n.func.id == fn.__name__]
     if not calls or any(isinstance(a, ast.Starred) for c in calls for a in c.args) \
             or any(k.arg is None for c in calls for k in c.keywords):
-        return code, source(fn)
-    per_call = []
-    for c in calls:
-        bound = sig.bind(*c.args, **{k.arg: k.value for k in c.keywords})
-        per_call.append(bound.arguments)
+        return {}
+    per_call = [sig.bind(*c.args, **{k.arg: k.value for k in c.keywords}).arguments for c in calls]
     consts: dict = {}
     for name, p in sig.parameters.items():
         values = set()
@@ -494,20 +637,4 @@ def specialise_calls(code: str, fn) -> tuple[str, str]:
             (kind, *v), = values
             if kind in ("const", "default") and (v[0] is None or isinstance(v[0], (bool, str))):
                 consts[name] = v[0]
-    if not consts:
-        return code, source(fn)
-    lines = code.split("\n")
-    for c, args in sorted(zip(calls, per_call), key=lambda x: (x[0].lineno, x[0].col_offset), reverse=True):
-        kept = []   # positions shift with the parameters the specialised signature drops
-        for name, node in args.items():
-            if name in consts:
-                continue
-            text = ast.get_source_segment(code, node)
-            kept.append(f"{name}={text}" if any(k.arg == name for k in c.keywords) else text)
-        new = f"{fn.__name__}({', '.join(kept)})"
-        a = _offset(lines, 1, c.lineno, c.col_offset)
-        b = _offset(lines, 1, c.end_lineno, c.end_col_offset)
-        code = code[:a] + new + code[b:]
-        lines = code.split("\n")
-    return code, specialise(fn, **consts)
-
+    return consts
