@@ -248,23 +248,33 @@ class ExprEmitter:
 
     # ------------------------------------------------------------ calls
     def _call(self, e: Call) -> Code:
-        fn, args = e.fn, e.args
-        spec = self.spec
-        if spec.model is not None and fn == spec.model.name:
+        """A call: the model applied, a value the caller computed, or the function's own emitter."""
+        if self.spec.model is not None and e.fn == self.spec.model.name:
             return self._model_call(e)
         if unparse(e) in self.grads:  # computed by the caller (grad(...), attend(...) over a sequence)
             return Code(self.grads[unparse(e)], P_ATOM, len(self.shape(e)), row=self.rows)
-        if fn == "grad":
+        if e.fn == "grad":
             raise CodegenError(f"`{unparse(e)}` has no precomputed value here")
-        if fn in _TORCH_ELEMENTWISE:
-            x = self._emit(args[0])
-            if x.number:
-                if fn in _MATH_ELEMENTWISE:
-                    return Code(f"{_MATH_ELEMENTWISE[fn]}({x.text})", P_ATOM, 0, number=True)
-                return Code(f"{_TORCH_ELEMENTWISE[fn]}(torch.tensor({x.text})).item()", P_ATOM, 0, number=True)
-            return Code(f"{_TORCH_ELEMENTWISE[fn]}({x.text})", P_ATOM, x.rank, row=x.row)
-        if fn in ("sum", "mean", "norm") and len(args) == 2:
-            x = self._emit(args[0])
+        if e.fn == "append":
+            raise CodegenError("append(K, k) is only allowed as a statement `K = append(K, k)`")
+        emit = self._CALLS.get(e.fn)
+        if emit is None:
+            raise CodegenError(f"unknown function {e.fn!r}")
+        return emit(self, e)
+
+    def _elementwise(self, e: Call) -> Code:
+        """``exp(x)``, ``sigmoid(x)``, ...: torch's function; on a plain number, math's (or torch's on a scalar)."""
+        fn, x = e.fn, self._emit(e.args[0])
+        if x.number:
+            if fn in _MATH_ELEMENTWISE:
+                return Code(f"{_MATH_ELEMENTWISE[fn]}({x.text})", P_ATOM, 0, number=True)
+            return Code(f"{_TORCH_ELEMENTWISE[fn]}(torch.tensor({x.text})).item()", P_ATOM, 0, number=True)
+        return Code(f"{_TORCH_ELEMENTWISE[fn]}({x.text})", P_ATOM, x.rank, row=x.row)
+
+    def _reduction(self, e: Call) -> Code:
+        """``sum`` / ``mean`` / ``norm`` over one named axis (``sum(x, d)``) or over all of x's axes."""
+        fn, x = e.fn, self._emit(e.args[0])
+        if len(e.args) == 2:
             dim = self._axis(e)
             if fn == "norm" and dim != -1:   # a strided vector_norm is 2-3x slower than the sum of squares
                 self.helpers.add("_norm_axis")
@@ -272,92 +282,116 @@ class ExprEmitter:
             if fn == "norm":
                 return Code(f"torch.linalg.vector_norm({x.text}, dim={dim})", P_ATOM, x.rank - 1, row=x.row)
             return Code(f"{x.at(P_ATOM)}.{fn}({dim})", P_ATOM, x.rank - 1, row=x.row)
-        if fn == "softmax":
-            x = self._emit(args[0])
-            return Code(f"torch.softmax({x.text}, dim={self._axis(e)})", P_ATOM, x.rank, row=x.row)
-        if fn == "newton_schulz":
-            x = self._emit(args[0])
-            self.helpers.add(fn)
-            steps = steps_value(args[1], spec.constants)
-            if isinstance(steps, tuple):   # a coefficient schedule: one (a, b, c) per step
-                steps = inert(tuple(tuple(float(v) for v in row) for row in steps))
-            return Code(f"newton_schulz({x.text}, {steps})", P_ATOM, 2, row=x.row)
-        if fn in ("sum", "mean", "norm"):
-            x = self._emit(args[0])
-            if x.rank == 0:
-                if fn == "norm":
-                    return Code(f"abs({x.text})" if x.number else f"{x.at(P_ATOM)}.abs()", P_ATOM, 0, x.number,
-                                x.row)
-                return x
-            dims = "-1" if x.rank == 1 else "(" + ", ".join(str(-i) for i in range(x.rank, 0, -1)) + ")"
+        if x.rank == 0:
             if fn == "norm":
-                return Code(f"torch.linalg.vector_norm({x.text}, dim={dims})", P_ATOM, 0, row=x.row)
-            return Code(f"{x.at(P_ATOM)}.{fn}({dims})", P_ATOM, 0, row=x.row)
-        if fn in ("layernorm", "rmsnorm"):
-            xs = self._rowed([self._emit(a) for a in args])
-            self.helpers.add(fn)
-            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, xs[0].rank, row=xs[0].row)
-        if fn in DERIVATIVE_HELPERS:   # the closed-form gradients' derivatives (memspec.schedule.backprop)
-            xs = self._rowed([self._emit(a) for a in args])
-            self.helpers.add(fn)
-            return Code(f"{fn}({', '.join(x.text for x in xs)})", P_ATOM, max(x.rank for x in xs), row=xs[0].row)
-        if fn == "l2norm":
-            x = self._emit(args[0])
-            self.helpers.add(fn)
-            return Code(f"l2norm({x.text})", P_ATOM, x.rank, row=x.row)
-        if fn == "outer":
-            a, b = self._rowed([self._emit(args[0]), self._emit(args[1])])
-            return Code(f"{a.at(P_ATOM)}.unsqueeze(-1) * {b.at(P_ATOM)}.unsqueeze(-2)", P_MUL, 2, row=a.row)
-        if fn == "huber":
-            xs = self._rowed([self._emit(a) for a in args])
-            texts, rank = self._aligned(xs)
-            self.helpers.add(fn)
-            return Code(f"huber({', '.join(t if t is not None else x.text for t, x in zip(texts, xs))})",
-                        P_ATOM, rank, row=any(x.row for x in xs))
-        if fn in ("min", "max"):
-            a, b = self._rowed([self._emit(args[0]), self._emit(args[1])])
-            row = a.row or b.row
-            if a.number and b.number:
-                return Code(f"{fn}({a.text}, {b.text})", P_ATOM, 0, True)
-            if a.number or b.number:
-                t, n = (b, a) if a.number else (a, b)
-                kw = "max" if fn == "min" else "min"
-                return Code(f"{t.at(P_ATOM)}.clamp({kw}={n.text})", P_ATOM, t.rank, row=row)
-            (la, lb), rank = self._aligned([a, b])
-            torch_fn = "torch.minimum" if fn == "min" else "torch.maximum"
-            return Code(f"{torch_fn}({la or a.text}, {lb or b.text})", P_ATOM, rank, row=row)
-        if fn == "clamp":
-            x, lo, hi = self._rowed([self._emit(a) for a in args])
-            if x.number and lo.number and hi.number:
-                return Code(f"min(max({x.text}, {lo.text}), {hi.text})", P_ATOM, 0, True)
-            texts, rank = self._aligned([x, lo, hi])
-            tx = texts[0] or (f"torch.as_tensor({x.text})" if x.number else x.at(P_ATOM))
-            tlo, thi = (t or c.text for t, c in zip(texts[1:], (lo, hi)))
-            return Code(f"{tx}.clamp(min={tlo}).clamp(max={thi})", P_ATOM, rank, row=x.row or lo.row or hi.row)
-        if fn == "solve":
-            A, B = self._rowed([self._emit(args[0]), self._emit(args[1])])
-            if B.rank == 1:
-                return Code(f"torch.linalg.solve({A.text}, {B.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1,
-                            row=B.row)
-            return Code(f"torch.linalg.solve({A.text}, {B.text})", P_ATOM, 2, row=B.row)
-        if fn == "eye":
-            d = self._emit(args[0])
-            like = self.like
-            if like is None:
-                raise CodegenError("eye(d) needs a tensor in scope for its dtype and device")
-            return Code(f"torch.eye({d.text}, dtype={like}.dtype, device={like}.device)", P_ATOM, 2)
-        if fn == "attend":
-            if self.rows:
-                raise CodegenError("attend(...) has no rows form")
-            xs = [self._emit(a) for a in args]
-            self.helpers.add(fn)
-            texts = [x.text for x in xs[:3]]
-            scale = xs[3]                    # a number, or a tensor [..., H] (a param, a gate)
-            texts.append(scale.text if scale.number else f"{scale.at(P_ATOM)}.unsqueeze(-1)")
-            return Code(f"attend({', '.join(texts)})", P_ATOM, len(self.shape(e)))
-        if fn == "append":
-            raise CodegenError("append(K, k) is only allowed as a statement `K = append(K, k)`")
-        raise CodegenError(f"unknown function {fn!r}")
+                return Code(f"abs({x.text})" if x.number else f"{x.at(P_ATOM)}.abs()", P_ATOM, 0, x.number, x.row)
+            return x
+        dims = "-1" if x.rank == 1 else "(" + ", ".join(str(-i) for i in range(x.rank, 0, -1)) + ")"
+        if fn == "norm":
+            return Code(f"torch.linalg.vector_norm({x.text}, dim={dims})", P_ATOM, 0, row=x.row)
+        return Code(f"{x.at(P_ATOM)}.{fn}({dims})", P_ATOM, 0, row=x.row)
+
+    def _softmax(self, e: Call) -> Code:
+        """``softmax(x, d)``: over x's axis ``d``."""
+        x = self._emit(e.args[0])
+        return Code(f"torch.softmax({x.text}, dim={self._axis(e)})", P_ATOM, x.rank, row=x.row)
+
+    def _newton_schulz(self, e: Call) -> Code:
+        """``newton_schulz(X, steps)``: the helper, with a step count or a coefficient schedule."""
+        x = self._emit(e.args[0])
+        self.helpers.add(e.fn)
+        steps = steps_value(e.args[1], self.spec.constants)
+        if isinstance(steps, tuple):   # a coefficient schedule: one (a, b, c) per step
+            steps = inert(tuple(tuple(float(v) for v in row) for row in steps))
+        return Code(f"newton_schulz({x.text}, {steps})", P_ATOM, 2, row=x.row)
+
+    def _helper(self, e: Call) -> Code:
+        """``layernorm`` / ``rmsnorm`` (the shape of their first argument) and the closed-form
+        gradients' derivatives (:mod:`memspec.schedule.backprop`; the largest argument's shape):
+        the module-level helper of the same name."""
+        xs = self._rowed([self._emit(a) for a in e.args])
+        self.helpers.add(e.fn)
+        rank = xs[0].rank if e.fn in ("layernorm", "rmsnorm") else max(x.rank for x in xs)
+        return Code(f"{e.fn}({', '.join(x.text for x in xs)})", P_ATOM, rank, row=xs[0].row)
+
+    def _l2norm(self, e: Call) -> Code:
+        """``l2norm(x)``: the helper."""
+        x = self._emit(e.args[0])
+        self.helpers.add(e.fn)
+        return Code(f"l2norm({x.text})", P_ATOM, x.rank, row=x.row)
+
+    def _outer(self, e: Call) -> Code:
+        """``outer(a, b)``: a broadcast product, never a materialised ``torch.outer``."""
+        a, b = self._rowed([self._emit(e.args[0]), self._emit(e.args[1])])
+        return Code(f"{a.at(P_ATOM)}.unsqueeze(-1) * {b.at(P_ATOM)}.unsqueeze(-2)", P_MUL, 2, row=a.row)
+
+    def _huber(self, e: Call) -> Code:
+        """``huber(...)``: the helper, its arguments lifted to a common rank."""
+        xs = self._rowed([self._emit(a) for a in e.args])
+        texts, rank = self._aligned(xs)
+        self.helpers.add(e.fn)
+        return Code(f"huber({', '.join(t if t is not None else x.text for t, x in zip(texts, xs))})",
+                    P_ATOM, rank, row=any(x.row for x in xs))
+
+    def _min_max(self, e: Call) -> Code:
+        """``min(a, b)`` / ``max(a, b)``: Python's on numbers, a clamp against a number,
+        ``torch.minimum`` / ``torch.maximum`` on two tensors."""
+        fn = e.fn
+        a, b = self._rowed([self._emit(e.args[0]), self._emit(e.args[1])])
+        row = a.row or b.row
+        if a.number and b.number:
+            return Code(f"{fn}({a.text}, {b.text})", P_ATOM, 0, True)
+        if a.number or b.number:
+            t, n = (b, a) if a.number else (a, b)
+            kw = "max" if fn == "min" else "min"
+            return Code(f"{t.at(P_ATOM)}.clamp({kw}={n.text})", P_ATOM, t.rank, row=row)
+        (la, lb), rank = self._aligned([a, b])
+        torch_fn = "torch.minimum" if fn == "min" else "torch.maximum"
+        return Code(f"{torch_fn}({la or a.text}, {lb or b.text})", P_ATOM, rank, row=row)
+
+    def _clamp(self, e: Call) -> Code:
+        """``clamp(x, lo, hi)``: Python's min / max on numbers, else two tensor clamps."""
+        x, lo, hi = self._rowed([self._emit(a) for a in e.args])
+        if x.number and lo.number and hi.number:
+            return Code(f"min(max({x.text}, {lo.text}), {hi.text})", P_ATOM, 0, True)
+        texts, rank = self._aligned([x, lo, hi])
+        tx = texts[0] or (f"torch.as_tensor({x.text})" if x.number else x.at(P_ATOM))
+        tlo, thi = (t or c.text for t, c in zip(texts[1:], (lo, hi)))
+        return Code(f"{tx}.clamp(min={tlo}).clamp(max={thi})", P_ATOM, rank, row=x.row or lo.row or hi.row)
+
+    def _solve(self, e: Call) -> Code:
+        """``solve(A, B)``: ``torch.linalg.solve``, a vector B as one column."""
+        A, B = self._rowed([self._emit(e.args[0]), self._emit(e.args[1])])
+        if B.rank == 1:
+            return Code(f"torch.linalg.solve({A.text}, {B.at(P_ATOM)}.unsqueeze(-1)).squeeze(-1)", P_ATOM, 1,
+                        row=B.row)
+        return Code(f"torch.linalg.solve({A.text}, {B.text})", P_ATOM, 2, row=B.row)
+
+    def _eye(self, e: Call) -> Code:
+        """``eye(d)``: ``torch.eye`` in the dtype and device of the tensor ``like``."""
+        d = self._emit(e.args[0])
+        like = self.like
+        if like is None:
+            raise CodegenError("eye(d) needs a tensor in scope for its dtype and device")
+        return Code(f"torch.eye({d.text}, dtype={like}.dtype, device={like}.device)", P_ATOM, 2)
+
+    def _attend(self, e: Call) -> Code:
+        """``attend(q, K, V, scale)``: the helper; a tensor scale ``[..., H]`` is passed as ``[..., H, 1]``."""
+        if self.rows:
+            raise CodegenError("attend(...) has no rows form")
+        xs = [self._emit(a) for a in e.args]
+        self.helpers.add(e.fn)
+        texts = [x.text for x in xs[:3]]
+        scale = xs[3]                    # a number, or a tensor [..., H] (a param, a gate)
+        texts.append(scale.text if scale.number else f"{scale.at(P_ATOM)}.unsqueeze(-1)")
+        return Code(f"attend({', '.join(texts)})", P_ATOM, len(self.shape(e)))
+
+    # the language's functions (and the derivative helpers of closed-form gradients) -> their emitters
+    _CALLS = {**dict.fromkeys(_TORCH_ELEMENTWISE, _elementwise), **dict.fromkeys(("sum", "mean", "norm"), _reduction),
+              "softmax": _softmax, "newton_schulz": _newton_schulz,
+              **dict.fromkeys(("layernorm", "rmsnorm", *DERIVATIVE_HELPERS), _helper),
+              "l2norm": _l2norm, "outer": _outer, "huber": _huber, "min": _min_max, "max": _min_max,
+              "clamp": _clamp, "solve": _solve, "eye": _eye, "attend": _attend}
 
     def _axis(self, e: Call) -> int:
         """The axis named by ``e``'s second argument, as a negative dim of its first argument."""
