@@ -350,7 +350,7 @@ import torch
 
 
 def kernel(x, y, scale=None, mode="sum", flag=False):
-    """x and y combined, twice over.
+    """x and y combined, twice over, then scaled (:func:`_scale`) by :func:`_combine`.
 
     Args:
         x, y: the tensors.
@@ -367,8 +367,12 @@ def kernel(x, y, scale=None, mode="sum", flag=False):
     )
     w = torch.tanh(_combine(y, x, None, mode=mode) * 2) + _twice(z, flag=flag)
     if scale is not None:
-        w = w * scale
+        w = _scale(w, scale)
     return [_combine(a, b, None, mode=mode) for a, b in ((z, w), (w, z))], w
+
+
+def _scale(w, scale):
+    return w * scale
 
 
 def _combine(a, b, weight=None, *, mode="sum"):
@@ -410,7 +414,12 @@ def test_a_kernel_and_the_functions_it_calls_are_specialised_together(tmp_path, 
     kernel_src, *own = specialise_calls(mod.kernel, consts, reach)
     names = [ast.parse(s).body[0].name for s in own]
     flagged = consts.get("flag", True)     # _twice calls _bump (the kernel never does) when flagged
-    assert names == ["_combine", "_twice"] + ["_bump"] * flagged   # in the module's order; _unused: never called
+    scaled = "scale" not in consts
+    assert names == ["_scale"] * scaled + ["_combine", "_twice"] + ["_bump"] * flagged   # in the module's order
+    own = [s for s in own if not s.startswith("def _scale")]
+    # a reference to a function the module does not carry (scale bound to None) names its module
+    assert ("(:func:`_scale`)" if scaled else "(:func:`phases_demo._scale`)") in kernel_src
+    assert "by :func:`_combine`." in kernel_src
     combine, twice = own[:2]
     if flagged:
         assert own[2].startswith("def _bump(u):") and "u = _bump(u)" in twice
@@ -420,7 +429,7 @@ def test_a_kernel_and_the_functions_it_calls_are_specialised_together(tmp_path, 
     assert "_combine(x, y   # the second, doubled\n" in kernel_src
     assert "None, mode" not in kernel_src.split('"""')[-1]
     assert twice.startswith("def _twice(t):" if "flag" in consts else "def _twice(t, flag=False):")
-    ns = {}
+    ns = {"_scale": mod._scale}
     for part in own + [kernel_src]:
         exec("import torch\n" + part, ns)
     g = torch.Generator().manual_seed(1)

@@ -44,15 +44,16 @@ def specialise(fn, **consts) -> str:
     return specialise_source(source(fn), consts)
 
 
-def source(fn) -> str:
+def source(fn, carried=None) -> str:
     """The source of ``fn`` as a generated module carries it: a docstring reference to a function
-    of its own module that ``fn`` does not use (so that the module does not carry it either) names
-    it with its module (``:func:`memspec.runtime.dplr.recurrent_dplr```)."""
+    of its own module that ``fn`` does not use (so that the module does not carry it either) -- or,
+    given the names ``carried``, one the module does not carry -- names it with its module
+    (``:func:`memspec.runtime.dplr.recurrent_dplr```)."""
     src = textwrap.dedent(inspect.getsource(fn))
     module = inspect.getmodule(fn)
     if module is None:
         return src
-    used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+    used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)} if carried is None else carried
 
     def qualify(m):
         name = m.group(2)
@@ -572,8 +573,14 @@ def specialise_calls(kernel, consts: dict, reach) -> list:
         reached[fn] = reach(texts[fn])
     drop = {fn: frozenset(b) for fn, b in bound.items() if fn is not kernel and b}
     own = sorted((fn for fn in bound if fn is not kernel), key=lambda f: f.__code__.co_firstlineno)
-    return [specialise_source(original(fn), bound[fn], drop) if any(g in drop for g in reached[fn]) else texts[fn]
-            for fn in [kernel] + own]
+    # a docstring's reference to a function of the module that specialising left uncarried names its module
+    carried = {fn.__name__ for fn in bound} | {n for c, t in texts.items() for n in uses.setdefault(c, _uses(t))[1]}
+    out = []
+    for fn in [kernel] + own:
+        text = source(fn, carried)
+        out.append(specialise_source(text, bound[fn], drop)
+                   if text != original(fn) or any(g in drop for g in reached[fn]) else texts[fn])
+    return out
 
 
 def _uses(text: str) -> tuple[dict, dict]:
