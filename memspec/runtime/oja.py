@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .phases import _pass_states
+from .phases import _initial_states, _pass_states, _screen
 
 
 def recurrent_oja(q, w, u, c, a, log_decay, S0, inclusive=True, read_after_decay=True):
@@ -259,28 +259,21 @@ def oja_outputs(q, w, prep, S_start, sub, consts, inclusive=True):
 
 
 def oja_screen(xs, docs, inclusive):
-    """Non-finite inputs: a token whose w, u, c, write or decay is not finite runs as an identity
-    token (torch.where: zeros, never a product), and every output that reads a state at or after
-    it (in its document), and the final state, are NaN -- so no NaN meets a product, forward or
-    backward, and none reaches an earlier token.  A non-finite probe makes only its own output NaN
-    (probes enter row by row).
+    """Non-finite inputs of :func:`chunk_oja`, by the rule of every exact kernel (``_screen``): a
+    token whose w, u, c, write or decay is not finite runs as an identity token (torch.where: zeros,
+    never a product), and every output that reads a state at or after it (in its document), and the
+    final state, are NaN -- so no NaN meets a product, forward or backward, and none reaches an
+    earlier token; a non-finite probe makes only its own output NaN (the probes of the outputs set
+    to NaN are zeroed).
 
-    Args: xs = [q, w, u, c [..., 1], a, log_decay] (laid out ``[B, T, H, d]``, None where absent),
-    docs (``_DocumentChunks`` or None), inclusive.  Returns (xs with bad tokens cleared, read_bad
-    ``[B, T, H]`` bool, state_bad ``[B, H]`` or ``[N, H]`` bool)."""
-    q, *rest = xs
-    w = rest[0]
-    dt = torch.promote_types(w.dtype, torch.float32)
-    total = sum(x.to(dt).sum(-1) for x in rest[:-1] if x is not None)       # [B, T, H]
-    if rest[-1] is not None:                                                # a decay of 0 (log -inf) is valid
-        total = total + rest[-1].to(dt).clamp_min(-80.0).sum(-1)
-    bad = ~torch.isfinite(total)
-    rest = [None if x is None else torch.where(bad[..., None], 0.0, x) for x in rest]
-    flags = bad.to(dt)
-    before = docs.cumsum(flags) if docs is not None else torch.cumsum(flags, dim=1)   # bad at or before t
-    read_bad = (before if inclusive else before - flags) > 0
-    state_bad = (docs.total(flags) if docs is not None else flags.sum(1)) > 0
-    return [q] + rest, read_bad, state_bad
+    Args: xs = [q, w, u, c [..., 1], a, log_decay] (``[B, T, H, d]``, None where absent; not laid
+    out), docs (``_DocumentChunks`` or None), inclusive.  Returns (xs laid out, bad tokens and
+    probes cleared; read_bad ``[B, T', H]`` bool, None without probes; state_bad ``[B, H]`` or
+    ``[N, H]`` bool)."""
+    ok, read_bad, state_bad = _screen(xs[1:-1], xs[-1:], xs[0], docs, inclusive)
+    q, *rest = [x if docs is None else docs.lay(x) for x in xs]             # the laid-out row
+    rest = [None if x is None else torch.where(ok[..., None], x, 0.0) for x in rest]
+    return [q if q is None else torch.where(read_bad[..., None], 0.0, q)] + rest, read_bad, state_bad
 
 
 def oja_chunks(x, NC, C, dt):
@@ -331,13 +324,8 @@ def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_de
     C = -(-C // s) * s                                                     # a multiple of the sub-chunk
     if log_decay is not None and log_decay.dim() == 3:                     # one decay per head: every channel
         log_decay = log_decay[..., None].expand(B, T, H, V)
-    xs, docs = [q, w, u, c[..., None], a, log_decay], None
-    S = S0.to(dt).reshape(BH, K, V) if S0 is not None and documents is None else w.new_zeros(BH, K, V, dtype=dt)
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        S_docs = S0.to(dt) if S0 is not None else w.new_zeros(documents.count, H, K, V, dtype=dt)
-        docs = documents.for_kernel(C, S_docs)
-        xs = [docs.lay(x) for x in xs]
-    xs, read_bad, state_bad = oja_screen(xs, docs, inclusive)
+    docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, w.device)   # (packed: each from a chunk)
+    xs, read_bad, state_bad = oja_screen([q, w, u, c[..., None], a, log_decay], docs, inclusive)
     NC = -(-xs[1].shape[1] // C)
     qc, wc, uc, cc, ac, lgc = (oja_chunks(x, NC, C, dt) for x in xs)   # [NC B H, C, d]
     consts = oja_constants(C, s, dt, w.device)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from .phases import (_chunk_groups, _chunk_major, _group_size, _join_chunks, _pass_states, _split_groups,
-                     _stacked, _token_major)
+from .phases import (_chunk_groups, _chunk_major, _group_size, _initial_states, _join_chunks, _pass_states, _screen,
+                     _split_groups, _stacked, _token_major)
 
 
 def recurrent_solve(q, k, beta, log_gamma, H0, lam, inclusive=True):
@@ -66,6 +66,9 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
     The state passes over chunks as ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s
     k_sᵀ``, its writes symmetrised (it stays symmetric in floating point); a group of G chunks
     runs one batched solver.  A log decay of -inf (a decay of exactly 0) forgets exactly.
+    Non-finite inputs (k, beta, log_gamma; q): a bad token runs as an identity token, and the
+    outputs that read a state at or after it (in its document) and the final state are NaN; a bad
+    probe makes only its own output NaN.
 
     Args:
         q: ``[B, T, H, K]`` right-hand sides.
@@ -96,23 +99,24 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
         H_T = H0 if H0 is not None else k.new_zeros(B, Hh, K, K, dtype=out_dtype)
         return q.new_zeros(B, 0, Hh, K), H_T
     C = max(1, min(int(chunk), T))
-    docs = None
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        H_docs = H0.to(dt) if H0 is not None else k.new_zeros(documents.count, Hh, K, K, dtype=dt)
-        docs = documents.for_kernel(C, H_docs)
-        T = docs.T
-    fresh = H0 is None or docs is not None
-    S = k.new_zeros(BH, K, K, dtype=dt) if fresh else H0.to(dt).reshape(BH, K, K)
+    docs, S = _initial_states(H0, documents, C, B, (Hh, K, K), dt, k.device)
+    ok, read_bad, state_bad = _screen((k, beta), (log_gamma,), q, docs, inclusive)
     # conjugate gradients needs symmetric systems; an initial state that is not (beyond the
     # solver's tolerance of its largest entry) takes the direct solve (one device sync)
     symmetric = H0 is None or bool((H0 - H0.transpose(-1, -2)).abs().amax()
                                    <= tolerance * H0.abs().amax())
+    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # (no decay: 0)
+    q_in, k_in, b_in, lg_in = q, k, beta, lg_all
+    if docs is not None:   # the laid-out row
+        q_in, k_in, b_in, lg_in = docs.lay(q), docs.lay(k), docs.lay(beta), docs.lay(lg_all)
+    if bool((read_bad | ~ok).any()):   # (one sync: the solver's steps sync anyway)
+        # a bad token runs as an identity token (no write, no decay), a probe whose output is NaN as 0
+        q_in, k_in, b_in, lg_in = (torch.where(read_bad[..., None], 0.0, q_in), torch.where(ok[..., None], k_in, 0.0),
+                                   torch.where(ok, b_in, 0.0), torch.where(ok, lg_in, 0.0))
+    inputs = (q_in, k_in, b_in, torch.nan_to_num(lg_in, 0.0, 0.0))   # a log decay of -inf as the lowest finite one
+    T = k_in.shape[1]
     G = _group_size(-(-T // C), BH * C * max(K, C), group, k.device)
     groups = _chunk_groups(T, C, G)
-    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # (no decay: 0)
-    inputs = (q, k, beta, lg_all)
-    if docs is not None:   # the laid-out row
-        inputs = tuple(docs.lay(x) for x in inputs)
     pieces = zip(groups, *(_split_groups(x, groups) for x in inputs))
     outs, j0 = [], 0
     for (n, m, c), qp, kp, bp, lp in pieces:
@@ -121,11 +125,9 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
             return x.reshape(n * BH, c, *x.shape[4:])
 
         qg, kg, bg, lg = block(qp), block(kp), block(bp), block(lp)   # [nBH, c, (K)]
-        kg, bg, lg, bad = _finite_writes(kg, bg, lg)
         W, Lq, g_end, kd = _solve_weights(lg, bg, kg, n, inclusive)
         kk = torch.bmm(kd.transpose(1, 2), kg)          # each chunk's writes, decayed to its end
-        kk = (kk + kk.transpose(1, 2)) * 0.5 + bad[:, -1:, None]   # symmetric in floating point
-        kk = kk.view(n, BH, K, K)
+        kk = ((kk + kk.transpose(1, 2)) * 0.5).view(n, BH, K, K)   # symmetric in floating point
         S, starts, _ = _pass_states(lambda j, S: (torch.addcmul(kk[j], g_end[j], S), None), n, S,
                                     docs, j0)
         j0 += n
@@ -134,24 +136,12 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
             x = _ChunkSolve.apply(qg, H_starts, kg, W, a, float(lam), tolerance, most)
         else:
             x = _direct_solve(qg, H_starts, kg, W, a, float(lam))
-        outs.append(_token_major(x + bad[..., None], B, Hh, m))   # [B, n, m, H, K]
+        outs.append(_token_major(x, B, Hh, m))   # [B, n, m, H, K]
     H_T = docs.final() if docs is not None else S.view(B, Hh, K, K)
-    x = _join_chunks(outs)
+    H_T = torch.where(state_bad[..., None, None], float("nan"), H_T)   # a bad token poisons it
+    x = torch.where(read_bad[..., None], float("nan"), _join_chunks(outs))   # reads at or after a bad token
     x = docs.unlay(x) if docs is not None else x
     return x.to(q.dtype), H_T.to(out_dtype)
-
-
-def _finite_writes(kg, bg, lg):
-    """A group's keys ``[nBH, c, K]``, write weights and log decays ``[nBH, c]`` with every
-    non-finite write taken out, and ``bad [nBH, c]``: 0, or NaN from the first non-finite write
-    of its chunk on.  A non-finite write reaches the tokens from its own on: the chunk runs on
-    zeros in its place (no earlier token sees it through a masked product), and the caller adds
-    ``bad`` to the outputs and the state.  A log decay of -inf (a decay of 0) is finite here."""
-    f = kg.sum(-1) + bg + lg.masked_fill(lg == float("-inf"), 0.0)
-    bad = torch.cumsum(f - f, 1)
-    clean = (torch.nan_to_num(kg, 0.0, 0.0, 0.0), torch.nan_to_num(bg, 0.0, 0.0, 0.0),
-             torch.nan_to_num(lg, 0.0, 0.0))
-    return clean + (bad,)
 
 
 def _solve_tolerance(dtype):
