@@ -419,3 +419,23 @@ def test_benchmark_script_times_the_same_function(capsys):
     finally:
         torch.set_num_threads(threads)
     assert "memspec online / memspec chunked" in capsys.readouterr().out
+
+
+def test_online_stabiliser_needs_one_shared_input_weight():
+    """One stabiliser serves states that share their decay and exponential input weight: with a
+    second input gate on the normaliser, the online step computes exp as written and explain
+    says why (the chunked kernel still stabilises each state on its own)."""
+    from memspec.lang.frontend import loads
+    from memspec.schedule import analyse, explain
+    text = (ROOT / "specs" / "mlstm.yaml").read_text(encoding="utf-8")
+    text = text.replace("gates:\n  ig: logit\n", "gates:\n  ig: logit\n  ig2: logit\n")
+    text = text.replace("exp(ig) / sqrt(d_k) * k", "exp(ig2) / sqrt(d_k) * k")
+    assert "ig2" in text and "exp(ig2)" in text
+    two = loads(text)
+    d = analyse(two)
+    assert d.family == "additive" and d.plans["online"].stabiliser is None
+    assert "the online step computes the exponential input weight as written" in explain(two)
+    assert "decays or input weights differ" in explain(two)
+    one = analyse(SPEC).plans["online"].stabiliser
+    assert one is not None and [s.name for s in one.states] == ["C", "n"]
+    assert "the online step carries the same stabiliser" in explain(SPEC)
