@@ -56,8 +56,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None,
     Inside a chunk with cumulative log decays ``L_t``: ``S_end = Diag(exp(L_C)) S_start +
     sum_s outer(k_s * exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t}
     (sum_i q_ti k_si exp(L_ti - L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a decay
-    (<= 1).  Per group of chunks: the factors (per head ``_additive_factors``, per key channel
-    ``_additive_halving``), the maps (:func:`_additive_maps`), the outputs.  A NaN or inf in token
+    (<= 1).  Per group of chunks: the factors (per head :func:`_additive_factors`, per key channel
+    :func:`_additive_halving`), the maps (:func:`_additive_maps`), the outputs.  A NaN or inf in token
     t's inputs changes no output before t.
 
     Args:
@@ -156,7 +156,7 @@ def _additive_factors(kp, lp, ip, n, c, BH, dt, decayed, stab):
     """A group's factors in ``chunk_additive`` with one log decay per head (or none).
 
     The pair weights ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk
-    (``_additive_outputs``); the keys are decayed to the chunk end by the log decay after each
+    (:func:`_additive_outputs`); the keys are decayed to the chunk end by the log decay after each
     token, a reversed cumulative sum (never a difference of two cumulative sums), so a log decay
     of -inf (a decay of exactly 0) zeroes the past exactly.  With exponential input weights
     (``stab``: xLSTM's mLSTM) each key's log weight in the chunk-end state, ``L_C - L_s +
