@@ -105,16 +105,8 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
     # solver's tolerance of its largest entry) takes the direct solve (one device sync)
     symmetric = H0 is None or bool((H0 - H0.transpose(-1, -2)).abs().amax()
                                    <= tolerance * H0.abs().amax())
-    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # (no decay: 0)
-    q_in, k_in, b_in, lg_in = q, k, beta, lg_all
-    if docs is not None:   # the laid-out row
-        q_in, k_in, b_in, lg_in = docs.lay(q), docs.lay(k), docs.lay(beta), docs.lay(lg_all)
-    if bool((read_bad | ~ok).any()):   # (one sync: the solver's steps sync anyway)
-        # a bad token runs as an identity token (no write, no decay), a probe whose output is NaN as 0
-        q_in, k_in, b_in, lg_in = (torch.where(read_bad[..., None], 0.0, q_in), torch.where(ok[..., None], k_in, 0.0),
-                                   torch.where(ok, b_in, 0.0), torch.where(ok, lg_in, 0.0))
-    inputs = (q_in, k_in, b_in, torch.nan_to_num(lg_in, 0.0, 0.0))   # a log decay of -inf as the lowest finite one
-    T = k_in.shape[1]
+    inputs = _solve_inputs(q, k, beta, log_gamma, docs, ok, read_bad)   # [B, T', H, ...] (packed: laid out)
+    T = inputs[1].shape[1]
     G = _group_size(-(-T // C), BH * C * max(K, C), group, k.device)
     groups = _chunk_groups(T, C, G)
     pieces = zip(groups, *(_split_groups(x, groups) for x in inputs))
@@ -142,6 +134,22 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
     x = torch.where(read_bad[..., None], float("nan"), _join_chunks(outs))   # reads at or after a bad token
     x = docs.unlay(x) if docs is not None else x
     return x.to(q.dtype), H_T.to(out_dtype)
+
+
+def _solve_inputs(q, k, beta, log_gamma, docs, ok, read_bad):
+    """``chunk_solve``'s per-token inputs on the laid-out row (``docs``: packed documents, or None):
+    the probes, keys, write weights and log decays (0 without a decay; -inf, a decay of 0, as the
+    lowest finite one).  A bad token (``ok`` false, :func:`_screen`'s flags) runs as an identity
+    token (no write, no decay) and the probe of an output set to NaN (``read_bad``) as 0 (solved at
+    once), by ``torch.where`` only when there is one (one sync: the solver's steps sync anyway)."""
+    lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # (no decay: 0)
+    q_in, k_in, b_in, lg_in = q, k, beta, lg_all
+    if docs is not None:   # the laid-out row
+        q_in, k_in, b_in, lg_in = docs.lay(q), docs.lay(k), docs.lay(beta), docs.lay(lg_all)
+    if bool((read_bad | ~ok).any()):
+        q_in, k_in, b_in, lg_in = (torch.where(read_bad[..., None], 0.0, q_in), torch.where(ok[..., None], k_in, 0.0),
+                                   torch.where(ok, b_in, 0.0), torch.where(ok, lg_in, 0.0))
+    return q_in, k_in, b_in, torch.nan_to_num(lg_in, 0.0, 0.0)
 
 
 def _solve_tolerance(dtype):
