@@ -12,12 +12,13 @@ reads its own state.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..lang.expr import Call, Name, substitute, unparse
+from ..lang.expr import BinOp, Call, Name, Neg, substitute, unparse
 from ..lang.names import fresh
-from ..runtime.helpers import (_decay_matrix, _finite_prefix, _linear_scan, _recomputed, _recomputing, _where_ok,
+from ..runtime.helpers import (_block_tokens, _decay_matrix, _finite_prefix, _linear_scan, _recomputed, _recomputing, _where_ok,
                                _window_band, _window_sums)
 from ..schedule.algebra import is_num
 from ..schedule.recurrence import input_name, term_add, term_mul
@@ -398,15 +399,79 @@ def chunk_step(ctx, L, plan, grads: TokenGrads) -> None:
         caches_after = {}
         if plan.window is not None:   # a window loss: the rows' gradients, summed over each window
             caches_after = window_rows(ctx, L, em, plan, grads, starts, locals_, taken)
-        else:
+        elif not in_blocks(ctx, plan):
             vmapped_token_grads(L, grads, starts, locals_)
-        step = _ChunkSolve.of(ctx, L, plan, grads, ren, taken)
-        held = {b.target for b in ctx.blocks} | set(caches_after)
+        if not in_blocks(ctx, plan):
+            step = _ChunkSolve.of(ctx, L, plan, grads, ren, taken)
+            held = {b.target for b in ctx.blocks} | set(caches_after)
+            for s in plan.recurrence.order:
+                if s not in held:
+                    solve_state(step, plan.recurrence, s)
+            block_chunk(ctx, L, grads, ren, step.seq, taken)
+            chunk_reads(step, caches_after)
+            L()
+            return
+        body = Lines(level=L.level)   # the block method's body: its tokens' gradients, states and reads
+        vmapped_token_grads(body, grads, starts, locals_, "B, n, H")
+        step = _ChunkSolve.of(ctx, body, plan, grads, ren, taken)
+        step.axes = "B, n, H"
         for s in plan.recurrence.order:
-            if s not in held:
-                solve_state(step, plan.recurrence, s)
-        block_chunk(ctx, L, grads, ren, step.seq, taken)
-        chunk_reads(step, caches_after)
+            solve_state(step, plan.recurrence, s)
+        chunk_reads(step, {})
+        args = block_args(ctx, body)
+        block_loop(ctx, L, list(starts.values()), args, taken)
+    L()
+    block_method(ctx, L, list(starts.values()), body, args)
+
+
+def in_blocks(ctx, plan) -> bool:
+    """Does the chunk step solve its states in blocks of tokens (:func:`_block_tokens`)?  Every
+    recurrence a plain scan of its own (no window loss, block update or mirror step)."""
+    return plan.window is None and not ctx.blocks and not ctx.accs and not plan.recurrence.mirror
+
+
+def block_args(ctx, body) -> list:
+    """The per-token inputs the block's gradients, solves and reads use (views, gates, lets), in
+    that order."""
+    text = "\n".join(body.lines)
+    return [x for x in ctx.views + ctx.gates + ctx.let_order() if re.search(rf"\b{re.escape(x)}\b", text)]
+
+
+def block_loop(ctx, L, starts: list, args: list, taken: set) -> None:
+    """The chunk's tokens in blocks (:func:`_block_tokens`): each block's gradients at the chunk-start
+    state (``starts``), its states solved from the state after the block before, its outputs kept,
+    the chunk's joined."""
+    ctx.need(_block_tokens)
+    n, outs, o_b = (fresh(x, taken) for x in ("n", "outputs", "o_b"))
+    blocks = {x: fresh(f"{x}_b", taken) for x in args}
+    states = tuple_text(ctx.states)
+    sizes = ", ".join(f"{s}.numel()" for s in ctx.states)
+    L(f"{n} = _block_tokens({ctx.first}.shape[1], {f'max({sizes})' if len(ctx.states) > 1 else sizes})",
+      "tokens per block: a block's per-token states stay in cache")
+    L(f"{outs} = []")
+    L(f"for {', '.join(blocks.values())} in zip(*(x.split({n}, dim=1) for x in ({', '.join(args)}{',' if len(args) == 1 else ''}))):")
+    with L.indent():
+        L(f"{o_b}, {states} = self._chunk_block({', '.join(starts + ctx.states + list(blocks.values()))})")
+        L(f"{outs}.append({o_b})")
+    L(f"return {outs}[0] if len({outs}) == 1 else torch.cat({outs}, dim=1), {states}")
+
+
+def block_method(ctx, L, starts: list, body, args: list) -> None:
+    """``_chunk_block``: one block of a chunk's tokens, their gradients at the chunk-start state
+    (``starts``), their states solved token by token from the block's start state with the
+    gradients held fixed, and each token's read of its own state."""
+    spec = ctx.spec
+    per_token = [f"{x} [B, n, H, {spec.views[x].dim}]" if x in ctx.views
+                 else f"{x} {ctx.gate_text(x, 'B, n, H')}" if x in ctx.gates else x for x in args]
+    L(f"def _chunk_block(self, {', '.join(starts + ctx.states + args)}):")
+    with L.indent():
+        L('"""' + "One block of n tokens of a chunk: " + ", ".join(starts)
+          + " [B, H, ...], the chunk-start state the gradients are taken at; " + ", ".join(ctx.states)
+          + ", the state before the block's first token; per token: " + ", ".join(per_token)
+          + " [B, n, H, ...].")
+        L("Returns (o " + shape_text("B, n, H", ctx.read_shape()) + ", the state after the block).")
+        L('"""')
+    L.lines.extend(body.lines)
     L()
 
 
@@ -427,14 +492,14 @@ def chunk_docstring(ctx, L, starts: dict) -> None:
     L('"""')
 
 
-def vmapped_token_grads(L, grads: TokenGrads, starts: dict, locals_: list) -> None:
-    """Every token's gradients (``locals_``, [B, C, H, ...]): ``_token_grads`` vmapped over the
-    chunk's tokens, the chunk-start states shared."""
+def vmapped_token_grads(L, grads: TokenGrads, starts: dict, locals_: list, axes: str = "B, C, H") -> None:
+    """Every token's gradients (``locals_``, [B, C, H, ...]; ``axes``: a block's [B, n, H, ...]):
+    ``_token_grads`` vmapped over the tokens, the chunk-start states shared."""
     in_dims = ["None"] * len(starts) + ["1"] * len(grads.inputs)
     in_dims_txt = f"({', '.join(in_dims)}{',' if len(in_dims) == 1 else ''})"
     L(f"{', '.join(locals_)}{',' if len(locals_) == 1 else ''} = torch.func.vmap(self._token_grads, "
       f"in_dims={in_dims_txt}, out_dims=1)({', '.join(list(starts.values()) + grads.inputs)})",
-      "[B, C, H, ...]: every token's gradients")
+      f"[{axes}, ...]: every token's gradients")
 
 
 @dataclass
@@ -451,6 +516,7 @@ class _ChunkSolve:
     scope: dict
     seq: dict
     prev: dict = field(default_factory=dict)
+    axes: str = "B, C, H"   # the per-token leading axes (a block of n tokens: "B, n, H")
 
     @classmethod
     def of(cls, ctx, L, plan, grads: TokenGrads, ren: dict, taken: set) -> "_ChunkSolve":
@@ -467,7 +533,7 @@ class _ChunkSolve:
         if r not in self.prev:
             self.prev[r] = fresh(f"{r}_before", self.taken)
             self.L(f"{self.prev[r]} = torch.cat([{r}.unsqueeze(1), {self.seq[r]}[:, :-1]], dim=1)",
-                   shape_text("B, C, H", self.ctx.spec.state[r].shape) + f": {r} before each token")
+                   shape_text(self.axes, self.ctx.spec.state[r].shape) + f": {r} before each token")
         return self.prev[r]
 
 
@@ -500,12 +566,24 @@ def driving_text(ctx, sub, terms, s: str, shape: tuple) -> str:
     number or a lower-rank value broadcast to the state's shape)."""
     if terms is None:
         return f"torch.zeros_like({s}).unsqueeze(1).expand(-1, {ctx.first}.shape[1], *{s}.shape[1:])"
-    xc = sub._emit(terms)
+    xc = sub._emit(negated_factor(sub, terms))
     if xc.number:
         return f"({xc.text}) * torch.ones_like({s}.unsqueeze(1))"
     if xc.rank < len(shape):
         return f"{sub._lift(xc, len(shape))} * torch.ones_like({s}.unsqueeze(1))"
     return xc.text
+
+
+def negated_factor(sub, e):
+    """``-(a * b)`` as ``(-a) * b`` when ``a`` has the lower rank (e.g. a gate times a state): the
+    same numbers, one pass over the state fewer."""
+    if not (isinstance(e, Neg) and isinstance(e.operand, BinOp) and e.operand.op == "*"):
+        return e
+    a, b = e.operand.left, e.operand.right
+    ra, rb = sub._emit(a).rank, sub._emit(b).rank
+    if ra < rb:
+        return BinOp("*", Neg(a), b)
+    return BinOp("*", a, Neg(b)) if rb < ra else e
 
 
 def solve_state(step: _ChunkSolve, rec, s: str) -> None:
@@ -516,7 +594,7 @@ def solve_state(step: _ChunkSolve, rec, s: str) -> None:
     shape = tuple(ctx.spec.state[s].shape)
     decay = coeffs.get(("prev", s))
     x = driving_text(ctx, sub, terms, s, shape)
-    comment = shape_text("B, C, H", shape)
+    comment = shape_text(step.axes, shape)
     mirror = rec.mirror.get(s)
     out, start = step.seq[s], s
     if mirror is not None:   # a mirror-descent step: the recurrence of its logits
@@ -541,7 +619,7 @@ def solve_state(step: _ChunkSolve, rec, s: str) -> None:
         one = is_num(c, 1) or (cc.number and float(cc.text) == 1.0)
         scale = "" if one else f"{cc.text if cc.number else sub._lift(cc, len(shape))} * "
         L(f"{step.seq[s]} = {scale}torch.softmax({out}, dim={dim})",
-          shape_text("B, C, H", shape) + f": {s} = {unparse(c)} * softmax(Z, {axis})")
+          shape_text(step.axes, shape) + f": {s} = {unparse(c)} * softmax(Z, {axis})")
 
 
 def chunk_reads(step: _ChunkSolve, caches_after: dict) -> None:
@@ -555,10 +633,10 @@ def chunk_reads(step: _ChunkSolve, caches_after: dict) -> None:
             if r not in step.prev:
                 step.prev[r] = fresh(f"{r}_before", step.taken)
                 L(f"{step.prev[r]} = torch.cat([{r}.unsqueeze(1), {step.seq[r]}[:, :-1]], dim=1)",
-                  shape_text("B, C, H", spec.state[r].shape))
+                  shape_text(step.axes, spec.state[r].shape))
         read_names = {s: step.prev[s] for s in ctx.states}
     rd = ExprEmitter(spec, names=read_names, like=ctx.first, attr=ctx.attr, helpers=ctx.helpers)
-    L(f"o = {rd.emit(spec.read)}", shape_text("B, C, H", ctx.read_shape()) + ": each token reads its own state")
+    L(f"o = {rd.emit(spec.read)}", shape_text(step.axes, ctx.read_shape()) + ": each token reads its own state")
     # copies: a view of the last token would keep the chunk's per-token states alive
     after = [caches_after[s] if s in caches_after else step.seq[s] + '[:, -1].clone()' for s in ctx.states]
     L(f"return o, {tuple_text(after + [a.name for a in ctx.accs])}")
