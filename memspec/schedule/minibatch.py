@@ -103,7 +103,12 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     except NotDual as err:
         dual, no_dual = None, str(err)
         # (a window loss said above how its chunks run)
-        lines = [] if window is not None else [f"no dual form ({err}): each chunk materialises every token's state"]
+        muon = any(isinstance(c, Call) and c.fn == "newton_schulz" for st in alg.spec.update for c in st.value.walk())
+        blocked = "" if blocks or recurrence.mirror else (
+            ", in blocks of a few tokens, each block's steps batched over its tokens"
+            + (" (one Newton-Schulz iteration for all of them)" if muon else ""))
+        lines = [] if window is not None else [f"no dual form ({err}): each chunk materialises every token's "
+                                               f"state{blocked}"]
     if dual is None and row_scaled(alg.spec, recurrence):
         # a row scaling diag(c) @ S runs only in the dual form (the materialising step scales by scalars)
         raise NotAdmitted(f"{linear_err} (and no dual form: {no_dual})") if linear_err else NotAdmitted(no_dual)
