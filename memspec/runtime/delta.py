@@ -159,14 +159,15 @@ def _delta_factors(beta, log_gamma, log_rho, ok, read_bad, docs, groups, C, dt, 
         x = _chunk_major((x if docs is None else docs.lay(x)).to(dt), Np, C)
         return x.contiguous().reshape(Np, B * H, C, *x.shape[4:])
 
-    okc = _chunk_major(ok, Np, C, True).reshape(Np, B * H, C)       # (the tail's padding: ok)
+    okc = _chunk_major(ok, Np, C, True).contiguous().reshape(Np, B * H, C)   # (the tail's padding: ok)
     sizes = [n for n, _, _ in groups]
 
     def split(x):  # [Np, BH, C, ...] -> one [n, BH, c, ...] piece per group
         return [p[:, :, :c] for p, (_, c, _) in zip(x.split(sizes, dim=0), groups)]
 
     bc = torch.where(okc[..., None] if per_channel else okc, per_chunk(beta), zero)
-    rbad = split(_chunk_major(read_bad, Np, C).reshape(Np, B * H, C)) if read_bad is not None else [None] * len(groups)
+    rbad = ([None] * len(groups) if read_bad is None
+            else split(_chunk_major(read_bad, Np, C).contiguous().reshape(Np, B * H, C)))
     decs = [None] * len(groups)
     if log_gamma is not None or log_rho is not None:
         lgc = (torch.where(okc, per_chunk(log_gamma).clamp_min(-80.0), zero) if log_gamma is not None

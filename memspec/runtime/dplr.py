@@ -309,7 +309,7 @@ def _dplr_tokens(tokens, ok, read_bad, groups, C, zero, a_vec, b_kind, decay, in
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
         return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, B * H, C * r)
 
-    okf = _chunk_major(ok, Np, C, True).reshape(Np, B * H, C)        # [Np, BH, C] (padding: ok)
+    okf = _chunk_major(ok, Np, C, True).contiguous().reshape(Np, B * H, C)   # [Np, BH, C] (padding: ok)
     bad = per_chunk(read_bad, 1) if read_bad is not None else None  # [Np, BH, C]
     lg_all = lg.to(dt).clamp_min(-40.0) if decay is not None else None   # (a decay of 0, log -inf, is valid)
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
