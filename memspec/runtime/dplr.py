@@ -158,9 +158,9 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, inclusive=True, group=Non
     of sub-steps, one triangular solve for all its reads (:func:`_dplr_solve`), the state passed
     over the chunks by their maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
 
-    Non-finite inputs (k, v, a, b, log decay; the probes): as in every exact kernel, a bad token
-    runs as an identity token, and the outputs from it on and the final state are NaN; a bad probe
-    makes only its own output NaN.  Outputs before such a token, and their gradients, are exact.
+    Non-finite inputs (k, v, a, b, log decay; the probes): as in every kernel that solves per
+    chunk, a bad token runs as an identity token, and the outputs from it on and the final state
+    are NaN; a bad probe only its own output.  Outputs before it, and their gradients, are exact.
 
     Args:
         q, k, v, a, b, log_decay, S0: as :func:`recurrent_dplr`'s (k ``[B, T, H, R, K]``, or

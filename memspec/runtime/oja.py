@@ -259,12 +259,12 @@ def oja_outputs(q, w, prep, S_start, sub, consts, inclusive=True):
 
 
 def oja_screen(xs, docs, inclusive):
-    """Non-finite inputs of :func:`chunk_oja`, by the rule of every exact kernel (``_screen``): a
-    token whose w, u, c, write or decay is not finite runs as an identity token (torch.where: zeros,
-    never a product), and every output that reads a state at or after it (in its document), and the
-    final state, are NaN -- so no NaN meets a product, forward or backward, and none reaches an
-    earlier token; a non-finite probe makes only its own output NaN (the probes of the outputs set
-    to NaN are zeroed).
+    """Non-finite inputs of :func:`chunk_oja`, by the rule of the kernels that solve per chunk
+    (``_screen``): a token whose w, u, c, write or decay is not finite runs as an identity token
+    (torch.where: zeros, never a product), and every output that reads a state at or after it (in
+    its document), and the final state, are NaN -- so no NaN meets a product, forward or backward,
+    and none reaches an earlier token; a non-finite probe makes only its own output NaN (the probes
+    of the outputs set to NaN are zeroed).
 
     Args: xs = [q, w, u, c [..., 1], a, log_decay] (``[B, T, H, d]``, None where absent; not laid
     out), docs (``_DocumentChunks`` or None), inclusive.  Returns (xs laid out, bad tokens and

@@ -7,11 +7,14 @@ composed the same way: the sequence is cut into chunks of C tokens, processed G 
 (:func:`_chunk_major`), the family prepares each chunk's affine map of the state,
 ``S_end = M S_start + D``, batched over the group's chunks; :func:`_pass_states` carries the state
 over the chunks in order, applying each chunk's map; the family's outputs are batched over the
-group again, and :func:`_join_chunks` lays them back out token-major.  Every kernel starts from
-:func:`_initial_states` (packed documents laid out, the state before the first chunk) and screens
-non-finite inputs by one rule (:func:`_screen`).  The oja and chained kernels
-keep layouts of their own and pass their states with :func:`_pass_states`; the scan carries its
-chunks' end states by a scan of the same kind one level up.
+group again, and :func:`_join_chunks` lays them back out token-major.  They start from
+:func:`_initial_states` (packed documents laid out, the state before the first chunk); the ones
+that solve a system per chunk (delta, dplr, oja, solve) screen non-finite inputs by one rule
+(:func:`_screen`), where a solve would otherwise carry a NaN to earlier tokens (the additive
+kernel has no solve: its masks keep a NaN causal, entry by entry as the token loop does; the
+momentum kernel does not screen yet: a non-finite input there reaches its whole chunk).  The oja
+and chained kernels keep layouts of their own and pass their states with :func:`_pass_states`; the
+scan carries its chunks' end states by a scan of the same kind one level up.
 
 Generated modules carry the functions their kernels call (copied by source: torch only).
 """
@@ -34,13 +37,13 @@ def _initial_states(S0, documents, C, B, shape, dt, device):
 
 
 def _screen(writes, decays, probes, docs, inclusive):
-    """Non-finite inputs, one rule for every exact kernel: a token whose state inputs are not all
-    finite runs as an identity token (the kernel clears it by ``torch.where``, never by a product
-    with zero), and every output that reads a state at or after it (in its document), and the final
-    state, are set to NaN at the end; a non-finite probe makes only its own output NaN.  So no NaN
-    meets a product, forward or backward: the outputs before a bad token, and their gradients, are
-    those of the clean sequence.  The flags come from one sum per token (NaN or inf when one of its
-    inputs is), taken on the packed row and laid out with the documents.
+    """Non-finite inputs, one rule for the kernels that solve per chunk: a token whose state inputs
+    are not all finite runs as an identity token (the kernel clears it by ``torch.where``, never by
+    a product with zero), and every output that reads a state at or after it (in its document), and
+    the final state, are set to NaN at the end; a non-finite probe makes only its own output NaN.
+    So no NaN meets a product, forward or backward: the outputs before a bad token, and their
+    gradients, are those of the clean sequence.  The flags come from one sum per token (NaN or inf
+    when one of its inputs is), taken on the packed row and laid out with the documents.
 
     Args:
         writes: the state inputs ``[B, T, H, ...]`` (keys, values, steps...; None where absent),
