@@ -8,7 +8,10 @@ is the *dual form* (:mod:`.dual`) when the plan has one; otherwise it materialis
 ``grad(...)`` there (memspec.reference's rule, so chunk 1 equals online), vmapped over the
 chunk's tokens, and ``_chunk_step`` solves the plan's recurrences with the gradients held
 fixed (decays through ``_linear_scan``, no decay through ``cumsum``); each token then
-reads its own state.
+reads its own state.  Where every state is a plain scan of its own (no window loss, block
+update or mirror step), ``_chunk_step`` does the gradients, the solves and the reads in
+blocks of a few tokens (``_chunk_block``, sized by ``_block_tokens`` so that a block's
+per-token states stay in cache), each block from the state after the one before.
 """
 from __future__ import annotations
 
