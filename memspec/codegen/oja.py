@@ -10,8 +10,7 @@ gets the state transposed into and out of the kernel, in the declared layout out
 from __future__ import annotations
 
 from ..lang.names import fresh
-from ..runtime.oja import (chunk_oja, oja_chunks, oja_constants, oja_decays, oja_outputs, oja_pass, oja_prepare,
-                           oja_screen)
+from ..runtime.oja import chunk_oja, oja_chunks, oja_constants, oja_decays, oja_outputs, oja_pass, oja_prepare
 from ..runtime.varlen import _DocumentChunks, _Documents
 from .calls import KernelCall
 from . import chunked
@@ -38,7 +37,7 @@ def emit(ctx, L) -> None:
                                           flip=(plan.state,) if plan.transposed else ()):
             L.block(chunked.with_documents(line, docs))
     L()
-    for part in (oja_screen, oja_chunks, oja_constants, oja_decays, oja_prepare, oja_pass, oja_outputs):
+    for part in (oja_chunks, oja_constants, oja_decays, oja_prepare, oja_pass, oja_outputs):
         ctx.need(part)
     ctx.need_kernel(KERNEL)
     ctx.need(_Documents)

@@ -36,7 +36,9 @@ sub-chunk (:func:`oja_decays`).  Log decays may be any value ``<= 0``, -inf incl
 0): -1e4 stands for anything lower, whose exp is exactly 0 in float32 and float64 alike, so no
 number changes.
 
-Non-finite inputs are not screened: one poisons the outputs of its chunk and every later state.
+Non-finite inputs are screened by the rule of the kernels that solve per chunk (``_screen`` of
+:mod:`.phases`): a bad token runs as an identity token, every output that reads a state at or after
+it (in its document) and the final state are NaN, a bad probe poisons only its own output.
 See :mod:`memspec.runtime` for the rules every kernel here follows.
 """
 from __future__ import annotations
@@ -258,24 +260,6 @@ def oja_outputs(q, w, prep, S_start, sub, consts, inclusive=True):
     return o.reshape(X, C, V)
 
 
-def oja_screen(xs, docs, inclusive):
-    """Non-finite inputs of :func:`chunk_oja`, by the rule of the kernels that solve per chunk
-    (``_screen``): a token whose w, u, c, write or decay is not finite runs as an identity token
-    (torch.where: zeros, never a product), and every output that reads a state at or after it (in
-    its document), and the final state, are NaN -- so no NaN meets a product, forward or backward,
-    and none reaches an earlier token; a non-finite probe makes only its own output NaN (the probes
-    of the outputs set to NaN are zeroed).
-
-    Args: xs = [q, w, u, c [..., 1], a, log_decay] (``[B, T, H, d]``, None where absent; not laid
-    out), docs (``_DocumentChunks`` or None), inclusive.  Returns (xs laid out, bad tokens and
-    probes cleared; read_bad ``[B, T', H]`` bool, None without probes; state_bad ``[B, H]`` or
-    ``[N, H]`` bool)."""
-    ok, read_bad, state_bad = _screen(xs[1:-1], xs[-1:], xs[0], docs, inclusive)
-    q, *rest = [x if docs is None else docs.lay(x) for x in xs]             # the laid-out row
-    rest = [None if x is None else torch.where(ok[..., None], x, 0.0) for x in rest]
-    return [q if q is None else torch.where(read_bad[..., None], 0.0, q)] + rest, read_bad, state_bad
-
-
 def oja_chunks(x, NC, C, dt):
     """``[B, T, H, d]`` -> ``[NC B H, C, d]`` chunk-major in dtype ``dt``, the tail padded with identity
     tokens (zeros); None stays None."""
@@ -325,7 +309,12 @@ def chunk_oja(q, w, u, c, a, log_decay, S0, chunk, inclusive=True, read_after_de
     if log_decay is not None and log_decay.dim() == 3:                     # one decay per head: every channel
         log_decay = log_decay[..., None].expand(B, T, H, V)
     docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, w.device)   # (packed: each from a chunk)
-    xs, read_bad, state_bad = oja_screen([q, w, u, c[..., None], a, log_decay], docs, inclusive)
+    # non-finite inputs (_screen): a bad token runs as an identity token (its w, u, c, write and decay
+    # cleared by torch.where, never by a product), the probes of the outputs set to NaN are zeroed
+    ok, read_bad, state_bad = _screen((w, u, c[..., None], a), (log_decay,), q, docs, inclusive)
+    q, *xs = [x if docs is None else docs.lay(x) for x in (q, w, u, c[..., None], a, log_decay)]   # the laid-out row
+    xs = [q if q is None else torch.where(read_bad[..., None], 0.0, q)] + [
+        None if x is None else torch.where(ok[..., None], x, 0.0) for x in xs]
     NC = -(-xs[1].shape[1] // C)
     qc, wc, uc, cc, ac, lgc = (oja_chunks(x, NC, C, dt) for x in xs)   # [NC B H, C, d]
     consts = oja_constants(C, s, dt, w.device)
