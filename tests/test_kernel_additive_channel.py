@@ -312,4 +312,4 @@ def test_channel_specialised_equals_general(inclusive, state_only):
     assert "cumsum" not in src and "tril" not in src                 # per_channel=True: no per-head path
     for extra in ({"per_channel": False}, {"log_gamma": None, "per_channel": None}):
         src = specialise(chunk_additive, **consts, **extra)
-        assert not any(name in src for name in ("gam_t", "inplace", "XE", "levels", "channel ="))
+        assert not any(name in src for name in ("gam_t", "inplace", "KE", "QF", "levels", "channel ="))

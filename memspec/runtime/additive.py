@@ -109,9 +109,9 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None,
                                               _split_groups(lg_in, groups), _split_groups(li_in, groups)):
         vg = _additive_block(vp, n, c, BH, dt)                       # [nBH, c, V]
         if channel:
-            XE, P, og = _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive)
-            XE, P, og = _additive_halving(XE, P, vg, og, q is not None, inclusive, inplace)
-            kd, g_end, g_log, m_loc = XE[..., :K], P.view(n, BH, K, 1), None, None   # decayed to the chunk end
+            KE, QF, P, og = _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive)
+            KE, QF, P, og = _additive_halving(KE, QF, P, vg, og, q is not None, inclusive, inplace)
+            kd, g_end, g_log, m_loc = KE, P.view(n, BH, K, 1), None, None   # decayed to the chunk end
         else:
             kg, lg, L, kd, g_log, g_end, li, m_loc = _additive_factors(kp, lp, ip, n, c, BH, dt, decayed, stab)
         step, true_scale, m_all, ms = _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed, stab)
@@ -121,7 +121,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None,
             continue
         if channel:                                                  # + (q F_c) @ S_start
             S_starts = _stacked(starts)
-            og = torch.baddbmm(og, XE[..., K:], S_starts) if og is not None else torch.bmm(XE[..., K:], S_starts)
+            og = torch.baddbmm(og, QF, S_starts) if og is not None else torch.bmm(QF, S_starts)
         else:
             og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg, _stacked(starts), inclusive,
                                           lg if decayed else None, L if decayed else None, li if stab else None,
@@ -196,9 +196,9 @@ def _additive_factors(kp, lp, ip, n, c, BH, dt, decayed, stab):
 
 def _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive):
     """A group's factors in ``chunk_additive`` with one log decay per key channel, for
-    :func:`_additive_halving`: ``XE = [k E_1 | q F_1]`` (``E_1 = 1``; ``F_1`` the token's decay when
-    its probe reads the state after it, else 1), each token's decay ``P`` (a padded tail token: 1)
-    and the outputs of the pairs s = t (inclusive: they weigh 1).
+    :func:`_additive_halving`: the keys ``KE = k E_1`` and probes ``QF = q F_1`` (``E_1 = 1``;
+    ``F_1`` the token's decay when its probe reads the state after it, else 1), each token's decay
+    ``P`` (a padded tail token: 1) and the outputs of the pairs s = t (inclusive: they weigh 1).
 
     Args:
         qp: the group's probes ``[B, n m, H, K]``, or None; kp: its keys; lp: its log decays
@@ -207,18 +207,19 @@ def _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive):
         inclusive: o_t reads S_t.
 
     Returns:
-        ``(XE [nBH, c, K | 2K], P [nBH, c, K], og [nBH, c, V] or None)``.
+        ``(KE [nBH, c, K], QF [nBH, c, K] or None, P [nBH, c, K], og [nBH, c, V] or None)``.
     """
     dt = vg.dtype
     gam_t = torch.exp(lp.to(dt))                                     # [B, n m, H, K] decay of each token
     P = _additive_block([gam_t], n, c, BH, dt, 1.0)                  # [nBH, c, K] decay of each h-block (h = 1)
+    KE = _additive_block([kp], n, c, BH, dt)                         # [nBH, c, K] (E_1 = 1)
     if qp is None:
-        return _additive_block([kp], n, c, BH, dt), P, None          # [nBH, c, K] (E_1 = 1)
-    XE = _additive_block([kp, qp.to(dt) * gam_t if inclusive else qp], n, c, BH, dt)   # [nBH, c, 2K]
+        return KE, None, P, None
+    QF = _additive_block([qp.to(dt) * gam_t if inclusive else qp], n, c, BH, dt)   # [nBH, c, K]
     og = None                                                        # [nBH, c, V] outputs of the chunk's pairs
     if inclusive:                                                    # pairs s = t weigh 1
         og = _additive_block([(qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True)], n, c, BH, dt) * vg
-    return XE, P, og
+    return KE, QF, P, og
 
 
 def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed, stab):
@@ -334,60 +335,57 @@ def _additive_outputs(qg, kg, vg, S_starts, inclusive, lg=None, L=None, li=None,
     return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
 
 
-def _additive_halving(XE, P, vg, og, probes, inclusive, inplace):
+def _additive_halving(KE, QF, P, vg, og, probes, inclusive, inplace):
     """The pairs of per-channel chunks of ``chunk_additive``, halved level by level: in a block of 2h
     tokens a pair (t in the second half, s in the first) weighs ``E_h(s) F_h(t)``; all pairs of a
     level are one batched ``(q F) (k E)^T`` product applied to the first halves' values, and
-    ``XE = [k E | q F]`` passes to the next level by one product with the halves' decays.
+    ``KE = k E``, ``QF = q F`` pass to the next level by one product with the halves' decays.
 
     Args:
-        XE: ``[nBH, c, K]`` (no probes) or ``[nBH, c, 2K]``: ``[k E_1 | q F_1]``; P: ``[nBH, c, K]``
+        KE, QF: ``[nBH, c, K]`` ``k E_1`` and ``q F_1`` (QF None without probes); P: ``[nBH, c, K]``
             each token's decay; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the outputs of the
             pairs s = t, or None.
         probes: whether there are probes (their outputs are computed); inclusive: o_t reads S_t.
         inplace: update the factors in place (no autograd).
 
     Returns:
-        ``(XE, P, og)``: the keys decayed to the chunk end and the probes' decays from its start, the
+        ``(KE, QF, P, og)``: the keys decayed to the chunk end and the probes' decays from its start, the
         decay over each chunk ``[nBH, 1, K]``, the outputs of the chunk's pairs (None without probes).
     """
-    nBH, c, W = XE.shape
-    K, V = P.shape[-1], vg.shape[-1]
-    ones = P.new_ones(nBH * c // 2, 1, 1, K)
+    nBH, c, K = KE.shape
+    V = vg.shape[-1]
     h = 1
     while h < c:
         nb = nBH * c // (2 * h)                              # blocks of 2h tokens
-        XEb = XE.view(nb, 2, h, W)
+        k1, k2 = KE.view(nb, 2, h, K).unbind(1)              # [nb, h, K]: the halves' k E
+        p1, p2 = P.view(nb, 2, 1, K).unbind(1)               # [nb, 1, K]: the halves' decays
         if probes:
-            kt, qt = XEb[:, 0, :, :K], XEb[:, 1, :, K:]      # [nb, h, K]: first halves' k E, second halves' q F
+            q1, q2 = QF.view(nb, 2, h, K).unbind(1)          # [nb, h, K]: the halves' q F
             v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
             o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves
-            # out of place until og depends on q, k, v and the decays: in place after (vmap)
-            fresh = h <= (1 if inclusive else 2)
-            if h <= 2:                                       # tiny blocks: column by column
-                scores = (qt * kt).sum(-1, keepdim=True) if h == 1 else torch.bmm(qt, kt.transpose(1, 2))
+            if h > 2:
+                o2.add_(torch.bmm(torch.bmm(q2, k1.transpose(1, 2)), v1))
+            else:                                            # tiny blocks: column by column
+                scores = (q2 * k1).sum(-1, keepdim=True) if h == 1 else torch.bmm(q2, k1.transpose(1, 2))
                 cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]   # [nb, h, 1], [nb, 1, V]
-                if fresh:
+                # out of place until og depends on q, k, v and the decays: in place after (vmap)
+                if h <= (1 if inclusive else 2):
                     cross = sum(a * b for a, b in cols)
                     o2 = cross if o2 is None else o2 + cross
                     o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
-                    og = torch.stack([o1, o2], 1).view(nBH, c, V)
+                    og = torch.stack([o1, o2], 1).view(nb, 2 * h, V)
                 else:
                     for a, b in cols:
                         o2.addcmul_(a, b)
-            else:
-                o2.add_(torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1))
-        Pb = P.view(nb, 2, 1, K)                             # the decays of the two halves
         # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the first's
-        # in place from XE_2 on (XE_1 may be k itself; XE_2 depends on the decays: vmap)
+        # in place from level 2 on (KE may be k itself before; after, it depends on the decays: vmap)
         if inplace and h > 1:
-            XEb[:, 0, :, :K].mul_(Pb[:, 1])
+            k1.mul_(p2)
             if probes:
-                XEb[:, 1, :, K:].mul_(Pb[:, 0])
+                q2.mul_(p1)
         else:
-            one = ones[:nb]
-            fac = torch.cat([Pb[:, 1:], one] + ([one, Pb[:, :1]] if probes else []), -1)
-            XE = (XEb * fac.view(nb, 2, 1, W)).view(nBH, c, W)
-        P = Pb[:, 0] * Pb[:, 1]                              # [nb, 1, K]
+            KE = torch.stack([k1 * p2, k2], 1).view(nBH, c, K)
+            QF = torch.stack([q1, q2 * p1], 1).view(nBH, c, K) if probes else None
+        P = p1 * p2                                          # [nb, 1, K]
         h *= 2
-    return XE, P, og
+    return KE, QF, P, og.view(nBH, c, V) if og is not None else None
