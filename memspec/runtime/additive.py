@@ -109,8 +109,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None,
                                               _split_groups(lg_in, groups), _split_groups(li_in, groups)):
         vg = _additive_block(vp, n, c, BH, dt)                       # [nBH, c, V]
         if channel:
-            KE, QF, P, og = _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive)
-            KE, QF, P, og = _additive_halving(KE, QF, P, vg, og, q is not None, inclusive, inplace)
+            KE, QF, P, og, h = _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive)
+            KE, QF, P, og = _additive_halving(KE, QF, P, vg, og, q is not None, inclusive, inplace, h)
             kd, g_end, g_log, m_loc = KE, P.view(n, BH, K, 1), None, None   # decayed to the chunk end
         else:
             kg, lg, L, kd, g_log, g_end, li, m_loc = _additive_factors(kp, lp, ip, n, c, BH, dt, decayed, stab)
@@ -195,10 +195,13 @@ def _additive_factors(kp, lp, ip, n, c, BH, dt, decayed, stab):
 
 
 def _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive):
-    """A group's factors in ``chunk_additive`` with one log decay per key channel, for
-    :func:`_additive_halving`: the keys ``KE = k E_1`` and probes ``QF = q F_1`` (``E_1 = 1``;
-    ``F_1`` the token's decay when its probe reads the state after it, else 1), each token's decay
-    ``P`` (a padded tail token: 1) and the outputs of the pairs s = t (inclusive: they weigh 1).
+    """A group's factors in ``chunk_additive`` with one log decay per key channel, and the first level
+    of :func:`_additive_halving` (blocks of 2 tokens), read from the inputs' chunk-major views: the
+    keys ``KE = k E_2`` and probes ``QF = q F_2`` (``E_2``: the decay of the token after it in its
+    pair, else 1; ``F_2``: its pair's decays up to it, the token's own one when its probe reads the
+    state after it), each pair's decay ``P`` (a padded tail token: 1) and the outputs of the pairs
+    s = t (inclusive: they weigh 1) and (s, t) = (2i, 2i + 1).  A chunk of one token (c = 1) has no
+    pairs: level 1's factors (``E_1 = 1``, ``F_1``), each token's decay.
 
     Args:
         qp: the group's probes ``[B, n m, H, K]``, or None; kp: its keys; lp: its log decays
@@ -207,19 +210,40 @@ def _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive):
         inclusive: o_t reads S_t.
 
     Returns:
-        ``(KE [nBH, c, K], QF [nBH, c, K] or None, P [nBH, c, K], og [nBH, c, V] or None)``.
+        ``(KE, QF, P, og, h)``: KE, QF ``[nBH, c, K]`` (QF None without probes), P ``[nBH c / h, 1,
+        K]``, og ``[nBH, c, V]`` (None without probes), h the level the halving goes on from.
     """
-    dt = vg.dtype
+    dt, K, V = vg.dtype, kp.shape[-1], vg.shape[-1]
     gam_t = torch.exp(lp.to(dt))                                     # [B, n m, H, K] decay of each token
-    P = _additive_block([gam_t], n, c, BH, dt, 1.0)                  # [nBH, c, K] decay of each h-block (h = 1)
-    KE = _additive_block([kp], n, c, BH, dt)                         # [nBH, c, K] (E_1 = 1)
+    diag = (qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True) if qp is not None and inclusive else None   # [B, n m, H, 1]
+    if c == 1:
+        KE, P = _additive_block([kp], n, c, BH, dt), _additive_block([gam_t], n, c, BH, dt, 1.0)   # [nBH, 1, K]
+        if qp is None:
+            return KE, None, P, None, 1
+        QF = _additive_block([qp.to(dt) * gam_t if inclusive else qp], n, c, BH, dt)
+        return KE, QF, P, _additive_block([diag], n, c, BH, dt) * vg if inclusive else None, 1
+
+    def pairs(x, pad=0.0):   # [B, n m, H, D] -> the even and the odd tokens of each chunk [n, B, H, c / 2, D] (views)
+        return _chunk_major(x.to(dt), n, c, pad).unflatten(3, (c // 2, 2)).unbind(4)
+    g1, g2 = pairs(gam_t, 1.0)
+    k1, k2 = pairs(kp)
+    g12 = g1 * g2                                                    # [n, B, H, c / 2, K] each pair's decay
+    KE = torch.stack([k1 * g2, k2], 4).view(n * BH, c, K)            # one copy into the blocks
+    P = g12.reshape(n * BH * c // 2, 1, K)
     if qp is None:
-        return KE, None, P, None
-    QF = _additive_block([qp.to(dt) * gam_t if inclusive else qp], n, c, BH, dt)   # [nBH, c, K]
-    og = None                                                        # [nBH, c, V] outputs of the chunk's pairs
-    if inclusive:                                                    # pairs s = t weigh 1
-        og = _additive_block([(qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True)], n, c, BH, dt) * vg
-    return KE, QF, P, og
+        return KE, None, P, None, 2
+    q1, q2 = pairs(qp)
+    if inclusive:
+        q2 = q2 * g2                                                 # the odd probes read after their own decay
+    QF = torch.stack([q1 * g1 if inclusive else q1, q2 * g1], 4).view(n * BH, c, K)
+    score = (q2 * k1).sum(-1, keepdim=True).reshape(n * BH, c // 2, 1)   # [nBH, c / 2, 1] the pair (2i, 2i + 1)
+    v1, v2 = vg.view(n * BH, c // 2, 2, V).unbind(2)                 # [nBH, c / 2, V]
+    if inclusive:                                                    # + the pairs s = t
+        d1, d2 = _additive_block([diag], n, c, BH, dt).view(n * BH, c // 2, 2, 1).unbind(2)
+        og = torch.stack([d1 * v1, torch.addcmul(d2 * v2, score, v1)], 2)
+    else:
+        og = torch.stack([torch.zeros_like(v1), score * v1], 2)
+    return KE, QF, P, og.view(n * BH, c, V), 2
 
 
 def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed, stab):
@@ -335,18 +359,19 @@ def _additive_outputs(qg, kg, vg, S_starts, inclusive, lg=None, L=None, li=None,
     return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
 
 
-def _additive_halving(KE, QF, P, vg, og, probes, inclusive, inplace):
+def _additive_halving(KE, QF, P, vg, og, probes, inclusive, inplace, h):
     """The pairs of per-channel chunks of ``chunk_additive``, halved level by level: in a block of 2h
     tokens a pair (t in the second half, s in the first) weighs ``E_h(s) F_h(t)``; all pairs of a
     level are one batched ``(q F) (k E)^T`` product applied to the first halves' values, and
     ``KE = k E``, ``QF = q F`` pass to the next level by one product with the halves' decays.
 
     Args:
-        KE, QF: ``[nBH, c, K]`` ``k E_1`` and ``q F_1`` (QF None without probes); P: ``[nBH, c, K]``
-            each token's decay; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the outputs of the
-            pairs s = t, or None.
+        KE, QF: ``[nBH, c, K]`` ``k E_h`` and ``q F_h`` (QF None without probes); P: ``[nBH c / h, 1,
+            K]`` the decay of each h-block; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the outputs
+            of the pairs inside the h-blocks, or None.
         probes: whether there are probes (their outputs are computed); inclusive: o_t reads S_t.
         inplace: update the factors in place (no autograd).
+        h: the level to start from (:func:`_additive_channel_factors` did the levels below).
 
     Returns:
         ``(KE, QF, P, og)``: the keys decayed to the chunk end and the probes' decays from its start, the
@@ -354,7 +379,6 @@ def _additive_halving(KE, QF, P, vg, og, probes, inclusive, inplace):
     """
     nBH, c, K = KE.shape
     V = vg.shape[-1]
-    h = 1
     while h < c:
         nb = nBH * c // (2 * h)                              # blocks of 2h tokens
         k1, k2 = KE.view(nb, 2, h, K).unbind(1)              # [nb, h, K]: the halves' k E
@@ -362,24 +386,22 @@ def _additive_halving(KE, QF, P, vg, og, probes, inclusive, inplace):
         if probes:
             q1, q2 = QF.view(nb, 2, h, K).unbind(1)          # [nb, h, K]: the halves' q F
             v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
-            o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves
+            o2 = og.view(nb, 2, h, V)[:, 1]                  # [nb, h, V] second halves
             if h > 2:
                 o2.add_(torch.bmm(torch.bmm(q2, k1.transpose(1, 2)), v1))
-            else:                                            # tiny blocks: column by column
-                scores = (q2 * k1).sum(-1, keepdim=True) if h == 1 else torch.bmm(q2, k1.transpose(1, 2))
-                cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]   # [nb, h, 1], [nb, 1, V]
+            else:                                            # blocks of 4 tokens: column by column
+                scores = torch.bmm(q2, k1.transpose(1, 2))   # [nb, 2, 2]
+                cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]   # [nb, 2, 1], [nb, 1, V]
                 # out of place until og depends on q, k, v and the decays: in place after (vmap)
-                if h <= (1 if inclusive else 2):
-                    cross = sum(a * b for a, b in cols)
-                    o2 = cross if o2 is None else o2 + cross
-                    o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
-                    og = torch.stack([o1, o2], 1).view(nb, 2 * h, V)
+                if not inclusive:
+                    o2 = o2 + sum(a * b for a, b in cols)
+                    og = torch.stack([og.view(nb, 2, h, V)[:, 0], o2], 1).view(nb, 2 * h, V)
                 else:
                     for a, b in cols:
                         o2.addcmul_(a, b)
         # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the first's
-        # in place from level 2 on (KE may be k itself before; after, it depends on the decays: vmap)
-        if inplace and h > 1:
+        # in place (KE and QF are copies that depend on the decays: vmap)
+        if inplace:
             k1.mul_(p2)
             if probes:
                 q2.mul_(p1)
