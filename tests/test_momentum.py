@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+from close import assert_same_function
 
 import memspec
 from memspec import reference
@@ -224,3 +225,135 @@ def test_the_chunked_schedule_under_torch_compile_equals_eager():
         b, sb = call(comp, spec, ins, None, "momentum")
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
     assert all(torch.allclose(sa[n], sb[n], atol=1e-5, rtol=1e-5) for n in "WU")
+
+
+# ---------------------------------------------------------------- non-finite inputs (the shared screen)
+MOMENTUM_ARGS = ("q", "k", "v", "p", "log_gamma", "log_mu", "beta", "eta", "S0", "M0")
+
+
+def _kernel_inputs(B=1, T=40, H=2, K=5, V=4, seed=31):
+    g = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=g, dtype=torch.float64)
+    q = torch.randn(B, T, H, K, **f64)
+    k, p = (torch.nn.functional.normalize(torch.randn(B, T, H, K, **f64), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, V, **f64)
+    lgam, lmu = (torch.log(0.5 + 0.5 * torch.rand(B, T, H, **f64)) for _ in range(2))
+    beta, eta = (torch.rand(B, T, H, **f64) for _ in range(2))
+    S0, M0 = (torch.randn(B, H, K, V, **f64) for _ in range(2))
+    return [q, k, v, p, lgam, lmu, beta, eta, S0, M0]
+
+
+def _run_with_grads(args, upto, inclusive=True, **kw):
+    """The kernel's outputs and final states, and every input's gradient of a loss on outputs 0..upto-1."""
+    from memspec.runtime.momentum import chunk_momentum_delta
+
+    leaves = [x.clone().requires_grad_() for x in args]
+    o, S, M = chunk_momentum_delta(*leaves, 16, inclusive=inclusive, **kw)
+    w = torch.randn(o[:, :upto].shape, generator=torch.Generator().manual_seed(2), dtype=o.dtype)
+    return (o, S, M), torch.autograd.grad((o[:, :upto] * w).sum(), leaves)
+
+
+@pytest.mark.parametrize("inclusive", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("which", MOMENTUM_ARGS[:8])
+def test_momentum_a_non_finite_token_reaches_no_earlier_output(which, bad, inclusive):
+    """A NaN / inf in token 10's inputs (head 1 only; token 10 inside the first chunk of 16): outputs
+    0..9, head 0 throughout, and every input's gradient of a loss on outputs 0..9 equal the clean
+    run's bit for bit (the bad token runs as an identity token, cleared by torch.where: no NaN
+    meets a zero of the causal masks, forward or backward); a bad state input makes every output of
+    head 1 that reads a state at or after it (from 10 inclusive, from 11 exclusive) and both final
+    states of head 1 NaN, a bad probe only its own output; the token loop is not finite there
+    either."""
+    from memspec.runtime.momentum import recurrent_momentum_delta
+
+    if which.startswith("log_") and bad == float("-inf"):
+        pytest.skip("a log decay of -inf is a decay of 0: valid (tested below)")
+    t = 10
+    clean = _kernel_inputs()
+    dirty = [x.clone() for x in clean]
+    dirty[MOMENTUM_ARGS.index(which)][0, t, 1] = bad
+    (oc, Sc, Mc), gc = _run_with_grads(clean, t, inclusive)
+    (od, Sd, Md), gd = _run_with_grads(dirty, t, inclusive)
+    assert torch.equal(od[:, :t], oc[:, :t]) and torch.equal(od[:, :, 0], oc[:, :, 0])
+    assert torch.equal(Sd[:, 0], Sc[:, 0]) and torch.equal(Md[:, 0], Mc[:, 0])
+    if which == "q":
+        assert torch.isnan(od[:, t, 1]).all() and torch.equal(od[:, t + 1:], oc[:, t + 1:])
+        assert torch.equal(Sd, Sc) and torch.equal(Md, Mc)
+    else:
+        first = t if inclusive else t + 1                          # the first output reading a state after token t
+        assert torch.equal(od[:, :first], oc[:, :first]) and torch.isnan(od[:, first:, 1]).all()
+        assert torch.isnan(Sd[:, 1]).all() and torch.isnan(Md[:, 1]).all()
+        ref = recurrent_momentum_delta(*dirty, inclusive)
+        assert not torch.isfinite(ref[0][:, first:, 1]).all() and not torch.isfinite(ref[1][:, 1]).all()
+    for g1, g2 in zip(gc, gd):   # every input's gradient, the bad token's included (0 there)
+        assert torch.isfinite(g2).all() and torch.equal(g1, g2)
+    assert (gd[MOMENTUM_ARGS.index(which)][0, t:] == 0).all()
+
+
+def test_momentum_a_non_finite_token_without_probes_poisons_the_final_states_only_of_its_head():
+    from memspec.runtime.momentum import chunk_momentum_delta
+
+    args = _kernel_inputs(B=2)
+    _, S, M = chunk_momentum_delta(None, *args[1:], 16)
+    args[1][1, 33, 0, 2] = float("nan")                            # batch row 1, head 0, token 33 (the tail chunk)
+    o, S1, M1 = chunk_momentum_delta(None, *args[1:], 16)
+    assert o is None and torch.isnan(S1[1, 0]).all() and torch.isnan(M1[1, 0]).all()
+    keep = torch.ones(2, 2, dtype=torch.bool)
+    keep[1, 0] = False
+    assert torch.equal(S1[keep], S[keep]) and torch.equal(M1[keep], M[keep])
+
+
+def test_momentum_a_decay_of_zero_is_valid():
+    """Log decays of -inf (the state or the momentum forgets everything) are no bad tokens: the
+    outputs, both states and every gradient are finite and equal the token loop's (-80 for -inf)."""
+    from memspec.runtime.momentum import chunk_momentum_delta, recurrent_momentum_delta
+
+    args = _kernel_inputs(T=37)
+    args[4][0, 5], args[5][0, 20] = float("-inf"), float("-inf")
+    leaves = [x.requires_grad_() for x in args]
+    got = chunk_momentum_delta(*leaves, 16)
+    ref = recurrent_momentum_delta(*(x.detach().clamp_min(-80.0) if i in (4, 5) else x.detach()
+                                     for i, x in enumerate(leaves)))
+    for a, b in zip(got, ref):
+        assert torch.isfinite(a).all()
+        assert_same_function(a, b)
+    grads = torch.autograd.grad(sum(x.square().sum() for x in got), leaves)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("with_probes", [True, False])
+def test_momentum_a_non_finite_token_stays_in_its_document(with_probes):
+    """Packed documents (chunks of 16: each document laid out from a chunk): a NaN in token 3 of the
+    second document makes that document's outputs from token 3 on and its final states NaN; the
+    outputs before it, and the other documents' outputs and states, are those of each document
+    alone (the gradients of the outputs before the bad token too)."""
+    from memspec.runtime.momentum import chunk_momentum_delta
+    from memspec.runtime.varlen import _Documents
+
+    T, cu, t = 45, torch.tensor([0, 7, 27, 45]), 10
+    args = _kernel_inputs(T=T)
+    g = torch.Generator().manual_seed(7)
+    args[8], args[9] = (torch.randn(3, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    if not with_probes:
+        args[0] = None
+    args[3] = args[3].clone()
+    args[3][:, t] = float("nan")                                     # p at token 3 of the second document
+    leaves = [x if x is None else x.clone().requires_grad_() for x in args]
+    o, S, M = chunk_momentum_delta(*leaves, 16, documents=_Documents(cu))
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        piece = [x if x is None else x[:, a:b] for x in args[:8]]
+        if n == 1:
+            piece = [x if x is None else x[:, :t - a] for x in piece]   # the clean part before the bad token
+        o_doc, S_doc, M_doc = chunk_momentum_delta(*piece, args[8][n:n + 1], args[9][n:n + 1], 16)
+        if with_probes:
+            assert_same_function(o[:, a:a + o_doc.shape[1]], o_doc)
+        if n == 1:
+            assert torch.isnan(S[n]).all() and torch.isnan(M[n]).all()
+            assert o is None or torch.isnan(o[:, t:b]).all()
+        else:
+            assert_same_function(S[n], S_doc[0])
+            assert_same_function(M[n], M_doc[0])
+    if with_probes:
+        grads = torch.autograd.grad(o[:, :t].sum() + o[:, 27:].sum() + S[2].sum(), [x for x in leaves if x is not None])
+        assert all(torch.isfinite(gr).all() for gr in grads)
+        assert (grads[3][:, t:27] == 0).all()                      # the bad token and its document's later ones

@@ -61,7 +61,7 @@ Per-channel decays (both the additive and the DPLR kernels) never form a ``[C, C
 of decays: a chunk is halved level by level and every pair's weight is a product of two factors,
 each a product of per-token decays (<= 1), so no exponent is positive and none is a difference
 of long cumulative sums; everything stays in the input dtype (no float64: it runs where float64
-is slow or missing).  The delta, DPLR and Oja kernels run a token with a non-finite input as an
-identity token (``torch.where``, never a product with zero) and set every output that reads a
-state at or after it, and the final state, to NaN at the end.
+is slow or missing).  The delta, DPLR, momentum and Oja kernels run a token with a non-finite
+input as an identity token (``torch.where``, never a product with zero) and set every output that
+reads a state at or after it, and the final state, to NaN at the end.
 """

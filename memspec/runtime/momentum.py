@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .phases import (_chunk_groups, _chunk_major, _group_size, _initial_states, _join_chunks, _pass_states,
+from .phases import (_chunk_groups, _chunk_major, _group_size, _initial_states, _join_chunks, _pass_states, _screen,
                      _split_groups, _stacked, _token_major)
 
 
@@ -63,6 +63,13 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
     512 KB, as in the other kernels; on other devices G = 64).
 
+    Non-finite inputs (the shared screen, ``_screen``): a token whose k, p, v, beta, eta or log
+    decays are not all finite runs as an identity token (its inputs cleared by torch.where), and
+    every output that reads a state at or after it (in its document), and both final states, are
+    NaN; a non-finite probe makes only its own output NaN; outputs before such a token, and their
+    gradients, are those of the clean sequence.  Log decays below -80 (-inf included) are clamped
+    to -80.  On CPU, eager, inputs that are all finite skip the masks (:func:`_momentum_screen`).
+
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
         k, p: ``[B, T, H, K]`` write keys and error reads.
@@ -92,6 +99,7 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     C = max(1, min(int(chunk), T))
     # the joint state [S; M] [B H, 2K, V] before the first chunk (packed: each document's enters where it starts)
     docs, Z = _initial_states(_momentum_joint(S0, M0, dt), documents, C, B, (H, 2 * K, V), dt, dev)
+    ok, read_bad, state_bad = _momentum_screen(q, (k, p, v, beta, eta), (log_gamma, log_mu), docs, inclusive)
     tokens = (q, k, p, v, log_gamma, log_mu, beta, eta)              # per-token inputs [B, T, H, ...]
     if docs is not None:                                             # the laid-out row
         tokens = tuple(docs.lay(x) for x in tokens)
@@ -102,21 +110,45 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     masks = (idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :], torch.eye(C, dtype=dt, device=dev))
     outs = []                                                         # [B, n c, H, V] per group
     j0 = 0                                                            # chunks before this group
-    for (n, c, _), qg, kg, pg, vg, lgg, lmg, btg, etg in zip(groups, *(_split_groups(x, groups) for x in tokens)):
-        step, kc, reads = _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks)
+    for (n, c, _), okg, rbg, qg, kg, pg, vg, lgg, lmg, btg, etg in zip(
+            groups, _split_groups(ok, groups), _split_groups(read_bad, groups),
+            *(_split_groups(x, groups) for x in tokens)):
+        # the group's flags chunk-major [n, B, H, C, 1], contiguous (the masked layouts copy once)
+        okc = _chunk_major(okg[..., None], n, C, True).contiguous() if ok is not None else None
+        step, kc, reads = _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks, okc)
         Z, Z_st, zs = _pass_states(step, n, Z, docs, j0)               # (documents: their initial, final [S; M])
         j0 += n
         if q is not None:
-            og = _momentum_outputs(qg, kc, _stacked(zs), _stacked(Z_st), *(reads[0] if inclusive else reads[1]))
+            rbc = _chunk_major(rbg[..., None], n, C).contiguous() if read_bad is not None else None
+            og = _momentum_outputs(qg, kc, _stacked(zs), _stacked(Z_st), rbc, *(reads[0] if inclusive else reads[1]))
             outs.append(_token_major(og, B, H, c))                  # [B, n, c, H, V] (a view)
     Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
+    if state_bad is not None:
+        Z = torch.where(state_bad[..., None, None], float("nan"), Z)   # a bad token poisons the final states
     S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
     if q is None:
         return None, S_out, M_out
     o = _join_chunks(outs)                                            # [B, T, H, V]
+    if read_bad is not None:
+        o = torch.where(read_bad[..., None], float("nan"), o)          # the reads at or after a bad token
     if docs is not None:
         o = docs.unlay(o)                                             # the documents' tokens, packed
     return o.to(v.dtype), S_out, M_out
+
+
+def _momentum_screen(q, writes, decays, docs, inclusive):
+    """The non-finite screen of :func:`chunk_momentum_delta`: ``_screen``'s flags ``(ok, read_bad,
+    state_bad)``, or three Nones when every input is finite, on CPU (eager): there one sum of each
+    input tells, without a device sync, and clearing nothing is cheaper than the masks (torch.where
+    is not vectorized on CPU); the kernel then runs unmasked.  A sum is finite only when every
+    entry is (a NaN or an inf stays in a sum); log decays of -inf (decays of 0) are valid."""
+    if writes[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        dt = torch.promote_types(writes[0].dtype, torch.float32)
+        total = sum(x.sum(dtype=dt) for x in writes + (q,) if x is not None)
+        total = total + sum(x.clamp_min(-80.0).sum(dtype=dt) for x in decays)
+        if torch.isfinite(total):
+            return None, None, None
+    return _screen(writes, decays, q, docs, inclusive)
 
 
 def _momentum_joint(S0, M0, dt):
@@ -129,7 +161,7 @@ def _momentum_joint(S0, M0, dt):
                       M0.to(dt) if M0 is not None else like.new_zeros(like.shape, dtype=dt)], dim=2)
 
 
-def _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks):
+def _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks, ok):
     """The chunk maps of the momentum delta rule (``chunk_momentum_delta``), batched over a group of
     n chunks: the errors of each chunk from its start state, ``z = WZ [S; M] + U``, and its map
     ``[S; M] <- (D (x) I_K) [S; M] + kZ^T z``.
@@ -150,6 +182,8 @@ def _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks):
         lgg, lmg: ``[B, n c, H]`` log decays of S and M; btg, etg: ``[B, n c, H]`` beta and eta.
         n: the group's chunks.
         masks: ``(s <= t, s < t, I)``: ``[C, C]`` each.
+        ok: ``[n, B, H, C, 1]`` bool, contiguous: the tokens that run as written (the others, and a
+            tail's padding, are identity tokens: their inputs cleared by torch.where); None: all.
 
     Returns:
         ``(step, kc, reads)``: ``step(j, Z) -> (Z_end, z_j)`` chunk j's map (for ``_pass_states``),
@@ -160,11 +194,13 @@ def _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks):
     B, H, K, C = kg.shape[0], kg.shape[2], kg.shape[3], eye.shape[0]
     nBH, BH = n * B * H, B * H
 
-    def lay(x):  # [B, n c, H(, D)] -> [n BH, C(, D)], chunk-major, a tail padded with zeros
+    def lay(x):  # [B, n c, H(, D)] -> [n BH, C(, D)], chunk-major, bad tokens and a tail's padding zeros
         x = x.to(eye.dtype)
         if x.dim() == 3:
             x = x[..., None]
-        return _chunk_major(x, n, C).reshape(nBH, C, x.shape[-1])
+        # (the where writes in ok's layout, chunk-major: the reshape is a view, no second copy)
+        x = _chunk_major(x, n, C)
+        return (x if ok is None else torch.where(ok, x, 0.0)).reshape(nBH, C, x.shape[-1])
 
     kc = lay(kg)
     la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
@@ -207,20 +243,23 @@ def _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks):
     return step, kc, ((La, h12, Om), (Lap, h12p, Gam))
 
 
-def _momentum_outputs(qg, kc, z, Zs, La, h12, Om):
+def _momentum_outputs(qg, kc, z, Zs, read_bad, La, h12, Om):
     """The outputs of a group of chunks: ``o = P z + [q e^{La} | q P12] [S; M]_start`` with
     ``P = Om * (q k^T)`` (the reads' factors of ``_momentum_maps``, after or before each token).
 
     Args:
         qg: the group's probes ``[B, n c, H, K]``; kc: ``[n BH, C, K]`` the write keys, chunk-major;
         z: ``[n BH, C, V]`` the chunks' errors; Zs: ``[n BH, 2K, V]`` the joint states at the
-        chunks' starts; La, h12: ``[n BH, C]``, Om: ``[n BH, C, C]`` the reads' factors.
+        chunks' starts; read_bad: ``[n, B, H, C, 1]`` bool, contiguous: the outputs set to NaN
+        (their probes zeroed here: no NaN probe meets a product), or None; La, h12: ``[n BH, C]``, Om:
+        ``[n BH, C, C]`` the reads' factors.
 
     Returns:
         ``[n BH, C, V]``.
     """
     nBH, C, K = kc.shape
-    qc = _chunk_major(qg.to(kc.dtype), nBH // (qg.shape[0] * qg.shape[2]), C).reshape(nBH, C, K)
+    qc = _chunk_major(qg.to(kc.dtype), nBH // (qg.shape[0] * qg.shape[2]), C)
+    qc = (qc if read_bad is None else torch.where(read_bad, 0.0, qc)).reshape(nBH, C, K)
     P = Om * torch.bmm(qc, kc.transpose(1, 2))
     qZ = torch.cat([qc * torch.exp(La)[..., None], qc * h12[..., None]], dim=-1)   # [n BH, C, 2K]: reads of [S; M]
     return torch.baddbmm(torch.bmm(P, z), qZ, Zs)

@@ -9,10 +9,9 @@ composed the same way: the sequence is cut into chunks of C tokens, processed G 
 over the chunks in order, applying each chunk's map; the family's outputs are batched over the
 group again, and :func:`_join_chunks` lays them back out token-major.  They start from
 :func:`_initial_states` (packed documents laid out, the state before the first chunk); the ones
-that solve a system per chunk (delta, dplr, oja, solve) screen non-finite inputs by one rule
-(:func:`_screen`), where a solve would otherwise carry a NaN to earlier tokens (the additive
-kernel has no solve: its masks keep a NaN causal, entry by entry as the token loop does; the
-momentum kernel does not screen yet: a non-finite input there reaches its whole chunk).  The oja
+that solve a system per chunk (delta, dplr, momentum, oja, solve) screen non-finite inputs by one
+rule (:func:`_screen`), where a solve would otherwise carry a NaN to earlier tokens (the additive
+kernel has no solve: its masks keep a NaN causal, entry by entry as the token loop does).  The oja
 and chained kernels keep layouts of their own and pass their states with :func:`_pass_states`; the
 scan carries its chunks' end states by a scan of the same kind one level up.
 
