@@ -133,6 +133,39 @@ def test_channel_extreme_decays_match_float64(decays, inclusive):
     check_against_float64((q, k, v, lg, S0), 64, inclusive, 1e-5)
 
 
+
+@pytest.mark.parametrize("inclusive", [True, False])
+@pytest.mark.parametrize("probes", [True, False])
+def test_channel_packed_documents_extreme_decays(inclusive, probes):
+    """Packed documents (one of a single token, one ending inside a chunk) with log decays of -40,
+    0 and -inf per token: outputs, final states and gradients equal the float64 token loop run on
+    each document from its own initial state."""
+    from memspec.runtime.varlen import _Documents
+    offsets = [0, 37, 38, 101, 160]
+    q, k, v, lg, _ = make(1, offsets[-1], 2, 6, 5, seed=40)
+    r = torch.rand(lg.shape, generator=torch.Generator().manual_seed(41))
+    lg = torch.where(r < 0.3, -40.0, torch.where(r < 0.4, 0.0, -r))
+    S0 = torch.randn(len(offsets) - 1, 2, 6, 5, generator=torch.Generator().manual_seed(42))
+    ins = [x.clone().requires_grad_() for x in (q, k, v, lg, S0)]
+    o, S = chunk_additive(ins[0] if probes else None, *ins[1:], 16, inclusive=inclusive,
+                          documents=_Documents(torch.tensor(offsets)))
+    loss = (S * torch.randn(S.shape, generator=torch.Generator().manual_seed(43))).sum()
+    loss = loss + (o.square().sum() if probes else 0)
+    got = torch.autograd.grad(loss, ins if probes else ins[1:])
+    ins64 = [x.detach().double().requires_grad_() for x in (q, k, v, lg, S0)]
+    outs, states = [], []
+    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        o_i, S_i = recurrent_additive(*(x[:, a:b] for x in ins64[:4]), ins64[4][i:i + 1], inclusive)
+        outs.append(o_i)
+        states.append(S_i)
+    o_ref, S_ref = torch.cat(outs, 1), torch.cat(states)
+    loss = (S_ref * torch.randn(S.shape, generator=torch.Generator().manual_seed(43)).double()).sum()
+    loss = loss + (o_ref.square().sum() if probes else 0)
+    want = torch.autograd.grad(loss, ins64 if probes else ins64[1:])
+    assert rel(S, S_ref) <= 1e-5 and (o is None) != probes and (not probes or rel(o, o_ref) <= 1e-5)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and rel(g, w) <= 1e-5
+
 def test_channel_zero_decay_is_exact():
     """A decay of exactly 0 (log decay -inf) erases those rows of the state, as in the loop."""
     q, k, v, lg, S0 = make(2, 70, 2, 4, 3, seed=8)
