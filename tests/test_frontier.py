@@ -20,7 +20,7 @@ import memspec
 from memspec import reference
 from memspec.lang.errors import SpecError
 from memspec.lang.expr import parse_expr, unparse
-from memspec.runtime import helpers
+from memspec.runtime import helpers, muon
 from memspec.schedule import analyse, explain
 from memspec.schedule.algebra import Algebra
 from memspec.schedule.decide import BY_NAME
@@ -93,7 +93,7 @@ def test_newton_schulz_acts_on_the_singular_values():
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4)])
 def test_compiled_helper_is_the_reference_iteration(shape):
     X = _rand(2, 3, *shape, seed=1)
-    torch.testing.assert_close(helpers.newton_schulz(X, 5), reference.newton_schulz(X, 5), rtol=0, atol=1e-12)
+    torch.testing.assert_close(muon.newton_schulz(X, 5), reference.newton_schulz(X, 5), rtol=0, atol=1e-12)
 
 
 # the LaCT authors' per-iteration coefficients (their zeropower_via_newtonschulz5; Moonlight's Muon)
@@ -118,7 +118,7 @@ def test_newton_schulz_schedule_takes_one_triple_per_step_by_hand():
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3)])
 def test_compiled_helper_runs_the_schedule_as_the_reference(shape):
     X = _rand(2, 3, *shape, seed=4)
-    torch.testing.assert_close(helpers.newton_schulz(X, LACT_NS), reference.newton_schulz(X, LACT_NS),
+    torch.testing.assert_close(muon.newton_schulz(X, LACT_NS), reference.newton_schulz(X, LACT_NS),
                                rtol=0, atol=1e-12)
 
 
@@ -155,7 +155,7 @@ def test_a_bad_schedule_gets_a_located_error(tmp_path, constants, update, messag
 def test_newton_schulz_gradcheck():
     X = _rand(1, 1, 3, 4, seed=2).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: reference.newton_schulz(x, 3), (X,), eps=1e-6, atol=1e-6)
-    assert torch.autograd.gradcheck(lambda x: helpers.newton_schulz(x, 3), (X,), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda x: muon.newton_schulz(x, 3), (X,), eps=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------ mirror descent

@@ -22,6 +22,7 @@ from ..lang.expr import Call, Name, unparse
 from ..lang.names import GENERATED_NAMES, LANGUAGE_NAMES, fresh
 from ..lang.shapes import ShapeEnv, let_order
 from ..runtime import helpers as runtime_helpers
+from ..runtime import muon as runtime_muon
 from ..runtime import phases as runtime_phases
 from ..schedule.decide import BY_NAME, DEFAULT_CHUNK, ScheduleDecision
 from .exprs import ExprEmitter
@@ -205,8 +206,10 @@ class Context:
             self.parts.append(fn)
 
     def helper_sources(self) -> list:
-        """Sources of the language helpers the emitted code called, sorted by name."""
-        return [runtime_source(getattr(runtime_helpers, h)) for h in sorted(self.helpers)]
+        """Sources of the language helpers the emitted code called, sorted by name (Newton-Schulz's
+        in :mod:`memspec.runtime.muon`, the others in :mod:`memspec.runtime.helpers`)."""
+        return [runtime_source(getattr(runtime_helpers, h, None) or getattr(runtime_muon, h))
+                for h in sorted(self.helpers)]
 
     # ------------------------------------------------------------ names and shapes
     def emitter(self, **kw) -> ExprEmitter:

@@ -108,26 +108,6 @@ def append(cache, item, window=None):
     return out if window is None else out[..., -window:, :]
 
 
-def newton_schulz(X, steps):
-    """Muon's quintic Newton-Schulz iteration on the last two axes: X / (|X|_F + 1e-7), then
-    `steps` times X <- a X + (b A + c A A) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315);
-    or, with `steps` a tuple of (a, b, c) triples (a coefficient schedule), one step per triple.
-    Run on the smaller Gram matrix (X^T for a tall X: the same result, transposed back); each step
-    is three batched products, the sums fused into them (baddbmm: no elementwise pass)."""
-    schedule = steps if isinstance(steps, tuple) else ((3.4445, -4.7750, 2.0315),) * steps
-    tall = X.shape[-2] > X.shape[-1]
-    if tall:
-        X = X.transpose(-2, -1)
-    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
-    shape = X.shape
-    X = X.reshape(-1, *shape[-2:])                            # [N, m, n]: the batch axes as one
-    for a, b, c in schedule:
-        A = torch.bmm(X, X.transpose(-2, -1))                 # [N, m, m]
-        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)   # a X + (b A + c A A) X
-    X = X.reshape(shape)
-    return X.transpose(-2, -1) if tall else X
-
-
 def _check(name, t, axes, sizes, ref=None):
     """Raise ValueError unless `t` is a floating tensor of shape `sizes` (None: any size),
     with the dtype and device of `ref` = (name, tensor) when given."""
