@@ -63,12 +63,12 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
     512 KB, as in the other kernels; on other devices G = 64).
 
-    Non-finite inputs (the shared screen, ``_screen``): a token whose k, p, v, beta, eta or log
-    decays are not all finite runs as an identity token (its inputs cleared by torch.where), and
-    every output that reads a state at or after it (in its document), and both final states, are
-    NaN; a non-finite probe makes only its own output NaN; outputs before such a token, and their
-    gradients, are those of the clean sequence.  Log decays below -80 (-inf included) are clamped
-    to -80.  On CPU, eager, inputs that are all finite skip the masks (:func:`_momentum_screen`).
+    Non-finite inputs (``_screen``): a token whose k, p, v, beta, eta or log decays are not all
+    finite runs as an identity token (cleared by torch.where), and every output reading a state at
+    or after it (in its document), and both final states, are NaN; a non-finite probe makes only its
+    own output NaN; outputs before such a token, and their gradients, are the clean sequence's.
+    Log decays below -80 (-inf included) are clamped to -80 (:func:`_momentum_screen`: on CPU,
+    all-finite inputs skip the masks).
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
@@ -108,23 +108,19 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     groups = _chunk_groups(T, C, G, "chunk")                       # a tail chunk padded with identity tokens
     idx = torch.arange(C, device=dev)
     masks = (idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :], torch.eye(C, dtype=dt, device=dev))
-    outs = []                                                         # [B, n c, H, V] per group
-    j0 = 0                                                            # chunks before this group
+    outs, j0 = [], 0                                                  # [B, n c, H, V] per group; chunks before it
     for (n, c, _), okg, rbg, qg, kg, pg, vg, lgg, lmg, btg, etg in zip(
             groups, _split_groups(ok, groups), _split_groups(read_bad, groups),
             *(_split_groups(x, groups) for x in tokens)):
-        # the group's flags chunk-major [n, B, H, C, 1], contiguous (the masked layouts copy once)
-        okc = _chunk_major(okg[..., None], n, C, True).contiguous() if ok is not None else None
+        okc = _chunk_major(okg[..., None], n, C, True).contiguous() if ok is not None else None   # [n, B, H, C, 1]
         step, kc, reads = _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks, okc)
         Z, Z_st, zs = _pass_states(step, n, Z, docs, j0)               # (documents: their initial, final [S; M])
         j0 += n
         if q is not None:
-            rbc = _chunk_major(rbg[..., None], n, C).contiguous() if read_bad is not None else None
-            og = _momentum_outputs(qg, kc, _stacked(zs), _stacked(Z_st), rbc, *(reads[0] if inclusive else reads[1]))
+            og = _momentum_outputs(qg, kc, _stacked(zs), _stacked(Z_st), rbg, *(reads[0] if inclusive else reads[1]))
             outs.append(_token_major(og, B, H, c))                  # [B, n, c, H, V] (a view)
     Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
-    if state_bad is not None:
-        Z = torch.where(state_bad[..., None, None], float("nan"), Z)   # a bad token poisons the final states
+    Z = Z if state_bad is None else torch.where(state_bad[..., None, None], float("nan"), Z)   # (a bad token's)
     S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
     if q is None:
         return None, S_out, M_out
@@ -250,16 +246,19 @@ def _momentum_outputs(qg, kc, z, Zs, read_bad, La, h12, Om):
     Args:
         qg: the group's probes ``[B, n c, H, K]``; kc: ``[n BH, C, K]`` the write keys, chunk-major;
         z: ``[n BH, C, V]`` the chunks' errors; Zs: ``[n BH, 2K, V]`` the joint states at the
-        chunks' starts; read_bad: ``[n, B, H, C, 1]`` bool, contiguous: the outputs set to NaN
-        (their probes zeroed here: no NaN probe meets a product), or None; La, h12: ``[n BH, C]``, Om:
+        chunks' starts; read_bad: ``[B, n c, H]`` bool, the outputs set to NaN (their probes are
+        zeroed first, so that no NaN probe meets a product), or None; La, h12: ``[n BH, C]``, Om:
         ``[n BH, C, C]`` the reads' factors.
 
     Returns:
         ``[n BH, C, V]``.
     """
     nBH, C, K = kc.shape
-    qc = _chunk_major(qg.to(kc.dtype), nBH // (qg.shape[0] * qg.shape[2]), C)
-    qc = (qc if read_bad is None else torch.where(read_bad, 0.0, qc)).reshape(nBH, C, K)
+    n = nBH // (qg.shape[0] * qg.shape[2])
+    qc = _chunk_major(qg.to(kc.dtype), n, C)
+    if read_bad is not None:   # (the flags chunk-major and contiguous: the where writes the layout, one copy)
+        qc = torch.where(_chunk_major(read_bad[..., None], n, C).contiguous(), 0.0, qc)
+    qc = qc.reshape(nBH, C, K)
     P = Om * torch.bmm(qc, kc.transpose(1, 2))
     qZ = torch.cat([qc * torch.exp(La)[..., None], qc * h12[..., None]], dim=-1)   # [n BH, C, 2K]: reads of [S; M]
     return torch.baddbmm(torch.bmm(P, z), qZ, Zs)
