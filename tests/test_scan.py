@@ -156,6 +156,29 @@ def test_chunk_scan_read_matches_loop(T, C, inclusive):
         assert_same_function(x, y)
 
 
+@pytest.mark.parametrize("rows", [63, 64])
+def test_chunk_scan_read_large_states_token_by_token(rows):
+    """From 8,192 floats of state per token the fused kernel runs token by token (63 x 64 x 2
+    heads stays chunked, 64 x 64 x 2 does not): both against the loop, outputs, state, gradients."""
+    a, b, h0 = inputs(1, 21, 2, (rows, 64), signed=True, dtype=torch.float64)
+    xs = [x.requires_grad_() for x in (a, b)]
+    h0.requires_grad_()
+    q = torch.randn(1, 21, 2, rows, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def read(h, q):
+        return (q.unsqueeze(-2) @ h).squeeze(-2)
+
+    o, (hT,) = chunk_scan_read(lambda a, b: ((a, b),), read, tuple(xs), (q,), (h0,), 8)
+    hs, h_ref = loop(a, b, h0)
+    ref = read(hs, q)
+    assert_same_function(o, ref)
+    assert_same_function(hT, h_ref)
+    got = torch.autograd.grad(weighted(o, hT), xs + [h0])
+    want = torch.autograd.grad(weighted(ref, h_ref), xs + [h0])
+    for x, y in zip(got, want):
+        assert_same_function(x, y)
+
+
 def test_chunk_scan_bfloat16_keeps_a_float32_state():
     a, b, h0 = inputs(1, 30, 2, (4,))
     hs, h = chunk_scan(a.bfloat16(), b.bfloat16(), h0, 8)
