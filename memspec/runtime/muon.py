@@ -75,7 +75,7 @@ class _NewtonSchulz(torch.autograd.Function):
         Ms = M + M^T,   S = b Ms + c (Ms A + A Ms) = Q + Q^T  with  Q = (b/2) Ms + c Ms A,
         gradient w.r.t. X = a Gb + B Gb + S X
 
-    (four products a step: M, Ms A, (a I + B) Gb and S X).  The normalisation X0 = Y / s,
+    (four products a step: M, Ms A, B Gb and S X).  The normalisation X0 = Y / s,
     s = r + eps, r = |Y|_F: d(Y / s) = dY / s - Y <Y, dY> / (r s^2), so
 
         gradient w.r.t. Y = Gb0 / s - Y <Gb0, Y> / (r s^2) = Gb0 / s - X0 <Gb0, X0> / r
@@ -125,9 +125,7 @@ class _NewtonSchulz(torch.autograd.Function):
             M = torch.bmm(Gb, X.transpose(-2, -1))            # [N, m, m]
             Ms = M + M.transpose(-2, -1)
             Q = torch.baddbmm(Ms, Ms, A, beta=0.5 * b, alpha=c)   # (b/2) Ms + c Ms A
-            P = B.clone()
-            P.diagonal(dim1=-2, dim2=-1).add_(a)              # a I + B
-            Gb = torch.baddbmm(torch.bmm(P, Gb), Q + Q.transpose(-2, -1), X)   # a Gb + B Gb + S X
+            Gb = torch.baddbmm(torch.baddbmm(Gb, B, Gb, beta=a), Q + Q.transpose(-2, -1), X)   # a Gb + B Gb + S X
         dot = (Gb * X0).sum((-2, -1), keepdim=True)           # <Gb0, X0> = <Gb0, Y> / s
         Gy = Gb / (r + 1e-7) - X0 * torch.where(r > 0, dot / torch.where(r > 0, r, 1), 0)
         Gy = Gy.reshape(G.shape[:-2] + Gy.shape[-2:])
