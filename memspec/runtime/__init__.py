@@ -6,6 +6,7 @@ imports and no closures over module state.
 
 * :mod:`.helpers`   -- the language's functions (layernorm, l2norm, ...), input checks, the
                        compile wrapper, scan helpers of the mini-batch and cache schedules;
+* :mod:`.muon`      -- ``newton_schulz`` (the language's function) with its closed-form backward;
 * :mod:`.additive`  -- the additive family's exact chunked kernel;
 * :mod:`.chained`   -- an additive state decayed on its columns (``chunk_value_decay``: gated slot
                        attention's key memory, the chained family's first pass);
