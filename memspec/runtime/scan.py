@@ -112,12 +112,10 @@ def chunk_scan_read(coefficients, read, xs, ys, h0, chunk, inclusive=True):
     one.  Work is O(T |S|), memory (besides autograd's) the outputs and O(N |S|).  The same
     exactness and causality as :func:`chunk_scan`; plain autograd.
 
-    From 8,192 floats of state per token (B H |S|, all states) on, every token
-    follows one by one: each step of the chunked passes then covers N chunks' states, which
-    leave the cache, while one token's state stays in it (measured, 1 thread, T = 2048, H = 4:
-    Mamba-1's ``[16, 64]`` state per head, 4,096 floats per token, runs 1.8x faster chunked than
-    token by token; a ``[64, 64]`` state, 16,384 floats, 2x slower at chunk 64 and 1.4x slower at
-    chunk 256).
+    From 8,192 floats of state per token (B H |S|, all states) on, every token follows one by one:
+    a step of the chunked passes then covers N chunks' states, which leave the cache, while one
+    token's state stays in it (1 thread, T = 2048, H = 4: Mamba-1's ``[16, 64]`` state per head ran
+    1.8x faster chunked than token by token; a ``[64, 64]`` state 2x slower at chunk 64, 1.4x at 256).
 
     Args:
         coefficients: ``f(*x) -> ((a, b), ...)``, one pair per state, for inputs ``x`` with any
