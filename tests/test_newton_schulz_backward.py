@@ -9,6 +9,8 @@ against the reference interpreter.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -94,6 +96,13 @@ def test_torch_func_grad_and_vmap(steps):
     per_matrix = torch.func.vmap(torch.func.grad(lambda x, w: (muon.newton_schulz(x, steps) * w).sum()))
     assert_same_function(per_matrix(X, g), want)
     assert_same_function(torch.func.vmap(lambda x: muon.newton_schulz(x, steps))(X), plain(X, steps))
+    # one matrix, a batch of output gradients (a chunk's tokens at one state), without vmap's slow fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared = torch.func.vmap(torch.func.grad(lambda x, w: (muon.newton_schulz(x, steps) * w).sum()),
+                                 in_dims=(None, 0))(X[0], g)
+    for i in range(len(g)):
+        assert_same_function(shared[i], _grad(plain, X[0], steps, g[i]))
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3), (2, 4, 4)])

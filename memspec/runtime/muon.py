@@ -29,8 +29,6 @@ def _ns_run(G, schedule, kept=None):
     tall = G.shape[-2] > G.shape[-1]
     X, r = _ns_start(G)
     X = _ns_steps(X, schedule, kept)
-    if kept is not None:   # the last step's product
-        X = torch.baddbmm(X, kept[-1][2], X, beta=schedule[-1][0])
     X = X.reshape(G.shape[:-2] + X.shape[-2:])
     return (X.transpose(-2, -1) if tall else X), r
 
@@ -46,16 +44,12 @@ def _ns_start(G):
 
 def _ns_steps(X, schedule, kept=None):
     """The steps from X0 [N, m, n], one per (a, b, c) of `schedule`: X <- a X + B X with A = X X^T,
-    B = b A + c A A -> X_K.  With a list `kept`, each step's (X_k, A_k, B_k) is appended to it
-    and the last step's product B X skipped (the backward needs its A and B, not its output):
-    returns X_(K-1) then."""
-    for i, (a, b, c) in enumerate(schedule):
+    B = b A + c A A -> X_K; with a list `kept`, each step's (X_k, A_k, B_k) is appended to it."""
+    for a, b, c in schedule:
         A = torch.bmm(X, X.transpose(-2, -1))                 # [N, m, m]
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)           # b A + c A A
         if kept is not None:
             kept.append((X, A, B))
-            if i == len(schedule) - 1:
-                break
         X = torch.baddbmm(X, B, X, beta=a)                    # a X + (b A + c A A) X
     return X
 
@@ -75,7 +69,7 @@ class _NewtonSchulz(torch.autograd.Function):
         Ms = M + M^T,   S = b Ms + c (Ms A + A Ms) = Q + Q^T  with  Q = (b/2) Ms + c Ms A,
         gradient w.r.t. X = a Gb + B Gb + S X
 
-    (four products a step: M, Ms A, B Gb and S X).  The normalisation X0 = Y / s,
+    (four products a step: M, Ms A, (a I + B) Gb and S X).  The normalisation X0 = Y / s,
     s = r + eps, r = |Y|_F: d(Y / s) = dY / s - Y <Y, dY> / (r s^2), so
 
         gradient w.r.t. Y = Gb0 / s - Y <Gb0, Y> / (r s^2) = Gb0 / s - X0 <Gb0, X0> / r
@@ -88,8 +82,9 @@ class _NewtonSchulz(torch.autograd.Function):
     than recomputing them from the input, which costs more products than autograd's own
     backward); a differentiable backward (create_graph, torch.func.grad) recomputes them from the
     input instead, so that they are in the graph and second derivatives are exact.  The backward
-    is torch operations; torch.func.grad and vmap run through it (forward-mode AD, jvp, is not
-    defined).
+    is torch operations, none in place on a tensor it did not make here and none an in-place
+    product (which vmap runs as a loop), so torch.func.grad and vmap run through it; forward-mode
+    AD (jvp) is not defined.
     """
 
     generate_vmap_rule = True
@@ -125,7 +120,9 @@ class _NewtonSchulz(torch.autograd.Function):
             M = torch.bmm(Gb, X.transpose(-2, -1))            # [N, m, m]
             Ms = M + M.transpose(-2, -1)
             Q = torch.baddbmm(Ms, Ms, A, beta=0.5 * b, alpha=c)   # (b/2) Ms + c Ms A
-            Gb = torch.baddbmm(torch.baddbmm(Gb, B, Gb, beta=a), Q + Q.transpose(-2, -1), X)   # a Gb + B Gb + S X
+            P = B.clone()
+            P.diagonal(dim1=-2, dim2=-1).add_(a)              # a I + B: no copy of Gb [N, m, n] for a Gb
+            Gb = torch.baddbmm(torch.bmm(P, Gb), Q + Q.transpose(-2, -1), X)   # a Gb + B Gb + S X
         dot = (Gb * X0).sum((-2, -1), keepdim=True)           # <Gb0, X0> = <Gb0, Y> / s
         Gy = Gb / (r + 1e-7) - X0 * torch.where(r > 0, dot / torch.where(r > 0, r, 1), 0)
         Gy = Gy.reshape(G.shape[:-2] + Gy.shape[-2:])
