@@ -226,6 +226,70 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _initial_states(S0, documents, C, B, shape, dt, device):
+    """Packed documents laid out for chunks of C tokens, each from a chunk's start
+    (``documents.for_kernel``: their initial states S0 ``[N, *shape]`` in dtype ``dt``, or zeros),
+    or None (``documents`` None: one sequence per batch row); and the state before the first chunk
+    ``[B shape[0], *shape[1:]]``: S0 (``[B, *shape]``), or zeros (no S0, or packed: each document's
+    state enters where it starts).  ``shape``: the state of a batch row, ``(H, ...)``."""
+    docs = None
+    if documents is not None:
+        S_docs = (S0.to(dt) if S0 is not None
+                else torch.zeros(documents.count, *shape, dtype=dt, device=device))
+        docs = documents.for_kernel(C, S_docs)
+    if S0 is None or docs is not None:
+        return docs, torch.zeros(B * shape[0], *shape[1:], dtype=dt, device=device)
+    return docs, S0.to(dt).reshape(B * shape[0], *shape[1:])
+
+
+def _screen(writes, decays, probes, docs, inclusive):
+    """Non-finite inputs, one rule for the kernels that solve per chunk: a token whose state inputs
+    are not all finite runs as an identity token (the kernel clears it by ``torch.where``, never by
+    a product with zero), and every output that reads a state at or after it (in its document), and
+    the final state, are set to NaN at the end; a non-finite probe makes only its own output NaN.
+    So no NaN meets a product, forward or backward: the outputs before a bad token, and their
+    gradients, are those of the clean sequence.  The flags come from one sum per token (NaN or inf
+    when one of its inputs is), taken on the packed row and laid out with the documents.
+
+    Args:
+        writes: the state inputs ``[B, T, H, ...]`` (keys, values, steps...; None where absent),
+            as the kernel takes them (not laid out); the axes after the heads are summed.
+        decays: the log decays ``[B, T, H, ...]`` (None where absent): a decay of 0 (log -inf) is
+            finite here.
+        probes: ``[B, T, H, K]``, or None.
+        docs: the packed documents' chunks (``_DocumentChunks``), or None.
+        inclusive: the outputs read the state after their token (else before it).
+
+    Returns:
+        ``(ok [B, T', H], read_bad [B, T', H] or None (no probes), state_bad [B or N, H])``, bool on
+        the laid-out row: the tokens that run as written, the outputs and the final states that are
+        NaN.
+    """
+    dt = torch.promote_types(writes[0].dtype, torch.float32)
+    total = 0
+    for x in writes:
+        if x is not None:
+            total = total + (x.sum(tuple(range(3, x.dim())), dtype=dt) if x.dim() > 3 else x.to(dt))
+    for x in decays:
+        if x is not None:
+            lg = x.to(dt).clamp_min(-80.0)
+            total = total + (lg.sum(tuple(range(3, x.dim()))) if x.dim() > 3 else lg)
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    if docs is not None:
+        # (the slots after a document: ok)
+        bad = docs.lay(bad)
+    # bad at or before t
+    before = docs.cumsum(bad) if docs is not None else torch.cumsum(bad, dim=1)
+    state_bad = (docs.total(bad) if docs is not None else bad.sum(1)) > 0
+    read_bad = None
+    if probes is not None:
+        probe_bad = (~torch.isfinite(probes.sum(-1, dtype=dt))).to(dt)
+        if docs is not None:
+            probe_bad = docs.lay(probe_bad)
+        read_bad = (before if inclusive else before - bad) + probe_bad > 0
+    return bad == 0, read_bad, state_bad
+
+
 def _group_size(chunks, width, group, device):
     """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
     so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
@@ -324,26 +388,16 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
     """Exact chunked (gated) delta rule through the WY / UT representation.
 
     Recurrence: ``S_t = gamma_t S_{t-1} + outer(k_t, u_t)``,
-    ``u_t = beta_t (v_t - rho_t k_t @ S_{t-1})`` (rho = gamma unless ``log_rho`` is given).
-    Inside a chunk (cumulative log decays ``L_t``, ``R_t = L_{t-1} + log rho_t``), the
-    corrections solve the unit-lower-triangular system
-    ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @
-    S_start)``,
-    i.e. ``u = U - W @ S_start`` with ``[W | U] = (I + A)^-1 [beta exp(R) k | beta v]``: one
-    triangular solve per chunk, batched over chunks.  The sequential part is, per chunk,
-    ``u = U - W S`` and ``S <- exp(L_C) S + Kd^T u`` (``Kd`` the keys decayed to the chunk end);
-    the outputs are then batched over chunks: ``o = Qd @ S_start + P @ u`` (``P`` the masked,
-    decayed scores, ``Qd`` the decayed probes).
+    ``u_t = beta_t (v_t - rho_t k_t @ S_{t-1})`` (rho = gamma unless ``log_rho`` is given).  Per
+    group of chunks: the per-token factors (:func:`_delta_factors`), one triangular solve per chunk
+    for its corrections ``u = U - W S_start`` and its map ``S <- exp(L_C) S + Kd^T u``
+    (:func:`_delta_maps`), the state passed over the chunks, and the outputs
+    ``o = Qd S_start + P u`` (:func:`_delta_outputs`).
 
-    Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
-    512 KB: large per-call allocations are returned to the OS and page-faulted back on every
-    call; on other devices G = 64).
-
-    Non-finite inputs: a token whose k, v, beta or log decays are not all finite is replaced by
-    an identity token (by ``torch.where``, never by a product with zero), and every output that
-    reads a state at or after it, and the final state, are NaN; a non-finite probe makes only its
-    own output NaN.  Outputs before such a token, and their gradients, are those of the clean
-    sequence.  Log decays below -80 are clamped to -80.
+    Non-finite inputs: a token whose k, v, beta or log decays are not all finite runs as an
+    identity token, and every output that reads a state at or after it, and the final state, are
+    NaN; a non-finite probe makes only its own output NaN; outputs before such a token, and their
+    gradients, are those of the clean sequence.  Log decays below -80 are clamped to -80.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None.  k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
@@ -361,129 +415,111 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
-    dev = k.device
     C = max(1, min(int(chunk), T))
-    docs = None
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
-        docs = documents.for_kernel(C, S_docs)
-        T = docs.T
-    N, r = divmod(T, C)
-    width = max(K + V, C)  # floats per token of a chunk's temporaries
-    G = _group_size(N, BH * C * width, None, dev)                   # chunks per group
+    docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, k.device)
+    ok, read_bad, state_bad = _screen((k, v, beta), (None, None), q, docs, True)
     kk, vv = k.to(dt), v.to(dt)                                      # no copies in float32
     qq = q.to(dt) if q is not None else None
-    bt, lgt, lrt = beta, None, None                          # per-token scalars [B, T, H]
     if docs is not None:                                             # the laid-out row
-        kk, vv, qq, bt, lgt, lrt = (docs.lay(x) for x in (kk, vv, qq, bt, lgt, lrt))
-    # (packed: every chunk that starts a document enters its initial state)
-    S = (k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None
-            else S0.to(dt).reshape(BH, K, V))
-    Np = N + (r > 0)                                                 # chunks, the tail included
-    zero = torch.zeros((), dtype=dt, device=dev)
-    nan_value = torch.full((), float("nan"), dtype=dt, device=dev)
-
-    # per-token scalars [B, T, H] -> [Np, B H, C], chunk-major, tail padded with zeros
-    def per_chunk(x):
-        return _chunk_major(x.to(dt), Np, C).contiguous().reshape(Np, BH, C, *x.shape[3:])
-
-    # non-finite inputs: a token with a non-finite k, v, beta or decay is replaced by an identity
-    # token
-    # (torch.where, never a product), and every output reading a state at or after it, and the final
-    # state, are NaN; a non-finite probe makes its own output NaN.  The flags come from one sum per
-    # token.
-    # (the state itself is never poisoned inside: later outputs are replaced by NaN at the end, so
-    # no NaN ever meets a product, forward or backward)
-    total = kk.sum(-1) + vv.sum(-1) + bt.to(dt)
-    ok = torch.isfinite(per_chunk(total))                            # [Np, BH, C] (padding: ok)
-    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
-    if docs is None:
-        bad_before = torch.cumsum(bad, dim=1)                        # bad tokens at or before t
-        state_bad = (bad_before[:, -1] > 0).reshape(BH, 1, 1) if T else None
-    else:                                                            # ... in its document
-        bad_before = docs.cumsum(bad)
-        state_bad = (docs.total(bad) > 0).reshape(-1, 1, 1)         # [N H, 1, 1]
-    if qq is not None:
-        read_bad = bad_before + (~torch.isfinite(qq.sum(-1))).to(dt)
-        read_bad = per_chunk(read_bad) > 0                           # [Np, BH, C]
-
-    # per-token factors for every chunk at once (small: [Np, BH, C]); a padded tail token has
-    # log decay 0, so L at the chunk's last slot is L at its last real token
-    bc = torch.where(ok, per_chunk(bt), zero)  # beta
-
-    # groups of n chunks of c tokens; every per-group piece comes from one split
-    groups = _chunk_groups(T, C, G)
-    c_pieces = [n for n, _, _ in groups]
-
-    def t_split(x):  # [B, T, ...] -> one [B, n c, ...] piece per group
-        return _split_groups(x, groups)
-
-    # [Np, BH, ...] -> one [n, BH, ...] piece per group ([n B H, c] for c < C: the tail)
-    def c_split(x):
-        return [p[:, :, :c] for p, (n, c, _) in zip(x.split(c_pieces, dim=0), groups)]
-
-    pieces = [t_split(kk), t_split(vv), t_split(qq), c_split(bc), c_split(ok)]
-    pieces.append(c_split(read_bad) if qq is not None else [None] * len(groups))
-    outs = []                                                        # [B, n, c, H, V] per group
-    j0 = 0                                                           # chunks before this group
-    for gi, (n, c, _) in enumerate(groups):
-        kp, vp, qp, b, okg, rbad = (x[gi] for x in pieces[:6])
-        nBH = n * BH
-        flat = lambda x: x.flatten(0, 1)  # noqa: E731  [n, BH, c, ...] -> [n B H, c, ...]
-        b = flat(b)[:, :, None]  # [nBH, c, 1] (per channel: [nBH, c, V])
+        kk, vv, qq = docs.lay(kk), docs.lay(vv), docs.lay(qq)
+    width = max(K + V, C)                  # floats per token of a chunk's temporaries
+    groups = _chunk_groups(kk.shape[1], C,
+            _group_size(kk.shape[1] // C, B * H * C * width, None, k.device))
+    factors = _delta_factors(beta, ok, read_bad, docs, groups, C, dt)
+    # [B, n, c, H, V] per group; chunks before it
+    outs, j0 = [], 0
+    for (n, c, _), kp, vp, qp, (b, okg, rbad, dg) in zip(groups, _split_groups(kk, groups),
+            _split_groups(vv, groups), _split_groups(qq, groups), factors):
         # k and v side by side, chunk-major (chunk j of the group is the batch slice [j BH, (j + 1)
         # BH)),
-        # bad tokens zeroed
+        # bad tokens zeroed (torch.where, never a product)
         kv = torch.cat([_chunk_major(kp, n, c), _chunk_major(vp, n, c)], dim=-1)
-        kv = torch.where(okg.reshape(n, B, H, c, 1), kv, zero).reshape(nBH, c, K + V)
-        Wk, U, kd = _delta_maps(kv, b, K)
-        # the sequential part, per chunk: u = U - W S (the corrections), S <- g S + Kd^T u
-        gs = [None] * n
-        Ws, Us, kds = (x.reshape(n, BH, *x.shape[1:]).unbind(0) for x in (Wk, U, kd))
-
-        def step(j, S):  # chunk j's map: the corrections u_j [BH, c, V], S <- g_j S + Kd_j^T u_j
-            u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)
-            Sg = S if gs[j] is None else S * gs[j][:, None, None]
-            return torch.baddbmm(Sg, kds[j].transpose(1, 2), u_j), u_j
-
+        kv = torch.where(okg.reshape(n, B, H, c, 1), kv, 0.0).reshape(n * B * H, c, K + V)
+        step = _delta_maps(kv, b, K, n)
         S, starts, us = _pass_states(step, n, S, docs, j0)
         j0 += n
-        if qq is not None:
-            u = _stacked(us)                                         # [nBH, c, V]
-            S_starts = _stacked(starts)                              # [nBH, K, V]
-            qg = _chunk_major(qp, n, c)                              # [n, B, H, c, K]
-            qg = torch.where(~rbad.reshape(n, B, H, c, 1), qg, zero).reshape(nBH, c, K)
-            og = _delta_outputs(qg, kv[:, :, :K], u, S_starts)
-            og = torch.where(rbad.reshape(nBH, c, 1), nan_value, og)
+        if q is not None:
+            og = _delta_outputs(qp, kv[:, :, :K], _stacked(us), _stacked(starts), rbad)
             outs.append(_token_major(og, B, H, c))                   # [B, n, c, H, V] (a view)
-    if qq is not None:
-        o = _join_chunks(outs) if outs else kk.new_zeros(B, 0, H, V)   # [B, T, H, V]
-        if docs is not None:
-            o = docs.unlay(o)                                        # the documents' tokens, packed
-    if docs is not None:
-        S = docs.final().reshape(-1, K, V)                           # [N H, K, V]
-    if state_bad is not None:
-        # a bad token poisons the final state
-        S = torch.where(state_bad, nan_value, S)
-    S_out = S.reshape(-1, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
-    return (o.to(v.dtype) if qq is not None else None), S_out
+    S = docs.final().reshape(-1, K, V) if docs is not None else S   # (packed: [N H, K, V])
+    # a bad token poisons the final state
+    S = torch.where(state_bad.reshape(-1, 1, 1), float("nan"), S)
+    S = S.reshape(-1, H, K, V).to(S0.dtype if S0 is not None else v.dtype)
+    if q is None:
+        return None, S
+    o = _join_chunks(outs) if outs else kk.new_zeros(B, 0, H, V)     # [B, T, H, V]
+    # (packed: the documents' tokens)
+    return (o if docs is None else docs.unlay(o)).to(v.dtype), S
 
 
-def _delta_maps(kv, b, K):
-    """The chunk maps of the (gated) delta rule (``chunk_delta``), batched over chunks: the
-    corrections of each chunk from its start state, ``u = U - W S``, and its map
+def _delta_factors(beta, ok, read_bad, docs, groups, C, dt):
+    """The per-token factors of ``chunk_delta`` for every chunk at once (chunk-major ``[Np, BH,
+    C]``:
+    small), cut into one piece per group.  A bad token's factors are zeroed, and a padded tail token
+    has log decay 0, so L at the chunk's last slot is L at its last real token.
+
+    Args:
+        beta: ``chunk_delta``'s (not laid out; the decays None where absent).
+        ok, read_bad: ``[B, T', H]`` the screen's flags on the laid-out row (read_bad None without
+            probes).
+        docs: the packed documents' chunks, or None.
+        groups: ``(n, c, cp)`` per group; C: the chunk; dt: the kernel's dtype.
+
+    Returns:
+        per group ``(beta [n BH, c, 1] ([n BH, c, V] per channel), ok [n, BH, c], read_bad [n, BH,
+        c]
+        or None, the decays or None)``; the decays (``[n BH, c]``): the cumulative log decay
+        ``"L"``,
+        the log decay the error reads ``"R"``, ``"b_r"`` = beta e^R, ``"to_end"`` the decay from
+        each
+        token to the chunk end, ``"Lq"`` the log decay a probe sees and ``"q_fac"`` = e^Lq; and
+        ``"g_end"`` ``[n, BH]`` the decay over each chunk.
+
+    Specialised for this module: log_gamma=None, log_rho=None, inclusive=True, per_channel=False.
+    """
+    B, T, H = ok.shape
+    Np = -(-T // C)                                                  # chunks, the tail included
+    zero = torch.zeros((), dtype=dt, device=ok.device)
+
+    # [B, T, H, ...] -> [Np, B H, C, ...]: laid out, chunk-major, the tail padded with zeros
+    def per_chunk(x):
+        x = _chunk_major((x if docs is None else docs.lay(x)).to(dt), Np, C)
+        return x.contiguous().reshape(Np, B * H, C, *x.shape[4:])
+
+    # (the tail's padding: ok)
+    okc = _chunk_major(ok, Np, C, True).contiguous().reshape(Np, B * H, C)
+    sizes = [n for n, _, _ in groups]
+
+    def split(x):  # [Np, BH, C, ...] -> one [n, BH, c, ...] piece per group
+        return [p[:, :, :c] for p, (_, c, _) in zip(x.split(sizes, dim=0), groups)]
+
+    bc = torch.where(okc, per_chunk(beta), zero)
+    rbad = ([None] * len(groups) if read_bad is None
+            else split(_chunk_major(read_bad, Np, C).contiguous().reshape(Np, B * H, C)))
+    decs = [None] * len(groups)
+    return [(b.flatten(0, 1)[:, :, None], okg, rb, dg)   # beta [nBH, c, 1 | V]
+            for b, okg, rb, dg in zip(split(bc), split(okc), rbad, decs)]
+
+
+def _delta_maps(kv, b, K, n):
+    """The chunk maps of the (gated) delta rule (``chunk_delta``), batched over a group's n chunks:
+    the corrections of each chunk from its start state, ``u = U - W S``, and its map
     ``S <- g S + Kd^T u``, from one triangular solve ``(I + A) [W | U] = [beta e^R k | beta v]``.
+
+    Inside a chunk (cumulative log decays ``L_t``, ``R_t = L_{t-1} + log rho_t``) the corrections
+    solve the unit-lower-triangular system
+    ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @
+    S_start)``.
 
     Args:
         kv: ``[nBH, c, K + V]`` keys and values side by side (bad tokens zeroed); b: ``[nBH, c, 1]``
-            beta; K: the key width.
+            beta; K: the key width; n: the group's chunks.
 
     Returns:
-        ``(W [nBH, c, K], U [nBH, c, V], Kd [nBH, c, K])``, Kd the keys decayed to the chunk end.
+        ``step(j, S) -> (S_end, u_j)``: chunk j's map, for ``_pass_states`` (u_j ``[BH, c, V]``).
 
-    Specialised for this module: solve_decay=None, b_r=None, to_end=None.
+    Specialised for this module: solve_decay=None, b_r=None, to_end=None, g_end=None.
     """
     nBH, c, KV = kv.shape
     kg = kv[:, :, :K]                                                # [nBH, c, K] (a view)
@@ -496,24 +532,38 @@ def _delta_maps(kv, b, K):
     X = torch.linalg.solve_triangular(A.transpose(1, 2), rhs.transpose(1, 2), upper=True,
             left=False, unitriangular=True).transpose(1, 2)
     W, U = X.split([K, KV - K], dim=-1)
-    return W, U, kd
+    gs = [None] * n
+    Ws, Us, kds = (x.reshape(n, nBH // n, *x.shape[1:]).unbind(0) for x in (W, U, kd))
+
+    def step(j, S):  # chunk j's map: the corrections u_j [BH, c, V], S <- g_j S + Kd_j^T u_j
+        u_j = torch.baddbmm(Us[j], Ws[j], S, alpha=-1)
+        Sg = S if gs[j] is None else S * gs[j][:, None, None]
+        return torch.baddbmm(Sg, kds[j].transpose(1, 2), u_j), u_j
+
+    return step
 
 
-def _delta_outputs(qg, kg, u, S_starts):
+def _delta_outputs(qp, kg, u, S_starts, read_bad):
     """The outputs of a group of chunks, ``o = Qd @ S_start + P @ u`` (``P`` the masked, decayed
-    scores, ``Qd`` the decayed probes).
+    scores, ``Qd`` the decayed probes); the outputs ``read_bad`` flags are NaN.
 
     Args:
-        qg, kg: ``[nBH, c, K]`` probes and keys; u: ``[nBH, c, V]`` the corrections; S_starts:
-            ``[nBH, K, V]`` the states at the chunks' starts.
+        qp: the group's probes ``[B, n c, H, K]``; kg: ``[nBH, c, K]`` the keys; u: ``[nBH, c, V]``
+            the corrections; S_starts: ``[nBH, K, V]`` the states at the chunks' starts.
+        read_bad: ``[n, BH, c]`` the outputs set to NaN (their probes are zeroed first).
 
     Returns:
         ``[nBH, c, V]``.
 
-    Specialised for this module: inclusive=True, read_decay=None, q_fac=None.
+    Specialised for this module: inclusive=True, dec=None, read_decay=None.
     """
+    n, BH, c = read_bad.shape
+    B, H, K = qp.shape[0], qp.shape[2], qp.shape[3]
+    qg = torch.where(~read_bad.reshape(n, B, H, c, 1), _chunk_major(qp, n, c), 0.0).reshape(n * BH,
+            c, K)
     scores = torch.bmm(qg, kg.transpose(1, 2))                       # [nBH, c, c]
-    return torch.baddbmm(torch.bmm(scores.tril_(0), u), qg, S_starts)   # Qd S + P u
+    og = torch.baddbmm(torch.bmm(scores.tril_(0), u), qg, S_starts)   # Qd S + P u
+    return torch.where(read_bad.reshape(n * BH, c, 1), float("nan"), og)
 
 
 class _Documents:

@@ -225,6 +225,70 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _initial_states(S0, documents, C, B, shape, dt, device):
+    """Packed documents laid out for chunks of C tokens, each from a chunk's start
+    (``documents.for_kernel``: their initial states S0 ``[N, *shape]`` in dtype ``dt``, or zeros),
+    or None (``documents`` None: one sequence per batch row); and the state before the first chunk
+    ``[B shape[0], *shape[1:]]``: S0 (``[B, *shape]``), or zeros (no S0, or packed: each document's
+    state enters where it starts).  ``shape``: the state of a batch row, ``(H, ...)``."""
+    docs = None
+    if documents is not None:
+        S_docs = (S0.to(dt) if S0 is not None
+                else torch.zeros(documents.count, *shape, dtype=dt, device=device))
+        docs = documents.for_kernel(C, S_docs)
+    if S0 is None or docs is not None:
+        return docs, torch.zeros(B * shape[0], *shape[1:], dtype=dt, device=device)
+    return docs, S0.to(dt).reshape(B * shape[0], *shape[1:])
+
+
+def _screen(writes, decays, probes, docs, inclusive):
+    """Non-finite inputs, one rule for the kernels that solve per chunk: a token whose state inputs
+    are not all finite runs as an identity token (the kernel clears it by ``torch.where``, never by
+    a product with zero), and every output that reads a state at or after it (in its document), and
+    the final state, are set to NaN at the end; a non-finite probe makes only its own output NaN.
+    So no NaN meets a product, forward or backward: the outputs before a bad token, and their
+    gradients, are those of the clean sequence.  The flags come from one sum per token (NaN or inf
+    when one of its inputs is), taken on the packed row and laid out with the documents.
+
+    Args:
+        writes: the state inputs ``[B, T, H, ...]`` (keys, values, steps...; None where absent),
+            as the kernel takes them (not laid out); the axes after the heads are summed.
+        decays: the log decays ``[B, T, H, ...]`` (None where absent): a decay of 0 (log -inf) is
+            finite here.
+        probes: ``[B, T, H, K]``, or None.
+        docs: the packed documents' chunks (``_DocumentChunks``), or None.
+        inclusive: the outputs read the state after their token (else before it).
+
+    Returns:
+        ``(ok [B, T', H], read_bad [B, T', H] or None (no probes), state_bad [B or N, H])``, bool on
+        the laid-out row: the tokens that run as written, the outputs and the final states that are
+        NaN.
+    """
+    dt = torch.promote_types(writes[0].dtype, torch.float32)
+    total = 0
+    for x in writes:
+        if x is not None:
+            total = total + (x.sum(tuple(range(3, x.dim())), dtype=dt) if x.dim() > 3 else x.to(dt))
+    for x in decays:
+        if x is not None:
+            lg = x.to(dt).clamp_min(-80.0)
+            total = total + (lg.sum(tuple(range(3, x.dim()))) if x.dim() > 3 else lg)
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    if docs is not None:
+        # (the slots after a document: ok)
+        bad = docs.lay(bad)
+    # bad at or before t
+    before = docs.cumsum(bad) if docs is not None else torch.cumsum(bad, dim=1)
+    state_bad = (docs.total(bad) if docs is not None else bad.sum(1)) > 0
+    read_bad = None
+    if probes is not None:
+        probe_bad = (~torch.isfinite(probes.sum(-1, dtype=dt))).to(dt)
+        if docs is not None:
+            probe_bad = docs.lay(probe_bad)
+        read_bad = (before if inclusive else before - bad) + probe_bad > 0
+    return bad == 0, read_bad, state_bad
+
+
 def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
     """The state passing over n chunks in order: ``S, x_j = step(j, S)`` applies chunk j's map
     ``S <- M_j S + D_j`` to the state at its start (and returns what its outputs need of the state:
@@ -247,33 +311,6 @@ def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
             docs.leave(j0 + j, S if true_state is None else true_state(j, S))
         xs.append(x)
     return S, starts, xs
-
-
-def oja_screen(xs, docs, inclusive):
-    """Non-finite inputs: a token whose w, u, c, write or decay is not finite runs as an identity
-    token (torch.where: zeros, never a product), and every output that reads a state at or after
-    it (in its document), and the final state, are NaN -- so no NaN meets a product, forward or
-    backward, and none reaches an earlier token.  A non-finite probe makes only its own output NaN
-    (probes enter row by row).
-
-    Args: xs = [q, w, u, c [..., 1], a, log_decay] (laid out ``[B, T, H, d]``, None where absent),
-    docs (``_DocumentChunks`` or None), inclusive.  Returns (xs with bad tokens cleared, read_bad
-    ``[B, T, H]`` bool, state_bad ``[B, H]`` or ``[N, H]`` bool)."""
-    q, *rest = xs
-    w = rest[0]
-    dt = torch.promote_types(w.dtype, torch.float32)
-    total = sum(x.to(dt).sum(-1) for x in rest[:-1] if x is not None)       # [B, T, H]
-    # a decay of 0 (log -inf) is valid
-    if rest[-1] is not None:
-        total = total + rest[-1].to(dt).clamp_min(-80.0).sum(-1)
-    bad = ~torch.isfinite(total)
-    rest = [None if x is None else torch.where(bad[..., None], 0.0, x) for x in rest]
-    flags = bad.to(dt)
-    # bad at or before t
-    before = docs.cumsum(flags) if docs is not None else torch.cumsum(flags, dim=1)
-    read_bad = (before if inclusive else before - flags) > 0
-    state_bad = (docs.total(flags) if docs is not None else flags.sum(1)) > 0
-    return [q] + rest, read_bad, state_bad
 
 
 def oja_chunks(x, NC, C, dt):
@@ -521,14 +558,16 @@ def chunk_oja(q, w, c, a, log_decay, S0, chunk, sub=8, documents=None):
     # one decay per head: every channel
     if log_decay is not None and log_decay.dim() == 3:
         log_decay = log_decay[..., None].expand(B, T, H, V)
-    xs, docs = [q, w, None, c[..., None], a, log_decay], None
-    S = (S0.to(dt).reshape(BH, K, V) if S0 is not None and documents is None
-            else w.new_zeros(BH, K, V, dtype=dt))
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        S_docs = S0.to(dt) if S0 is not None else w.new_zeros(documents.count, H, K, V, dtype=dt)
-        docs = documents.for_kernel(C, S_docs)
-        xs = [docs.lay(x) for x in xs]
-    xs, read_bad, state_bad = oja_screen(xs, docs, True)
+    # (packed: each from a chunk)
+    docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, w.device)
+    # non-finite inputs (_screen): a bad token runs as an identity token (its w, u, c, write and
+    # decay
+    # cleared by torch.where, never by a product), the probes of the outputs set to NaN are zeroed
+    ok, read_bad, state_bad = _screen((w, None, c[..., None], a), (log_decay,), q, docs, True)
+    # the laid-out row
+    q, *xs = [x if docs is None else docs.lay(x) for x in (q, w, None, c[..., None], a, log_decay)]
+    xs = [q if q is None else torch.where(read_bad[..., None], 0.0, q)] + [
+        None if x is None else torch.where(ok[..., None], x, 0.0) for x in xs]
     NC = -(-xs[1].shape[1] // C)
     qc, wc, uc, cc, ac, lgc = (oja_chunks(x, NC, C, dt) for x in xs)   # [NC B H, C, d]
     consts = oja_constants(C, s, dt, w.device)

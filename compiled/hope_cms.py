@@ -706,7 +706,7 @@ class HopeCmsMemory(nn.Module):
         grad_W1, grad_W2, grad_W3 = torch.func.vmap(self._token_grads,
                 in_dims=(None, None, None, 1, 1), out_dims=1)(W1_start, W2_start, W3_start, v, kn)
         # [B, C, H, d_k, d_k]: W1_i = W1_(i-1) + ...
-        W1_seq = W1.unsqueeze(1) + (-(eta1[..., None, None] * grad_W1)).cumsum(1)
+        W1_seq = W1.unsqueeze(1) + ((-eta1)[..., None, None] * grad_W1).cumsum(1)
         # [B, H, d_k, d_k]: the chunk's sum of eta2 * g2
         acc_W2_0 = acc_W2_0 + (eta2[..., None, None] * grad_W2).sum(1)
         W2_end = W2  # W2 holds through the chunk ...

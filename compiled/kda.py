@@ -228,6 +228,70 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _initial_states(S0, documents, C, B, shape, dt, device):
+    """Packed documents laid out for chunks of C tokens, each from a chunk's start
+    (``documents.for_kernel``: their initial states S0 ``[N, *shape]`` in dtype ``dt``, or zeros),
+    or None (``documents`` None: one sequence per batch row); and the state before the first chunk
+    ``[B shape[0], *shape[1:]]``: S0 (``[B, *shape]``), or zeros (no S0, or packed: each document's
+    state enters where it starts).  ``shape``: the state of a batch row, ``(H, ...)``."""
+    docs = None
+    if documents is not None:
+        S_docs = (S0.to(dt) if S0 is not None
+                else torch.zeros(documents.count, *shape, dtype=dt, device=device))
+        docs = documents.for_kernel(C, S_docs)
+    if S0 is None or docs is not None:
+        return docs, torch.zeros(B * shape[0], *shape[1:], dtype=dt, device=device)
+    return docs, S0.to(dt).reshape(B * shape[0], *shape[1:])
+
+
+def _screen(writes, decays, probes, docs, inclusive):
+    """Non-finite inputs, one rule for the kernels that solve per chunk: a token whose state inputs
+    are not all finite runs as an identity token (the kernel clears it by ``torch.where``, never by
+    a product with zero), and every output that reads a state at or after it (in its document), and
+    the final state, are set to NaN at the end; a non-finite probe makes only its own output NaN.
+    So no NaN meets a product, forward or backward: the outputs before a bad token, and their
+    gradients, are those of the clean sequence.  The flags come from one sum per token (NaN or inf
+    when one of its inputs is), taken on the packed row and laid out with the documents.
+
+    Args:
+        writes: the state inputs ``[B, T, H, ...]`` (keys, values, steps...; None where absent),
+            as the kernel takes them (not laid out); the axes after the heads are summed.
+        decays: the log decays ``[B, T, H, ...]`` (None where absent): a decay of 0 (log -inf) is
+            finite here.
+        probes: ``[B, T, H, K]``, or None.
+        docs: the packed documents' chunks (``_DocumentChunks``), or None.
+        inclusive: the outputs read the state after their token (else before it).
+
+    Returns:
+        ``(ok [B, T', H], read_bad [B, T', H] or None (no probes), state_bad [B or N, H])``, bool on
+        the laid-out row: the tokens that run as written, the outputs and the final states that are
+        NaN.
+    """
+    dt = torch.promote_types(writes[0].dtype, torch.float32)
+    total = 0
+    for x in writes:
+        if x is not None:
+            total = total + (x.sum(tuple(range(3, x.dim())), dtype=dt) if x.dim() > 3 else x.to(dt))
+    for x in decays:
+        if x is not None:
+            lg = x.to(dt).clamp_min(-80.0)
+            total = total + (lg.sum(tuple(range(3, x.dim()))) if x.dim() > 3 else lg)
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    if docs is not None:
+        # (the slots after a document: ok)
+        bad = docs.lay(bad)
+    # bad at or before t
+    before = docs.cumsum(bad) if docs is not None else torch.cumsum(bad, dim=1)
+    state_bad = (docs.total(bad) if docs is not None else bad.sum(1)) > 0
+    read_bad = None
+    if probes is not None:
+        probe_bad = (~torch.isfinite(probes.sum(-1, dtype=dt))).to(dt)
+        if docs is not None:
+            probe_bad = docs.lay(probe_bad)
+        read_bad = (before if inclusive else before - bad) + probe_bad > 0
+    return bad == 0, read_bad, state_bad
+
+
 def _group_size(chunks, width, group, device):
     """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
     so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
@@ -328,23 +392,17 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk, *, documents=None):
     The recurrence is :func:`memspec.runtime.dplr.recurrent_dplr`'s; all arguments mean the same
     (shapes there).
     Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each chunk's pairs
-    of sub-steps, one triangular solve for all its reads, the state passed over the chunks by their
-    maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
+    of sub-steps, one triangular solve for all its reads (:func:`_dplr_solve`), the state passed
+    over the chunks by their maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
 
-    Non-finite inputs: a token whose state inputs (k, v, a, b, log decay) are not all finite is
-    replaced by an identity token (by ``torch.where``), and every output that reads a state at or
-    after it, and the final state, are NaN; a non-finite probe makes only its own output NaN.
-    Outputs before such a token are exact and their gradients finite.
+    Non-finite inputs (k, v, a, b, log decay; the probes): as in every kernel that solves per
+    chunk, a bad token runs as an identity token, and the outputs from it on and the final state
+    are NaN; a bad probe only its own output.  Outputs before it, and their gradients, are exact.
 
     Args:
-        q: ``[B, T, H, K]`` probes, or None (state only).
-        k: ``[B, T, H, R, K]`` write keys, or ``[B, T, H, K]`` for R = 1.
-        v: ``[B, T, H, R, V]`` write values (``[B, T, H, V]`` for R = 1).
-        a: ``[B, T, H, R, K]`` left factors of the low-rank term, or ``[B, T, H, R]`` scalars
-            meaning ``a_{t,r} * k_{t,r}`` (R = 1: ``[B, T, H, K]`` / ``[B, T, H]``).
-        log_decay: ``[B, T, H]`` (scalar) or ``[B, T, H, K]`` (per key channel) log decays
-            (<= 0), or None (no decay).
-        S0: ``[B, H, K, V]`` initial state, or None for zeros.
+        q, k, v, a, log_decay, S0: as :func:`memspec.runtime.dplr.recurrent_dplr`'s (k ``[B, T, H,
+        R, K]``, or
+            ``[B, T, H, K]`` for R = 1; a and b vectors or scalars; b None: ``b = k``).
         chunk: tokens per chunk C (C R sub-steps enter each solve).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
@@ -357,39 +415,36 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk, *, documents=None):
     """
     B, T, H = k.shape[:3]
     R, K, V = k.shape[3] if k.dim() == 5 else 1, k.shape[-1], v.shape[-1]
-    dt = torch.promote_types(k.dtype, torch.float32)
-    # (packed: every chunk that starts a document enters its initial state)
-    S = (k.new_zeros(B * H, K, V, dtype=dt) if S0 is None or documents is not None
-            else S0.to(dt).reshape(-1, K, V))
     s_dtype = S0.dtype if S0 is not None else v.dtype
     if T == 0:
-        S_T = S0 if S0 is not None and documents is not None else S.reshape(B, H, K, V).to(s_dtype)
-        return (v.new_zeros(B, 0, H, V) if q is not None else None), S_T
+        return (v.new_zeros(B, 0, H, V) if q is not None else None), (S0 if S0 is not None
+                else k.new_zeros(B, H, K, V, dtype=s_dtype))
     w = 1                                            # column factor sets: [-a | k] or [k]
-    # the chunk C, the groups (nc, c, cp), the inputs [B, T', H, R, ...] (packed: laid out)
-    C, groups, docs, tokens = _dplr_layout(q, k, v, a, log_decay, S0, documents, chunk, w, dt)
-    zero = torch.zeros((), dtype=dt, device=k.device)
-    nan_value = torch.full((), float("nan"), dtype=dt, device=k.device)
-    pieces, state_bad = _dplr_tokens(tokens, docs, groups, C, zero)
+    # the chunk C, the groups (nc, c, cp), the inputs [B, T', H, R, ...] (packed: laid out), the
+    # start state
+    C, groups, docs, S, tokens = _dplr_layout(q, k, v, a, log_decay, S0, documents, chunk, w)
+    ok, read_bad, state_bad = _screen((k, v, a, None), (log_decay,), q, docs, True)
+    zero = torch.zeros((), dtype=S.dtype, device=k.device)
+    pieces = _dplr_tokens(tokens, ok, read_bad, groups, C, zero)
     masks = {c: _dplr_masks(c, R, k.device) for c in {cp for _, _, cp in groups}}
     same = (q is not None) or (R > 1)   # (inclusive probes, sequential reads)
     pairs = {c: pair_index(c, R + (q is not None), w, R, same, masks[c]) for c in masks}
     # [B, nc, c, H, V] per group; chunks before it
     outs, j0 = [], 0
-    for (nc, c, cp), (kp, vp, qp, gp, ap, bp, ok, q_ok, bad, dg) in zip(groups, pieces):
-        kg, vg, rows, cols, an, qg, gch = _dplr_factors(kp, vp, qp, ap, bp, gp, ok, q_ok, B, H, c,
+    for (nc, c, cp), (kp, vp, qp, gp, ap, bp, okg, bad, dg) in zip(groups, pieces):
+        kg, vg, rows, cols, an, qg, gch = _dplr_factors(kp, vp, qp, ap, bp, gp, okg, bad, B, H, c,
                 cp, C, zero)
         Nmat, rk, ends, g_end, reads = _dplr_channel_pairs(rows, cols, qg, gch, pairs[cp], same)
-        # ---- the one triangular solve per chunk: (I + N) X = rhs, X = [W | U]
-        X = _dplr_solve(Nmat, torch.cat([rk, vg], dim=-1))       # [-alpha e^l b | V]
+        X = _dplr_solve(Nmat, rk, vg)                         # [W | U]
         S, starts, zs = _pass_states(_dplr_maps(X, kg, vg, an, ends, g_end, nc), nc, S, docs, j0)
         j0 += nc
         if q is not None:
             og = _dplr_outputs(qg, cols, vg, _stacked(starts), _stacked(zs), reads, dg,
-                    masks[cp][1], bad, C, R, zero, nan_value)
+                    masks[cp][1], bad, C, R, zero)
             outs.append(_token_major(og, B, H, c))                   # [B, nc, c, H, V] (a view)
     S = docs.final().reshape(-1, K, V) if docs is not None else S   # (packed: [N H, K, V])
-    S_out = torch.where(state_bad, nan_value, S).reshape(-1, H, K, V).to(s_dtype)
+    S_out = torch.where(state_bad.reshape(-1, 1, 1), float("nan"), S).reshape(-1, H, K,
+            V).to(s_dtype)
     if q is None:
         # (a bad token poisons the state)
         return None, S_out
@@ -398,20 +453,20 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk, *, documents=None):
     return (o if docs is None else docs.unlay(o)).to(v.dtype), S_out
 
 
-def _dplr_layout(q, k, v, a, log_decay, S0, documents, chunk, w, dt):
+def _dplr_layout(q, k, v, a, log_decay, S0, documents, chunk, w):
     """The layout of ``chunk_dplr``'s row: the chunk C (per-channel decays: a power of two, halved
     level by level), the inputs with their sub-step axis (``[B, T, H, R, *]``), packed documents
-    laid out in one row, each from a chunk's start (``documents.for_kernel``; S0 ``[N, H, K, V]``
-    their initial states, or None), and the groups of chunks (:func:`_chunk_groups`; ``w`` column
-    sets per sub-step size them): a per-channel tail chunk is padded with identity tokens to a
-    power of two.
+    laid out in one row, each from a chunk's start (their initial states S0 ``[N, H, K, V]``, or
+    None), the state before the first chunk, and the groups of chunks (``w`` column sets per
+    sub-step size them): a per-channel tail chunk is padded with identity tokens to a power of two.
 
     Returns:
-        ``(C, groups, docs or None, (k, v, a, b, q, log_decay))``.
+        ``(C, groups, docs or None, S [B H, K, V], (k, v, a, b, q, log_decay))``.
 
     Specialised for this module: b=None, group=None, decay='channel'.
     """
     B, T, H = k.shape[:3]
+    dt = torch.promote_types(k.dtype, torch.float32)
     C = max(1, min(int(chunk), T))
     C = 1 << (C.bit_length() - 1)
     # b with the sub-step axis (b is never rebound)
@@ -419,30 +474,35 @@ def _dplr_layout(q, k, v, a, log_decay, S0, documents, chunk, w, dt):
     if k.dim() == 4:
         k, v, a = k.unsqueeze(3), v.unsqueeze(3), a.unsqueeze(3)
     R, K, V = k.shape[3], k.shape[-1], v.shape[-1]
-    docs = None
+    docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, k.device)
     q_in, lg_in = q, log_decay
-    if documents is not None:
-        docs = documents.for_kernel(C,
-                S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt))
+    if docs is not None:
         T = docs.T                                                   # the laid-out row
         k, v, a, b_r = (docs.lay(x) for x in (k, v, a, b_r))
         q_in, lg_in = docs.lay(q), docs.lay(log_decay)
     # chunks per group
     G = _group_size(T // C, B * H * C * R * max(K + V, w * C * R), None, k.device)
     groups = _chunk_groups(T, C, G, 'power of two')
-    return C, groups, docs, (k, v, a, b_r, q_in, lg_in)
+    return C, groups, docs, S, (k, v, a, b_r, q_in, lg_in)
 
 
-def _dplr_solve(N, rhs):
-    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``
-    (N ``[nBH, n, n]``, only its strict lower triangle read; rhs ``[nBH, n, K + V]``)."""
+def _dplr_solve(N, rk, vg):
+    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``,
+    ``X = [W | U]`` (N ``[nBH, n, w n]``, only its strict lower triangle read; rk ``[nBH, n, K]``
+    the decayed rows, vg ``[nBH, n, V]`` the values): vector a, ``N = [-A^{ba} | A^{bk}]`` and
+    ``rhs = [e^l b | A^{bk} V]``; scalar a, ``rhs = [-alpha e^l b | V]``.  Returns ``[nBH, n, K +
+    V]``.
+
+    Specialised for this module: a_vec=False.
+    """
+    Nba, rhs = N, torch.cat([rk, vg], dim=-1)
     # X^T (I + N)^T = rhs^T: the fast layout for batched triangular solves on CPU
     # [nBH, n, K + V]
-    return torch.linalg.solve_triangular(N.transpose(1, 2), rhs.transpose(1, 2), upper=True,
+    return torch.linalg.solve_triangular(Nba.transpose(1, 2), rhs.transpose(1, 2), upper=True,
             left=False, unitriangular=True).transpose(1, 2)
 
 
-def _dplr_tokens(tokens, docs, groups, C, zero):
+def _dplr_tokens(tokens, ok, read_bad, groups, C, zero):
     """The per-token flags and scalars of ``chunk_dplr``, and its scalar decays' factors, for all
     chunks at once (chunk-major ``[Np, BH, C]`` per token, ``[Np, BH, C R]`` per sub-step; a tail
     chunk padded with ok tokens of log decay 0), cut into one piece per group.
@@ -450,16 +510,15 @@ def _dplr_tokens(tokens, docs, groups, C, zero):
     Args:
         tokens: ``(k, v, a, b, q, log_decay)`` laid out: the state inputs with their sub-step
             axis (``[B, T, H, R, ...]``), the probes and the log decays (or None).
-        docs: the packed documents' chunks (``_DocumentChunks``), or None.
-        groups: ``(nc, c, cp)`` per group (:func:`_chunk_groups`); C: tokens per chunk.
+        ok, read_bad: ``[B, T, H]`` the screen's flags (read_bad None without probes).
+        groups: ``(nc, c, cp)`` per group; C: tokens per chunk.
         zero: a 0 of the kernel's dtype and device.
 
     Returns:
-        ``(pieces, state_bad)``: per group the pieces of the keys, values, probes, per-channel log
-        decays (clamped; ``[B, nc c, H, ...]``), a and b (vectors: per token; scalars ``[nc, BH,
-        C R]``), the ok flags of the tokens and probes, the outputs' bad flags (``[nc, BH, C]``) and
-        the scalar decays' factors (a dict); ``state_bad [BH or N H, 1, 1]``: the final states a
-        bad token poisons.
+        per group the pieces of the keys, values, probes, per-channel log decays (clamped; ``[B,
+        nc c, H, ...]``), a and b (vectors: per token; scalars ``[nc, BH, C R]``), the ok flags of
+        the tokens and the outputs' bad flags (``[nc, BH, C]``) and the scalar decays' factors (a
+        dict).
 
     Specialised for this module: a_vec=False, b_kind='k', decay='channel', inclusive=True,
     before='none'.
@@ -472,28 +531,10 @@ def _dplr_tokens(tokens, docs, groups, C, zero):
     def per_chunk(x, r):  # [B, T, H(, r)] -> [Np, BH, C r], chunk-major, tail padded with zeros
         return _chunk_major(x.reshape(B, T, H, r), Np, C).contiguous().reshape(Np, B * H, C * r)
 
-    # a token is bad when one of its state inputs is not finite (the sum is then NaN or inf)
-    total = k.sum((-2, -1), dtype=dt) + v.sum((-2, -1), dtype=dt)
-    total = total + a.sum(-1, dtype=dt)
-    # (a decay of 0, log -inf, is valid)
-    lg_all = lg.to(dt).clamp_min(-40.0)
-    total = total + lg_all.sum(-1)
-    okf = torch.isfinite(per_chunk(total, 1))                        # [Np, BH, C] (padding: ok)
-    # the state is never poisoned inside (no NaN ever meets a product, forward or backward): the
-    # outputs reading a state at or after a bad token, and the final state, are set to NaN at the
-    # end
-    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
-    if docs is None:
-        bad_before = torch.cumsum(bad, dim=1)                        # bad tokens at or before t
-        state_bad = (bad_before[:, -1] > 0).reshape(B * H, 1, 1)
-    else:                                                            # ... in its document
-        bad_before = docs.cumsum(bad)
-        state_bad = (docs.total(bad) > 0).reshape(-1, 1, 1)         # [N H, 1, 1]
-    q_okf = read_bad = None
-    if q is not None:
-        q_okf = torch.isfinite(per_chunk(q.sum(-1, dtype=dt), 1))
-        read_bad = per_chunk(bad_before, 1) > 0
-        read_bad = read_bad | ~q_okf                                 # [Np, BH, C]
+    # [Np, BH, C] (padding: ok)
+    okf = _chunk_major(ok, Np, C, True).contiguous().reshape(Np, B * H, C)
+    bad = per_chunk(read_bad, 1) if read_bad is not None else None  # [Np, BH, C]
+    lg_all = lg.to(dt).clamp_min(-40.0)   # (a decay of 0, log -inf, is valid)
     ok_r = okf.repeat_interleave(R, dim=-1) if R > 1 else okf        # [Np, BH, C R]
     a_s = torch.where(ok_r, per_chunk(a.to(dt), R), zero)      # scalar a
 
@@ -507,8 +548,7 @@ def _dplr_tokens(tokens, docs, groups, C, zero):
     token_p.append(_split_groups(lg_all, groups))   # per-channel log decays
     a_p = split_c(a_s)
     b_p = split_c(None)
-    return list(zip(*token_p, a_p, b_p, split_c(okf), split_c(q_okf), split_c(read_bad),
-            dec_p)), state_bad
+    return list(zip(*token_p, a_p, b_p, split_c(okf), split_c(bad), dec_p))
 
 
 def _dplr_masks(c, R, device):
@@ -526,7 +566,7 @@ def _dplr_masks(c, R, device):
     return solve, read
 
 
-def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero):
+def _dplr_factors(k, v, q, a, b, lg, ok, bad, B, H, c, cp, C, zero):
     """The factors of a group's chunks in ``chunk_dplr``, chunk-major (chunk j of the group is the
     batch slice ``[j BH, (j + 1) BH)``), bad tokens zeroed (by ``torch.where``, never a product).
 
@@ -544,7 +584,8 @@ def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero):
         k, v: the group's piece ``[B, nc c, H, R, *]``; q: its probes ``[B, nc c, H, K]``, or None.
         a, b: vectors: pieces like ``k``; scalars: ``[nc, BH, C R]`` (b: None when it is ``k``).
         lg: the per-channel log decays' piece ``[B, nc c, H, K]`` (clamped), or None.
-        ok, q_ok: ``[nc, BH, C]`` the ok flags of the tokens and the probes (or None).
+        ok, bad: ``[nc, BH, C]`` the ok flags of the tokens, the bad flags of the outputs (their
+            probes are zeroed; None without probes).
         B, H: batch and heads; c, cp: tokens per chunk and slots (a tail chunk's padded).
         C: tokens per chunk of the row.
         zero: a 0 of the kernel's dtype.
@@ -579,7 +620,7 @@ def _dplr_factors(k, v, q, a, b, lg, ok, q_ok, B, H, c, cp, C, zero):
     rows = kg * rscale[..., None]
     qg = None
     if q is not None:
-        qkeep = q_ok[..., :cp].reshape(nc, B, H, cp, 1, 1)
+        qkeep = ~bad[..., :cp].reshape(nc, B, H, cp, 1, 1)
         qg = torch.where(qkeep, lay(q.unsqueeze(3), 1).to(zero.dtype), zero).reshape(nBH, cp, K)
     # [nc, B, H, cp, K]
     gch = torch.where(okg[..., 0, :], lay(lg.unsqueeze(3), 1)[..., 0, :].to(zero.dtype), zero)
@@ -708,7 +749,7 @@ def _dplr_maps(X, kg, vg, an, ends, g_end, nc):
     return step
 
 
-def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero, nan_value):
+def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero):
     """The outputs of a group's chunks in ``chunk_dplr`` from the states at their starts:
     ``o = (Q~ + P^a W) S_start + P^a U + P^k V``, i.e. ``o = Q~ S_start + P [-u | V]`` (vector a)
     or ``Q~ S_start + P z``, ``P`` the masked, decayed query scores.
@@ -720,7 +761,7 @@ def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero,
         dg: the group's scalar decay factors (``"Lq"``, ``"Lr"``, ``"e_q"``), or empty.
         m_read: ``[cp, n]`` the pairs a probe reads; bad: ``[nc, BH, C]`` the outputs set to NaN.
         C, R: the chunk and the sub-steps per token.
-        zero, nan_value: constants of the kernel's dtype.
+        zero: a 0 of the kernel's dtype.
 
     Returns:
         ``[nBH, cp, V]``.
@@ -731,7 +772,7 @@ def _dplr_outputs(qg, cols, vg, S_starts, z, reads, dg, m_read, bad, C, R, zero,
 
     P, qd = reads                                                # [nBH, cp, w n], [nBH, cp, K]
     og = torch.baddbmm(torch.bmm(P, z), qd, S_starts)
-    return torch.where(bad[..., :cp].reshape(nBH, cp, 1), nan_value, og)
+    return torch.where(bad[..., :cp].reshape(nBH, cp, 1), float("nan"), og)
 
 
 class _Documents:

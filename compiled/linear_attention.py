@@ -223,6 +223,22 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _initial_states(S0, documents, C, B, shape, dt, device):
+    """Packed documents laid out for chunks of C tokens, each from a chunk's start
+    (``documents.for_kernel``: their initial states S0 ``[N, *shape]`` in dtype ``dt``, or zeros),
+    or None (``documents`` None: one sequence per batch row); and the state before the first chunk
+    ``[B shape[0], *shape[1:]]``: S0 (``[B, *shape]``), or zeros (no S0, or packed: each document's
+    state enters where it starts).  ``shape``: the state of a batch row, ``(H, ...)``."""
+    docs = None
+    if documents is not None:
+        S_docs = (S0.to(dt) if S0 is not None
+                else torch.zeros(documents.count, *shape, dtype=dt, device=device))
+        docs = documents.for_kernel(C, S_docs)
+    if S0 is None or docs is not None:
+        return docs, torch.zeros(B * shape[0], *shape[1:], dtype=dt, device=device)
+    return docs, S0.to(dt).reshape(B * shape[0], *shape[1:])
+
+
 def _group_size(chunks, width, group, device):
     """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
     so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
@@ -321,150 +337,180 @@ def chunk_additive(q, k, v, S0, chunk, *, documents=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t
     @ S_t``.
 
-    Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and
-    ``Lq_t = L_t`` (``inclusive=False``: ``L_{t-1}``, and pairs ``s < t`` instead of ``s <= t``):
-    ``o_t = (q_t * exp(Lq_t)) @ S_start + sum_{s <= t} (sum_i q_ti k_si exp(Lq_ti - L_si)) v_s`` and
-    ``S_end = Diag(exp(L_C)) S_start + sum_s outer(k_s * exp(L_C - L_s), v_s)``.
-    Every weight is the decay from an earlier token to a later one (<= 1): nothing overflows,
-    whatever the decays.
-
-    * One log decay per head (``[B, T, H]``: RetNet, Mamba-2): the pair weights
-      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (masked after the product), applied
-      to the scores ``q k^T``.  Their exponents are segment sums of the log decays between s and
-      t (a masked cumulative sum, never a difference of two cumulative sums), so a log decay of
-      -inf (a decay of exactly 0) zeroes the past exactly and no ``-inf - -inf`` arises.
-    * An exponential input weight per head (``log_input``, ``[B, T, H]``: xLSTM's mLSTM,
-      ``S_t = gamma_t S_{t-1} + exp(log_input_t) outer(k_t, v_t)``): the weights are kept in log
-      space and the kernel carries a max stabiliser ``m`` (Beck et al. 2024, the mLSTM's m
-      state): the state between chunks is ``exp(-m) S``, ``m`` following
-      ``m <- max(L_C + m, max_s (L_C - L_s + log_input_s))``, and each output row is scaled by
-      ``exp(-m_t)``, ``m_t`` the running maximum of its own log weights (the start state's and
-      every pair's), so every ``exp`` has an exponent <= 0: finite for any log input.  The
-      stabilisers are constants to autograd (the true function does not depend on them).
-      Scalar decays only.
-    * One per key channel (``[B, T, H, K]``: GLA, RWKV-6, HGRN-2): the weights differ per
-      channel, so no ``[C, C]`` matrix serves.  The chunk (a power of two: ``chunk`` is rounded
-      down to one, and a shorter tail is padded with zero tokens) is halved level by level:
-      in a block of 2h tokens, a pair (t in the second half, s in the first) weighs
-      ``E_h(s) F_h(t)``, E_h(s) the product of the decays after s to the end of the first half,
-      F_h(t) the product from the second half's start through t (to t - 1 if exclusive); all
-      such pairs of a level are one batched ``(q F) (k E)^T`` matmul applied to the first
-      halves' values, and ``[k E | q F]`` passes to the next level by one product with the
-      halves' decays.  The pairs s = t (inclusive) weigh 1.  So only products of decays enter,
-      one ``exp`` per token and channel: no per-channel ``[C, C, K]`` tensor, no cancellation
-      in long cumulative sums, and a log decay of -inf (a decay of exactly 0) is exact.
-      Without autograd the factors are updated in place.
-
-    Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
-    512 KB: large per-call allocations are returned to the OS and page-faulted back on every
-    call; on other devices G = 64).  Within a group every product is one batched matmul over
-    (chunks, B, H): the scores, the chunk increments ``K_j^T V_j``, the reads of the chunk-start
-    states; the states themselves follow ``S <- Diag(exp(L_C)) S + K_j^T V_j``, one fused
-    elementwise step per chunk.  In-place writes go only into tensors that depend on every
-    input, so ``torch.func.grad`` and ``vmap`` work.
-
-    Causality with non-finite inputs: a NaN or inf in token t's inputs changes no output before
-    t.  Masks are applied after products, never by multiplying a future value by zero.  The
-    per-head weights are one dense triangular product with v: v's non-finite entries are taken
-    out of it (``nan_to_num``) and put back, through a prefix sum, into the whole rows of o from
-    t to the chunk's end; later chunks see them through the state, as the token loop does.  Per
-    channel no pair is masked at all, and the non-finite entries are exactly the loop's.
+    Inside a chunk with cumulative log decays ``L_t``: ``S_end = Diag(exp(L_C)) S_start +
+    sum_s outer(k_s * exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t}
+    (sum_i q_ti k_si exp(L_ti - L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a
+    decay
+    (<= 1).  Per group of chunks: the factors (per head :func:`_additive_factors`, per key channel
+    :func:`memspec.runtime.additive._additive_halving`), the maps (:func:`_additive_maps`), the
+    outputs.  A NaN or inf in token
+    t's inputs changes no output before t.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, or a tuple of ``[B, T, H, V_i]`` read as their
             concatenation on the last axis (``V = sum V_i``) without a full-size copy.
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
-        chunk: chunk size C.
+        chunk: chunk size C (per key channel: rounded down to a power of two).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
     Returns:
-        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
-        With ``log_input``: (o, S_T, m), o the outputs scaled by ``exp(-m)`` (the true output
-        is ``exp(m) o``), m ``[B, T, H]`` the stabiliser of each token's output (None without
-        q), S_T at its true scale (inf in float32 where the true state exceeds 3.4e38).
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.  With
+        ``log_input``: (o, S_T, m), o scaled by ``exp(-m)``, m ``[B, T, H]`` each output's
+        stabiliser (None without q), S_T at its true scale.
 
     Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=None,
     log_input=None.
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
-    V = sum(x.shape[-1] for x in vs)
-    BH = B * H
-    dt = torch.promote_types(k.dtype, torch.float32)
-    out_dtype = S0.dtype if S0 is not None else vs[0].dtype
+    V, BH, dt = sum(x.shape[-1] for x in vs), B * H, torch.promote_types(k.dtype, torch.float32)
     if T == 0:
-        o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
-        S_T = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype)
-        return o, S_T
+        return _additive_empty(q, k, vs[0], V, S0)
     C = max(1, min(int(chunk), T))
-    docs = None
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
-        docs = documents.for_kernel(C, S_docs)
-        T = docs.T
-    q_in, k_in, lg_in, li_in = q, k, None, None            # per-token inputs [B, T, H, ...]
-    if docs is not None:                                             # the laid-out row
-        k_in = docs.lay(k)
-        q_in = docs.lay(q) if q is not None else None
-        lg_in = None
-        li_in = None
-        vs = tuple(docs.lay(x) for x in vs)
-    # (packed: every chunk that starts a document enters its initial state)
-    S = (k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None
-            else S0.to(dt).reshape(BH, K, V))
-    N, r = divmod(T, C)
-    G = _group_size(N, BH * C * max(K, V, C), None, k.device)     # chunks per group
-    # groups of n chunks of c slots holding m tokens each (m < c only in a per-channel tail,
-    # padded with zero tokens: they follow every real token, so they change no output or state)
-    groups = _chunk_groups(T, C, G, None)
-
-    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group
-        return _split_groups(x, groups)
-
-    def block(xs, n, c, m, pad=0.0):  # pieces [B, n m, H, D_i] -> [n B H, c, sum D_i], one copy;
-        # chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH); a tail of m < c
-        # tokens is padded with c - m tokens of value pad
-        parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
-        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return x.reshape(n * BH, c, x.shape[-1]).contiguous()
-
-    outs = []                                                        # [B, n, c, H, V] per group
-    j0 = 0                                                           # chunks before this group
-    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in),
-            split(li_in))
-    for (n, m, c), qp, kp, vp, lp, ip in pieces:
-        vg = block(vp, n, c, m)                                      # [nBH, c, V]
-        kg = block([kp], n, c, m)                                # [nBH, c, K]
-        kd = kg
-        kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
-        # chunk j's map S <- Diag(g_j) S + K_j^T V_j [BH, K, V], forward in the chunks (a non-finite
-        # increment reaches only later chunks); each map closes over assigned locals only
-        # (torch.compile)
-        step = (lambda j, S: (S + kv[j], None))
-        S, starts, _ = _pass_states(step, n, S, docs, j0, None)
+    docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, k.device)
+    q_in, k_in, lg_in, li_in, *vs = [q, k, None, None, *vs] if docs is None else [
+        docs.lay(x) for x in [q, k, None, None, *vs]]    # (packed: the laid-out row)
+    ms = None   # the state carried as exp(-ms) S (0: S0 at its true scale)
+    # (n, m, c): m tokens in c slots (a padded tail)
+    groups = _chunk_groups(k_in.shape[1], C,
+            _group_size(k_in.shape[1] // C, BH * C * max(K, V, C), None, k.device), None)
+    # [B, n, m, H, V | 1] per group; chunks before
+    outs, m_outs, j0 = [], [], 0
+    for (n, m, c), qp, kp, vp, lp, ip in zip(groups, _split_groups(q_in, groups),
+            _split_groups(k_in, groups), zip(*(_split_groups(x, groups) for x in vs)),
+            _split_groups(lg_in, groups), _split_groups(li_in, groups)):
+        vg = _additive_block(vp, n, c, BH, dt)                       # [nBH, c, V]
+        kg, lg, L, kd, g_log, g_end, li, m_loc = _additive_factors(kp, lp, ip, n, c, BH, dt)
+        step, true_scale, m_all, ms = _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n)
+        S, starts, _ = _pass_states(step, n, S, docs, j0, true_scale)
         j0 += n
         if q is None:
             continue
-        S_starts = _stacked(starts)                                  # [nBH, K, V]
-        qg = block([qp], n, c, m)                                # [nBH, c, K]
-        og, _ = _additive_outputs(qg, kg, vg, S_starts)
-        outs.append(_token_major(og, B, H, m))                     # [B, n, m, H, V] (a view)
+        og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg, _stacked(starts))
+        m_outs += []   # [B, n, m, H, 1]
+        outs.append(_token_major(og, B, H, m))                       # [B, n, m, H, V] (a view)
+    return _additive_finish(outs, m_outs, S, ms, docs, (B, H, K, V), S0, vs[0].dtype, q is not None)
+
+
+def _additive_empty(q, k, v0, V, S0):
+    """``chunk_additive``'s returns for T = 0: an empty o (None without probes), S0 (or zeros
+    ``[B, H, K, V]``) and, stabilised, an empty m.
+
+    Specialised for this module: stab=False.
+    """
+    B, _, H, K = k.shape
+    o = v0.new_zeros(B, 0, H, V) if q is not None else None
+    S_T = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=v0.dtype)
+    return o, S_T
+
+
+def _additive_block(xs, n, c, BH, dt, pad=0.0):
+    """Pieces ``[B, n m, H, D_i]`` -> ``[n B H, c, sum D_i]`` in dtype ``dt``, one copy;
+    chunk-major:
+    chunk j of the group is the batch slice ``[j BH, (j + 1) BH)``; a tail of m < c tokens is padded
+    with c - m tokens of value ``pad``."""
+    parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
+    x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return x.reshape(n * BH, c, x.shape[-1]).contiguous()
+
+
+def _additive_factors(kp, lp, ip, n, c, BH, dt):
+    """A group's factors in ``chunk_additive`` with one log decay per head (or none).
+
+    The pair weights ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk
+    (:func:`_additive_outputs`); the keys are decayed to the chunk end by the log decay after each
+    token, a reversed cumulative sum (never a difference of two cumulative sums), so a log decay
+    of -inf (a decay of exactly 0) zeroes the past exactly.  With exponential input weights
+    (``stab``: xLSTM's mLSTM) each key's log weight in the chunk-end state, ``L_C - L_s +
+    log_input_s``, is scaled by the chunk's maximum ``m_loc`` (:func:`_additive_maps` carries it).
+
+    Args:
+        kp: the group's keys ``[B, n m, H, K]``; lp, ip: its log decays and log input weights
+            ``[B, n m, H]`` (None where absent).
+        n, c, BH, dt: the group's chunks, slots per chunk, B H, the kernel's dtype.
+
+    Returns:
+        ``(kg, lg, L, kd, g_log, g_end, li, m_loc)``: the keys ``[nBH, c, K]``, the log decays and
+        their cumulative sums ``[nBH, c]``, the keys decayed to the chunk end (stabilised: scaled by
+        ``exp(-m_loc)``), the log decay over each chunk ``[n, BH]``, its decay ``[n, BH, 1, 1]``
+        (not
+        stabilised), the log input weights ``[nBH, c]`` and ``m_loc [n, BH]`` (the factors a form
+        lacks: None).
+
+    Specialised for this module: decayed=False, stab=False.
+    """
+    kg = _additive_block([kp], n, c, BH, dt)                         # [nBH, c, K]
+    return kg, None, None, kg, None, None, None, None
+    # [nBH, c] log decays (may be -inf)
+    lg = (_additive_block([lp[..., None]], n, c, BH, dt)[..., 0] if lp is not None
+            else kg.new_zeros(n * BH, c))
+    L = torch.cumsum(lg, dim=1)                                      # [nBH, c] cumulative log decay
+    # the log decay after each token to the chunk end: a reversed cumsum, shifted (no difference)
+    after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
+    # [n, BH] log decay over each chunk
+    g_log = L[:, -1].view(n, BH)
+    kd = kg * torch.exp(after)[..., None]                            # keys decayed to the chunk end
+    return kg, lg, L, kd, g_log, torch.exp(g_log).view(n, BH, 1, 1), None, None
+
+
+def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n):
+    """The chunk maps of a group of n chunks in ``chunk_additive``, ``S <- Diag(g_j) S + K_j^T
+    V_j``,
+    forward in the chunks (a non-finite increment reaches only later chunks).
+
+    With exponential input weights (``stab``) the state between chunks is carried as ``exp(-m) S``
+    (Beck et al. 2024, the mLSTM's m state), ``m <- max(L_C + m, m_loc)`` (a document's first chunk
+    starts from 0: its state at its true scale), so every ``exp`` has an exponent <= 0: finite for
+    any log input.  The stabilisers are constants to autograd (the true function does not depend
+    on them).
+
+    Args:
+        kd: ``[nBH, c, K]`` the keys decayed to the chunk end; vg: ``[nBH, c, V]`` the values.
+        g_end: ``[n, BH, 1 | K, 1]`` the decay over each chunk, or None (no decay; stabilised: from
+            g_log); g_log, m_loc: ``[n, BH]`` the log decay over each chunk and its stabiliser
+            (stabilised; else None).
+        ms: ``[BH]`` the stabiliser before the group (stabilised; else None).
+        docs, j0: the packed documents' chunks (or None) and the chunks before this group.
+
+    Returns:
+        ``(step, true_scale, m_all, m)``: chunk j's map for ``_pass_states``, the state at its true
+        scale (stabilised; else None), the stabilisers at the chunks' starts and end ``[n + 1, BH]``
+        and the one after the group (stabilised; else None).
+
+    Specialised for this module: decayed=False, stab=False.
+    """
+    BH = kd.shape[0] // n
+    # chunk increments K_j^T V_j
+    kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, kd.shape[-1], vg.shape[-1])
+    g, m, m_all = g_end, ms, None
+    # each map closes over assigned locals only (torch.compile)
+    step = lambda j, S: (S + kv[j], None)
+    return step, None, m_all, m
+
+
+def _additive_finish(outs, m_outs, S, ms, docs, shape, S0, o_dtype, probes):
+    """``chunk_additive``'s returns: the outputs of the groups joined (packed: the documents'
+    tokens;
+    None without probes; in dtype ``o_dtype``), the final state at its true scale ``[B | N, H, K,
+    V]``
+    (in S0's dtype, or ``o_dtype``) and, stabilised, the outputs' stabilisers ``[B, T, H]``.
+
+    Specialised for this module: stab=False.
+    """
+    out_dtype = S0.dtype if S0 is not None else o_dtype
     if docs is not None:
         S_out = docs.final().to(out_dtype)
     # (stabilised: back to the true scale)
     else:
-        S_out = S.view(B, H, K, V).to(out_dtype)
-    if q is None:
+        S_out = S.view(shape).to(out_dtype)
+    if not probes:
         return (None, S_out)
-
-    def join(parts):  # [B, n, m, H, width] per group -> [B, T, H, width]
-        x = _join_chunks(parts)
-        return docs.unlay(x) if docs is not None else x              # the documents' tokens, packed
-
-    o = join(outs).to(vs[0].dtype)
-    return (o, S_out)
+    o = _join_chunks(outs)                                           # [B, T', H, V]
+    # (packed: the documents' tokens)
+    o = (o if docs is None else docs.unlay(o)).to(o_dtype)
+    return o, S_out
 
 
 def _additive_outputs(qg, kg, vg, S_starts):

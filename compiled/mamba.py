@@ -310,6 +310,12 @@ def chunk_scan_read(coefficients, read, xs, ys, h0, chunk):
     one.  Work is O(T |S|), memory (besides autograd's) the outputs and O(N |S|).  The same
     exactness and causality as :func:`chunk_scan`; plain autograd.
 
+    From 8,192 floats of state per token (B H |S|, all states) on, every token follows one by one:
+    a step of the chunked passes then covers N chunks' states, which leave the cache, while one
+    token's state stays in it (1 thread, T = 2048, H = 4: Mamba-1's ``[16, 64]`` state per head ran
+    1.8x faster chunked than token by token; a ``[64, 64]`` state 2x slower at chunk 64, 1.4x at
+    256).
+
     Args:
         coefficients: ``f(*x) -> ((a, b), ...)``, one pair per state, for inputs ``x`` with any
             leading axes ``[..., H, ...]``; ``a`` broadcastable to ``b``, ``b`` the state's shape.
@@ -330,7 +336,8 @@ def chunk_scan_read(coefficients, read, xs, ys, h0, chunk):
     dt = torch.promote_types(h0[0].dtype, torch.float32)
     hs = [h.to(dt) for h in h0]
     C = max(2, min(int(chunk), T)) if T > 1 else 1
-    N = T // C
+    # 8,192 floats a token on: token by token
+    N = T // C if B * sum(h[0].numel() for h in hs) < 8192 else 0
     outs = []
     if N:
         # one position of every chunk [B, N, H, ...] (unbind: one stack of their gradients)
@@ -359,12 +366,13 @@ def chunk_scan_read(coefficients, read, xs, ys, h0, chunk):
             outs.append(read(*starts, *x[nx:]))
         o = torch.stack(outs, dim=2)                                 # [B, N, C, H, ...]
         outs = [o.reshape((B, N * C) + o.shape[3:])]
-    for t in range(N * C, T):                                        # the tail, token by token
-        x = [x[:, t:t + 1] for x in xs]                              # [B, 1, H, ...]
-        states = [h.unsqueeze(1) for h in hs]
-        states = [torch.addcmul(b, a, s) for (a, b), s in zip(coefficients(*x[:nx]), states)]
-        outs.append(read(*states, *x[nx:]))
-        hs = [s[:, 0] for s in states]
+    tail = []
+    # the tail, token by token
+    for x in (zip(*[x[:, N * C:].unbind(1) for x in xs]) if T > N * C else ()):
+        hs = [torch.addcmul(b, a, h) for (a, b), h in zip(coefficients(*x[:nx]), hs)]
+        tail.append(read(*hs, *x[nx:]))
+    if tail:
+        outs.append(torch.stack(tail, dim=1))
     if not outs:                                                     # T = 0: an empty read
         outs = [read(*[h.unsqueeze(1)[:, :0] for h in hs], *[x[:, :0] for x in xs[nx:]])]
     o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -222,6 +222,22 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _initial_states(S0, documents, C, B, shape, dt, device):
+    """Packed documents laid out for chunks of C tokens, each from a chunk's start
+    (``documents.for_kernel``: their initial states S0 ``[N, *shape]`` in dtype ``dt``, or zeros),
+    or None (``documents`` None: one sequence per batch row); and the state before the first chunk
+    ``[B shape[0], *shape[1:]]``: S0 (``[B, *shape]``), or zeros (no S0, or packed: each document's
+    state enters where it starts).  ``shape``: the state of a batch row, ``(H, ...)``."""
+    docs = None
+    if documents is not None:
+        S_docs = (S0.to(dt) if S0 is not None
+                else torch.zeros(documents.count, *shape, dtype=dt, device=device))
+        docs = documents.for_kernel(C, S_docs)
+    if S0 is None or docs is not None:
+        return docs, torch.zeros(B * shape[0], *shape[1:], dtype=dt, device=device)
+    return docs, S0.to(dt).reshape(B * shape[0], *shape[1:])
+
+
 def _group_size(chunks, width, group, device):
     """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
     so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
@@ -320,54 +336,14 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t
     @ S_t``.
 
-    Inside a chunk with cumulative log decays ``L_t`` (per head, or per key channel) and
-    ``Lq_t = L_t`` (``inclusive=False``: ``L_{t-1}``, and pairs ``s < t`` instead of ``s <= t``):
-    ``o_t = (q_t * exp(Lq_t)) @ S_start + sum_{s <= t} (sum_i q_ti k_si exp(Lq_ti - L_si)) v_s`` and
-    ``S_end = Diag(exp(L_C)) S_start + sum_s outer(k_s * exp(L_C - L_s), v_s)``.
-    Every weight is the decay from an earlier token to a later one (<= 1): nothing overflows,
-    whatever the decays.
-
-    * One log decay per head (``[B, T, H]``: RetNet, Mamba-2): the pair weights
-      ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk (masked after the product), applied
-      to the scores ``q k^T``.  Their exponents are segment sums of the log decays between s and
-      t (a masked cumulative sum, never a difference of two cumulative sums), so a log decay of
-      -inf (a decay of exactly 0) zeroes the past exactly and no ``-inf - -inf`` arises.
-    * An exponential input weight per head (``log_input``, ``[B, T, H]``: xLSTM's mLSTM,
-      ``S_t = gamma_t S_{t-1} + exp(log_input_t) outer(k_t, v_t)``): the weights are kept in log
-      space and the kernel carries a max stabiliser ``m`` (Beck et al. 2024, the mLSTM's m
-      state): the state between chunks is ``exp(-m) S``, ``m`` following
-      ``m <- max(L_C + m, max_s (L_C - L_s + log_input_s))``, and each output row is scaled by
-      ``exp(-m_t)``, ``m_t`` the running maximum of its own log weights (the start state's and
-      every pair's), so every ``exp`` has an exponent <= 0: finite for any log input.  The
-      stabilisers are constants to autograd (the true function does not depend on them).
-      Scalar decays only.
-    * One per key channel (``[B, T, H, K]``: GLA, RWKV-6, HGRN-2): the weights differ per
-      channel, so no ``[C, C]`` matrix serves.  The chunk (a power of two: ``chunk`` is rounded
-      down to one, and a shorter tail is padded with zero tokens) is halved level by level:
-      in a block of 2h tokens, a pair (t in the second half, s in the first) weighs
-      ``E_h(s) F_h(t)``, E_h(s) the product of the decays after s to the end of the first half,
-      F_h(t) the product from the second half's start through t (to t - 1 if exclusive); all
-      such pairs of a level are one batched ``(q F) (k E)^T`` matmul applied to the first
-      halves' values, and ``[k E | q F]`` passes to the next level by one product with the
-      halves' decays.  The pairs s = t (inclusive) weigh 1.  So only products of decays enter,
-      one ``exp`` per token and channel: no per-channel ``[C, C, K]`` tensor, no cancellation
-      in long cumulative sums, and a log decay of -inf (a decay of exactly 0) is exact.
-      Without autograd the factors are updated in place.
-
-    Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
-    512 KB: large per-call allocations are returned to the OS and page-faulted back on every
-    call; on other devices G = 64).  Within a group every product is one batched matmul over
-    (chunks, B, H): the scores, the chunk increments ``K_j^T V_j``, the reads of the chunk-start
-    states; the states themselves follow ``S <- Diag(exp(L_C)) S + K_j^T V_j``, one fused
-    elementwise step per chunk.  In-place writes go only into tensors that depend on every
-    input, so ``torch.func.grad`` and ``vmap`` work.
-
-    Causality with non-finite inputs: a NaN or inf in token t's inputs changes no output before
-    t.  Masks are applied after products, never by multiplying a future value by zero.  The
-    per-head weights are one dense triangular product with v: v's non-finite entries are taken
-    out of it (``nan_to_num``) and put back, through a prefix sum, into the whole rows of o from
-    t to the chunk's end; later chunks see them through the state, as the token loop does.  Per
-    channel no pair is masked at all, and the non-finite entries are exactly the loop's.
+    Inside a chunk with cumulative log decays ``L_t``: ``S_end = Diag(exp(L_C)) S_start +
+    sum_s outer(k_s * exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t}
+    (sum_i q_ti k_si exp(L_ti - L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a
+    decay
+    (<= 1).  Per group of chunks: the factors (per head :func:`_additive_factors`, per key channel
+    :func:`_additive_halving`), the maps (:func:`_additive_maps`), the outputs.  A NaN or inf in
+    token
+    t's inputs changes no output before t.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
@@ -376,150 +352,250 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
         log_gamma: log decays (<= 0): ``[B, T, H]`` (per head, finite), ``[B, T, H, K]`` (per key
             channel: row i of S scales by ``exp(log_gamma[..., i])``), or None for no decay.
         S0: ``[B, H, K, V]`` initial state, or None for zeros.
-        chunk: chunk size C.
+        chunk: chunk size C (per key channel: rounded down to a power of two).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
     Returns:
-        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.
-        With ``log_input``: (o, S_T, m), o the outputs scaled by ``exp(-m)`` (the true output
-        is ``exp(m) o``), m ``[B, T, H]`` the stabiliser of each token's output (None without
-        q), S_T at its true scale (inf in float32 where the true state exceeds 3.4e38).
+        (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``); T = 0 gives an empty o and S0.  With
+        ``log_input``: (o, S_T, m), o scaled by ``exp(-m)``, m ``[B, T, H]`` each output's
+        stabiliser (None without q), S_T at its true scale.
 
     Specialised for this module: inclusive=True, group=None, per_channel=None, log_input=None.
     """
     B, T, H, K = k.shape
     vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
-    V = sum(x.shape[-1] for x in vs)
-    BH = B * H
-    dt = torch.promote_types(k.dtype, torch.float32)
-    out_dtype = S0.dtype if S0 is not None else vs[0].dtype
+    V, BH, dt = sum(x.shape[-1] for x in vs), B * H, torch.promote_types(k.dtype, torch.float32)
     if T == 0:
-        o = vs[0].new_zeros(B, 0, H, V) if q is not None else None
-        S_T = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=out_dtype)
-        return o, S_T
-    # one log decay per key channel (decided operands first: the specialiser folds them)
+        return _additive_empty(q, k, vs[0], V, S0)
     channel = log_gamma is not None and log_gamma.dim() == 4
     C = max(1, min(int(chunk), T))
     # a power of two: halved level by level
     if channel:
         C = 1 << (C.bit_length() - 1)
-    docs = None
-    if documents is not None:   # packed documents: each starts at a chunk, from its own state
-        S_docs = S0.to(dt) if S0 is not None else k.new_zeros(documents.count, H, K, V, dtype=dt)
-        docs = documents.for_kernel(C, S_docs)
-        T = docs.T
-    q_in, k_in, lg_in, li_in = q, k, log_gamma, None            # per-token inputs [B, T, H, ...]
-    if docs is not None:                                             # the laid-out row
-        k_in = docs.lay(k)
-        q_in = docs.lay(q) if q is not None else None
-        lg_in = docs.lay(log_gamma) if log_gamma is not None else None
-        li_in = None
-        vs = tuple(docs.lay(x) for x in vs)
-    # (packed: every chunk that starts a document enters its initial state)
-    S = (k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None
-            else S0.to(dt).reshape(BH, K, V))
-    N, r = divmod(T, C)
-    G = _group_size(N, BH * C * max(K, V, C), None, k.device)     # chunks per group
-    # groups of n chunks of c slots holding m tokens each (m < c only in a per-channel tail,
-    # padded with zero tokens: they follow every real token, so they change no output or state)
-    groups = _chunk_groups(T, C, G, "power of two" if channel else None)
-
-    def split(x):  # [B, T, ...] -> one [B, n m, ...] piece per group
-        return _split_groups(x, groups)
-
-    def block(xs, n, c, m, pad=0.0):  # pieces [B, n m, H, D_i] -> [n B H, c, sum D_i], one copy;
-        # chunk-major: chunk j of the group is the batch slice [j BH, (j + 1) BH); a tail of m < c
-        # tokens is padded with c - m tokens of value pad
-        parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
-        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return x.reshape(n * BH, c, x.shape[-1]).contiguous()
-
-    if channel:  # without autograd, the per-channel factors are updated in place
-        inputs = (q, k, log_gamma, S0) + vs
-        inplace = not (torch.is_grad_enabled()
-                and any(x is not None and x.requires_grad for x in inputs))
-    outs = []                                                        # [B, n, c, H, V] per group
-    j0 = 0                                                           # chunks before this group
-    pieces = zip(groups, split(q_in), split(k_in), zip(*(split(x) for x in vs)), split(lg_in),
-            split(li_in))
-    for (n, m, c), qp, kp, vp, lp, ip in pieces:
-        nBH = n * BH
-        vg = block(vp, n, c, m)                                      # [nBH, c, V]
+    docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, k.device)
+    q_in, k_in, lg_in, li_in, *vs = [q, k, log_gamma, None, *vs] if docs is None else [
+        docs.lay(x) for x in [q, k, log_gamma, None, *vs]]    # (packed: the laid-out row)
+    ms = None   # the state carried as exp(-ms) S (0: S0 at its true scale)
+    # (decided operands first: the specialiser folds)
+    decayed = log_gamma is not None
+    # (n, m, c): m tokens in c slots (a padded tail)
+    groups = _chunk_groups(k_in.shape[1], C,
+            _group_size(k_in.shape[1] // C, BH * C * max(K, V, C), None, k.device),
+            "power of two" if channel else None)
+    # (no autograd)
+    inplace = channel and not (torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                                                for x in (q, k, log_gamma, S0)
+                                                                        + tuple(vs)))
+    # [B, n, m, H, V | 1] per group; chunks before
+    outs, m_outs, j0 = [], [], 0
+    for (n, m, c), qp, kp, vp, lp, ip in zip(groups, _split_groups(q_in, groups),
+            _split_groups(k_in, groups), zip(*(_split_groups(x, groups) for x in vs)),
+            _split_groups(lg_in, groups), _split_groups(li_in, groups)):
+        vg = _additive_block(vp, n, c, BH, dt)                       # [nBH, c, V]
         if channel:
-            # a pair (t in the second half of a block of 2h tokens, s in its first half) weighs
-            # exp(Lq_t - L_s) = E_h(s) F_h(t): E_h(s) the decays after s to the end of its h-block,
-            # F_h(t) those from the start of its h-block through t (to t - 1 if exclusive), products
-            # of decays (each <= 1); XE_h = [k E_h | q F_h] goes to the next level by one product
-            # [B, n m, H, K] decay of each token
-            gam_t = torch.exp(lp.to(dt))
-            # [nBH, c, K] decay of each h-block (h = 1)
-            P = block([gam_t], n, c, m, pad=1.0)
-            if q is None:
-                XE = block([kp], n, c, m)                            # [nBH, c, K] (E_1 = 1)
-            # [nBH, c, 2K] (F_1 = gamma_t, or 1)
-            else:
-                XE = block([kp, (qp.to(dt) * gam_t)], n, c, m)
-            # [nBH, c, V] outputs of the chunk's pairs
-            og = None
-            if (q is not None):                          # pairs s = t weigh 1
-                og = block([(qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True)], n, c, m) * vg
-            XE, P, og = _additive_halving(XE, P, vg, og, q is not None, inplace)
-            kd = XE[..., :K]                                         # keys decayed to the chunk end
-            # [n, BH, K, 1] decay over each chunk
-            g_end = P.view(n, BH, K, 1)
+            KE, QF, P, og, h = _additive_channel_factors(qp, kp, lp, vg, n, c, BH)
+            KE, QF, P, og = _additive_halving(KE, QF, P, vg, og, q is not None, inplace, h)
+            # decayed to the chunk end
+            kd, g_end, g_log, m_loc = KE, P.view(n, BH, K, 1), None, None
         else:
-            kg = block([kp], n, c, m)                                # [nBH, c, K]
-            if (log_gamma is not None):
-                # [nBH, c] log decays (may be -inf)
-                lg = (block([lp[..., None]], n, c, m)[..., 0] if log_gamma is not None
-                        else kg.new_zeros(nBH, c))
-                L = torch.cumsum(lg, dim=1)                          # [nBH, c] cumulative log decay
-                # the log decay after each token to the chunk end: a reversed cumsum, shifted (no
-                # difference)
-                after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
-                # [n, BH] log decay over each chunk
-                g_log = L[:, -1].view(n, BH)
-                kd = kg * torch.exp(after)[..., None]            # keys decayed to the chunk end
-                # [n, BH, 1, 1] decay over each chunk
-                g_end = torch.exp(g_log).view(n, BH, 1, 1)
-            else:
-                kd = kg
-        kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, K, V)    # chunk increments K_j^T V_j
-        # chunk j's map S <- Diag(g_j) S + K_j^T V_j [BH, K, V], forward in the chunks (a non-finite
-        # increment reaches only later chunks); each map closes over assigned locals only
-        # (torch.compile)
-        step = ((lambda j, S: (torch.addcmul(kv[j], g_end[j], S), None)) if (log_gamma is not None)
-                else (lambda j, S: (S + kv[j], None)))
-        S, starts, _ = _pass_states(step, n, S, docs, j0, None)
+            kg, lg, L, kd, g_log, g_end, li, m_loc = _additive_factors(kp, lp, ip, n, c, BH, dt,
+                    decayed)
+        step, true_scale, m_all, ms = _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n,
+                decayed)
+        S, starts, _ = _pass_states(step, n, S, docs, j0, true_scale)
         j0 += n
         if q is None:
             continue
-        S_starts = _stacked(starts)                                  # [nBH, K, V]
         if channel:                                                  # + (q F_c) @ S_start
-            og = (torch.baddbmm(og, XE[..., K:], S_starts) if og is not None
-                    else torch.bmm(XE[..., K:], S_starts))
+            S_starts = _stacked(starts)
+            og = torch.baddbmm(og, QF, S_starts) if og is not None else torch.bmm(QF, S_starts)
         else:
-            qg = block([qp], n, c, m)                                # [nBH, c, K]
-            if log_gamma is not None:
-                og, _ = _additive_outputs(qg, kg, vg, S_starts, lg, L)
-            else:
-                og, _ = _additive_outputs(qg, kg, vg, S_starts)
-        outs.append(_token_major(og, B, H, m))                     # [B, n, m, H, V] (a view)
+            og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg,
+                    _stacked(starts), lg if decayed else None, L if decayed else None)
+            m_outs += []   # [B, n, m, H, 1]
+        outs.append(_token_major(og, B, H, m))                       # [B, n, m, H, V] (a view)
+    return _additive_finish(outs, m_outs, S, ms, docs, (B, H, K, V), S0, vs[0].dtype, q is not None)
+
+
+def _additive_empty(q, k, v0, V, S0):
+    """``chunk_additive``'s returns for T = 0: an empty o (None without probes), S0 (or zeros
+    ``[B, H, K, V]``) and, stabilised, an empty m.
+
+    Specialised for this module: stab=False.
+    """
+    B, _, H, K = k.shape
+    o = v0.new_zeros(B, 0, H, V) if q is not None else None
+    S_T = S0 if S0 is not None else k.new_zeros(B, H, K, V, dtype=v0.dtype)
+    return o, S_T
+
+
+def _additive_block(xs, n, c, BH, dt, pad=0.0):
+    """Pieces ``[B, n m, H, D_i]`` -> ``[n B H, c, sum D_i]`` in dtype ``dt``, one copy;
+    chunk-major:
+    chunk j of the group is the batch slice ``[j BH, (j + 1) BH)``; a tail of m < c tokens is padded
+    with c - m tokens of value ``pad``."""
+    parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
+    x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return x.reshape(n * BH, c, x.shape[-1]).contiguous()
+
+
+def _additive_factors(kp, lp, ip, n, c, BH, dt, decayed):
+    """A group's factors in ``chunk_additive`` with one log decay per head (or none).
+
+    The pair weights ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk
+    (:func:`_additive_outputs`); the keys are decayed to the chunk end by the log decay after each
+    token, a reversed cumulative sum (never a difference of two cumulative sums), so a log decay
+    of -inf (a decay of exactly 0) zeroes the past exactly.  With exponential input weights
+    (``stab``: xLSTM's mLSTM) each key's log weight in the chunk-end state, ``L_C - L_s +
+    log_input_s``, is scaled by the chunk's maximum ``m_loc`` (:func:`_additive_maps` carries it).
+
+    Args:
+        kp: the group's keys ``[B, n m, H, K]``; lp, ip: its log decays and log input weights
+            ``[B, n m, H]`` (None where absent).
+        n, c, BH, dt: the group's chunks, slots per chunk, B H, the kernel's dtype.
+        decayed: a decay or input weights enter; stab: the input weights do.
+
+    Returns:
+        ``(kg, lg, L, kd, g_log, g_end, li, m_loc)``: the keys ``[nBH, c, K]``, the log decays and
+        their cumulative sums ``[nBH, c]``, the keys decayed to the chunk end (stabilised: scaled by
+        ``exp(-m_loc)``), the log decay over each chunk ``[n, BH]``, its decay ``[n, BH, 1, 1]``
+        (not
+        stabilised), the log input weights ``[nBH, c]`` and ``m_loc [n, BH]`` (the factors a form
+        lacks: None).
+
+    Specialised for this module: stab=False.
+    """
+    kg = _additive_block([kp], n, c, BH, dt)                         # [nBH, c, K]
+    if not decayed:
+        return kg, None, None, kg, None, None, None, None
+    # [nBH, c] log decays (may be -inf)
+    lg = (_additive_block([lp[..., None]], n, c, BH, dt)[..., 0] if lp is not None
+            else kg.new_zeros(n * BH, c))
+    L = torch.cumsum(lg, dim=1)                                      # [nBH, c] cumulative log decay
+    # the log decay after each token to the chunk end: a reversed cumsum, shifted (no difference)
+    after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
+    # [n, BH] log decay over each chunk
+    g_log = L[:, -1].view(n, BH)
+    kd = kg * torch.exp(after)[..., None]                            # keys decayed to the chunk end
+    return kg, lg, L, kd, g_log, torch.exp(g_log).view(n, BH, 1, 1), None, None
+
+
+def _additive_channel_factors(qp, kp, lp, vg, n, c, BH):
+    """A group's factors in ``chunk_additive`` with one log decay per key channel, and the first
+    level
+    of :func:`_additive_halving` (blocks of 2 tokens), read from the inputs' chunk-major views: the
+    keys ``KE = k E_2`` and probes ``QF = q F_2`` (``E_2``: the decay of the token after it in its
+    pair, else 1; ``F_2``: its pair's decays up to it, the token's own one when its probe reads the
+    state after it), each pair's decay ``P`` (a padded tail token: 1) and the outputs of the pairs
+    s = t (inclusive: they weigh 1) and (s, t) = (2i, 2i + 1).  A chunk of one token (c = 1) has no
+    pairs: level 1's factors (``E_1 = 1``, ``F_1``), each token's decay.
+
+    Args:
+        qp: the group's probes ``[B, n m, H, K]``, or None; kp: its keys; lp: its log decays
+            ``[B, n m, H, K]``; vg: ``[nBH, c, V]`` its values.
+        n, c, BH: the group's chunks, slots per chunk, B H.
+
+    Returns:
+        ``(KE, QF, P, og, h)``: KE, QF ``[nBH, c, K]`` (QF None without probes), P ``[nBH c / h, 1,
+        K]``, og ``[nBH, c, V]`` (None without probes), h the level the halving goes on from.
+
+    Specialised for this module: inclusive=True.
+    """
+    dt, K, V = vg.dtype, kp.shape[-1], vg.shape[-1]
+    # [B, n m, H, K] decay of each token
+    gam_t = torch.exp(lp.to(dt))
+    # [B, n m, H, 1]
+    diag = (qp.to(dt) * kp.to(dt)).sum(-1, keepdim=True) if (qp is not None) else None
+    if c == 1:
+        # [nBH, 1, K]
+        KE, P = _additive_block([kp], n, c, BH, dt), _additive_block([gam_t], n, c, BH, dt, 1.0)
+        if qp is None:
+            return KE, None, P, None, 1
+        QF = _additive_block([(qp.to(dt) * gam_t)], n, c, BH, dt)
+        return KE, QF, P, (_additive_block([diag], n, c, BH, dt) * vg), 1
+
+    # [B, n m, H, D] -> the even and the odd tokens of each chunk [n, B, H, c / 2, D] (views)
+    def pairs(x, pad=0.0):
+        return _chunk_major(x.to(dt), n, c, pad).unflatten(3, (c // 2, 2)).unbind(4)
+    g1, g2 = pairs(gam_t, 1.0)
+    k1, k2 = pairs(kp)
+    # [n, B, H, c / 2, K] each pair's decay
+    g12 = g1 * g2
+    KE = torch.stack([k1 * g2, k2], 4).view(n * BH, c, K)            # one copy into the blocks
+    P = g12.reshape(n * BH * c // 2, 1, K)
+    if qp is None:
+        return KE, None, P, None, 2
+    q1, q2 = pairs(qp)
+    # the odd probes read after their own decay
+    q2 = q2 * g2
+    QF = torch.stack([(q1 * g1), q2 * g1], 4).view(n * BH, c, K)
+    # [nBH, c / 2, 1] the pair (2i, 2i + 1)
+    score = (q2 * k1).sum(-1, keepdim=True).reshape(n * BH, c // 2, 1)
+    v1, v2 = vg.view(n * BH, c // 2, 2, V).unbind(2)                 # [nBH, c / 2, V]
+    d1, d2 = _additive_block([diag], n, c, BH, dt).view(n * BH, c // 2, 2, 1).unbind(2)
+    og = torch.stack([d1 * v1, torch.addcmul(d2 * v2, score, v1)], 2)
+    return KE, QF, P, og.view(n * BH, c, V), 2
+
+
+def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed):
+    """The chunk maps of a group of n chunks in ``chunk_additive``, ``S <- Diag(g_j) S + K_j^T
+    V_j``,
+    forward in the chunks (a non-finite increment reaches only later chunks).
+
+    With exponential input weights (``stab``) the state between chunks is carried as ``exp(-m) S``
+    (Beck et al. 2024, the mLSTM's m state), ``m <- max(L_C + m, m_loc)`` (a document's first chunk
+    starts from 0: its state at its true scale), so every ``exp`` has an exponent <= 0: finite for
+    any log input.  The stabilisers are constants to autograd (the true function does not depend
+    on them).
+
+    Args:
+        kd: ``[nBH, c, K]`` the keys decayed to the chunk end; vg: ``[nBH, c, V]`` the values.
+        g_end: ``[n, BH, 1 | K, 1]`` the decay over each chunk, or None (no decay; stabilised: from
+            g_log); g_log, m_loc: ``[n, BH]`` the log decay over each chunk and its stabiliser
+            (stabilised; else None).
+        ms: ``[BH]`` the stabiliser before the group (stabilised; else None).
+        docs, j0: the packed documents' chunks (or None) and the chunks before this group.
+        decayed: a decay enters; the input weights are stabilised.
+
+    Returns:
+        ``(step, true_scale, m_all, m)``: chunk j's map for ``_pass_states``, the state at its true
+        scale (stabilised; else None), the stabilisers at the chunks' starts and end ``[n + 1, BH]``
+        and the one after the group (stabilised; else None).
+
+    Specialised for this module: stab=False.
+    """
+    BH = kd.shape[0] // n
+    # chunk increments K_j^T V_j
+    kv = torch.bmm(kd.transpose(1, 2), vg).view(n, BH, kd.shape[-1], vg.shape[-1])
+    g, m, m_all = g_end, ms, None
+    # each map closes over assigned locals only (torch.compile)
+    step = ((lambda j, S: (torch.addcmul(kv[j], g[j], S), None)) if decayed
+            else (lambda j, S: (S + kv[j], None)))
+    return step, None, m_all, m
+
+
+def _additive_finish(outs, m_outs, S, ms, docs, shape, S0, o_dtype, probes):
+    """``chunk_additive``'s returns: the outputs of the groups joined (packed: the documents'
+    tokens;
+    None without probes; in dtype ``o_dtype``), the final state at its true scale ``[B | N, H, K,
+    V]``
+    (in S0's dtype, or ``o_dtype``) and, stabilised, the outputs' stabilisers ``[B, T, H]``.
+
+    Specialised for this module: stab=False.
+    """
+    out_dtype = S0.dtype if S0 is not None else o_dtype
     if docs is not None:
         S_out = docs.final().to(out_dtype)
     # (stabilised: back to the true scale)
     else:
-        S_out = S.view(B, H, K, V).to(out_dtype)
-    if q is None:
+        S_out = S.view(shape).to(out_dtype)
+    if not probes:
         return (None, S_out)
-
-    def join(parts):  # [B, n, m, H, width] per group -> [B, T, H, width]
-        x = _join_chunks(parts)
-        return docs.unlay(x) if docs is not None else x              # the documents' tokens, packed
-
-    o = join(outs).to(vs[0].dtype)
-    return (o, S_out)
+    o = _join_chunks(outs)                                           # [B, T', H, V]
+    # (packed: the documents' tokens)
+    o = (o if docs is None else docs.unlay(o)).to(o_dtype)
+    return o, S_out
 
 
 def _additive_outputs(qg, kg, vg, S_starts, lg=None, L=None):
@@ -565,72 +641,63 @@ def _additive_outputs(qg, kg, vg, S_starts, lg=None, L=None):
     return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
 
 
-def _additive_halving(XE, P, vg, og, probes, inplace):
+def _additive_halving(KE, QF, P, vg, og, probes, inplace, h):
     """The pairs of per-channel chunks of ``chunk_additive``, halved level by level: in a block of
     2h
     tokens a pair (t in the second half, s in the first) weighs ``E_h(s) F_h(t)``; all pairs of a
     level are one batched ``(q F) (k E)^T`` product applied to the first halves' values, and
-    ``XE = [k E | q F]`` passes to the next level by one product with the halves' decays.
+    ``KE = k E``, ``QF = q F`` pass to the next level by one product with the halves' decays.
 
     Args:
-        XE: ``[nBH, c, K]`` (no probes) or ``[nBH, c, 2K]``: ``[k E_1 | q F_1]``; P: ``[nBH, c, K]``
-            each token's decay; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the outputs of the
-            pairs s = t, or None.
+        KE, QF: ``[nBH, c, K]`` ``k E_h`` and ``q F_h`` (QF None without probes); P: ``[nBH c / h,
+        1,
+            K]`` the decay of each h-block; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the
+            outputs
+            of the pairs inside the h-blocks, or None.
         probes: whether there are probes (their outputs are computed); inclusive: o_t reads S_t.
         inplace: update the factors in place (no autograd).
+        h: the level to start from (:func:`_additive_channel_factors` did the levels below).
 
     Returns:
-        ``(XE, P, og)``: the keys decayed to the chunk end and the probes' decays from its start,
-        the
+        ``(KE, QF, P, og)``: the keys decayed to the chunk end and the probes' decays from its
+        start, the
         decay over each chunk ``[nBH, 1, K]``, the outputs of the chunk's pairs (None without
         probes).
 
     Specialised for this module: inclusive=True.
     """
-    nBH, c, W = XE.shape
-    K, V = P.shape[-1], vg.shape[-1]
-    ones = P.new_ones(nBH * c // 2, 1, 1, K)
-    h = 1
+    nBH, c, K = KE.shape
+    V = vg.shape[-1]
     while h < c:
         nb = nBH * c // (2 * h)                              # blocks of 2h tokens
-        XEb = XE.view(nb, 2, h, W)
+        k1, k2 = KE.view(nb, 2, h, K).unbind(1)              # [nb, h, K]: the halves' k E
+        p1, p2 = P.view(nb, 2, 1, K).unbind(1)               # [nb, 1, K]: the halves' decays
         if probes:
-            # [nb, h, K]: first halves' k E, second halves' q F
-            kt, qt = XEb[:, 0, :, :K], XEb[:, 1, :, K:]
+            q1, q2 = QF.view(nb, 2, h, K).unbind(1)          # [nb, h, K]: the halves' q F
             v1 = vg.view(nb, 2, h, V)[:, 0]                  # [nb, h, V]
-            o2 = og.view(nb, 2, h, V)[:, 1] if og is not None else None   # [nb, h, V] second halves
-            # out of place until og depends on q, k, v and the decays: in place after (vmap)
-            fresh = h <= 1
-            if h <= 2:                                       # tiny blocks: column by column
-                scores = ((qt * kt).sum(-1, keepdim=True) if h == 1
-                        else torch.bmm(qt, kt.transpose(1, 2)))
-                # [nb, h, 1], [nb, 1, V]
+            o2 = og.view(nb, 2, h, V)[:, 1]                  # [nb, h, V] second halves
+            if h > 2:
+                o2.add_(torch.bmm(torch.bmm(q2, k1.transpose(1, 2)), v1))
+            else:                                            # blocks of 4 tokens: column by column
+                scores = torch.bmm(q2, k1.transpose(1, 2))   # [nb, 2, 2]
+                # [nb, 2, 1], [nb, 1, V]
                 cols = [(scores[:, :, j:j + 1], v1[:, j:j + 1]) for j in range(h)]
-                if fresh:
-                    cross = sum(a * b for a, b in cols)
-                    o2 = cross if o2 is None else o2 + cross
-                    o1 = og.view(nb, 2, h, V)[:, 0] if og is not None else torch.zeros_like(o2)
-                    og = torch.stack([o1, o2], 1).view(nBH, c, V)
-                else:
-                    for a, b in cols:
-                        o2.addcmul_(a, b)
-            else:
-                o2.add_(torch.bmm(torch.bmm(qt, kt.transpose(1, 2)), v1))
-        Pb = P.view(nb, 2, 1, K)                             # the decays of the two halves
+                # out of place until og depends on q, k, v and the decays: in place after (vmap)
+                for a, b in cols:
+                    o2.addcmul_(a, b)
         # to blocks of 4h: first halves' E picks up the second half's decay, second halves' F the
         # first's
-        # in place from XE_2 on (XE_1 may be k itself; XE_2 depends on the decays: vmap)
-        if inplace and h > 1:
-            XEb[:, 0, :, :K].mul_(Pb[:, 1])
+        # in place (KE and QF are copies that depend on the decays: vmap)
+        if inplace:
+            k1.mul_(p2)
             if probes:
-                XEb[:, 1, :, K:].mul_(Pb[:, 0])
+                q2.mul_(p1)
         else:
-            one = ones[:nb]
-            fac = torch.cat([Pb[:, 1:], one] + ([one, Pb[:, :1]] if probes else []), -1)
-            XE = (XEb * fac.view(nb, 2, 1, W)).view(nBH, c, W)
-        P = Pb[:, 0] * Pb[:, 1]                              # [nb, 1, K]
+            KE = torch.stack([k1 * p2, k2], 1).view(nBH, c, K)
+            QF = torch.stack([q1, q2 * p1], 1).view(nBH, c, K) if probes else None
+        P = p1 * p2                                          # [nb, 1, K]
         h *= 2
-    return XE, P, og
+    return KE, QF, P, og.view(nBH, c, V) if og is not None else None
 
 
 class _Documents:

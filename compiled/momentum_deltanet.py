@@ -228,6 +228,70 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _initial_states(S0, documents, C, B, shape, dt, device):
+    """Packed documents laid out for chunks of C tokens, each from a chunk's start
+    (``documents.for_kernel``: their initial states S0 ``[N, *shape]`` in dtype ``dt``, or zeros),
+    or None (``documents`` None: one sequence per batch row); and the state before the first chunk
+    ``[B shape[0], *shape[1:]]``: S0 (``[B, *shape]``), or zeros (no S0, or packed: each document's
+    state enters where it starts).  ``shape``: the state of a batch row, ``(H, ...)``."""
+    docs = None
+    if documents is not None:
+        S_docs = (S0.to(dt) if S0 is not None
+                else torch.zeros(documents.count, *shape, dtype=dt, device=device))
+        docs = documents.for_kernel(C, S_docs)
+    if S0 is None or docs is not None:
+        return docs, torch.zeros(B * shape[0], *shape[1:], dtype=dt, device=device)
+    return docs, S0.to(dt).reshape(B * shape[0], *shape[1:])
+
+
+def _screen(writes, decays, probes, docs, inclusive):
+    """Non-finite inputs, one rule for the kernels that solve per chunk: a token whose state inputs
+    are not all finite runs as an identity token (the kernel clears it by ``torch.where``, never by
+    a product with zero), and every output that reads a state at or after it (in its document), and
+    the final state, are set to NaN at the end; a non-finite probe makes only its own output NaN.
+    So no NaN meets a product, forward or backward: the outputs before a bad token, and their
+    gradients, are those of the clean sequence.  The flags come from one sum per token (NaN or inf
+    when one of its inputs is), taken on the packed row and laid out with the documents.
+
+    Args:
+        writes: the state inputs ``[B, T, H, ...]`` (keys, values, steps...; None where absent),
+            as the kernel takes them (not laid out); the axes after the heads are summed.
+        decays: the log decays ``[B, T, H, ...]`` (None where absent): a decay of 0 (log -inf) is
+            finite here.
+        probes: ``[B, T, H, K]``, or None.
+        docs: the packed documents' chunks (``_DocumentChunks``), or None.
+        inclusive: the outputs read the state after their token (else before it).
+
+    Returns:
+        ``(ok [B, T', H], read_bad [B, T', H] or None (no probes), state_bad [B or N, H])``, bool on
+        the laid-out row: the tokens that run as written, the outputs and the final states that are
+        NaN.
+    """
+    dt = torch.promote_types(writes[0].dtype, torch.float32)
+    total = 0
+    for x in writes:
+        if x is not None:
+            total = total + (x.sum(tuple(range(3, x.dim())), dtype=dt) if x.dim() > 3 else x.to(dt))
+    for x in decays:
+        if x is not None:
+            lg = x.to(dt).clamp_min(-80.0)
+            total = total + (lg.sum(tuple(range(3, x.dim()))) if x.dim() > 3 else lg)
+    bad = (~torch.isfinite(total)).to(dt)                            # [B, T, H]
+    if docs is not None:
+        # (the slots after a document: ok)
+        bad = docs.lay(bad)
+    # bad at or before t
+    before = docs.cumsum(bad) if docs is not None else torch.cumsum(bad, dim=1)
+    state_bad = (docs.total(bad) if docs is not None else bad.sum(1)) > 0
+    read_bad = None
+    if probes is not None:
+        probe_bad = (~torch.isfinite(probes.sum(-1, dtype=dt))).to(dt)
+        if docs is not None:
+            probe_bad = docs.lay(probe_bad)
+        read_bad = (before if inclusive else before - bad) + probe_bad > 0
+    return bad == 0, read_bad, state_bad
+
+
 def _group_size(chunks, width, group, device):
     """Chunks per batched group G (any G >= 1 gives the same numbers): ``group`` when given; on CPU
     so that a temporary of ``width`` floats per chunk stays near 512 KB (large per-call allocations
@@ -364,21 +428,18 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     The joint state ``Z = [S; M]`` (``[2K, V]``) has the transition ``Z_t = (D_t (x) I_K) Z_{t-1}
     + a_t z_t`` with the 2x2 upper-triangular ``D_t = [[gamma_t, -beta_t mu_t], [0, mu_t]]``, the
     rank-1 factor ``a_t = [-beta_t eta_t, eta_t] (x) k_t`` and ``z_t = p_t @ S_{t-1} - v_t``: a
-    "2x2 (x) identity plus rank one" transition.  Every interaction of sub-steps s < t then
-    factors as (a scalar from the 2x2 products ``P(t, s) = D_t ... D_{s+1}``) times an inner product
-    of K-vectors, so the chunk's errors come from ONE unit-lower-triangular solve,
-    ``(I - A) z = [e^{La_{t-1}} p | P12(t-1, start) p] [S_0; M_0] - V`` with
-    ``A_ts = (P11(t-1,s) (-beta_s eta_s) + P12(t-1,s) eta_s) (p_t . k_s)``; the products' corner
-    ``P12(t, s) = sum_{s<r<=t} e^{La_t - La_r} (-beta_r mu_r) e^{Lm_{r-1} - Lm_s}`` is one product
-    of two masked decay matrices (entries <= 1: stable); the products at ``t - 1`` are those at
-    ``t`` shifted by one row.  Then per chunk, on the stacked ``Z = [S; M]``: ``z = W_Z Z + U``,
-    ``Z <- [e^{La_C} S + P12(C, start) M; e^{Lm_C} M] + K_Z^T z`` (three products per chunk: z, the
-    2x2
-    decay as one ``[2, 2] x [2, K V]`` product, the rank update), and
-    the outputs are batched matmuls (the reads of ``S`` and ``M`` at the chunk start in one).
+    "2x2 (x) identity plus rank one" transition, so a chunk's errors come from one
+    unit-lower-triangular solve (:func:`_momentum_maps`), the state passes over the chunks by three
+    products each, and the outputs are batched over a group of chunks (:func:`_momentum_outputs`).
     Chunks are processed G at a time (on CPU, G is chosen so that each temporary stays near
-    512 KB, as in the other kernels; on other devices G = 64): the batched work of a group,
-    then its chunks in sequence, then its outputs.
+    512 KB, as in the other kernels; on other devices G = 64).
+
+    Non-finite inputs (``_screen``): a token whose k, p, v, beta, eta or log decays are not all
+    finite runs as an identity token (cleared by torch.where), and every output reading a state at
+    or after it (in its document), and both final states, are NaN; a non-finite probe makes only its
+    own output NaN; outputs before such a token, and their gradients, are the clean sequence's.
+    Log decays below -80 (-inf included) are clamped to -80 (:func:`_momentum_screen`: on CPU,
+    all-finite inputs skip the masks).
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
@@ -399,7 +460,6 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    BH = B * H
     dt = torch.promote_types(k.dtype, torch.float32)
     dev = k.device
     out_dtype = S0.dtype if S0 is not None else v.dtype
@@ -408,91 +468,125 @@ def chunk_momentum_delta(q, k, v, p, log_gamma, log_mu, beta, eta, S0, M0, chunk
         zeros = k.new_zeros(B, H, K, V, dtype=out_dtype)
         return o, (S0 if S0 is not None else zeros), (M0 if M0 is not None else zeros)
     C = max(1, min(int(chunk), T))
-    docs = None
-    # packed documents: each starts at a chunk, from its own states [S; M]
-    if documents is not None:
-        n_docs = documents.count
-        SM = [x.to(dt) if x is not None else k.new_zeros(n_docs, H, K, V, dtype=dt)
-                for x in (S0, M0)]
-        docs = documents.for_kernel(C, torch.cat(SM, dim=2))        # [N, H, 2K, V]
-        T = docs.T
+    # the joint state [S; M] [B H, 2K, V] before the first chunk (packed: each document's enters
+    # where it starts)
+    docs, Z = _initial_states(_momentum_joint(S0, M0, dt), documents, C, B, (H, 2 * K, V), dt, dev)
+    ok, read_bad, state_bad = _momentum_screen(q, (k, p, v, beta, eta), (log_gamma, log_mu), docs)
     # per-token inputs [B, T, H, ...]
     tokens = (q, k, p, v, log_gamma, log_mu, beta, eta)
     if docs is not None:                                             # the laid-out row
         tokens = tuple(docs.lay(x) for x in tokens)
-    # (packed: every chunk that starts a document enters its initial states)
-    S = (k.new_zeros(BH, K, V, dtype=dt) if S0 is None or docs is not None
-            else S0.to(dt).reshape(BH, K, V))
-    M = (k.new_zeros(BH, K, V, dtype=dt) if M0 is None or docs is not None
-            else M0.to(dt).reshape(BH, K, V))
-    G = _group_size(T // C, BH * C * (2 * K + V), None, dev)      # chunks per group
+    T = tokens[1].shape[1]
+    G = _group_size(T // C, B * H * C * (2 * K + V), None, dev)    # chunks per group
     # a tail chunk padded with identity tokens
     groups = _chunk_groups(T, C, G, "chunk")
     idx = torch.arange(C, device=dev)
     masks = (idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :],
             torch.eye(C, dtype=dt, device=dev))
-    Z = torch.cat([S, M], dim=1)                                      # [BH, 2K, V]
-    outs = []                                                         # [B, n c, H, V] per group
-    j0 = 0                                                            # chunks before this group
-    pieces = zip(groups, *(_split_groups(x, groups) for x in tokens))
-    for (n, c, _), qg, kg, pg, vg, lgg, lmg, btg, etg in pieces:
-
-        def lay(x):  # [B, n c, H(, D)] -> [n BH, C(, D)], chunk-major, a tail padded with zeros
-            x = x.to(dt)
-            if x.dim() == 3:
-                x = x[..., None]
-            return _chunk_major(x, n, C).reshape(n * BH, C, x.shape[-1])
-
-        kc = lay(kg)
-        la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
-        WZ, U, kZ, D, reads = _momentum_maps(kc, lay(pg), lay(vg), la, lm, lay(btg)[..., 0],
-                lay(etg)[..., 0], masks)
-        WZ_j, U_j, kZ_j, D_j = (x.reshape(n, BH, *x.shape[1:]).unbind(0) for x in (WZ, U, kZ, D))
-
-        # chunk j's map of the joint state [S; M]: the errors z, then [S; M] at its end
-        def step(j, Z):
-            z = torch.baddbmm(U_j[j], WZ_j[j], Z)                      # [BH, C, V]
-            Zd = torch.bmm(D_j[j], Z.view(BH, 2, K * V)).view(BH, 2 * K, V)   # [gS S + hM M; gM M]
-            return torch.baddbmm(Zd, kZ_j[j].transpose(1, 2), z), z
-
+    # [B, n c, H, V] per group; chunks before it
+    outs, j0 = [], 0
+    for (n, c, _), okg, rbg, qg, kg, pg, vg, lgg, lmg, btg, etg in zip(
+            groups, _split_groups(ok, groups), _split_groups(read_bad, groups),
+            *(_split_groups(x, groups) for x in tokens)):
+        # [n, B, H, C, 1]
+        okc = _chunk_major(okg[..., None], n, C, True).contiguous() if ok is not None else None
+        step, kc, reads = _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks, okc)
         # (documents: their initial, final [S; M])
         Z, Z_st, zs = _pass_states(step, n, Z, docs, j0)
         j0 += n
-        if q is None:
-            continue
-        og = _momentum_outputs(lay(qg), kc, _stacked(zs), _stacked(Z_st), *reads[0])
-        outs.append(_token_major(og, B, H, c))                      # [B, n, c, H, V] (a view)
+        if q is not None:
+            og = _momentum_outputs(qg, kc, _stacked(zs), _stacked(Z_st), rbg, *reads[0])
+            outs.append(_token_major(og, B, H, c))                  # [B, n, c, H, V] (a view)
     Z = Z.reshape(B, H, 2 * K, V) if docs is None else docs.final()   # [B | N, H, 2K, V]
+    # (a bad token's)
+    Z = Z if state_bad is None else torch.where(state_bad[..., None, None], float("nan"), Z)
     S_out, M_out = (x.to(out_dtype).contiguous() for x in Z.split(K, dim=2))
     if q is None:
         return None, S_out, M_out
     o = _join_chunks(outs)                                            # [B, T, H, V]
+    if read_bad is not None:
+        # the reads at or after a bad token
+        o = torch.where(read_bad[..., None], float("nan"), o)
     if docs is not None:
         # the documents' tokens, packed
         o = docs.unlay(o)
     return o.to(v.dtype), S_out, M_out
 
 
-def _momentum_maps(kc, pc, vc, la, lm, bc, ec, masks):
-    """The chunk maps of the momentum delta rule (``chunk_momentum_delta``), batched over chunks:
-    the errors of each chunk from its start state, ``z = WZ [S; M] + U``, and its map
+def _momentum_screen(q, writes, decays, docs):
+    """The non-finite screen of :func:`chunk_momentum_delta`: ``_screen``'s flags ``(ok, read_bad,
+    state_bad)``, or three Nones when every input is finite, on CPU (eager): there one sum of each
+    input tells, without a device sync, and clearing nothing is cheaper than the masks (torch.where
+    is not vectorized on CPU); the kernel then runs unmasked.  A sum is finite only when every
+    entry is (a NaN or an inf stays in a sum); log decays of -inf (decays of 0) are valid.
+
+    Specialised for this module: inclusive=True.
+    """
+    if writes[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        dt = torch.promote_types(writes[0].dtype, torch.float32)
+        total = sum(x.sum(dtype=dt) for x in writes + (q,) if x is not None)
+        total = total + sum(x.clamp_min(-80.0).sum(dtype=dt) for x in decays)
+        if torch.isfinite(total):
+            return None, None, None
+    return _screen(writes, decays, q, docs, True)
+
+
+def _momentum_joint(S0, M0, dt):
+    """The joint initial state ``[S0; M0]`` ``[B or N, H, 2K, V]`` in dtype ``dt`` (a missing one:
+    zeros), or None when neither is given."""
+    if S0 is None and M0 is None:
+        return None
+    like = S0 if S0 is not None else M0
+    return torch.cat([S0.to(dt) if S0 is not None else like.new_zeros(like.shape, dtype=dt),
+                      M0.to(dt) if M0 is not None else like.new_zeros(like.shape, dtype=dt)], dim=2)
+
+
+def _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks, ok):
+    """The chunk maps of the momentum delta rule (``chunk_momentum_delta``), batched over a group of
+    n chunks: the errors of each chunk from its start state, ``z = WZ [S; M] + U``, and its map
     ``[S; M] <- (D (x) I_K) [S; M] + kZ^T z``.
 
+    Every interaction of sub-steps s < t factors as (a scalar from the 2x2 products
+    ``P(t, s) = D_t ... D_{s+1}``) times an inner product of K-vectors, so the chunk's errors come
+    from ONE unit-lower-triangular solve,
+    ``(I - A) z = [e^{La_{t-1}} p | P12(t-1, start) p] [S_0; M_0] - V`` with
+    ``A_ts = (P11(t-1,s) (-beta_s eta_s) + P12(t-1,s) eta_s) (p_t . k_s)``; the products' corner
+    ``P12(t, s) = sum_{s<r<=t} e^{La_t - La_r} (-beta_r mu_r) e^{Lm_{r-1} - Lm_s}`` is one product
+    of two masked decay matrices (entries <= 1: stable); the products at ``t - 1`` are those at
+    ``t`` shifted by one row.  Then per chunk, on the stacked ``Z = [S; M]``: ``z = W_Z Z + U``,
+    ``Z <- [e^{La_C} S + P12(C, start) M; e^{Lm_C} M] + K_Z^T z`` (three products per chunk: z, the
+    2x2 decay as one ``[2, 2] x [2, K V]`` product, the rank update).
+
     Args:
-        kc, pc: ``[n BH, C, K]`` write keys and error reads; vc: ``[n BH, C, V]`` values
-        (chunk-major).
-        la, lm: ``[n BH, C]`` log decays of S and M (clamped); bc, ec: ``[n BH, C]`` beta and eta.
+        kg, pg: the group's write keys and error reads ``[B, n c, H, K]``; vg: values ``[B, n c, H,
+        V]``.
+        lgg, lmg: ``[B, n c, H]`` log decays of S and M; btg, etg: ``[B, n c, H]`` beta and eta.
+        n: the group's chunks.
         masks: ``(s <= t, s < t, I)``: ``[C, C]`` each.
+        ok: ``[n, B, H, C, 1]`` bool, contiguous: the tokens that run as written (the others, and a
+            tail's padding, are identity tokens: their inputs cleared by torch.where); None: all.
 
     Returns:
-        ``(WZ [n BH, C, 2K], U [n BH, C, V], kZ [n BH, C, 2K], D [n BH, 2, 2], reads)``; reads: the
-        outputs' factors ``(L_a, P12(t, start), [P(t, s) a~_s]_1)`` after each token's update and
-        the
-        same before it (at t - 1).
+        ``(step, kc, reads)``: ``step(j, Z) -> (Z_end, z_j)`` chunk j's map (for ``_pass_states``),
+        kc ``[n BH, C, K]`` the keys chunk-major, and the outputs' factors ``(L_a, P12(t, start),
+        [P(t, s) a~_s]_1)`` after each token's update and the same before it (at t - 1).
     """
     incl, strict, eye = masks
-    nBH, C = la.shape
-    K = kc.shape[-1]
+    B, H, K, C = kg.shape[0], kg.shape[2], kg.shape[3], eye.shape[0]
+    nBH, BH = n * B * H, B * H
+
+    # [B, n c, H(, D)] -> [n BH, C(, D)], chunk-major, bad tokens and a tail's padding zeros
+    def lay(x):
+        x = x.to(eye.dtype)
+        if x.dim() == 3:
+            x = x[..., None]
+        # (the where writes in ok's layout, chunk-major: the reshape is a view, no second copy)
+        x = _chunk_major(x, n, C)
+        return (x if ok is None else torch.where(ok, x, 0.0)).reshape(nBH, C, x.shape[-1])
+
+    kc = lay(kg)
+    la, lm = lay(lgg.clamp_min(-80.0))[..., 0], lay(lmg.clamp_min(-80.0))[..., 0]   # [n BH, C]
+    pc, vc, bc, ec = lay(pg), lay(vg), lay(btg)[..., 0], lay(etg)[..., 0]
     ninf = torch.full((), float("-inf"), dtype=la.dtype, device=la.device)
 
     def dmat(rows, cols, mask):  # e^{rows_t - cols_s} where mask, else 0 (masked before exp)
@@ -525,21 +619,38 @@ def _momentum_maps(kc, pc, vc, la, lm, bc, ec, masks):
     # the chunk's 2x2 D = P(C, start) = [[gS, hM], [0, gM]], applied to Z = [S; M] as a [2, 2] x [2,
     # K V] product
     D = torch.stack([gS, hM, torch.zeros_like(gM), gM], dim=-1).view(nBH, 2, 2)
-    return WZ, U, kZ, D, ((La, h12, Om), (Lap, h12p, Gam))
+    WZ_j, U_j, kZ_j, D_j = (x.reshape(n, BH, *x.shape[1:]).unbind(0) for x in (WZ, U, kZ, D))
+
+    def step(j, Z):  # chunk j's map of the joint state [S; M]: the errors z, then [S; M] at its end
+        z = torch.baddbmm(U_j[j], WZ_j[j], Z)                          # [BH, C, V]
+        # [gS S + hM M; gM M]
+        Zd = torch.bmm(D_j[j], Z.view(BH, 2, K * Z.shape[-1])).view(BH, 2 * K, -1)
+        return torch.baddbmm(Zd, kZ_j[j].transpose(1, 2), z), z
+
+    return step, kc, ((La, h12, Om), (Lap, h12p, Gam))
 
 
-def _momentum_outputs(qc, kc, z, Zs, La, h12, Om):
+def _momentum_outputs(qg, kc, z, Zs, read_bad, La, h12, Om):
     """The outputs of a group of chunks: ``o = P z + [q e^{La} | q P12] [S; M]_start`` with
     ``P = Om * (q k^T)`` (the reads' factors of ``_momentum_maps``, after or before each token).
 
     Args:
-        qc, kc: ``[n BH, C, K]`` probes and write keys; z: ``[n BH, C, V]`` the chunks' errors;
-        Zs: ``[n BH, 2K, V]`` the joint states at the chunks' starts; La, h12: ``[n BH, C]``, Om:
+        qg: the group's probes ``[B, n c, H, K]``; kc: ``[n BH, C, K]`` the write keys, chunk-major;
+        z: ``[n BH, C, V]`` the chunks' errors; Zs: ``[n BH, 2K, V]`` the joint states at the
+        chunks' starts; read_bad: ``[B, n c, H]`` bool, the outputs set to NaN (their probes are
+        zeroed first, so that no NaN probe meets a product), or None; La, h12: ``[n BH, C]``, Om:
         ``[n BH, C, C]`` the reads' factors.
 
     Returns:
         ``[n BH, C, V]``.
     """
+    nBH, C, K = kc.shape
+    n = nBH // (qg.shape[0] * qg.shape[2])
+    qc = _chunk_major(qg.to(kc.dtype), n, C)
+    # (the flags chunk-major and contiguous: the where writes the layout, one copy)
+    if read_bad is not None:
+        qc = torch.where(_chunk_major(read_bad[..., None], n, C).contiguous(), 0.0, qc)
+    qc = qc.reshape(nBH, C, K)
     P = Om * torch.bmm(qc, kc.transpose(1, 2))
     # [n BH, C, 2K]: reads of [S; M]
     qZ = torch.cat([qc * torch.exp(La)[..., None], qc * h12[..., None]], dim=-1)

@@ -27,6 +27,83 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _NewtonSchulz(torch.autograd.Function):
+    """``newton_schulz(G, schedule)`` with the adjoint of its iteration as the backward.
+
+    One step, X' = a X + B X with A = X X^T, B = b A + c A^2 (A, B symmetric), given the
+    gradient Gb of a loss with respect to X' (all [m, n], m <= n):
+
+        dX' = a dX + B dX + (b dA + c (dA A + A dA)) X,   dA = dX X^T + X dX^T
+
+    so, with M = Gb X^T and <P, Q> = trace(P^T Q),
+        <Gb, (b dA + c dA A + c A dA) X> = <b M + c (M A + A M), dA>,
+    and the symmetric dA = dX X^T + X dX^T takes a matrix R to (R + R^T) X.  Hence
+
+        Ms = M + M^T,   S = b Ms + c (Ms A + A Ms) = Q + Q^T  with  Q = (b/2) Ms + c Ms A,
+        gradient w.r.t. X = a Gb + B Gb + S X
+
+    (four products a step: M, Ms A, (a I + B) Gb and S X).  The normalisation X0 = Y / s,
+    s = r + eps, r = |Y|_F: d(Y / s) = dY / s - Y <Y, dY> / (r s^2), so
+
+        gradient w.r.t. Y = Gb0 / s - Y <Gb0, Y> / (r s^2) = Gb0 / s - X0 <Gb0, X0> / r
+
+    (at Y = 0, where r = 0, the second term is 0, as autograd's norm gives: Gb0 / eps).  A tall
+    input is iterated transposed, so its gradient is transposed back.
+
+    The forward returns each step's X_k, A_k, B_k besides the result (outputs marked
+    non-differentiable: what autograd would keep through the plain iterations; measured faster
+    than recomputing them from the input, which costs more products than autograd's own
+    backward); a differentiable backward (create_graph, torch.func.grad) recomputes them from the
+    input instead, so that they are in the graph and second derivatives are exact.  The backward
+    is torch operations, none in place on a tensor it did not make here and none an in-place
+    product (which vmap runs as a loop), so torch.func.grad and vmap run through it; forward-mode
+    AD (jvp) is not defined.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(G, schedule):
+        """-> (the result, |Y|_F [N, 1, 1], then each step's X_k, A_k, B_k [N, ...]) for the
+        backward."""
+        kept = []
+        return _ns_run(G, schedule, kept) + tuple(t for step in kept for t in step)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        G, schedule = inputs
+        ctx.schedule = schedule
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(G, *output[1:])
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        if grad is None:
+            return None, None
+        G, r, *kept = ctx.saved_tensors
+        if torch.is_grad_enabled():   # a differentiable backward: the iterates from G, in the graph
+            steps = []
+            r = _ns_run(G, ctx.schedule, steps)[1]
+        else:
+            steps = [tuple(kept[i:i + 3]) for i in range(0, len(kept), 3)]
+        X0 = steps[0][0]
+        tall = G.shape[-2] > G.shape[-1]
+        Gb = (grad.transpose(-2, -1) if tall else grad).reshape(X0.shape)
+        for (X, A, B), (a, b, c) in zip(reversed(steps), reversed(ctx.schedule)):
+            M = torch.bmm(Gb, X.transpose(-2, -1))            # [N, m, m]
+            Ms = M + M.transpose(-2, -1)
+            Q = torch.baddbmm(Ms, Ms, A, beta=0.5 * b, alpha=c)   # (b/2) Ms + c Ms A
+            P = B.clone()
+            # a I + B: no copy of Gb [N, m, n] for a Gb
+            P.diagonal(dim1=-2, dim2=-1).add_(a)
+            Gb = torch.baddbmm(torch.bmm(P, Gb), Q + Q.transpose(-2, -1), X)   # a Gb + B Gb + S X
+        dot = (Gb * X0).sum((-2, -1), keepdim=True)           # <Gb0, X0> = <Gb0, Y> / s
+        Gy = Gb / (r + 1e-7) - X0 * torch.where(r > 0, dot / torch.where(r > 0, r, 1), 0)
+        Gy = Gy.reshape(G.shape[:-2] + Gy.shape[-2:])
+        return (Gy.transpose(-2, -1) if tall else Gy), None
+
+
 def _gelu_backward(g, x):
     """g * gelu'(x) for the exact (erf) GELU, in one fused (differentiable) op."""
     return torch.ops.aten.gelu_backward(g, x)
@@ -36,6 +113,38 @@ def _l2norm_grad(x, g):
     """The gradient with respect to x of l2norm(x) (eps 1e-6), given g."""
     rnorm = torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
     return rnorm * (g - x * rnorm.square() * (g * x).sum(-1, keepdim=True))
+
+
+def _ns_run(G, schedule, kept=None):
+    """The iteration on G [..., p, q] -> (the result [..., p, q], r = |G|_F [N, 1, 1]); with a list
+    `kept`, each step's (X_k, A_k, B_k) [N, ...] is appended to it (see _ns_steps)."""
+    tall = G.shape[-2] > G.shape[-1]
+    X, r = _ns_start(G)
+    X = _ns_steps(X, schedule, kept)
+    X = X.reshape(G.shape[:-2] + X.shape[-2:])
+    return (X.transpose(-2, -1) if tall else X), r
+
+
+def _ns_start(G):
+    """The iteration's start: G [..., p, q] -> (X0 = Y / (r + 1e-7) as [N, m, n], r = |Y|_F as [N,
+    1, 1]),
+    the batch axes as one, with Y = G, or G^T when p > q (so that m <= n)."""
+    Y = G.transpose(-2, -1) if G.shape[-2] > G.shape[-1] else G
+    r = torch.linalg.matrix_norm(Y, keepdim=True)
+    X = Y / (r + 1e-7)
+    return X.reshape(-1, *X.shape[-2:]), r.reshape(-1, 1, 1)
+
+
+def _ns_steps(X, schedule, kept=None):
+    """The steps from X0 [N, m, n], one per (a, b, c) of `schedule`: X <- a X + B X with A = X X^T,
+    B = b A + c A A -> X_K; with a list `kept`, each step's (X_k, A_k, B_k) is appended to it."""
+    for a, b, c in schedule:
+        A = torch.bmm(X, X.transpose(-2, -1))                 # [N, m, m]
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)           # b A + c A A
+        if kept is not None:
+            kept.append((X, A, B))
+        X = torch.baddbmm(X, B, X, beta=a)                    # a X + (b A + c A A) X
+    return X
 
 
 def l2norm(x):
@@ -49,20 +158,12 @@ def newton_schulz(X, steps):
     `steps` times X <- a X + (b A + c A A) X with A = X X^T, (a, b, c) = (3.4445, -4.7750, 2.0315);
     or, with `steps` a tuple of (a, b, c) triples (a coefficient schedule), one step per triple.
     Run on the smaller Gram matrix (X^T for a tall X: the same result, transposed back); each step
-    is three batched products, the sums fused into them (baddbmm: no elementwise pass)."""
+    is three batched products, the sums fused into them (baddbmm: no elementwise pass).  Under
+    autograd the backward is the iteration's adjoint in closed form (_NewtonSchulz)."""
     schedule = steps if isinstance(steps, tuple) else ((3.4445, -4.7750, 2.0315),) * steps
-    tall = X.shape[-2] > X.shape[-1]
-    if tall:
-        X = X.transpose(-2, -1)
-    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
-    shape = X.shape
-    X = X.reshape(-1, *shape[-2:])                            # [N, m, n]: the batch axes as one
-    for a, b, c in schedule:
-        A = torch.bmm(X, X.transpose(-2, -1))                 # [N, m, m]
-        # a X + (b A + c A A) X
-        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
-    X = X.reshape(shape)
-    return X.transpose(-2, -1) if tall else X
+    if torch.is_grad_enabled() and X.requires_grad:
+        return _NewtonSchulz.apply(X, schedule)[0]
+    return _ns_run(X, schedule)[0]
 
 
 def _check(name, t, axes, sizes, ref=None):
@@ -334,6 +435,18 @@ def _linear_scan(a, x, s0):
     # token-major and contiguous: products of the per-token matrices (a Newton-Schulz iteration,
     # the reads) would otherwise copy the strided states at every call
     return s.reshape(B, H, C, *s0.shape[2:]).transpose(1, 2).contiguous()
+
+
+def _block_tokens(C, floats):
+    """How many of a chunk's C tokens solve their states together, given ``floats``, one token's
+    largest state over the batch rows and heads: blocks of about 2^18 floats (1 MiB in float32)
+    per state sequence, so that a block's per-token states stay in a core's cache between the
+    products that make and read them (a chunk's would be fresh memory at every step: titans_muon's
+    64 tokens of 4 [64, 128] states ran 1.2x slower in one block than in blocks of 8); the whole
+    chunk under torch.compile, which fuses the steps instead."""
+    if torch.compiler.is_compiling():
+        return C
+    return max(1, min(C, (1 << 18) // max(floats, 1)))
 
 
 class TitansMuonMemory(nn.Module):
@@ -708,16 +821,33 @@ class TitansMuonMemory(nn.Module):
         qn = l2norm(F.silu(q))  # [B, C, H, d_k]
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]
         vs = F.silu(v)  # [B, C, H, d_v]
-        # [B, C, H, ...]: every token's gradients
+        # tokens per block: a block's per-token states stay in cache
+        n = _block_tokens(q.shape[1], max(W1.numel(), W2.numel(), U1.numel(), U2.numel()))
+        outputs = []
+        for mu_b, alpha_b, eta1_b, eta2_b, qn_b, kn_b, vs_b in zip(*(x.split(n, dim=1)
+                for x in (mu, alpha, eta1, eta2, qn, kn, vs))):
+            o_b, (W1, W2, U1, U2) = self._chunk_block(W1_start, W2_start, W1, W2, U1, U2, mu_b,
+                    alpha_b, eta1_b, eta2_b, qn_b, kn_b, vs_b)
+            outputs.append(o_b)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1), (W1, W2, U1, U2)
+
+    def _chunk_block(self, W1_start, W2_start, W1, W2, U1, U2, mu, alpha, eta1, eta2, qn, kn, vs):
+        """One block of n tokens of a chunk: W1_start, W2_start [B, H, ...], the chunk-start state
+        the gradients are taken at; W1, W2, U1, U2, the state before the block's first token; per
+        token: mu [B, n, H], alpha [B, n, H], eta1 [B, n, H], eta2 [B, n, H], qn, kn, vs [B, n, H,
+        ...].
+        Returns (o [B, n, H, d_v], the state after the block).
+        """
+        # [B, n, H, ...]: every token's gradients
         grad_W1, grad_W2 = torch.func.vmap(self._token_grads, in_dims=(None, None, 1, 1, 1),
                 out_dims=1)(W1_start, W2_start, mu, kn, vs)
-        U1_seq = _linear_scan(mu, grad_W1, U1)  # [B, C, H, d_k, hidden]: U1_i = (mu) U1_(i-1) + ...
-        # [B, C, H, d_k, hidden]: W1_i = (1 - alpha) W1_(i-1) + ...
-        W1_seq = _linear_scan(1 - alpha, -(eta1[..., None, None] * newton_schulz(U1_seq, 5)), W1)
-        U2_seq = _linear_scan(mu, grad_W2, U2)  # [B, C, H, hidden, d_v]: U2_i = (mu) U2_(i-1) + ...
-        # [B, C, H, hidden, d_v]: W2_i = (1 - alpha) W2_(i-1) + ...
-        W2_seq = _linear_scan(1 - alpha, -(eta2[..., None, None] * newton_schulz(U2_seq, 5)), W2)
-        o = self.f(qn, W1_seq, W2_seq)  # [B, C, H, d_v]: each token reads its own state
+        U1_seq = _linear_scan(mu, grad_W1, U1)  # [B, n, H, d_k, hidden]: U1_i = (mu) U1_(i-1) + ...
+        # [B, n, H, d_k, hidden]: W1_i = (1 - alpha) W1_(i-1) + ...
+        W1_seq = _linear_scan(1 - alpha, (-eta1)[..., None, None] * newton_schulz(U1_seq, 5), W1)
+        U2_seq = _linear_scan(mu, grad_W2, U2)  # [B, n, H, hidden, d_v]: U2_i = (mu) U2_(i-1) + ...
+        # [B, n, H, hidden, d_v]: W2_i = (1 - alpha) W2_(i-1) + ...
+        W2_seq = _linear_scan(1 - alpha, (-eta2)[..., None, None] * newton_schulz(U2_seq, 5), W2)
+        o = self.f(qn, W1_seq, W2_seq)  # [B, n, H, d_v]: each token reads its own state
         return o, (W1_seq[:, -1].clone(), W2_seq[:, -1].clone(), U1_seq[:, -1].clone(),
                 U2_seq[:, -1].clone())
 
