@@ -89,7 +89,7 @@ def find_stabiliser(alg: Algebra) -> tuple[Stabiliser | None, str]:
         nf = normal_form(alg)
     except NotAdmitted as err:
         return None, str(err)
-    shared: set = set()
+    shared: dict = {}   # the printed (decay, input weight) -> the pair
     states = []
     for n in alg.states:
         m = nf.maps[n]
@@ -103,7 +103,8 @@ def find_stabiliser(alg: Algebra) -> tuple[Stabiliser | None, str]:
         if weighted is None:
             return None, f"the increment of {n} has no exponential input weight exp(x)"
         log_input, terms = weighted
-        shared.add((txt(simplify(gamma)), txt(log_input)))
+        gamma = simplify(gamma)
+        shared[txt(gamma), txt(log_input)] = (gamma, log_input)
         states.append(StabilisedState(n, terms, m.vector))
     if len(shared) != 1:
         return None, "the states' decays or input weights differ (one stabiliser serves one pair)"
@@ -111,6 +112,5 @@ def find_stabiliser(alg: Algebra) -> tuple[Stabiliser | None, str]:
         read, probes = find_probes(alg, alg.inline(spec.read), set(alg.states))
     except NotAdmitted as err:
         return None, str(err)
-    gamma = simplify(diagonal(nf.maps[states[0].name].terms))
-    log_input = exp_weight(alg, tuple(nf.maps[states[0].name].incs))[0]
+    (gamma, log_input), = shared.values()
     return Stabiliser(gamma, log_input, tuple(states), tuple(probes), read), ""
