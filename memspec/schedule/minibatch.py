@@ -65,7 +65,7 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
     except NotAdmitted as err:   # inputs that are functions of solved states, mirror steps, blocks
         linear_err = err
         held = {b.index for b in blocks} | ({i for i, _ in window.caches.values()} if window else set())
-        recurrence, sites = _statement_recurrence(alg, None if blocks or window else err, held)
+        recurrence, sites = _statement_recurrence(alg, held)
         coef, rest = {}, {}
         reasons += _recurrence_reasons(alg, recurrence, sites, {b.target for b in blocks})
         for b in blocks:
@@ -209,8 +209,7 @@ def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict, held: set = 
     return out
 
 
-def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = None,
-                          held: set = frozenset()) -> tuple[Recurrence, dict]:
+def _statement_recurrence(alg: Algebra, held: set = frozenset()) -> tuple[Recurrence, dict]:
     """The :class:`Recurrence` the materialising chunk step solves: every ``grad(...)`` of
     statement i replaced by a placeholder ``_g<i>_<k>`` (token-local, the gradient's shape),
     so that the same call in two statements (taken at different values) stays two inputs.
@@ -240,8 +239,8 @@ def _statement_recurrence(alg: Algebra, linear_failure: NotAdmitted | None = Non
             scope[input_name(when, n)] = tuple(st.shape)
     try:
         return minibatch_recurrence(spec, values, scope, inputs=True), sites
-    except NotRecurrence as err:
-        raise (linear_failure or NotAdmitted(str(err))) from None
+    except NotRecurrence as err:   # the statement-by-statement form is the general one: its failure is the reason
+        raise NotAdmitted(str(err)) from None
 
 
 def row_scaled(spec, rec: Recurrence, c: Expr | None = None) -> bool:

@@ -263,6 +263,11 @@ class _Extraction:
             tin = self.token_input(e, i)
             if tin is not None:
                 return tin
+        if isinstance(e, BinOp) and e.op == "@" and isinstance(e.right, Call) and e.right.fn == "diag" \
+                and self.local(e.right) and not self.local(e.left):
+            raise NotRecurrence(f"`{unparse(e)}` scales the columns of a state (a per-channel factor on its "
+                                "value side); the recurrences scale a state by a token-local scalar or its rows "
+                                "(`diag(c) @ S`)")
         raise NotRecurrence(f"`{unparse(e)}` is not a token-local scalar times a state")
 
     def token_input(self, e: Expr, i: int) -> Optional[_Affine]:
