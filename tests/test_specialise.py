@@ -474,3 +474,24 @@ def test_references_to_functions_a_module_does_not_carry_name_their_module():
     src = specialise(chunk_dplr, inclusive=True)
     assert ":func:`memspec.runtime.dplr.recurrent_dplr`" in src and ":func:`recurrent_dplr`" not in src
     assert callable(dplr.recurrent_dplr)
+
+
+def test_phase_sources_carry_the_phases_a_phase_calls(tmp_path, monkeypatch):
+    """A kernel that calls phase ``_a``, which calls ``_b``: both are carried, in the module's
+    order, and an unused ``_c`` is not."""
+    import importlib.util
+
+    import memspec.codegen.context as context
+    path = tmp_path / "fake_phases.py"
+    path.write_text("def _b(x):\n    return x + 1\n\n\ndef _a(x):\n    return _b(x) * 2\n\n\n"
+                    "def _c(x):\n    return x\n")
+    spec = importlib.util.spec_from_file_location("fake_phases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(context, "runtime_phases", module)
+    parts = phase_sources(["def kernel(x):\n    return _a(x)\n"])
+    assert [p.split("(")[0] for p in parts] == ["def _b", "def _a"]
+    namespace: dict = {}
+    for part in parts:
+        exec(part, namespace)
+    assert namespace["_a"](1) == 4

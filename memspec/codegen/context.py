@@ -53,10 +53,22 @@ def kernel_functions(fn, src: str) -> list:
 
 def phase_sources(runtime: list) -> list:
     """The sources of the kernels' shared phases (:mod:`memspec.runtime.phases`) that the runtime
-    sources ``runtime`` call (after specialising: only those a kernel still uses), in their order."""
-    used = {n.id for src in runtime for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
-    return [runtime_source(f) for name, f in vars(runtime_phases).items()
-            if inspect.isfunction(f) and f.__module__ == runtime_phases.__name__ and name in used]
+    sources ``runtime`` call (after specialising: only those a kernel still uses), and the phases
+    those call in turn, in the module's order."""
+    phases = {name: f for name, f in vars(runtime_phases).items()
+              if inspect.isfunction(f) and f.__module__ == runtime_phases.__name__}
+
+    def names(src: str) -> set:
+        return {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+
+    used: set = set().union(*(names(src) for src in runtime))
+    pending = [n for n in used if n in phases]
+    while pending:   # a phase that calls another phase carries it too
+        for n in names(runtime_source(phases[pending.pop()])) - used:
+            used.add(n)
+            if n in phases:
+                pending.append(n)
+    return [runtime_source(f) for name, f in phases.items() if name in used]
 
 
 @dataclass(frozen=True)
