@@ -267,22 +267,6 @@ def test_without_a_dual_form_a_row_scaling_is_not_mini_batch():
     assert "no dual form: the loss reads W1 outside the model" in text
 
 
-def test_a_column_scaling_is_named_as_the_reason():
-    """A per-channel factor on a state's value side (``W1 @ diag(c)``: its columns) has no
-    mini-batch form; explain names that term (not the row scaling of W2, which the recurrences
-    do solve), auto picks online, and asking for mini-batch is a located error saying why."""
-    update = ["U1 = mu * U1 - eta * grad(loss, W1)", "U2 = mu * U2 - eta * grad(loss, W2)",
-              "W1 = W1 @ diag(1 - alpha_h) + U1", "W2 = diag(1 - alpha_h) @ W2 + U2"]
-    spec = _variant(update, schedule="auto")
-    assert analyse(spec).family == "online"
-    text = explain(spec)
-    assert "minibatch: `W1 @ diag(1 - alpha_h)` scales the columns of a state" in text
-    assert "diag(1 - alpha_h) @ W2 is linear" not in text
-    with pytest.raises(memspec.SpecError) as err:
-        analyse(_variant(update))
-    assert "`W1 @ diag(1 - alpha_h)` scales the columns of a state" in str(err.value)
-
-
 def test_chunk_pre_is_local_to_batch_rows():
     """_chunk_pre (the per-channel weights, the blocks' coefficients, the scores of the inputs
     alone) on two chunks stacked on the batch axis gives each chunk's own numbers, and the

@@ -319,6 +319,7 @@ class _Layer:
     comment: str
     x: str             # the layer's input
     xvec: list         # (chunk-start state, coefficient)
+    cols: bool = False   # the state scales its columns per channel: ``vec`` holds every term
 
 
 class DualRead:
@@ -359,13 +360,17 @@ class DualRead:
         y = fresh(f"yq_{s}", self.taken)
         shape = (self.alg.spec.state[s].shape[-1],)
         if kind == "matmul":
-            X = local(self.loc(x.id))
-            vec = [matmul(Group(self.rows(v, X)), local(self.starts[r0])) if self.alg.is_chan(v)
-                   else scaled(v, matmul(X, local(self.starts[r0]))) for r0, v in rep.vec.items()]
-            mat = {(m, dd[g]): self.channel_scores(X, local(self.xk[g]), m) if self.alg.is_chan(m)
-                   else matmul(X, Post(local(self.xk[g]), ".transpose(-2, -1)")) for g, m in rep.mat.items()}
+            X, cols = local(self.loc(x.id)), s in self.alg.form.cols
+            vec = [self.start_read(X, v, local(self.starts[r0]), cols) for r0, v in rep.vec.items()]
+            mat = {}
+            for g, m in rep.mat.items():
+                if cols and self.alg.is_chan(m):   # weights per output channel: no [C, C] scores to share
+                    vec.append(self.column_terms(X, local(self.xk[g]), m, local(dd[g])))
+                else:
+                    mat[(m, dd[g])] = self.channel_scores(X, local(self.xk[g]), m) if self.alg.is_chan(m) \
+                        else matmul(X, Post(local(self.xk[g]), ".transpose(-2, -1)"))
             self.pending[y] = _Layer(vec, mat, shape_text("B, H, C", shape) + f": each token's own {s} applied, in "
-                                     "dual form", self.loc(x.id), list(rep.vec.items()))
+                                     "dual form", self.loc(x.id), list(rep.vec.items()), cols)
         else:
             vec = [scaled(v, Post(local(self.starts[r0]), ".unsqueeze(-2)")) for r0, v in rep.vec.items()]
             if isinstance(a, Name) and a.id in self.pending:   # (x @ W + b): one product per gradient
@@ -402,6 +407,25 @@ class DualRead:
         """``x`` ``[B, H, C, d]`` with each row scaled by the per-channel coefficient ``v`` ``[B, H, d, C]``."""
         return Op("*", x, Post(v, ".transpose(-2, -1)"))
 
+    def start_read(self, x: Term, v: Term, start: Term, cols: bool) -> Term:
+        """Each token's input ``x`` ``[B, H, C, d_in]`` through a chunk-start state scaled by its
+        coefficient ``v``: a number or ``[B, H, C]``, or per channel ``[B, H, d, C]`` on the state's
+        rows (``x`` scaled before the product) or columns (the product scaled after)."""
+        if not self.alg.is_chan(v):
+            return scaled(v, matmul(x, start))
+        if cols:
+            return self.rows(v, Group(matmul(x, start)))
+        return matmul(Group(self.rows(v, x)), start)
+
+    def column_terms(self, x: Term, xk: Term, m: Term, d: Term) -> Term:
+        """The gradients' part of a layer whose state scales its columns per channel: ``sum_j
+        (x_i . xk_j) m[c, i, j] d[j, c]`` ``[B, H, C, d_out]`` for the inputs ``x``, ``xk`` ``[B, H, C,
+        d_in]``, the deltas ``d`` ``[B, H, C, d_out]`` and the weights ``m`` ``[B, H, d_out, C, C]``
+        (one per output channel: the scores weighted per channel, then summed over the tokens j)."""
+        scores = Post(Group(matmul(x, Post(xk, ".transpose(-2, -1)"))), ".unsqueeze(-3)")
+        weighted = Op("*", Op("*", m, scores), Post(d, ".transpose(-2, -1).unsqueeze(-2)"))
+        return Post(Group(weighted), ".sum(-1).transpose(-2, -1)")
+
     def channel_scores(self, x: Term, xk: Term, m: Term) -> Term:
         """The scores of the inputs ``x`` and ``xk`` ``[B, H, C, d]`` weighted per channel by ``m``
         ``[B, H, d, C, C]``: ``sum_c x[i, c] m[c, i, j] xk[j, c]`` ``[B, H, C, C]``, one product of a
@@ -427,7 +451,7 @@ class DualRead:
         """Write the held-back layer outputs."""
         for y, layer in list(self.pending.items()):
             target = (rename or {}).get(y, y)
-            if layer.x in self.inputs:
+            if layer.x in self.inputs and not layer.cols:
                 # the layer's input is an input: its rows scaled by the coefficients read no
                 # state (_chunk_pre computes them once), and the scale is on the narrower side
                 x = local(layer.x)
@@ -459,7 +483,9 @@ class DualRead:
     def start_term(self, s: str, r0: str, v: Term) -> Term:
         """The state ``r0`` at the start times its coefficient ``v`` in ``s`` after the last token."""
         shape = self.alg.spec.state[s].shape
-        chan = self.alg.is_chan(v)   # one factor per row: the row axis is the channel axis
+        chan = self.alg.is_chan(v)   # one factor per row (or column): that axis is the channel axis
+        if chan and s in self.alg.form.cols:
+            return scaled(v, local(self.starts[r0]), "[..., None, :, -1]")
         lift = "[..., -1" + ", None" * (len(shape) - chan) + "]"
         return scaled(v, local(self.starts[r0]), lift)
 
@@ -468,6 +494,10 @@ class DualRead:
         alg, xk, dd = self.alg, self.xk, self.dd
         terms = []
         for g, m in alg.reps[s].mat.items():
+            if alg.is_chan(m) and s in alg.form.cols:   # one weight per column: the deltas weighted per channel
+                w = Group(Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(dd[g])))
+                terms.append(matmul(Post(local(xk[g]), ".transpose(-2, -1)"), w))
+                continue
             if alg.is_chan(m):   # one weight per row: the layer's input weighted per channel
                 w = Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(xk[g]))
                 w = alg.bind(fresh(f"{xk[g]}_last_{m.code}", self.taken), w, shape_text(
@@ -503,22 +533,24 @@ class DualRead:
         starts: dict = {}
         finals: dict = {}
         for s in alg.form.recurrence.order:   # each state after those that flow into it
-            shape = alg.spec.state[s].shape
+            shape, cols = alg.spec.state[s].shape, s in alg.form.cols
             own, inflow = None, []
             for r0, v in alg.reps[s].vec.items():
                 if not v.number:
                     name = fresh(f"a_{s}_{r0}_block", taken)
-                    t = Post(v, "[..., -1]" + unfold)
-                    head = f"B, H, nb, {alg.chan_dim(v)}" if alg.is_chan(v) else "B, H, nb"
+                    t = Post(v, "[..., -1]" + unfold + (".unsqueeze(-2)" if cols and alg.is_chan(v) else ""))
+                    head = (f"B, H, nb, 1, {alg.chan_dim(v)}" if cols else f"B, H, nb, {alg.chan_dim(v)}") \
+                        if alg.is_chan(v) else "B, H, nb"
                     L(f"{name} = {t.render()}", f"[{head}]: coefficient of {r0} (block start) in {s} at the block's "
                       "end", targets=(name,), reads=t.names | heads.names)
                     v = local(name)
                 if r0 == s:
                     own = v
                 else:
-                    lift = ", None" * (len(shape) - alg.is_chan(alg.reps[s].vec[r0]))
+                    chan = alg.is_chan(alg.reps[s].vec[r0])   # (on columns it is [B, H, nb, 1, d] already)
+                    lift = "" if chan and cols else ", None" * (len(shape) - chan)
                     inflow.append(local(starts[r0]) if v.one else
-                                  Op("*", v if v.number else Post(v, f"[...{lift}]"), local(starts[r0])))
+                                  Op("*", v if v.number or not lift else Post(v, f"[...{lift}]"), local(starts[r0])))
             terms = self.gradient_terms(s)
             if terms:
                 name = fresh(f"G_{s}", taken)

@@ -58,9 +58,12 @@ class DualForm:
         gradient in the state's update}.
     grad: the deltas of every site in closed form (:class:`.backprop.ClosedGrad`), or
         None: ``no_grad`` says why, and the chunk step takes them by ``torch.func.grad``.
-    rows: state -> its row axis, for the states whose recurrence scales rows
-        (``diag(c) @ R``, a decay per channel): their weights have one factor per row, and the
-        chunk runs in blocks of ``BLOCK`` tokens with the state passed between them.
+    rows: state -> its channel axis, for the states whose recurrence scales rows (``diag(c) @ R``,
+        a decay per channel) or, for those in ``cols``, columns (``R @ diag(c)``): their weights
+        have one factor per channel, and the chunk runs in blocks of ``BLOCK`` tokens with the
+        state passed between them.
+    cols: the states whose per-channel factors (their own, or those of the states that flow into
+        them) scale their columns, the layer's output channels; the others' scale rows.
     """
 
     sites: dict
@@ -70,6 +73,7 @@ class DualForm:
     grad: ClosedGrad | None = None
     no_grad: str | None = None
     rows: dict = field(default_factory=dict, repr=False)   # (said by describe, not printed in the plan)
+    cols: frozenset = field(default=frozenset(), repr=False)
 
     def describe(self) -> list[str]:
         """Lines for ``memspec explain``."""
@@ -83,10 +87,11 @@ class DualForm:
             "state of the chunk is a masked, decay-weighted sum of them: reads are attention-like "
             "[C, C] products, no per-token state is materialised",
         ] + ([
-            "per-channel decays of " + ", ".join(f"{s} (one factor per {d})" for s, d in self.rows.items())
-            + ": the weights of each token's gradient in a later state carry one product of decays per row "
+            "per-channel decays of " + ", ".join(f"{s} (one factor per {d}{', on its columns' if s in self.cols else ''})"
+                                                 for s, d in self.rows.items())
+            + ": the weights of each token's gradient in a later state carry one product of decays per channel "
             f"(accumulated token by token: exact products, no ratios of cumulative products); the chunk runs in "
-            f"blocks of {BLOCK} tokens, [block, block] weights per row inside a block and the states at the blocks' "
+            f"blocks of {BLOCK} tokens, [block, block] weights per channel inside a block and the states at the blocks' "
             "starts carried from block to block, so only C / block states per chunk are formed"] if self.rows else [])
 
 
@@ -165,7 +170,8 @@ def _states_outside_model(spec, e: Expr) -> set:
 
 def _grad_terms(e, placeholders: set, local_scalar, local_vector=lambda e: False) -> dict:
     """``e`` as ``sum_p coeff_p * p`` over the placeholder names (a coefficient may be a vector,
-    ``diag(c) @ p``: a row scaling); raises NotDual."""
+    ``diag(c) @ p`` or ``p @ diag(c)``: a row or column scaling, which the recurrence's sides
+    tell apart); raises NotDual."""
     if e is None:
         return {}
     if isinstance(e, Name) and e.id in placeholders:
@@ -188,11 +194,13 @@ def _grad_terms(e, placeholders: set, local_scalar, local_vector=lambda e: False
                 if e.op == "/":
                     return {p: BinOp("/", c, s) for p, c in inner.items()}
                 return {p: (s if isinstance(c, Num) and c.value == 1 else BinOp("*", s, c)) for p, c in inner.items()}
-    if isinstance(e, BinOp) and e.op == "@" and isinstance(e.left, Call) and e.left.fn == "diag" \
-            and len(e.left.args) == 1 and local_vector(e.left.args[0]) and not _mentions(e.left.args[0], placeholders):
-        c = e.left.args[0]
-        inner = _grad_terms(e.right, placeholders, local_scalar, local_vector)
-        return {p: (c if isinstance(k, Num) and k.value == 1 else BinOp("*", c, k)) for p, k in inner.items()}
+    if isinstance(e, BinOp) and e.op == "@":
+        for d, t in ((e.left, e.right), (e.right, e.left)):
+            if isinstance(d, Call) and d.fn == "diag" and len(d.args) == 1 and local_vector(d.args[0]) \
+                    and not _mentions(d.args[0], placeholders):
+                c = d.args[0]
+                inner = _grad_terms(t, placeholders, local_scalar, local_vector)
+                return {p: (c if isinstance(k, Num) and k.value == 1 else BinOp("*", c, k)) for p, k in inner.items()}
     raise NotDual(f"`{unparse(e)}` is not a sum of token-local scalars times gradients")
 
 
@@ -273,7 +281,7 @@ def analyse_dual(spec) -> DualForm:
         grad, no_grad = closed_grad(spec, spec.loss, list(sites), spec_names(spec)), None
     except NoClosedForm as err:
         grad, no_grad = None, str(err)
-    return DualForm(sites, tuple(targets), rec, grad_terms, grad, no_grad, rows)
+    return DualForm(sites, tuple(targets), rec, grad_terms, grad, no_grad, rows, rec.cols)
 
 
 def _gradient_terms(spec, rec, placeholders: dict, scope: dict, env: ShapeEnv) -> dict:
@@ -296,9 +304,9 @@ def _gradient_terms(spec, rec, placeholders: dict, scope: dict, env: ShapeEnv) -
 
 
 def _row_scalings(spec, rec, grad_terms: dict, sites: dict, env: ShapeEnv) -> dict:
-    """state -> the row axis of its per-channel coefficients (``diag(c) @ R``: a vector ``c``
-    over the rows of the state, of a state or of a gradient), for the states whose recurrence has
-    one; raises NotDual."""
+    """state -> the channel axis of its per-channel coefficients (``diag(c) @ R``: a vector ``c``
+    over the rows of the state, of a state or of a gradient; ``R @ diag(c)`` over its columns for
+    the recurrence's ``cols``), for the states whose recurrence has one; raises NotDual."""
     rows: dict = {}
     for s in rec.order:
         coefs = [(r, c) for (_, r), c in rec.coeff[s].items()] + [(f"grad({t})", c) for t, c in grad_terms[s].items()]
@@ -307,11 +315,13 @@ def _row_scalings(spec, rec, grad_terms: dict, sites: dict, env: ShapeEnv) -> di
             if shape is None or len(shape) == 0:
                 continue
             state_shape = tuple(spec.state[s].shape)
-            if len(shape) != 1 or len(state_shape) != 2 or tuple(shape) != state_shape[:1]:
+            axis, side = (1, "column") if s in rec.cols else (0, "row")
+            if len(shape) != 1 or len(state_shape) != 2 or tuple(shape) != state_shape[axis:axis + 1]:
                 raise NotDual(f"the coefficient {unparse(c)} of {r} in the update of {s} is not one factor per "
-                              f"row of {s}")
-            rows[s] = state_shape[0]
+                              f"{side} of {s}")
+            rows[s] = state_shape[axis]
     for s in rows:
         if sites.get(s) == "bias":
-            raise NotDual(f"the bias {s} decays per channel (the dual form scales the rows of matrices)")
+            raise NotDual(f"the bias {s} decays per channel (the dual form scales the rows or columns of matrices)")
     return rows
+

@@ -110,7 +110,8 @@ def analyse_minibatch(alg: Algebra, chunk: int) -> tuple[MinibatchPlan, list[str
         lines = [] if window is not None else [f"no dual form ({err}): each chunk materialises every token's "
                                                f"state{blocked}"]
     if dual is None and row_scaled(alg.spec, recurrence):
-        # a row scaling diag(c) @ S runs only in the dual form (the materialising step scales by scalars)
+        # a row or column scaling (diag(c) @ S, S @ diag(c)) runs only in the dual form (the materialising
+        # step scales by scalars)
         raise NotAdmitted(f"{linear_err} (and no dual form: {no_dual})") if linear_err else NotAdmitted(no_dual)
     reasons += lines
     how += lines
@@ -189,8 +190,12 @@ def _recurrence_reasons(alg: Algebra, rec: Recurrence, sites: dict, held: set = 
             continue
         total: Expr = ZERO
         for (when, r), c in rec.coeff[s].items():
-            total = BinOp("+", total, BinOp("@", Call("diag", [c]), Name(r)) if row_scaled(alg.spec, rec, c)
-                          else BinOp("*", c, Name(r)))
+            if not row_scaled(alg.spec, rec, c):
+                total = BinOp("+", total, BinOp("*", c, Name(r)))
+            elif s in rec.cols:
+                total = BinOp("+", total, BinOp("@", Name(r), Call("diag", [c])))
+            else:
+                total = BinOp("+", total, BinOp("@", Call("diag", [c]), Name(r)))
         if rec.rest[s] is not None:
             back = {input_name(w, n): Name(n) for n in alg.states for w in ("prev", "cur")}
             total = BinOp("+", total, substitute(rec.rest[s], {**calls, **back}))
@@ -244,8 +249,8 @@ def _statement_recurrence(alg: Algebra, held: set = frozenset()) -> tuple[Recurr
 
 
 def row_scaled(spec, rec: Recurrence, c: Expr | None = None) -> bool:
-    """Is the coefficient ``c`` a vector (a row scaling ``diag(c) @ R``), or, without ``c``, has
-    the recurrence one?"""
+    """Is the coefficient ``c`` a vector (a row scaling ``diag(c) @ R``, or a column scaling
+    ``R @ diag(c)`` for the recurrence's ``cols``), or, without ``c``, has the recurrence one?"""
     env = ShapeEnv.from_spec(spec)
     cs = [c] if c is not None else [cf for s in rec.order for cf in rec.coeff[s].values()]
     return any(len(env.infer(x) or ()) == 1 for x in cs)

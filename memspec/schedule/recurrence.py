@@ -76,7 +76,8 @@ class NotRecurrence(Exception):
 class Recurrence:
     """The update program of one token, with every ``grad(...)`` held fixed, as
     ``S_t = sum coeff[S][(when, R)] * R_when + rest[S]`` with token-local scalar
-    coefficients (or vectors: a row scaling ``diag(c) @ R``, one factor per row of R),
+    coefficients (or vectors: a row scaling ``diag(c) @ R``, one factor per row of R, or for the
+    states in ``cols`` a column scaling ``R @ diag(c)``, one factor per column),
     where ``(\"prev\", R)`` is R after the previous token and ``(\"cur\", R)`` is R after
     this token (used when a statement reads a state that an earlier statement of the token
     finished writing, e.g. Titans' ``W = (1 - alpha) * W + U``).
@@ -93,19 +94,28 @@ class Recurrence:
     grads: tuple
     inputs: dict = field(default_factory=dict)
     mirror: dict = field(default_factory=dict)
+    cols: frozenset = field(default=frozenset(), repr=False)   # (explain writes them as S @ diag(c))
 
 
 def _factor(e: Expr, local, scalar, vector):
-    """``e`` as a token-local factor times a term: ``(c, X, lift)`` for ``c * X`` / ``X * c`` (c a
-    scalar) or a row scaling ``diag(c) @ X`` (c a vector: coefficients one factor per row), with
+    """``e`` as a token-local factor times a term: ``(c, X, lift, side)`` for ``c * X`` / ``X * c``
+    (c a scalar, side None), a row scaling ``diag(c) @ X`` (side ``"row"``) or a column scaling
+    ``X @ diag(c)`` (side ``"col"``; c a vector: coefficients one factor per row or column), with
     ``lift`` the same factor applied to X's rest; None if ``e`` is neither."""
     if isinstance(e, BinOp) and e.op == "*":
         for s, t in ((e.left, e.right), (e.right, e.left)):
             if local(s) and scalar(s):
-                return s, t, lambda rest, s=s: term_mul(s, rest)
-    if isinstance(e, BinOp) and e.op == "@" and isinstance(e.left, Call) and e.left.fn == "diag" \
-            and len(e.left.args) == 1 and local(e.left.args[0]) and not local(e.right) and vector(e.left.args[0]):
-        return e.left.args[0], e.right, lambda rest: BinOp("@", e.left, rest) if rest is not None else None
+                return s, t, lambda rest, s=s: term_mul(s, rest), None
+    if not (isinstance(e, BinOp) and e.op == "@"):
+        return None
+    for d, t, side in ((e.left, e.right, "row"), (e.right, e.left, "col")):
+        if isinstance(d, Call) and d.fn == "diag" and len(d.args) == 1 and local(d.args[0]) and not local(t) \
+                and vector(d.args[0]):
+            def lift(rest, d=d, side=side):
+                if rest is None:
+                    return None
+                return BinOp("@", d, rest) if side == "row" else BinOp("@", rest, d)
+            return d.args[0], t, lift, side
     return None
 
 
@@ -145,7 +155,27 @@ def minibatch_recurrence(spec, values=None, scope=None, inputs: bool = False) ->
     coeff = {s: {k: c for k, c in x.cur[s].coeffs.items() if c is not None} for s in states}
     return Recurrence(_solve_order(states, coeff, x.used_inputs), coeff, {s: x.cur[s].rest for s in states},
                       tuple(x.grads.values()), {s: tuple(sorted(v)) for s, v in x.used_inputs.items() if v},
-                      x.mirror)
+                      x.mirror, _column_states(states, coeff, x.sides))
+
+
+def _column_states(states: list, coeff: dict, sides: dict) -> frozenset:
+    """The states whose per-channel coefficients scale their columns.  A state inherits the side
+    of every state that flows into it (its weights carry their factors); :class:`NotRecurrence`
+    if a state's factors would scale both its rows and its columns."""
+    side = {s: set(sides.get(s, ())) for s in states}
+    changed = True
+    while changed:   # the sides flow along the coefficients (a fixpoint: the graph may have cycles)
+        changed = False
+        for s in states:
+            for _, r in coeff[s]:
+                if not side[r] <= side[s]:
+                    side[s] |= side[r]
+                    changed = True
+    for s in states:
+        if len(side[s]) > 1:
+            raise NotRecurrence(f"the per-channel factors of {s} scale both its rows (`diag(c) @ {s}`) and its "
+                                f"columns (`{s} @ diag(c)`)")
+    return frozenset(s for s in states if side[s] == {"col"})
 
 
 def _solve_order(states: list, coeff: dict, used_inputs: dict) -> tuple:
@@ -157,6 +187,9 @@ def _solve_order(states: list, coeff: dict, used_inputs: dict) -> tuple:
         ready = [s for s in pending if all(r == s or r in order for _, r in coeff[s])
                  and all(r in order for _, r in used_inputs[s])]
         if not ready:
+            if any(w == "prev" and r != s and r in pending for s in pending for w, r in coeff[s]):
+                raise NotRecurrence(f"the recurrences of {', '.join(pending)} feed each other's previous values "
+                                    "(a coupled system, not a chain of scalar recurrences)")
             raise NotRecurrence(f"states {', '.join(pending)} feed each other within a token")
         order.append(ready[0])
         pending.remove(ready[0])
@@ -182,6 +215,7 @@ class _Extraction:
         self.temps: dict = {}   # temporary -> its _Affine (a token-local input when it has no coefficients)
         self.used_inputs: dict = {s: set() for s in spec.state}
         self.mirror: dict = {}
+        self.sides: dict = {}   # state -> the sides ("row", "col") its statements scale per channel
         self.cur = {s: _Affine({("prev", s): Num(1)}, None) for s in spec.state}
 
     def statement(self, i: int, value: Expr) -> None:
@@ -223,6 +257,15 @@ class _Extraction:
             if isinstance(c, Call) and c.fn == "grad":
                 self.grads.setdefault(unparse(c), c)
 
+    def note_sides(self, e: Expr, i: int) -> None:
+        """Record the sides that the per-channel factors in a token-local term scale (e.g. a step
+        size per channel on a gradient, ``diag(c) @ grad(...)``): the state's weights carry them."""
+        for n in e.walk():
+            if isinstance(n, BinOp) and n.op == "@":
+                for d, t, side in ((n.left, n.right, "row"), (n.right, n.left, "col")):
+                    if isinstance(d, Call) and d.fn == "diag" and len(self.env.infer(t, scope=self.scope) or ()) == 2:
+                        self.sides.setdefault(self.spec.update[i].target, set()).add(side)
+
     def pure_temps(self) -> dict:
         """The temporaries that are token-local inputs -> their values."""
         return {t: v.rest if v.rest is not None else Num(0) for t, v in self.temps.items() if not v.coeffs}
@@ -232,10 +275,12 @@ class _Extraction:
         :class:`NotRecurrence` saying which term is not a token-local scalar times a state."""
         if self.local(e):
             self.note_grads(e)
+            self.note_sides(e, i)
             pure = self.pure_temps()
             return _Affine({}, substitute(e, pure) if pure else e)
         if isinstance(e, Name):
-            if e.id in self.temps:
+            if e.id in self.temps:   # (its per-channel sides are the reading statement's too)
+                self.sides.setdefault(self.spec.update[i].target, set()).update(self.sides.get(e.id, ()))
                 return _Affine(dict(self.temps[e.id].coeffs), self.temps[e.id].rest)
             if e.id != self.spec.update[i].target and self.last.get(e.id, i) < i:
                 return _Affine({("cur", e.id): Num(1)}, None)   # finished earlier in this token
@@ -252,8 +297,10 @@ class _Extraction:
                 coeffs[k] = term_add(coeffs.get(k), c)
             return _Affine({k: c for k, c in coeffs.items() if c is not None}, term_add(a.rest, b.rest))
         factor = _factor(e, self.local, self.scalar, self.vector)
-        if factor is not None:   # c * X (c a token-local scalar) or diag(c) @ X (c one factor per row)
-            c, t, lift = factor
+        if factor is not None:   # c * X (c a token-local scalar), diag(c) @ X or X @ diag(c) (per row / column)
+            c, t, lift, side = factor
+            if side is not None:
+                self.sides.setdefault(self.spec.update[i].target, set()).add(side)
             v = self.walk(t, i)
             return _Affine({k: term_mul(c, cf) for k, cf in v.coeffs.items()}, lift(v.rest))
         if isinstance(e, BinOp) and e.op == "/" and self.local(e.right) and self.scalar(e.right):
@@ -263,11 +310,6 @@ class _Extraction:
             tin = self.token_input(e, i)
             if tin is not None:
                 return tin
-        if isinstance(e, BinOp) and e.op == "@" and isinstance(e.right, Call) and e.right.fn == "diag" \
-                and self.local(e.right) and not self.local(e.left):
-            raise NotRecurrence(f"`{unparse(e)}` scales the columns of a state (a per-channel factor on its "
-                                "value side); the recurrences scale a state by a token-local scalar or its rows "
-                                "(`diag(c) @ S`)")
         raise NotRecurrence(f"`{unparse(e)}` is not a token-local scalar times a state")
 
     def token_input(self, e: Expr, i: int) -> Optional[_Affine]:
