@@ -44,11 +44,12 @@ def runtime_source(obj) -> str:
 
 def kernel_functions(fn, src: str) -> list:
     """The private functions of kernel ``fn``'s module that its (specialised) source ``src`` calls: a
-    family's chunk maps and outputs, in their order in the module."""
+    family's chunk maps and outputs, in their order in the module; and its private classes that it
+    names (an autograd function with a closed-form backward)."""
     used = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
     module = inspect.getmodule(fn)
-    return [f for name, f in vars(module).items()
-            if name.startswith("_") and name in used and inspect.isfunction(f) and f.__module__ == module.__name__]
+    return [f for name, f in vars(module).items() if name.startswith("_") and name in used
+            and (inspect.isfunction(f) or inspect.isclass(f)) and f.__module__ == module.__name__]
 
 
 def phase_sources(runtime: list) -> list:

@@ -72,9 +72,9 @@ def specialise_source(src: str, consts: dict, drop: dict | None = None) -> str:
     signature and the statements without such a call stay as written, and nothing is tidied away."""
     tree = ast.parse(src)
     fdef = tree.body[0]
-    if not isinstance(fdef, ast.FunctionDef):
-        raise TypeError("specialise takes a function")
-    params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs]
+    if not isinstance(fdef, ast.FunctionDef) and not (isinstance(fdef, ast.ClassDef) and not consts):
+        raise TypeError("specialise takes a function (or a class, with nothing bound)")
+    params = [a.arg for a in fdef.args.posonlyargs + fdef.args.args + fdef.args.kwonlyargs] if consts else []
     unknown = sorted(set(consts) - set(params))
     if unknown:
         raise TypeError(f"{fdef.name} has no parameter {', '.join(unknown)}")
@@ -549,7 +549,7 @@ def specialise_calls(kernel, consts: dict, reach) -> list:
     lines alike -- is written without those arguments by the specialiser itself
     (:func:`specialise_source`'s ``drop``).  A function also named other than in calls (passed on as
     a value), one that calls itself, directly or through others, and what only such a one reaches,
-    stay general."""
+    stay general, as does a class (an autograd function: only its calls lose constant arguments)."""
     general: dict = {}
 
     def original(fn) -> str:
@@ -568,11 +568,12 @@ def specialise_calls(kernel, consts: dict, reach) -> list:
             uses.setdefault(c, _uses(texts[c]))
         calls = [n for c in callers for n in uses[c][0].get(fn.__name__, [])]
         named = sum(uses[c][1].get(fn.__name__, 0) for c in callers)
-        bound[fn] = constant_arguments(fn, calls) if fn not in cyclic and len(calls) == named else {}
+        bound[fn] = constant_arguments(fn, calls) if fn not in cyclic and len(calls) == named \
+            and not inspect.isclass(fn) else {}
         texts[fn] = specialise_source(original(fn), bound[fn])
         reached[fn] = reach(texts[fn])
     drop = {fn: frozenset(b) for fn, b in bound.items() if fn is not kernel and b}
-    own = sorted((fn for fn in bound if fn is not kernel), key=lambda f: f.__code__.co_firstlineno)
+    own = sorted((fn for fn in bound if fn is not kernel), key=_first_line)
     # a docstring's reference to a function of the module that specialising left uncarried names its module
     carried = {fn.__name__ for fn in bound} | {n for c, t in texts.items() for n in uses.setdefault(c, _uses(t))[1]}
     out = []
@@ -607,7 +608,7 @@ def _callers_first(start: list, calls_of) -> tuple[list, list]:
             calls[fn] = list(dict.fromkeys(calls_of(fn)))   # itself too, when it recurses
             todo += calls[fn]
     waiting = {fn: sum(fn in callees for callees in calls.values()) for fn in calls}
-    ready = sorted((fn for fn, n in waiting.items() if n == 0), key=lambda f: f.__code__.co_firstlineno)
+    ready = sorted((fn for fn, n in waiting.items() if n == 0), key=_first_line)
     ordered = []
     while ready:
         fn = ready.pop(0)
@@ -616,8 +617,13 @@ def _callers_first(start: list, calls_of) -> tuple[list, list]:
             waiting[g] -= 1
             if waiting[g] == 0:
                 ready.append(g)
-    rest = sorted(set(calls) - set(ordered), key=lambda f: f.__code__.co_firstlineno)
+    rest = sorted(set(calls) - set(ordered), key=_first_line)
     return ordered, rest
+
+
+def _first_line(fn) -> int:
+    """The line a function (or class) starts at in its module."""
+    return fn.__code__.co_firstlineno if inspect.isfunction(fn) else inspect.getsourcelines(fn)[1]
 
 
 def constant_arguments(fn, calls: list) -> dict:
