@@ -24,12 +24,13 @@ from ..lang.shapes import ShapeEnv, let_order
 from ..runtime import helpers as runtime_helpers
 from ..runtime import muon as runtime_muon
 from ..runtime import phases as runtime_phases
+from ..runtime import solve as runtime_solve
 from ..schedule.decide import BY_NAME, DEFAULT_CHUNK, ScheduleDecision
 from .exprs import ExprEmitter
 from .text import class_name, inert, shape_text
 
 # the language's functions the emitted code may call, as module-level helpers
-HELPER_FUNCTIONS = ("layernorm", "rmsnorm", "l2norm", "huber", "attend", "append", "newton_schulz")
+HELPER_FUNCTIONS = ("layernorm", "rmsnorm", "l2norm", "huber", "attend", "append", "newton_schulz", "cg")
 
 # attributes and methods of the generated Memory module besides nn.Module's own
 OWN_ATTRS = ("chunk", "compile", "checkpoint", "forward", "step", "init_state", "inner_loss",
@@ -220,9 +221,10 @@ class Context:
 
     def helper_sources(self) -> list:
         """Sources of the language helpers the emitted code called, sorted by name (Newton-Schulz's
-        in :mod:`memspec.runtime.muon`, the others in :mod:`memspec.runtime.helpers`)."""
-        return [runtime_source(getattr(runtime_helpers, h, None) or getattr(runtime_muon, h))
-                for h in sorted(self.helpers)]
+        in :mod:`memspec.runtime.muon`, ``cg`` in :mod:`memspec.runtime.solve`, the others in
+        :mod:`memspec.runtime.helpers`)."""
+        return [runtime_source(getattr(runtime_helpers, h, None) or getattr(runtime_muon, h, None)
+                               or getattr(runtime_solve, h)) for h in sorted(self.helpers)]
 
     # ------------------------------------------------------------ names and shapes
     def emitter(self, **kw) -> ExprEmitter:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, Num, Transpose, is_diag, substitute, unparse
+from ..lang.shape_rules import cg_steps
 from ..lang.shapes import ShapeEnv, steps_value
 from .text import inert
 
@@ -368,6 +369,15 @@ class ExprEmitter:
                         row=B.row)
         return Code(f"torch.linalg.solve({A.text}, {B.text})", P_ATOM, 2, row=B.row)
 
+    def _cg(self, e: Call) -> Code:
+        """``cg(A, B, steps)``: the helper (:func:`memspec.runtime.solve.cg`), a vector B as one column."""
+        A, B = self._rowed([self._emit(e.args[0]), self._emit(e.args[1])])
+        self.helpers.add(e.fn)
+        steps = cg_steps(e.args[2], self.spec.constants)
+        if B.rank == 1:
+            return Code(f"cg({A.text}, {B.at(P_ATOM)}.unsqueeze(-1), {steps}).squeeze(-1)", P_ATOM, 1, row=B.row)
+        return Code(f"cg({A.text}, {B.text}, {steps})", P_ATOM, 2, row=B.row)
+
     def _eye(self, e: Call) -> Code:
         """``eye(d)``: ``torch.eye`` in the dtype and device of the tensor ``like``."""
         d = self._emit(e.args[0])
@@ -392,7 +402,7 @@ class ExprEmitter:
               "softmax": _softmax, "newton_schulz": _newton_schulz,
               **dict.fromkeys(("layernorm", "rmsnorm", *DERIVATIVE_HELPERS), _helper),
               "l2norm": _l2norm, "outer": _outer, "huber": _huber, "min": _min_max, "max": _min_max,
-              "clamp": _clamp, "solve": _solve, "eye": _eye, "attend": _attend}
+              "clamp": _clamp, "solve": _solve, "cg": _cg, "eye": _eye, "attend": _attend}
 
     def _axis(self, e: Call) -> int:
         """The axis named by ``e``'s second argument, as a negative dim of its first argument."""

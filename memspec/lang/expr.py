@@ -53,6 +53,8 @@ FUNCTIONS: dict[str, tuple[int, int, str]] = {
     "max": (2, 2, "elementwise maximum"),
     "huber": (2, 2, "huber(x, delta): elementwise Huber penalty"),
     "solve": (2, 2, "solve(A, B) = A^-1 B for square A"),
+    "cg": (3, 3, "cg(A, B, steps): steps iterations of conjugate gradients on A X = B from X = 0 (each column "
+                 "of B its own iteration; a column whose residual reaches the rounding level of b stops)"),
     "eye": (1, 1, "eye(d): identity matrix [d, d]"),
     "diag": (1, 1, "diag(a) @ X scales the rows of X by the vector a, X @ diag(a) its columns (only an operand "
                    "of @: the diagonal matrix is never formed)"),

@@ -67,3 +67,6 @@ def clip(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
 
 MAX_NS_STEPS = 20
 """The most Newton-Schulz steps ``newton_schulz(X, steps)`` takes (and the longest coefficient schedule)."""
+
+MAX_CG_STEPS = 1000
+"""The most conjugate-gradient steps ``cg(A, B, steps)`` takes."""

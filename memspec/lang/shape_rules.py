@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import Collector, Span, did_you_mean
-from .limits import MAX_NS_STEPS
+from .limits import MAX_CG_STEPS, MAX_NS_STEPS
 from .expr import FUNCTIONS, ELEMENTWISE_FUNCTIONS, Call, Expr, Name, Num, unparse
 
 Shape = tuple  # tuple[str, ...]
@@ -34,6 +34,16 @@ def steps_value(e: Expr, constants=None):
         return int(e.value)
     if isinstance(e, Name) and constants is not None and isinstance(constants.get(e.id), tuple):
         return constants[e.id]
+    return None
+
+
+def cg_steps(e: Expr, constants=None):
+    """The iterations of ``cg(A, B, steps)``: an integer literal in 1..MAX_CG_STEPS, or the name of a
+    constant holding one; None when it is neither."""
+    v = e.value if isinstance(e, Num) else constants.get(e.id) if isinstance(e, Name) and constants else None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer() \
+            and 1 <= float(v) <= MAX_CG_STEPS:
+        return int(v)
     return None
 
 
@@ -96,7 +106,9 @@ class FunctionRules:
                                 hint="names of the spec are values; functions are " + _fn_examples(),
                                 code="E-unknown-function")
             else:
-                cands = list(FUNCTIONS) + ([m.name] if m is not None else [])
+                # functions that take this many arguments (a one-argument call is no misspelt cg(A, B, steps))
+                cands = [f for f, (lo, hi, _) in FUNCTIONS.items() if lo <= len(e.args) <= hi] + \
+                    ([m.name] if m is not None else [])
                 hint = _FUNCTION_HINTS.get(fn) or did_you_mean(fn, cands)
                 if hint is None and m is not None and len(e.args) == 1:
                     hint = f"the model is {m.name}({m.arg}); other functions are " + _fn_examples()
@@ -251,18 +263,30 @@ class FunctionRules:
         return (a[0], b[0])
 
     def _fn_solve(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
-        a, b = (self._infer(x, ctx) for x in e.args)
+        a, b = (self._infer(x, ctx) for x in e.args[:2])   # (and cg(A, B, steps))
         if a is None or b is None:
             return None
+        call = "solve(A, B)" if e.fn == "solve" else "cg(A, B, steps)"
         if len(a) != 2 or a[0] != a[1]:
-            ctx.diags.error(f"solve(A, B) needs a square matrix A, got {fmt_shape(a)}", e.args[0].span or e.span,
+            ctx.diags.error(f"{call} needs a square matrix A, got {fmt_shape(a)}", e.args[0].span or e.span,
                             hint="A is [n, n]; B is [n] or [n, m]", code="E-shape")
             return None
         if len(b) not in (1, 2) or b[0] != a[0]:
-            ctx.diags.error(f"shape mismatch in solve: A is {fmt_shape(a)}, B is {fmt_shape(b)}",
+            ctx.diags.error(f"shape mismatch in {e.fn}: A is {fmt_shape(a)}, B is {fmt_shape(b)}",
                             e.args[1].span or e.span, hint=f"B must be [{a[0]}] or [{a[0]}, m]", code="E-shape")
             return None
         return b
+
+    def _fn_cg(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
+        steps = e.args[2]
+        ok = cg_steps(steps, self.spec.constants) is not None
+        if not ok:
+            ctx.diags.error(f"cg(A, B, steps) takes a number of steps, an integer from 1 to {MAX_CG_STEPS} (or a "
+                            f"constant holding one), got '{unparse(steps)}'", steps.span or e.span,
+                            hint="conjugate gradients runs exactly that many iterations from x = 0: MesaNet's "
+                                 "kernels use 30, cg(H + lam * eye(d_k), q, 30)", code="E-shape")
+        shape = self._fn_solve(e, ctx)
+        return shape if ok else None
 
     def _fn_diag(self, e: Call, ctx: _Ctx) -> Optional[Shape]:
         d = self._diag_arg(e, ctx)
@@ -447,6 +471,7 @@ _FUNCTION_HINTS = {
     "square": "write x^2",
     "inv": "write solve(A, B) for A^-1 B",
     "inverse": "write solve(A, B) for A^-1 B",
+    "conjugate_gradients": "write cg(A, B, steps)",
     "normalize": "l2norm(x) normalises over the last axis",
 }
 

@@ -28,7 +28,8 @@ The result stays differentiable for the outer loop: gradients flow into views,
 gates, params and learned initial states.
 
 Public API: :func:`run`, :func:`init_state`, :func:`apply_model`, :func:`document_bounds`,
-:func:`newton_schulz` and the numerical constants of the normalisers and of ``newton_schulz``.
+:func:`newton_schulz`, :func:`conjugate_gradients` (``cg``) and the numerical constants of the
+normalisers and of ``newton_schulz``.
 
 Modules: :mod:`.inputs` (dims, params, initial states, views and gates, the schedule argument,
 checked), :mod:`.values` (the ``[B, H, ...]`` values, the scope, the located error),
@@ -39,9 +40,9 @@ functions), :mod:`.tokens` (one token; the schedules' token loop), :mod:`.packed
 from __future__ import annotations
 
 from .api import apply_model, run
-from .functions import LAYERNORM_EPS, NORM_EPS, NS_COEFFICIENTS, NS_EPS, newton_schulz
+from .functions import LAYERNORM_EPS, NORM_EPS, NS_COEFFICIENTS, NS_EPS, conjugate_gradients, newton_schulz
 from .inputs import init_state
 from .packed import document_bounds
 
-__all__ = ["run", "init_state", "apply_model", "document_bounds", "newton_schulz", "LAYERNORM_EPS", "NORM_EPS",
-           "NS_COEFFICIENTS", "NS_EPS"]
+__all__ = ["run", "init_state", "apply_model", "document_bounds", "newton_schulz", "conjugate_gradients",
+           "LAYERNORM_EPS", "NORM_EPS", "NS_COEFFICIENTS", "NS_EPS"]

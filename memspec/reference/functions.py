@@ -42,6 +42,38 @@ def newton_schulz(X: torch.Tensor, steps) -> torch.Tensor:
     return X.transpose(-1, -2) if tall else X
 
 
+def conjugate_gradients(A: torch.Tensor, B: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` iterations of conjugate gradients (Hestenes and Stiefel 1952) on ``A X = B``
+    from ``X = 0``, every column ``b`` of ``B`` (``[..., n, m]``) its own iteration::
+
+        x = 0, r = b, p = r, rr = r . r
+        repeat steps times, for a column with rr > eps^2 (b . b) (eps: the dtype's machine epsilon):
+            alpha = rr / (p . A p);  x += alpha p;  r -= alpha A p
+            rr' = r . r;  p = r + (rr' / rr) p;  rr = rr'
+
+    A column whose residual has reached the rounding level of its b (``||r|| <= eps ||b||``; a
+    zero b at once) has converged and stops: in exact arithmetic its residual would be 0, and
+    further steps would iterate on rounding error until it underflows (and their derivatives
+    overflow).  For a symmetric positive definite ``A`` it is exact after ``n`` steps in exact
+    arithmetic, and the iterate of step ``s`` minimises the A-norm of the error over the Krylov
+    space of ``s`` dimensions.  Differentiable (autograd through the iterations; a stopped column's
+    divisions are by 1, so no 0 / 0 enters its gradient)."""
+    x = torch.zeros_like(B)
+    r, p = B, B
+    rr = (B * B).sum(-2, keepdim=True)                               # [..., 1, m]
+    stop = rr * torch.finfo(B.dtype).eps ** 2                        # the rounding level of b
+    for _ in range(steps):
+        active = rr > stop
+        Ap = A @ p
+        alpha = torch.where(active, rr, 0.0) / torch.where(active, (p * Ap).sum(-2, keepdim=True), 1.0)
+        x = x + alpha * p
+        r = r - alpha * Ap
+        rr_new = (r * r).sum(-2, keepdim=True)
+        p = r + torch.where(active, rr_new, 0.0) / torch.where(active, rr, 1.0) * p
+        rr = torch.where(active, rr_new, rr)
+    return x
+
+
 ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sqrt": torch.sqrt,
     "exp": torch.exp,
@@ -162,6 +194,17 @@ class Functions:
         if len(named_shape(b)) == 1:
             return torch.linalg.solve(A, b.unsqueeze(-1)).squeeze(-1)
         return torch.linalg.solve(A, b)
+
+    def fn_cg(self, e, scope):
+        """``cg(A, B, steps)``: :func:`conjugate_gradients` on every column of B."""
+        A, b = self.args(e, scope)[:2]
+        if len(named_shape(A)) != 2:
+            raise EvalError(f"{located(e)}cg needs a square matrix first, got {list(named_shape(A))}")
+        steps = e.args[2]
+        n = steps.value if isinstance(steps, Num) else self.spec.constants[steps.id]
+        if len(named_shape(b)) == 1:
+            return conjugate_gradients(A, b.unsqueeze(-1), int(n)).squeeze(-1)
+        return conjugate_gradients(A, b, int(n))
 
     def fn_diag(self, e, scope):
         raise EvalError(f"{located(e)}diag(a) is only allowed as an operand of @")

@@ -60,7 +60,7 @@ def recurrent_solve(q, k, beta, log_gamma, H0, lam, inclusive=True):
 
 
 def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=None, steps=None,
-                group=None, documents=None):
+                fixed=False, group=None, documents=None):
     """Chunked form of :func:`recurrent_solve`: ``x_t = solve(H_t + lam I, q_t)`` for every
     token by conjugate gradients over whole chunks (the module docstring gives the algebra).
     The state passes over chunks as ``H_end = exp(L_C) H_0 + sum_s beta_s exp(L_C - L_s) k_s
@@ -77,11 +77,15 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
         H0: ``[B, H, K, K]`` initial state (symmetric positive semi-definite), or None for
             zeros; one that is not symmetric (to ``tol`` of its largest entry) takes a direct
             solve per token (:func:`_direct_solve`).
-        lam: the regulariser (a number > 0).
+        lam: the regulariser: a number > 0, or a tensor > 0 broadcasting to ``[B, T, H, K]`` (one
+            per token and key channel: ``H_t + Diag(lam_t)``; ``[H, K]`` a learned one per head).
         chunk: chunk size C.
         inclusive: True: token t solves with H_t; False: with H_{t-1}.
         tol: the relative residual at which a token stops (None: :func:`_solve_tolerance`).
         steps: the most conjugate-gradient steps (None: K, where exact arithmetic converges).
+        fixed: False: solve to ``tol`` as above.  True: the spec's solver ``cg(A, q, steps)``
+            instead, ``steps`` conjugate-gradient steps from x = 0 and :func:`cg`'s early stop
+            only (:func:`_solve_group`).
         group: chunks per batched group G (default: temporaries near 512 KB on CPU).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1; H0 and the final state
             ``[N, H, K, K]``): each starts at a chunk, from its own state; or None.
@@ -105,18 +109,19 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
     # solver's tolerance of its largest entry) takes the direct solve (one device sync)
     symmetric = H0 is None or bool((H0 - H0.transpose(-1, -2)).abs().amax()
                                    <= tolerance * H0.abs().amax())
-    inputs = _solve_inputs(q, k, beta, log_gamma, docs, ok, read_bad)   # [B, T', H, ...] (packed: laid out)
+    inputs = _solve_inputs(q, k, beta, log_gamma, lam, docs, ok, read_bad)   # [B, T', H, ...] (packed: laid out)
     T = inputs[1].shape[1]
     G = _group_size(-(-T // C), BH * C * max(K, C), group, k.device)
     groups = _chunk_groups(T, C, G)
     pieces = zip(groups, *(_split_groups(x, groups) for x in inputs))
     outs, j0 = [], 0
-    for (n, m, c), qp, kp, bp, lp in pieces:
+    for (n, m, c), qp, kp, bp, lp, *lam_p in pieces:
         def block(x):   # [B, n c, H, *D] -> [n B H, c, *D]
             x = _chunk_major(x.to(dt), n, c)
             return x.reshape(n * BH, c, *x.shape[4:])
 
         qg, kg, bg, lg = block(qp), block(kp), block(bp), block(lp)   # [nBH, c, (K)]
+        lam_g = block(lam_p[0]) if lam_p else float(lam)             # [nBH, c, K] or a number
         W, Lq, g_end, kd = _solve_weights(lg, bg, kg, n, inclusive)
         kk = torch.bmm(kd.transpose(1, 2), kg)          # each chunk's writes, decayed to its end
         kk = ((kk + kk.transpose(1, 2)) * 0.5).view(n, BH, K, K)   # symmetric in floating point
@@ -124,10 +129,7 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
                                     docs, j0)
         j0 += n
         H_starts, a = _stacked(starts), torch.exp(Lq)   # [nBH, K, K], [nBH, c]
-        if symmetric:
-            x = _ChunkSolve.apply(qg, H_starts, kg, W, a, float(lam), tolerance, most)
-        else:
-            x = _direct_solve(qg, H_starts, kg, W, a, float(lam))
+        x = _solve_group(qg, H_starts, kg, W, a, lam_g, symmetric, fixed, tolerance, most)
         outs.append(_token_major(x, B, Hh, m))   # [B, n, m, H, K]
     H_T = docs.final() if docs is not None else S.view(B, Hh, K, K)
     H_T = torch.where(state_bad[..., None, None], float("nan"), H_T)   # a bad token poisons it
@@ -136,10 +138,28 @@ def chunk_solve(q, k, beta, log_gamma, H0, lam, chunk, *, inclusive=True, tol=No
     return x.to(q.dtype), H_T.to(out_dtype)
 
 
-def _solve_inputs(q, k, beta, log_gamma, docs, ok, read_bad):
+def _solve_group(q, H0, k, W, a, lam, symmetric, fixed, tol, steps):
+    """A group's solutions ``x [nBH, c, K]`` of every token's system (chunk-start states ``H0
+    [nBH, K, K]``): with ``fixed``, the ``steps`` conjugate-gradient steps of ``cg(A, q, steps)``
+    (``A_t x_t = q_t`` as cg writes it: ``p A_tᵀ`` row by row), else ``x_t A_t = q_t`` solved to
+    the relative residual ``tol``; an initial state that is not ``symmetric`` forms every
+    token's matrix."""
+    if fixed and symmetric:
+        return _ChunkCG.apply(q, H0.transpose(1, 2), k, W, a, lam, steps)
+    elif fixed:
+        A = _formed_systems(H0, k, W, a, lam, q)
+        return _cg_rows(lambda P: (A @ P.unsqueeze(-1)).squeeze(-1), q, steps)
+    elif symmetric:
+        return _ChunkSolve.apply(q, H0, k, W, a, lam, tol, steps)
+    else:
+        return _direct_solve(q, H0, k, W, a, lam)
+
+
+def _solve_inputs(q, k, beta, log_gamma, lam, docs, ok, read_bad):
     """``chunk_solve``'s per-token inputs on the laid-out row (``docs``: packed documents, or None):
     the probes, keys, write weights and log decays (0 without a decay; -inf, a decay of 0, as the
-    lowest finite one).  A bad token (``ok`` false, :func:`_screen`'s flags) runs as an identity
+    lowest finite one), and a regulariser that is a tensor, as ``[B, T, H, K]`` (one per token and
+    key channel).  A bad token (``ok`` false, :func:`_screen`'s flags) runs as an identity
     token (no write, no decay) and the probe of an output set to NaN (``read_bad``) as 0 (solved at
     once), by ``torch.where`` only when there is one (one sync: the solver's steps sync anyway)."""
     lg_all = log_gamma if log_gamma is not None else torch.zeros_like(beta)   # (no decay: 0)
@@ -149,7 +169,11 @@ def _solve_inputs(q, k, beta, log_gamma, docs, ok, read_bad):
     if bool((read_bad | ~ok).any()):
         q_in, k_in, b_in, lg_in = (torch.where(read_bad[..., None], 0.0, q_in), torch.where(ok[..., None], k_in, 0.0),
                                    torch.where(ok, b_in, 0.0), torch.where(ok, lg_in, 0.0))
-    return q_in, k_in, b_in, torch.nan_to_num(lg_in, 0.0, 0.0)
+    out = (q_in, k_in, b_in, torch.nan_to_num(lg_in, 0.0, 0.0))
+    if torch.is_tensor(lam):
+        lam = (lam.unsqueeze(-1) if lam.dim() == 3 else lam).expand(*q.shape)
+        out += (docs.lay(lam) if docs is not None else lam,)
+    return out
 
 
 def _solve_tolerance(dtype):
@@ -183,24 +207,31 @@ def _solve_weights(lg, bg, kg, n, inclusive):
     return W, L_q, g_end, kd
 
 
-def _direct_solve(q, H0, k, W, a, lam):
-    """Every token's system solved directly,
-    ``x_t (a_t H_0 + sum_s W[t, s] k_s k_sᵀ + lam I) = q_t`` (``q [nBH, c, K]``, ``H_0
-    [nBH, K, K]`` any matrix): the path of an initial state that is not symmetric, where
-    conjugate gradients does not apply; every token's matrix is formed (``[nBH, c, K, K]``),
-    differentiated by autograd."""
-    K = q.shape[-1]
+def _formed_systems(H0, k, W, a, lam, q):
+    """Every token's matrix ``a_t H_0 + sum_s W[t, s] k_s k_sᵀ + Diag(lam_t)`` formed,
+    ``[nBH, c, K, K]`` (``H_0 [nBH, K, K]`` any matrix, ``lam`` a number or ``[nBH, c, K]``, ``q``
+    the right-hand sides ``[nBH, c, K]`` for the shape): the path of an initial state that is not
+    symmetric, where the chunk-level products do not apply; differentiated by autograd."""
     kk = k.unsqueeze(-1) * k.unsqueeze(-2)                           # [nBH, c, K, K]
     A = a[..., None, None] * H0.unsqueeze(1) + torch.einsum("bts,bsij->btij", W, kk)
-    A = A + lam * torch.eye(K, dtype=q.dtype, device=q.device)
+    return A + torch.diag_embed(lam * torch.ones_like(q))
+
+
+def _direct_solve(q, H0, k, W, a, lam):
+    """Every token's system ``x_t A_t = q_t`` (:func:`_formed_systems`) solved directly."""
+    A = _formed_systems(H0, k, W, a, lam, q)
     return torch.linalg.solve(A, q.unsqueeze(-2), left=False).squeeze(-2)   # x_t A_t = q_t
 
 
 def _solve_matvec(P, H0, k, W, a, lam):
     """Every token's matrix applied to its own row of ``P [nBH, c, K]``:
     ``a_t (p_t H_0) + sum_s W[t, s] (p_t . k_s) k_s + lam p_t`` (H_0 ``[nBH, K, K]`` the
-    chunk's start state, symmetric; ``a [nBH, c]`` its decay at each token)."""
-    out = torch.baddbmm(P, P * a[..., None], H0, beta=lam)        # lam p_t + (a_t p_t) H_0
+    chunk's start state, symmetric; ``a [nBH, c]`` its decay at each token; ``lam`` a number or
+    ``[nBH, c, K]``, one per token and channel)."""
+    if torch.is_tensor(lam):                                         # lam [nBH, c, K]: Diag(lam_t)
+        out = torch.baddbmm(lam * P, P * a[..., None], H0)
+    else:
+        out = torch.baddbmm(P, P * a[..., None], H0, beta=lam)       # lam p_t + (a_t p_t) H_0
     return torch.baddbmm(out, torch.bmm(P, k.transpose(1, 2)).mul_(W), k)
 
 
@@ -237,15 +268,16 @@ class _ChunkSolve(torch.autograd.Function):
     def forward(ctx, q, H0, k, W, a, lam, tol, steps):
         with torch.no_grad():
             x = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), q, tol, steps)
-        ctx.save_for_backward(x, H0, k, W, a)
-        ctx.solver = (lam, tol, steps)
+        ctx.save_for_backward(x, H0, k, W, a, *([lam] if torch.is_tensor(lam) else []))
+        ctx.solver = (None if torch.is_tensor(lam) else lam, tol, steps)
         return x
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        x, H0, k, W, a = ctx.saved_tensors
+        x, H0, k, W, a, *lam_t = ctx.saved_tensors
         lam, tol, steps = ctx.solver
+        lam = lam_t[0] if lam_t else lam
         y = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), g, tol, steps)
         # x_t A_t = a_t (x_t H_0) + sum_s W[t, s] (x_t . k_s) k_s + lam x_t against -y_t
         xk = torch.bmm(x, k.transpose(1, 2))                         # [nBH, c, c] x_t . k_s
@@ -254,4 +286,80 @@ class _ChunkSolve(torch.autograd.Function):
         d_H0 = -torch.bmm((x * a[..., None]).transpose(1, 2), y)     # [nBH, K, K]
         d_W = -(xk * yk)                                             # [nBH, c, c]
         d_k = -torch.bmm((xk * W).transpose(1, 2), y) - torch.bmm((yk * W).transpose(1, 2), x)
-        return y, d_H0, d_k, d_W, d_a, None, None, None
+        d_lam = -(x * y) if torch.is_tensor(lam) else None               # Diag(lam_t) against -y_t x_tᵀ
+        return y, d_H0, d_k, d_W, d_a, d_lam, None, None
+
+
+def cg(A, B, steps):
+    """``cg(A, B, steps)`` of the language: ``steps`` iterations of conjugate gradients on
+    ``A X = B`` from ``X = 0``, every column of ``B [..., n, m]`` its own iteration, a column
+    stopping once its residual is at the rounding level of its ``b`` (``||r|| <= eps ||b||``, eps
+    the dtype's machine epsilon: converged, where exact arithmetic has 0; its divisions then by 1,
+    so no 0 / 0 reaches a gradient).  Differentiable by autograd through the iterations."""
+    x = torch.zeros_like(B)
+    r, p = B, B
+    rr = (B * B).sum(-2, keepdim=True)                               # [..., 1, m] squared residuals
+    stop = rr * torch.finfo(B.dtype).eps ** 2                        # the rounding level of b
+    for _ in range(steps):
+        active = rr > stop
+        Ap = A @ p
+        alpha = torch.where(active, rr, 0.0) / torch.where(active, (p * Ap).sum(-2, keepdim=True), 1.0)
+        x = x + alpha * p
+        r = r - alpha * Ap
+        rr_new = (r * r).sum(-2, keepdim=True)
+        p = r + torch.where(active, rr_new, 0.0) / torch.where(active, rr, 1.0) * p
+        rr = torch.where(active, rr_new, rr)
+    return x
+
+
+def _cg_rows(matvec, b, steps):
+    """``steps`` conjugate-gradient steps on every row of ``b [N, c, K]`` (its own symmetric
+    system, ``matvec`` applying every row's matrix), from x = 0, a row stopping once its residual
+    is at the rounding level of its ``b``: the iteration of :func:`cg` (and of the reference
+    interpreter's ``cg``) with the rows batched.  Out of place, so autograd runs through it."""
+    x = torch.zeros_like(b)
+    r, p = b, b
+    rr = (b * b).sum(-1, keepdim=True)                               # [N, c, 1]
+    stop = rr * torch.finfo(b.dtype).eps ** 2                        # the rounding level of b
+    for _ in range(steps):
+        active = rr > stop
+        if not bool(active.any()):                                   # every row converged exactly
+            break
+        Ap = matvec(p)
+        alpha = torch.where(active, rr, 0.0) / torch.where(active, (p * Ap).sum(-1, keepdim=True), 1.0)
+        x = x + alpha * p
+        r = r - alpha * Ap
+        rr_new = (r * r).sum(-1, keepdim=True)
+        p = r + torch.where(active, rr_new, 0.0) / torch.where(active, rr, 1.0) * p
+        rr = torch.where(active, rr_new, rr)
+    return x
+
+
+class _ChunkCG(torch.autograd.Function):
+    """``x_t`` = ``steps`` conjugate-gradient steps on ``x_t A_t = q_t`` for a group of chunks
+    (:func:`_solve_matvec` applies ``A``): the spec's truncated solver.  Its function is not
+    ``q_t A_t^-1``, so the exact solve's adjoint does not give its gradient; the backward
+    differentiates the iterations themselves: it runs them again under autograd (the forward
+    keeps none of its iterates: one group's at a time in the backward) and takes the
+    vector-Jacobian product."""
+
+    @staticmethod
+    def forward(ctx, q, H0, k, W, a, lam, steps):
+        with torch.no_grad():
+            x = _cg_rows(lambda P: _solve_matvec(P, H0, k, W, a, lam), q, steps)
+        ctx.save_for_backward(q, H0, k, W, a, *([lam] if torch.is_tensor(lam) else []))
+        ctx.solver = (None if torch.is_tensor(lam) else lam, steps)
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        lam, steps = ctx.solver
+        ins = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+        q, H0, k, W, a, *lam_t = ins
+        with torch.enable_grad():
+            x = _cg_rows(lambda P: _solve_matvec(P, H0, k, W, a, lam_t[0] if lam_t else lam), q, steps)
+            wrt = [t for t in ins if t.requires_grad]
+            grads = iter(torch.autograd.grad(x, wrt, g, allow_unused=True) if wrt else ())
+        out = [next(grads) if t.requires_grad else None for t in ins]
+        return (*out, *([] if lam_t else [None]), None)

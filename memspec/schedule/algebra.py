@@ -262,7 +262,7 @@ class Algebra:
             if f == "attend":
                 v = args[2] if len(args) > 2 else None
                 return v[1:] if v else None
-            if f == "solve":
+            if f in ("solve", "cg"):
                 return args[1] if len(args) > 1 else None
             if f in ("min", "max", "clamp"):
                 known = [a for a in args if a is not None]

@@ -49,7 +49,7 @@ class Family:
     tells: Callable | None = None    # (spec) -> its rejection explains a refused `schedule: chunk(N)`
     served: str | None = None    # admitted, why a refused `schedule: chunk(N)` is not needed
     listed: Callable = lambda spec: True   # listed under "not faster" in explain when rejected
-    note: str | None = None      # explain's note when it is the decision
+    note: str | Callable | None = None   # explain's note when it is the decision (or plan -> note / None)
     # (coupling, rejected) -> explain's note on coupled states when it is the decision, or None
     coupled_note: Callable = lambda coupled, rej: None
     # (Algebra, rejected) -> further reasons when it is the decision
@@ -57,12 +57,14 @@ class Family:
     # (ScheduleDecision, spec) -> further explain notes when it is the decision
     more_notes: Callable = lambda d, spec: []
     sided: bool = False          # its kernel takes the key side: it sees states used on their value side transposed
-    exact_text: str | None = None    # explain's "exact:" line when it says more than yes / no
+    # explain's "exact:" line when it says more than yes / no (or plan -> that line / None)
+    exact_text: str | Callable | None = None
 
-    def exact_line(self, exact: bool) -> str:
-        """The value of explain's ``exact:`` line for a decision of this family."""
-        if self.exact_text is not None and exact:
-            return self.exact_text
+    def exact_line(self, exact: bool, plan=None) -> str:
+        """The value of explain's ``exact:`` line for a decision of this family (with its plan)."""
+        text = self.exact_text(plan) if callable(self.exact_text) else self.exact_text
+        if text is not None and exact:
+            return text
         return "yes" if exact else "no (an approximation of online learning)"
 
 
@@ -208,16 +210,12 @@ register(Family("oja", lambda alg, chunk: oja.analyse_oja(alg), exact=True, chun
 # reads that solve a linear system with an additive state (the mesa layer): conjugate gradients over
 # whole chunks, exact to the solver's tolerance; after chained, ahead of the one-state families
 register(Family("solve", lambda alg, chunk: solve.analyse_solve(alg), exact=True, chunked=True, carried=False,
-                text="solve (chunked conjugate gradients for every token's system, exact to the solver's tolerance)",
+                text="solve (chunked conjugate gradients for every token's system)",
                 keyword="chunk", needs="an exact chunk form", listed=solve.solves,
-                note="exact to the solver's tolerance " + ", ".join(f"{v:g} in {k}" for k, v in solve.TOLERANCE.items())
-                     + " (the relative residual at which each token's conjugate gradients stop), at most d steps for "
-                       "a d x d system: it matches online to that tolerance times the system's condition number",
+                note=solve.note,
                 hint="read p @ solve(S + lam * eye(d), G) with S <- gamma S + beta outer(k, k) (a scalar decay, beta "
                      ">= 0, lam a constant > 0) and G an additive memory",
-                hint_applies=solve.solves, prefers=solve.preferred_chunk,
-                exact_text="yes, to the solver's tolerance (" + ", ".join(f"{v:g} in {k}" for k, v in solve.TOLERANCE.items())
-                           + ")"), before="delta")
+                hint_applies=solve.solves, prefers=solve.preferred_chunk, exact_text=solve.exact_text), before="delta")
 
 
 @dataclass(frozen=True)
@@ -329,7 +327,7 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
     d = analyse(spec) if decision is None else decision
     fam = BY_NAME[d.family]
     lines = [f"{spec.name}: {fam.text}"]
-    lines.append(f"  exact: {fam.exact_line(d.exact)}")
+    lines.append(f"  exact: {fam.exact_line(d.exact, d.plan)}")
     if d.chunk is not None:
         lines.append(f"  chunk: {d.chunk}" + ("" if fam.exact else "  (chunk 1 equals online)"))
     lines.append(f"  admits: {', '.join(d.admits)}")
@@ -347,8 +345,9 @@ def explain(spec, decision: ScheduleDecision | None = None) -> str:
         lines.append("  not faster, because:")
         for f in better:
             lines.append(f"    - {f}: {rej[f]}")
-    if fam.note:
-        lines.append(f"  note: {fam.note}")
+    note = fam.note(d.plan) if callable(fam.note) else fam.note
+    if note:
+        lines.append(f"  note: {note}")
     coupled = fam.coupled_note(d.coupled, rej) if d.coupled else None
     if coupled:
         lines.append(f"  note: {coupled}")

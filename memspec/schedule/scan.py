@@ -186,7 +186,7 @@ def analyse_scan(alg: Algebra) -> tuple[ScanPlan, list[str]]:
     read = alg.inline(spec.read)
     if grad_calls(read) or any(isinstance(c, Call) and c.fn == "attend" for c in read.walk()):
         raise NotAdmitted(f"the read {txt(read)} takes a gradient or attends (not a token-local function)")
-    cubic = next((c for c in read.walk() if isinstance(c, Call) and c.fn in ("solve", "newton_schulz")
+    cubic = next((c for c in read.walk() if isinstance(c, Call) and c.fn in ("solve", "cg", "newton_schulz")
                   and alg.depends(c)), None)
     if cubic is not None:
         raise NotAdmitted(f"the read {txt(cubic)} solves or iterates with the state, cubic in its size per token: "
@@ -205,7 +205,7 @@ def analyse_scan(alg: Algebra) -> tuple[ScanPlan, list[str]]:
 
 def hint_applies(spec) -> bool:
     """Is the scan's hint worth printing: a read that does not solve with the state per token?"""
-    return not any(isinstance(c, Call) and c.fn in ("solve", "newton_schulz") for c in spec.read.walk())
+    return not any(isinstance(c, Call) and c.fn in ("solve", "cg", "newton_schulz") for c in spec.read.walk())
 
 
 VECTOR_CHUNK = 16

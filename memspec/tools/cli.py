@@ -259,7 +259,7 @@ def brief(spec, d) -> str:
     else:
         why = d.reasons[0] if d.reasons else "-"
     lines = [f"{spec.name}: {d.family}" + (f"({d.chunk})" if d.chunk and d.family != "cache" else ""),
-             "  exact: " + BY_NAME[d.family].exact_line(d.exact),
+             "  exact: " + BY_NAME[d.family].exact_line(d.exact, d.plan),
              f"  chunk: {d.chunk if d.chunk and d.family != 'cache' else '-'}",
              f"  admits: {', '.join(d.admits)}",
              f"  why: {why}"]
