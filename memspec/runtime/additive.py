@@ -606,22 +606,24 @@ def _channel_levels(qg, kg, gam, vg, dog, inclusive):
         qf = qg.view(nb, 2, h, K)[:, 1] * F2                         # [nb, h, K] q F_h (second halves)
         ke = kg.view(nb, 2, h, K)[:, 0] * E1                         # [nb, h, K] k E_h (first halves)
         v1, do2 = vg.view(nb, 2, h, V)[:, 0], dog.view(nb, 2, h, V)[:, 1]
-        if h == 1:            # pairs of 2 tokens: products of rows (no batched product of 1 x 1 matrices)
-            scores, dov = (qf * ke).sum(-1, keepdim=True), (do2 * v1).sum(-1, keepdim=True)   # [nb, 1, 1]
-            dv.view(nb, 2, h, V)[:, 0].addcmul_(scores, do2)
-            dqf, dke = dov * ke, dov * qf                            # [nb, 1, K] the pair's gradients of q F, k E
+        if h <= 2:            # small blocks: column by column (batched products of tiny matrices are slow)
+            kes, v1s = ke.split(1, 1), v1.split(1, 1)                # [nb, 1, K | V] each first-half token s
+            dov = [(do2 * x).sum(-1, keepdim=True) for x in v1s]     # [nb, h, 1] dO_t . v_s
+            dv.view(nb, 2, h, V)[:, 0].add_(torch.cat([((qf * x).sum(-1, keepdim=True) * do2).sum(1, keepdim=True)
+                                                       for x in kes], 1))   # sum_t A_ts dO_t
+            dqf = sum(d * x for d, x in zip(dov, kes))               # [nb, h, K]
+            dke = torch.cat([(d * qf).sum(1, keepdim=True) for d in dov], 1)
         else:                 # [nb, h, h] A_ts and dO_t . v_s, then the pairs' gradients of v, q F and k E
             scores, dov = torch.bmm(qf, ke.transpose(1, 2)), torch.bmm(do2, v1.transpose(1, 2))
             dv.view(nb, 2, h, V)[:, 0].add_(torch.bmm(scores.transpose(1, 2), do2))
             dqf, dke = torch.bmm(dov, ke), torch.bmm(dov.transpose(1, 2), qf)   # [nb, h, K]
         dq.view(nb, 2, h, K)[:, 1].addcmul_(dqf, F2)
         dk.view(nb, 2, h, K)[:, 0].addcmul_(dke, E1)
-        if h > 1:             # the log decays: sums over the pairs that span each token
-            later = torch.ones(h, h, dtype=qf.dtype, device=qf.device).triu(0 if inclusive else 1)   # t >= u (> u)
-            dlg.view(nb, 2, h, K)[:, 1].add_(torch.matmul(later, dqf.mul_(qf)))
-            dlg.view(nb, 2, h, K)[:, 0].add_(torch.matmul(later.new_ones(h, h).tril(-1), dke.mul_(ke)))   # s < u
-        elif inclusive:       # a pair of 2 tokens spans the second one only (exclusive: none)
-            dlg.view(nb, 2, h, K)[:, 1].addcmul_(dqf, qf)
+        # the log decays: each token sums the pairs that span it, t >= u (exclusive t > u) in the second
+        # half, s < u in the first
+        later = dqf.mul_(qf).flip(1).cumsum(1).flip(1)               # [nb, h, K] sum_{t >= u}
+        dlg.view(nb, 2, h, K)[:, 1].add_(later if inclusive else torch.nn.functional.pad(later[:, 1:], (0, 0, 0, 1)))
+        dlg.view(nb, 2, h, K)[:, 0, 1:].add_(dke.mul_(ke).cumsum(1)[:, :-1])   # sum_{s < u}
         p1, p2 = P.view(nb, 2, 1, K).unbind(1)                       # [nb, 1, K] the halves' decays
         F2.mul_(p1)                                                  # to blocks of 4h
         E1.mul_(p2)
