@@ -41,7 +41,7 @@ def emit(ctx, L) -> None:
     L()
     fixed = plan.iterations is not None   # the spec's N steps, or the exact solve to a tolerance
     for part in (_solve_tolerance, _solve_weights, _solve_matvec, _formed_systems,
-                 *((_cg_rows, _ChunkCG) if fixed else (_conjugate_gradients, _ChunkSolve))):
+                 _conjugate_gradients, *((_cg_rows, _ChunkCG) if fixed else (_ChunkSolve,))):
         ctx.need(part)
     for kernel in KERNELS:
         ctx.need_kernel(kernel)

@@ -47,7 +47,8 @@ def conjugate_gradients(A: torch.Tensor, B: torch.Tensor, steps: int) -> torch.T
     from ``X = 0``, every column ``b`` of ``B`` (``[..., n, m]``) its own iteration::
 
         x = 0, r = b, p = r, rr = r . r
-        repeat steps times, for a column with rr > eps^2 (b . b) (eps: the dtype's machine epsilon):
+        repeat steps times, for a column with rr > eps^2 (b . b) (eps: the dtype's machine epsilon;
+        a NaN column stays active, so its x is NaN):
             alpha = rr / (p . A p);  x += alpha p;  r -= alpha A p
             rr' = r . r;  p = r + (rr' / rr) p;  rr = rr'
 
@@ -63,7 +64,7 @@ def conjugate_gradients(A: torch.Tensor, B: torch.Tensor, steps: int) -> torch.T
     rr = (B * B).sum(-2, keepdim=True)                               # [..., 1, m]
     stop = rr * torch.finfo(B.dtype).eps ** 2                        # the rounding level of b
     for _ in range(steps):
-        active = rr > stop
+        active = ~(rr <= stop)                                       # (a NaN column stays active)
         Ap = A @ p
         alpha = torch.where(active, rr, 0.0) / torch.where(active, (p * Ap).sum(-2, keepdim=True), 1.0)
         x = x + alpha * p

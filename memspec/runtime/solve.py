@@ -301,7 +301,7 @@ def cg(A, B, steps):
     rr = (B * B).sum(-2, keepdim=True)                               # [..., 1, m] squared residuals
     stop = rr * torch.finfo(B.dtype).eps ** 2                        # the rounding level of b
     for _ in range(steps):
-        active = rr > stop
+        active = ~(rr <= stop)                                       # (a NaN column stays active)
         Ap = A @ p
         alpha = torch.where(active, rr, 0.0) / torch.where(active, (p * Ap).sum(-2, keepdim=True), 1.0)
         x = x + alpha * p
@@ -322,8 +322,8 @@ def _cg_rows(matvec, b, steps):
     rr = (b * b).sum(-1, keepdim=True)                               # [N, c, 1]
     stop = rr * torch.finfo(b.dtype).eps ** 2                        # the rounding level of b
     for _ in range(steps):
-        active = rr > stop
-        if not bool(active.any()):                                   # every row converged exactly
+        active = ~(rr <= stop)                                       # (a NaN row stays active)
+        if not bool(active.any()):                                   # every row converged
             break
         Ap = matvec(p)
         alpha = torch.where(active, rr, 0.0) / torch.where(active, (p * Ap).sum(-1, keepdim=True), 1.0)
@@ -345,8 +345,9 @@ class _ChunkCG(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, H0, k, W, a, lam, steps):
-        with torch.no_grad():
-            x = _cg_rows(lambda P: _solve_matvec(P, H0, k, W, a, lam), q, steps)
+        with torch.no_grad():   # the same steps and stop as _cg_rows, in place
+            x = _conjugate_gradients(lambda P: _solve_matvec(P, H0, k, W, a, lam), q, torch.finfo(q.dtype).eps,
+                                     steps)
         ctx.save_for_backward(q, H0, k, W, a, *([lam] if torch.is_tensor(lam) else []))
         ctx.solver = (None if torch.is_tensor(lam) else lam, steps)
         return x
