@@ -9,6 +9,7 @@ from collections import Counter
 
 from ..lang.errors import Collector
 from ..lang.expr import BinOp, Call, Expr, Name, Neg, is_diag
+from ..lang.shape_rules import cg_steps
 from ..lang.shapes import ShapeEnv
 from ..lang.spec import Spec
 from .mathtext import SUPERSCRIPT
@@ -68,6 +69,9 @@ class Coster:
             n = arg[0][0]
             m = tuple((arg[1] or ())[1:])
             return _size((n, n, n)) + _size((n, n) + m)
+        if e.fn == "cg" and arg[0]:   # one product A p per step
+            m = tuple((arg[1] or ())[1:])
+            return Counter({tuple(sorted(arg[0] + m)): cg_steps(e.args[2], spec.constants) or 1})
         if e.fn == "attend" and len(arg) == 4 and arg[1] and arg[2]:
             return _size(arg[1]) + _size(arg[2])
         if e.fn in ("sum", "mean", "norm", "layernorm", "rmsnorm", "l2norm", "softmax"):

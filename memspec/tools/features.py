@@ -92,7 +92,7 @@ def degree(e: Expr, var: str, spec: Spec) -> Optional[int]:
         if e.fn in ("outer",) or e.fn in ("sum", "mean"):
             s = sum(ds)
             return s if s <= 1 else None
-        if e.fn == "solve":
+        if e.fn in ("solve", "cg"):
             return ds[1] if ds[0] == 0 else None
         if spec.model is not None and e.fn == spec.model.name:
             inner = substitute(spec.model.body, {spec.model.arg: e.args[0]})
@@ -136,6 +136,7 @@ class Features:
     loss_kind: str = ""
     ratio_read: bool = False      # the read divides by a vector state
     solve_read: bool = False
+    cg_read: bool = False        # the solve is a fixed number of conjugate-gradient steps (cg)
     window: bool = False          # the loss reads caches of recent tokens (a window loss)
 
 
@@ -295,8 +296,9 @@ def features(spec: Spec) -> Features:
             den = names(n.right) & states
             if any(len(spec.state[s].shape) == 1 for s in den):
                 ft.ratio_read = True
-        if isinstance(n, Call) and n.fn == "solve":
+        if isinstance(n, Call) and n.fn in ("solve", "cg"):
             ft.solve_read = True
+            ft.cg_read = n.fn == "cg"
     return ft
 
 

@@ -56,7 +56,8 @@ def ladder(spec: Spec, ft: Features) -> tuple[str, str]:
         mech = ", ".join(parts)
     elif ft.solve_read:
         level, problem = "additive", "Read the least-squares fit of all stored associations"
-        mech = "key/value statistics read by an exact least-squares solve"
+        mech = "key/value statistics read by " + ("a fixed number of conjugate-gradient steps on the least-squares "
+                                                  "system" if ft.cg_read else "an exact least-squares solve")
     else:
         level, problem = "additive", "Avoid scanning a growing list with a suitable similarity"
         ranks = sorted({len(s.shape) for s in spec.state.values()})
