@@ -564,6 +564,7 @@ class Sizes:
     budget_s: float
     bench: list[str]
     bench_argv: list[str]
+    bench2: list[str]   # measured at two threads too: the forms whose online step is cheap per token
     anchors: list[str]
     dplr: list[str]
     floor: list[str]
@@ -575,6 +576,7 @@ def sizes(quick: bool) -> Sizes:
     if quick:
         return Sizes(T=128, repeat=1, budget_s=1.0,
                      bench=["specs/linear_attention.yaml", "specs/hgrn.yaml"], bench_argv=["--T", "128", "--repeat", "1"],
+                     bench2=["specs/hgrn.yaml"],
                      anchors=["--T", "128", "--repeat", "1"],
                      dplr=["--T", "128", "--repeat", "1", "--peer-repeat", "1", "--recurrent-repeat", "1"],
                      floor=["--T", "128", "--D", "16", "--chunk", "16", "--group", "4", "--repeat", "1"],
@@ -583,6 +585,8 @@ def sizes(quick: bool) -> Sizes:
     return Sizes(T=2048, repeat=5, budget_s=20.0,
                  bench=[f"specs/{p.name}" for p in sorted((ROOT / "specs").glob("*.yaml")) if p.stem not in SAME_MEMORY],
                  bench_argv=["--T", "2048", "--B", "1", "--H", "4", "--D", "64", "--repeat", "3"],
+                 bench2=[f"specs/{n}.yaml" for n in ("hgrn", "rglru", "mamba", "mlstm", "gsa", "gated_oja",
+                                                     "gated_deltanet_channel", "deltanet_column", "mesa")],
                  anchors=["--T", "2048", "--repeat", "7"],
                  dplr=["--T", "2048", "--repeat", "3", "--peer-repeat", "1", "--recurrent-repeat", "1"],
                  floor=["--T", "2048", "--repeat", "9"],
@@ -607,8 +611,10 @@ def scripts_section(z: Sizes, threads: int) -> tuple[list[str], list[str]]:
     t = ["--threads", str(threads)]
     specs, unchecked = checked_specs(z.bench)
     with tempfile.TemporaryDirectory() as d:
-        j = {k: str(Path(d) / f"{k}.json") for k in ("bench", "fwd", "bwd", "dplr", "dplr_bwd")}
+        j = {k: str(Path(d) / f"{k}.json") for k in ("bench", "bench2", "fwd", "bwd", "dplr", "dplr_bwd")}
         argv = {"bench": ["memspec", "bench", *specs, *z.bench_argv, *t, "--json", j["bench"]],
+                "bench2": ["memspec", "bench", *checked_specs(z.bench2)[0], *z.bench_argv, "--threads", "2",
+                           "--json", j["bench2"]],
                 "fwd": ["python", "benchmarks/anchors.py", *z.anchors, *t, "--json", j["fwd"]],
                 "bwd": ["python", "benchmarks/anchors.py", *z.anchors, *t, "--backward", "--json", j["bwd"]],
                 "dplr": ["python", "benchmarks/anchors.py", "--dplr", *z.dplr, *t, "--json", j["dplr"]],
@@ -620,7 +626,7 @@ def scripts_section(z: Sizes, threads: int) -> tuple[list[str], list[str]]:
         got, failed = {}, {}
         for k, a in argv.items():
             try:
-                text = run_command(a, threads)
+                text = run_command(a, 2 if k == "bench2" else threads)
                 got[k] = json.loads(Path(j[k]).read_text()) if k in j else text
             except CommandFailed as err:
                 failed[k] = str(err)
@@ -642,6 +648,10 @@ def scripts_section(z: Sizes, threads: int) -> tuple[list[str], list[str]]:
             f"% of this machine's `torch.bmm` 64×64 peak, {peak:.0f} GFLOP/s in this run):"), "",
            *notes, *([""] if notes else []),
            *table(["bench"], bench_table),
+           "## The elementwise and per-channel forms at two threads", "",
+           (f"{cmd('bench2')}: the exact chunked forms whose online step is cheap per token (a small state that "
+            "stays in cache), where a second thread speeds the chunked products and not the per-token loop:"), "",
+           *table(["bench2"], bench_table),
            "## Kernels against pure-PyTorch chunked forms", "",
            (f"{cmd('fwd')} and {cmd('bwd')}: `memspec.runtime`'s kernels against the pure-PyTorch chunked forms "
             "written in the script as flash-linear-attention's references are, and against fla's own references "

@@ -140,6 +140,10 @@ def test_report_quick_every_section(tmp_path):
     assert {(r[0], r[1]) for r in bench} == {("linear_attention", "additive"), ("linear_attention", "online"),
                                              ("hgrn", "scan"), ("hgrn", "online")}
     assert all(_ms(r[4]) > 0 for r in bench) and "failed" not in text
+    two = text.split("## The elementwise and per-channel forms at two threads", 1)[1]
+    assert "`memspec bench specs/hgrn.yaml --T 128 --repeat 1 --threads 2" in two
+    assert {(r[0], r[1]) for r in _table_rows(two, "| spec | schedule | exact |")} == {("hgrn", "scan"),
+                                                                                     ("hgrn", "online")}
     kernels = [r[0] for r in _table_rows(text, "| kernel | memspec, forward |")]
     assert kernels[:4] == ["delta rule", "gated delta rule", "linear attention", "decayed lin. attn"]
     assert [r[0] for r in _table_rows(text, "| row | median |")] == ["online", "chunked", "minimal", "matmuls"]
