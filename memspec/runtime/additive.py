@@ -554,10 +554,8 @@ def _channel_backward(q, k, lg, vs, S, starts, docs, groups, inclusive, do, dS_T
         dk.addcmul_(dKE, E)
         dv.add_(torch.bmm(KE, dSe))
         # the log decays: token u is in F_t for t >= u (exclusive t > u), in E_s for s < u, and in P
-        a = (QF * dQF).flip(1).cumsum(1).flip(1)                     # [nBH, c, K] sum_{t >= u}
-        b = (KE * dKE).cumsum(1)                                     # sum_{s <= u}
-        dlg.add_(a if inclusive else torch.nn.functional.pad(a[:, 1:], (0, 0, 0, 1)))
-        dlg[:, 1:].add_(b[:, :-1])
+        ones = torch.ones(c, c, dtype=dt, device=k.device)           # (triangular products: sums over t, s)
+        dlg.add_(torch.matmul(ones.triu(1 - inclusive), QF * dQF)).add_(torch.matmul(ones.tril(-1), KE * dKE))
         dlg.add_((P[:, 0] * (S_starts * dSe).sum(-1))[:, None])      # sum_v (Diag(P) S_0 dS_c)
         parts.append([_token_major(x, B, H, m) for x in (dq, dk, dlg, dv)])
     dq, dk, dlg, dv = [_join_chunks(list(p)[::-1]) for p in zip(*parts)]   # [B, T', H, K | V]
@@ -620,10 +618,18 @@ def _channel_levels(qg, kg, gam, vg, dog, inclusive):
         dq.view(nb, 2, h, K)[:, 1].addcmul_(dqf, F2)
         dk.view(nb, 2, h, K)[:, 0].addcmul_(dke, E1)
         # the log decays: each token sums the pairs that span it, t >= u (exclusive t > u) in the second
-        # half, s < u in the first
-        later = dqf.mul_(qf).flip(1).cumsum(1).flip(1)               # [nb, h, K] sum_{t >= u}
-        dlg.view(nb, 2, h, K)[:, 1].add_(later if inclusive else torch.nn.functional.pad(later[:, 1:], (0, 0, 0, 1)))
-        dlg.view(nb, 2, h, K)[:, 0, 1:].add_(dke.mul_(ke).cumsum(1)[:, :-1])   # sum_{s < u}
+        # half, s < u in the first (a cumulative sum over a middle axis is slow on CPU: by positions, or
+        # a triangular product)
+        a, b = dqf.mul_(qf), dke.mul_(ke)                            # [nb, h, K] each pair's terms
+        if h <= 4:
+            for j in range(h - 2, -1, -1):
+                a[:, j].add_(a[:, j + 1])                            # sum_{t >= u}
+                b[:, h - 1 - j].add_(b[:, h - 2 - j])                # sum_{s <= u}
+        else:
+            ones = torch.ones(h, h, dtype=a.dtype, device=a.device)
+            a, b = torch.matmul(ones.triu(), a), torch.matmul(ones.tril(), b)
+        dlg.view(nb, 2, h, K)[:, 1, :h - 1 + inclusive].add_(a[:, 1 - inclusive:])
+        dlg.view(nb, 2, h, K)[:, 0, 1:].add_(b[:, :-1])
         p1, p2 = P.view(nb, 2, 1, K).unbind(1)                       # [nb, 1, K] the halves' decays
         F2.mul_(p1)                                                  # to blocks of 4h
         E1.mul_(p2)
