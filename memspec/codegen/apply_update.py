@@ -71,10 +71,7 @@ def step_inputs(ctx, plan, cgs) -> list:
 def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
     taken = ctx.taken()
     sv = inputs if rows else ctx.views + ctx.gates
-    carried = ctx.states + [a.name for a in accs]
-    c, T, t, n, pos, group = (fresh(x, taken) for x in ("C", "T", "t", "n", "pos", "group"))
-    outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
-    axis = 2 if rows else 1
+    c, T, pos = (fresh(x, taken) for x in ("C", "T", "pos"))
     L(f"def _forward_apply_update(self, {', '.join(ctx.views + ctx.gates + ['state'])}):")
     with L.indent():
         L('"""' + "Apply, then update: chunks of `self.chunk` tokens at positions 0, C, 2C, ... of the stream.")
@@ -93,38 +90,70 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
             L(f"{pos} = state.get(\"every.pos\", 0)", "a Python int: the position in the chunks")
             for a in accs:
                 L(f"{a.name} = state.get({a.key!r})", f"the chunk's sum of {unparse(a.term)} so far, or None")
+            outs = rows_calls(ctx, L, accs, sv, taken, (c, T, pos))
         else:
             block_sums_in(ctx, L, pos, accs)
-        L(f"{outs} = []")
-        L(f"{t} = 0")
-        if rows:
-            L(f"{group} = min(8, 256 // {c}) * {c}", "whole chunks, this many tokens per call of _chunks_fn")
-        L(f"while {t} < {T}:")
-        with L.indent():
-            cut = f"[:, :, {t}:{t} + {n}]" if rows else f"[:, {t}:{t} + {n}]"
-            args = carried + [f"{x}{cut}" for x in sv] + [f"{pos} + {n} == {c}"]
-            single = [f"{n} = min({c} - {pos}, {T} - {t})",
-                      (f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size"),
-                      f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})",
-                      f"{outs}.append({o_c})"]
-            if rows:   # at a chunk boundary the sums are None: whole chunks in groups (one compiled call each)
-                L(f"if {pos} == 0 and {c} < {group} <= {T} - {t}:")
-                with L.indent():
-                    L(f"{n} = {group}")
-                    L(f"{o_c}, {tuple_text(ctx.states)} = self._chunks_fn("
-                      f"{', '.join(ctx.states + [f'{x}{cut}' for x in sv])})")
-                    L(f"{outs} += {o_c}", "each chunk's outputs: one concatenation at the end")
-                L("else:")
-                with L.indent():
-                    _lines(L, single)
-            else:
-                _lines(L, single)
-            L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
+            outs = token_calls(ctx, L, accs, sv, taken, (c, T, pos))
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
         block_sums_out(ctx, L, pos, accs, c)
-        o = f"torch.cat({outs}, dim={axis})"
+        o = f"torch.cat({outs}, dim={2 if rows else 1})"
         L(f"return {o}.transpose(1, 2), state" if rows else f"return {o}, state")
     L()
+
+
+def rows_calls(ctx, L, accs, sv, taken, names) -> str:
+    """The rows chunk step's calls over the stream: the calls' token counts first (groups of whole
+    chunks from a chunk boundary, one compiled call each; else to the next chunk boundary), then every
+    input split once at those bounds (one backward node per input, where a slice per call costs a
+    full-length gradient each), the calls in order.  Returns the list of outputs' name."""
+    c, T, pos = names
+    carried = ctx.states + [a.name for a in accs]
+    t, n, p, group, sizes = (fresh(x, taken) for x in ("t", "n", "p", "group", "sizes"))
+    outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
+    pieces = [fresh(f"{x}_c", taken) for x in sv]
+    L(f"{group} = min(8, 256 // {c}) * {c}", "whole chunks, this many tokens per call of _chunks_fn")
+    L(f"{sizes}, {t}, {p} = [], 0, {pos}", "the calls' token counts")
+    L(f"while {t} < {T}:")
+    with L.indent():
+        L(f"{n} = {group} if {p} == 0 and {c} < {group} <= {T} - {t} else min({c} - {p}, {T} - {t})")
+        L(f"{sizes}.append({n})")
+        L(f"{t}, {p} = {t} + {n}, ({p} + {n}) % {c}")
+    L(f"{outs} = []")
+    L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split({sizes}, dim=2) "
+      f"for x in {tuple_text(sv)})):")
+    with L.indent():
+        L(f"{n} = {pieces[0]}.shape[2]")
+        L(f"if {n} > {c}:", "a group of whole chunks (their sums start and end empty)")
+        with L.indent():
+            L(f"{o_c}, {tuple_text(ctx.states)} = self._chunks_fn({', '.join(ctx.states + pieces)})")
+            L(f"{outs} += {o_c}", "each chunk's outputs: one concatenation at the end")
+        L("else:")
+        with L.indent():
+            L(f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size")
+            L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(carried + pieces + [f'{pos} + {n} == {c}'])})")
+            L(f"{outs}.append({o_c})")
+        L(f"{pos} = ({pos} + {n}) % {c}")
+    return outs
+
+
+def token_calls(ctx, L, accs, sv, taken, names) -> str:
+    """The chunk step's calls over the stream (tokens [B, T, H, ...]): to the next chunk boundary
+    each.  Returns the list of outputs' name."""
+    c, T, pos = names
+    carried = ctx.states + [a.name for a in accs]
+    t, n = fresh("t", taken), fresh("n", taken)
+    outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
+    L(f"{outs} = []")
+    L(f"{t} = 0")
+    L(f"while {t} < {T}:")
+    with L.indent():
+        L(f"{n} = min({c} - {pos}, {T} - {t})")
+        L(f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size")
+        args = carried + [f"{x}[:, {t}:{t} + {n}]" for x in sv] + [f"{pos} + {n} == {c}"]
+        L(f"{o_c}, {tuple_text(carried)} = fn({', '.join(args)})")
+        L(f"{outs}.append({o_c})")
+        L(f"{t}, {pos} = {t} + {n}, ({pos} + {n}) % {c}")
+    return outs
 
 
 def prepare(ctx, L, inputs) -> None:
@@ -163,11 +192,13 @@ def whole_chunks(ctx, L, accs, inputs) -> None:
         L("empty and end with each chunk).  Returns (each chunk's o " + shape_text("B, H, C", ctx.read_shape())
           + " in a list, the state after them).")
         L('"""')
-        L("C = self.chunk")
+        taken = ctx.taken() | set(ctx.states)
+        pieces = [fresh(f"{x}_c", taken) for x in inputs]
         L("outputs = []")
-        L(f"for s in range(0, {inputs[0]}.shape[2], C):")
+        L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split(self.chunk, dim=2) "
+          f"for x in {tuple_text(inputs)})):")
         with L.indent():
-            args = ctx.states + ["None"] * len(accs) + [f"{x}[:, :, s:s + C]" for x in inputs] + ["True"]
+            args = ctx.states + ["None"] * len(accs) + pieces + ["True"]
             L(f"o, ({', '.join(ctx.states)}{', ' + rest if rest else ''}) = self._update_step({', '.join(args)})")
             L("outputs.append(o)")
         L(f"return outputs, {tuple_text(ctx.states)}")
@@ -309,12 +340,6 @@ def chunk_step(ctx, L, plan, accs) -> None:
         update_lines(ctx, L, plan, accs, last, rows=False)
         L(f"return o, {tuple_text(carried)}")
     L()
-
-
-def _lines(L, lines: list) -> None:
-    """Each line (text, or (text, comment)) through ``L``."""
-    for line in lines:
-        L(*line) if isinstance(line, tuple) else L(line)
 
 
 def _sum_text(refs: list) -> str:
