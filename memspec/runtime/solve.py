@@ -22,6 +22,14 @@ The backward solves the adjoint systems ``A_t y_t = dL/dx_t`` by conjugate gradi
 matrices are symmetric) and differentiates the matrices in closed form: ``dL/dA_t = -y_t x_tᵀ``,
 carried to ``H_0``, the keys, the pair weights and the decays through one product each (no
 autograd through the iterations).
+
+A spec may name the solver instead: ``cg(H + lam I, q, N)`` (:func:`cg`, the language's function) is
+N conjugate-gradient steps from x = 0, a token stopping early only once its residual reaches the
+rounding level of ``q_t`` -- MesaNet's fixed-step read, another function than the solve.  The kernel
+then runs exactly those steps (``fixed=True``, :class:`_ChunkCG`), and its backward differentiates
+the iterations (run again under autograd, one group of chunks at a time): the exact solve's adjoint
+would be the gradient of another function.  The regulariser ``lam`` may be one per token and key
+channel (``Diag(lam_t)``, a learned per-dimension Lambda), differentiated too.
 """
 from __future__ import annotations
 
