@@ -365,3 +365,16 @@ def test_streaming_step_causality_and_packing():
         torch.testing.assert_close(o[:, a:b], oi, rtol=1e-11, atol=1e-12)
         for n in spec.state:
             assert_same_function(fs[n][i:i + 1], si[n])
+
+
+def test_bfloat16_inputs_solve_in_float32():
+    """bfloat16 inputs: the states and the iteration run in float32 (its rounding-level stop at
+    float32's epsilon), the output is bfloat16, within bfloat16's rounding of the float64 read."""
+    spec = memspec.load(VARIANT)
+    m = make(spec, {"heads": 2, "d_k": 16, "d_v": 8}, chunk=16, dtype=torch.float32)
+    ins = harness_inputs(spec, m, T=40, dtype=torch.float32)
+    with torch.no_grad():
+        ob, sb = call(m, spec, {n: x.bfloat16() for n, x in ins.items()})
+        ref, _ = call(m.double(), spec, {n: x.bfloat16().double() for n, x in ins.items()}, schedule="online")
+    assert ob.dtype == torch.bfloat16 and sb["H"].dtype == torch.float32
+    assert float((ob.double() - ref).norm() / ref.norm()) <= 2e-2
