@@ -7,7 +7,8 @@ imports and no closures over module state.
 * :mod:`.helpers`   -- the language's functions (layernorm, l2norm, ...), input checks, the
                        compile wrapper, scan helpers of the mini-batch and cache schedules;
 * :mod:`.muon`      -- ``newton_schulz`` (the language's function) with its closed-form backward;
-* :mod:`.additive`  -- the additive family's exact chunked kernel;
+* :mod:`.additive`  -- the additive family's exact chunked kernel (per key channel under autograd, a
+                       closed-form backward: ``_AdditiveChannel``, carried with the kernel);
 * :mod:`.chained`   -- an additive state decayed on its columns (``chunk_value_decay``: gated slot
                        attention's key memory, the chained family's first pass);
 * :mod:`.delta`     -- the delta family's exact chunked kernel (a scalar step, or one per value
