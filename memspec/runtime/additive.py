@@ -475,14 +475,20 @@ class _AdditiveChannel(torch.autograd.Function):
       are halved level by level as the forward halves them (:func:`_channel_levels`): in a block of
       2h tokens, the pairs (t in the second half, s in the first) weigh ``(q_t F_h(t)) . (k_s
       E_h(s))`` with ``F_h``, ``E_h`` products of decays inside the halves, so each level is four
-      batched products (the scores, ``dO v^T``, and their products with the factors), every weight a
-      product of decays <= 1 (finite for any log decay);
-    * the log decays: every weight depends on them through ``exp(L_t - L_s)``, ``F``, ``E`` and ``P``, so
-      the gradient with respect to ``L_u`` is ``q_u dq_u - k_u dk_u`` (exclusive: ``q_{u+1} dq_{u+1}``),
-      plus, at the chunk's end, ``sum_v (S_c dS_c)_{iv}`` (the end state's dependence on ``L_c``); the log
-      decay of token u enters every ``L_t``, t >= u, so its gradient is the reversed cumulative sum of
-      those from u to the chunk's end (flash-linear-attention's chunked GLA backward).  A decay of 0
-      (log decay -inf) has gradient 0 there (``d/d log g = g d/dg``), set exactly.
+      products (the scores, ``dO v^T``, and their products with the factors; batched matrix products,
+      or column by column in blocks of 2 and 4 tokens), every weight a product of decays <= 1 (finite
+      for any log decay);
+    * the log decays: a weight that holds the decay of token u (``d/d log g_u`` of a product that holds
+      ``g_u`` is the product's own term) is a level's pair that spans u inside its halves (t >= u, or
+      t > u exclusive, in the second half; s < u in the first: ``(q_t F_h(t)) dq_h(t)``, ``(k_s
+      E_h(s)) dk_h(s)``, the pair's terms of ``dq``, ``dk`` before they are scaled by the factors), a
+      read of the chunk's start state by a probe t >= u (``(q_t F_t) (dO_t S_0^T)``), a key s < u of
+      the end state (``(k_s E_s) (v_s dS_c^T)``) and ``P`` (``sum_v (Diag(P) S_0 dS_c)_{iv}``): the
+      gradient sums these terms (by positions or triangular products), never a difference.  (The
+      shorter ``q dq - k dk`` summed from u to the chunk's end, flash-linear-attention's chunked GLA
+      backward, subtracts the terms of the pairs that do not span u: their rounding swamps a gradient
+      of 1e-9 next to terms of 1 after a log decay of -20.)  A decay of 0 (log decay -inf) gets a
+      gradient of exactly 0: every term that holds it is a product with 0.
 
     Saved: the inputs and the states at the chunks' starts (what autograd would keep of the forward);
     recomputed: the factors of every level (elementwise products of decays, cheaper than keeping
