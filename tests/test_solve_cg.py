@@ -153,7 +153,8 @@ def test_kernel_group_size_causality_and_streaming():
         bad = [u.clone() for u in (q, k, beta, lg)]
         bad[i][:, 19] = float("nan")
         xb, _ = chunk_solve(*bad, H0, lam, 16, steps=3, fixed=True)
-        assert torch.equal(xb[:, :19], x[:, :19]) and torch.isnan(xb[:, 19:]).any()
+        assert_same_function(xb[:, :19], x[:, :19])   # (a screened run: another code path than the clean one)
+        assert torch.isnan(xb[:, 19:]).any()
     x1, S1 = chunk_solve(q[:, :13], k[:, :13], beta[:, :13], lg[:, :13], H0, lam[:, :13], 16, steps=3, fixed=True)
     x2, S2 = chunk_solve(q[:, 13:], k[:, 13:], beta[:, 13:], lg[:, 13:], S1, lam[:, 13:], 16, steps=3, fixed=True)
     assert_same_function(torch.cat([x1, x2], 1), x)
@@ -349,7 +350,7 @@ def test_streaming_step_causality_and_packing():
             bad = {k: v.clone() for k, v in ins.items()}
             bad[x][:, 7] = float("nan")
             ob, _ = call(m, spec, bad, dict(st), "solve")
-            assert torch.equal(ob[:, :7], o[:, :7]), x
+            assert_same_function(ob[:, :7], o[:, :7], msg=x)   # (screened: another code path than the clean run)
         later = {k: v.clone() for k, v in ins.items()}   # a changed future leaves the past alone
         later["q"][:, 9:] += 1.0
         assert torch.equal(call(m, spec, later, dict(st), "solve")[0][:, :9], o[:, :9])
