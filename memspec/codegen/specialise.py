@@ -46,7 +46,7 @@ def specialise(fn, **consts) -> str:
 
 def source(fn, carried=None) -> str:
     """The source of ``fn`` as a generated module carries it: a docstring reference to a function
-    of its own module that ``fn`` does not use (so that the module does not carry it either) -- or,
+    (or class) of its own module that ``fn`` does not use (so that the module does not carry it either) -- or,
     given the names ``carried``, one the module does not carry -- names it with its module
     (``:func:`memspec.runtime.dplr.recurrent_dplr```)."""
     src = textwrap.dedent(inspect.getsource(fn))
@@ -58,11 +58,11 @@ def source(fn, carried=None) -> str:
     def qualify(m):
         name = m.group(2)
         other = getattr(module, name, None)
-        if name == fn.__name__ or name in used or not inspect.isfunction(other) \
+        if name == fn.__name__ or name in used or not (inspect.isfunction(other) or inspect.isclass(other)) \
                 or other.__module__ != module.__name__:
             return m.group(0)
         return f"{m.group(1)}{module.__name__}.{name}`"
-    return re.sub(r"(:func:`)(\w+)`", qualify, src)
+    return re.sub(r"(:(?:func|class):`)(\w+)`", qualify, src)
 
 
 def specialise_source(src: str, consts: dict, drop: dict | None = None) -> str:

@@ -98,8 +98,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None,
     decayed = log_gamma is not None or stab                          # (decided operands first: the specialiser folds)
     groups = _chunk_groups(k_in.shape[1], C, _group_size(k_in.shape[1] // C, BH * C * max(K, V, C), group, k.device),
                            "power of two" if channel else None)   # (n, m, c): m tokens in c slots (a padded tail)
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, log_gamma, S0, *vs))
-    if channel and grad and q is not None and not torch._C._are_functorch_transforms_active():   # closed-form backward
+    grad = channel and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in [q, k, S0, lg_in] + vs)
+    if grad and q is not None and not torch._C._are_functorch_transforms_active():   # closed-form backward
         return _channel_finish(*_AdditiveChannel.apply(q_in, k_in, lg_in, S if docs is None else docs.S0, docs, groups,
                                                        inclusive, *vs), docs, (B, H, K, V), S0, vs[0].dtype)
     inplace = channel and not grad                                   # (no autograd: the factors in place)
