@@ -1,5 +1,6 @@
 """Forward + backward of the per-key-channel additive kernel and of generated layers that use it,
-two versions alternated in one process (the machine is shared and noisy: only ratios are reported).
+two versions alternated in one process (the machine is shared and noisy: ratios of the medians and
+of the best runs are reported).
 
     OMP_NUM_THREADS=1 python benchmarks/additive_backward.py --old OLD_TREE [--specs gla gsa rwkv6]
 
@@ -84,9 +85,10 @@ def main() -> None:
         groups = [kernel_runs(a.old)] + [spec_runs(s, a.old, out) for s in a.specs]
         for runs in groups:
             times = alternate(runs, a.rounds)
-            med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-            (o, to), (n, tn) = med.items()
-            print(f"{o}: {to:.1f} ms   {n}: {tn:.1f} ms   old / new: {to / tn:.2f}x")
+            (o, to), (n, tn) = times.items()
+            med, low = [[f(t) * 1e3 for t in (to, tn)] for f in (statistics.median, min)]
+            print(f"{o} / {n}: median {med[0]:.1f} / {med[1]:.1f} ms = {med[0] / med[1]:.2f}x, "
+                  f"best {low[0]:.1f} / {low[1]:.1f} ms = {low[0] / low[1]:.2f}x")
 
 
 if __name__ == "__main__":
