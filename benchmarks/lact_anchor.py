@@ -15,7 +15,7 @@ Printed side by side, alternated in one process (this machine is noisy; median o
 d 64, hidden 128, float32), memspec eager / the anchor and memspec ``compile=True`` / the
 eager anchor, at each chunk size.
 
-    OMP_NUM_THREADS=1 python benchmarks/lact_anchor.py --threads 1 [--T 2048] [--chunks 64 512]
+    OMP_NUM_THREADS=1 python benchmarks/lact_anchor.py --threads 1 [--T 2048] [--chunks 64 512] [--clock cpu]
 """
 from __future__ import annotations
 
@@ -92,16 +92,16 @@ def anchor_fn(module, chunk):
     return run
 
 
-def timed(fn, x, backward: bool) -> float:
+def timed(fn, x, backward: bool, clock=time.perf_counter) -> float:
     if backward:
         xs = {n: t.detach().requires_grad_() for n, t in x.items()}
-        start = time.perf_counter()
+        start = clock()
         fn(xs).square().sum().backward()
-        return time.perf_counter() - start
+        return clock() - start
     with torch.no_grad():
-        start = time.perf_counter()
+        start = clock()
         fn(x)
-        return time.perf_counter() - start
+        return clock() - start
 
 
 def main(argv=None) -> None:
@@ -113,6 +113,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip memspec's compile=True column")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this thread's CPU time (time.thread_time: not the time other "
+                         "processes hold the core, on a shared machine)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,8 +125,9 @@ def main(argv=None) -> None:
     spec = memspec.load(ROOT / "specs" / "lact.yaml")
     d, hidden = 64, 128
     x, w = inputs(args.B, args.T, args.H, d, hidden)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     print(f"LaCT memory, B={args.B} H={args.H} T={args.T} d={d} hidden={hidden}, float32, "
-          f"{torch.get_num_threads()} thread(s), median of {args.repeat}")
+          f"{torch.get_num_threads()} thread(s), median of {args.repeat}, {args.clock} clock")
     print(f"{'chunk':>6} {'pass':>10} {'anchor ms':>10} {'eager ms':>9} {'ratio':>6} {'compiled ms':>12} {'ratio':>6}")
     for chunk in args.chunks:
         mods = {}
@@ -148,7 +152,7 @@ def main(argv=None) -> None:
             times = {name: [] for name in fns}
             for _ in range(args.repeat):
                 for name, fn in fns.items():
-                    times[name].append(timed(fn, x, backward))
+                    times[name].append(timed(fn, x, backward, clock))
             med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
             row = f"{chunk:>6} {'fwd+bwd' if backward else 'forward':>10} {med['anchor']:>10.2f} {med['eager']:>9.2f} " \
                   f"{med['eager'] / med['anchor']:>6.2f}"

@@ -1,0 +1,117 @@
+"""apply_update's speed path: the inputs split once at the calls' bounds (one backward node per
+input, not a full-length gradient per call), and the column normalisation's helpers written so
+that torch.compile computes their factors once per column.
+
+With chunk 4 a group is 8 chunks (32 tokens).  A call from inside a chunk over 70 tokens runs a
+piece to the chunk boundary, groups, whole chunks and a last piece; its outputs, states and
+gradients are those of the same tokens fed in calls of at most one chunk (each its own slice),
+and its outputs and states those of the reference interpreter.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from _compiled_harness import call, initial_state, inputs, load, make, reference_run, small_dims  # noqa: E402
+
+from memspec.runtime.helpers import _l2norm_columns, _norm_axis  # noqa: E402
+
+STATES = ("W0", "W1", "W2")
+
+
+def _lact():
+    spec = load("specs/lact.yaml")
+    dims = small_dims(spec)
+    return spec, dims, make(spec, dims, chunk=4)
+
+
+def _run(m, spec, ins, st, bounds):
+    state, outs = dict(st), []
+    for a, b in bounds:
+        o, state = call(m, spec, {n: t[:, a:b] for n, t in ins.items()}, state, "apply_update")
+        outs.append(o)
+    return torch.cat(outs, 1), state
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_one_call_over_pieces_groups_and_chunks_gives_the_chunk_by_chunk_gradients(B):
+    spec, _, m = _lact()
+    ins, st = inputs(spec, m, B=B, T=75, requires_grad=True), initial_state(spec, m, B=B)
+    # one call after 5 tokens: 3 to the boundary, 64 in two groups, a chunk and a piece of 3
+    split = [(0, 5), (5, 75)]
+    small = [(0, 4), (4, 5), (5, 8)] + [(a, min(a + 4, 75)) for a in range(8, 75, 4)]
+    results = []
+    for bounds in (split, small):
+        o, state = _run(m, spec, ins, st, bounds)
+        loss = o.square().sum() + sum(state[n].square().sum() for n in STATES)
+        results.append((o, state, torch.autograd.grad(loss, list(ins.values()) + list(m.parameters()))))
+    (o1, s1, g1), (o2, s2, g2) = results
+    torch.testing.assert_close(o1, o2, rtol=1e-12, atol=1e-12)
+    for n in STATES:
+        torch.testing.assert_close(s1[n], s2[n], rtol=1e-12, atol=1e-12)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_one_call_from_inside_a_chunk_is_the_reference():
+    spec, dims, m = _lact()
+    ins, st = inputs(spec, m, T=75), initial_state(spec, m)
+    with torch.no_grad():
+        o, state = _run(m, spec, ins, st, [(0, 5), (5, 75)])
+        ro, rs = reference_run(spec, m, dims, "apply_update", st, ins)
+    torch.testing.assert_close(o, ro, rtol=1e-10, atol=1e-12)
+    for n in STATES:
+        torch.testing.assert_close(state[n], rs[n], rtol=1e-10, atol=1e-12)
+
+
+def _backward_nodes(t) -> list:
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo += [f for f, _ in fn.next_functions]
+    return names
+
+
+def test_the_inputs_are_split_once_not_sliced_per_call():
+    """T = 75 from position 0 is two groups, two chunks and a piece (5 calls): each of the six
+    prepared inputs (v, three step sizes, qn, kn) is split once; no call slices the sequence."""
+    spec, _, m = _lact()
+    ins = inputs(spec, m, B=1, T=75, requires_grad=True)
+    o, _ = call(m, spec, ins, None, "apply_update")
+    names = _backward_nodes(o)
+    assert names.count("SplitWithSizesBackward0") == 6
+    assert "SliceBackward0" not in names
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_column_helpers_are_the_plain_formulas(dtype, tol):
+    x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[0, :, 2] = 0.0                                     # a zero column
+    want_cols = x / torch.sqrt(x.square().sum(-2, keepdim=True) + 1e-6)
+    want_norm = torch.linalg.vector_norm(x, dim=-2)
+    torch.testing.assert_close(_l2norm_columns(x.to(dtype)).double(), want_cols, rtol=tol, atol=tol)
+    torch.testing.assert_close(_norm_axis(x.to(dtype), -2).double(), want_norm, rtol=tol, atol=tol)
+
+
+def test_norm_axis_has_a_zero_gradient_at_a_zero_vector():
+    x = torch.zeros(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(_norm_axis(x, -2).sum(), x)
+    assert torch.isfinite(g).all()
+    torch.testing.assert_close(g, torch.zeros_like(g), rtol=0, atol=0)
+
+
+def test_column_helpers_gradcheck():
+    x = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64,
+                    requires_grad=True)
+    assert torch.autograd.gradcheck(_l2norm_columns, (x,))
+    assert torch.autograd.gradcheck(lambda t: _norm_axis(t, -2), (x,))
