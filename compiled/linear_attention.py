@@ -337,21 +337,26 @@ def chunk_additive(q, k, v, S0, chunk, *, documents=None):
     """Exact chunked form of ``S_t = Diag(exp(log_gamma_t)) S_{t-1} + outer(k_t, v_t)``, ``o_t = q_t
     @ S_t``.
 
-    Inside a chunk with cumulative log decays ``L_t``: ``S_end = Diag(exp(L_C)) S_start +
-    sum_s outer(k_s * exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t}
-    (sum_i q_ti k_si exp(L_ti - L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a
-    decay
-    (<= 1).  Per group of chunks: the factors (per head :func:`_additive_factors`, per key channel
-    :func:`memspec.runtime.additive._additive_halving`), the maps (:func:`_additive_maps`), the
-    outputs.  A NaN or inf in token
-    t's inputs changes no output before t.
+    Inside a chunk with cumulative log decays ``L_t``: ``S_end = Diag(exp(L_C)) S_start + sum_s
+    outer(k_s *
+    exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t} (sum_i q_ti k_si
+    exp(L_ti -
+    L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a decay (<= 1).  Per group of
+    chunks: the
+    factors (per head :func:`_additive_factors`, per key channel
+    :func:`memspec.runtime.additive._additive_halving`), the maps
+    (:func:`_additive_maps`), the outputs; per key channel under autograd
+    :class:`memspec.runtime.additive._AdditiveChannel` (a
+    closed-form backward).  A NaN or inf in token t's inputs changes no output before t.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]``, or a tuple of ``[B, T, H, V_i]`` read as their
             concatenation on the last axis (``V = sum V_i``) without a full-size copy.
-        S0: ``[B, H, K, V]`` initial state, or None for zeros.
-        chunk: chunk size C (per key channel: rounded down to a power of two).
+        S0: ``[B, H, K, V]`` initial state, or None for zeros; inclusive: o_t reads S_t (else
+        S_{t-1}).
+        chunk: chunk size C (per key channel: rounded down to a power of two); group: chunks per
+            batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
 
@@ -363,8 +368,7 @@ def chunk_additive(q, k, v, S0, chunk, *, documents=None):
     Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=None,
     log_input=None.
     """
-    B, T, H, K = k.shape
-    vs = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    (B, T, H, K), vs = k.shape, tuple(v) if isinstance(v, (tuple, list)) else (v,)
     V, BH, dt = sum(x.shape[-1] for x in vs), B * H, torch.promote_types(k.dtype, torch.float32)
     if T == 0:
         return _additive_empty(q, k, vs[0], V, S0)
