@@ -322,8 +322,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
     exp(L_ti -
     L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a decay (<= 1).  Per group of
     chunks: the
-    factors (per head :func:`_additive_factors`, per key channel :func:`_additive_halving`), the
-    maps
+    factors (per head :func:`memspec.runtime.additive._additive_factors`, per key channel
+    :func:`_additive_halving`), the maps
     (:func:`_additive_maps`), the outputs; per key channel under autograd :class:`_AdditiveChannel`
     (a
     closed-form backward).  A NaN or inf in token t's inputs changes no output before t.
@@ -346,17 +346,14 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
         ``log_input``: (o, S_T, m), o scaled by ``exp(-m)``, m ``[B, T, H]`` each output's
         stabiliser (None without q), S_T at its true scale.
 
-    Specialised for this module: inclusive=True, group=None, per_channel=None, log_input=None.
+    Specialised for this module: inclusive=True, group=None, per_channel=True, log_input=None.
     """
     (B, T, H, K), vs = k.shape, tuple(v) if isinstance(v, (tuple, list)) else (v,)
     V, BH, dt = sum(x.shape[-1] for x in vs), B * H, torch.promote_types(k.dtype, torch.float32)
     if T == 0:
         return _additive_empty(q, k, vs[0], V, S0)
-    channel = log_gamma is not None and log_gamma.dim() == 4
     C = max(1, min(int(chunk), T))
-    # a power of two: halved level by level
-    if channel:
-        C = 1 << (C.bit_length() - 1)
+    C = 1 << (C.bit_length() - 1)
     docs, S = _initial_states(S0, documents, C, B, (H, K, V), dt, k.device)
     q_in, k_in, lg_in, li_in, *vs = [q, k, log_gamma, None, *vs] if docs is None else [
         docs.lay(x) for x in [q, k, log_gamma, None, *vs]]    # (packed: the laid-out row)
@@ -365,44 +362,32 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
     decayed = log_gamma is not None
     # (n, m, c): m tokens in c slots (a padded tail)
     groups = _chunk_groups(k_in.shape[1], C,
-            _group_size(k_in.shape[1] // C, BH * C * max(K, V, C), None, k.device),
-            "power of two" if channel else None)
-    grad = (channel and torch.is_grad_enabled()
+            _group_size(k_in.shape[1] // C, BH * C * max(K, V, C), None, k.device), 'power of two')
+    grad = (True and torch.is_grad_enabled()
             and any(x is not None and x.requires_grad for x in [q, k, S0, lg_in] + vs))
     # closed-form backward
     if grad and q is not None and not torch._C._are_functorch_transforms_active():
         return _channel_finish(*_AdditiveChannel.apply(q_in, k_in, lg_in,
                 S if docs is None else docs.S0, docs, groups, True, *vs), docs, (B, H, K, V), S0,
                 vs[0].dtype)
-    # (no autograd: the factors in place)
-    inplace = channel and not grad
+    inplace = not grad                                   # (no autograd: the factors in place)
     # [B, n, m, H, V | 1] per group; chunks before
     outs, m_outs, j0 = [], [], 0
     for (n, m, c), qp, kp, vp, lp, ip in zip(groups, _split_groups(q_in, groups),
             _split_groups(k_in, groups), zip(*(_split_groups(x, groups) for x in vs)),
             _split_groups(lg_in, groups), _split_groups(li_in, groups)):
         vg = _additive_block(vp, n, c, BH, dt)                       # [nBH, c, V]
-        if channel:
-            KE, QF, P, og, h = _additive_channel_factors(qp, kp, lp, vg, n, c, BH, True)
-            KE, QF, P, og = _additive_halving(KE, QF, P, vg, og, q is not None, True, inplace, h)
-            # decayed to the chunk end
-            kd, g_end, g_log, m_loc = KE, P.view(n, BH, K, 1), None, None
-        else:
-            kg, lg, L, kd, g_log, g_end, li, m_loc = _additive_factors(kp, lp, ip, n, c, BH, dt,
-                    decayed)
+        KE, QF, P, og, h = _additive_channel_factors(qp, kp, lp, vg, n, c, BH, True)
+        KE, QF, P, og = _additive_halving(KE, QF, P, vg, og, q is not None, True, inplace, h)
+        kd, g_end, g_log, m_loc = KE, P.view(n, BH, K, 1), None, None   # decayed to the chunk end
         step, true_scale, m_all, ms = _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n,
                 decayed)
         S, starts, _ = _pass_states(step, n, S, docs, j0, true_scale)
         j0 += n
         if q is None:
             continue
-        if channel:                                                  # + (q F_c) @ S_start
-            S_starts = _stacked(starts)
-            og = torch.baddbmm(og, QF, S_starts) if og is not None else torch.bmm(QF, S_starts)
-        else:
-            og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg,
-                    _stacked(starts), lg if decayed else None, L if decayed else None)
-            m_outs += []   # [B, n, m, H, 1]
+        S_starts = _stacked(starts)
+        og = torch.baddbmm(og, QF, S_starts) if og is not None else torch.bmm(QF, S_starts)
         outs.append(_token_major(og, B, H, m))                       # [B, n, m, H, V] (a view)
     return _additive_finish(outs, m_outs, S, ms, docs, (B, H, K, V), S0, vs[0].dtype, q is not None)
 
@@ -477,47 +462,6 @@ def _additive_block(xs, n, c, BH, dt, pad=0.0):
     parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
     x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return x.reshape(n * BH, c, x.shape[-1]).contiguous()
-
-
-def _additive_factors(kp, lp, ip, n, c, BH, dt, decayed):
-    """A group's factors in ``chunk_additive`` with one log decay per head (or none).
-
-    The pair weights ``exp(Lq_t - L_s)`` are one ``[C, C]`` matrix per chunk
-    (:func:`_additive_outputs`); the keys are decayed to the chunk end by the log decay after each
-    token, a reversed cumulative sum (never a difference of two cumulative sums), so a log decay
-    of -inf (a decay of exactly 0) zeroes the past exactly.  With exponential input weights
-    (``stab``: xLSTM's mLSTM) each key's log weight in the chunk-end state, ``L_C - L_s +
-    log_input_s``, is scaled by the chunk's maximum ``m_loc`` (:func:`_additive_maps` carries it).
-
-    Args:
-        kp: the group's keys ``[B, n m, H, K]``; lp, ip: its log decays and log input weights
-            ``[B, n m, H]`` (None where absent).
-        n, c, BH, dt: the group's chunks, slots per chunk, B H, the kernel's dtype.
-        decayed: a decay or input weights enter; stab: the input weights do.
-
-    Returns:
-        ``(kg, lg, L, kd, g_log, g_end, li, m_loc)``: the keys ``[nBH, c, K]``, the log decays and
-        their cumulative sums ``[nBH, c]``, the keys decayed to the chunk end (stabilised: scaled by
-        ``exp(-m_loc)``), the log decay over each chunk ``[n, BH]``, its decay ``[n, BH, 1, 1]``
-        (not
-        stabilised), the log input weights ``[nBH, c]`` and ``m_loc [n, BH]`` (the factors a form
-        lacks: None).
-
-    Specialised for this module: stab=False.
-    """
-    kg = _additive_block([kp], n, c, BH, dt)                         # [nBH, c, K]
-    if not decayed:
-        return kg, None, None, kg, None, None, None, None
-    # [nBH, c] log decays (may be -inf)
-    lg = (_additive_block([lp[..., None]], n, c, BH, dt)[..., 0] if lp is not None
-            else kg.new_zeros(n * BH, c))
-    L = torch.cumsum(lg, dim=1)                                      # [nBH, c] cumulative log decay
-    # the log decay after each token to the chunk end: a reversed cumsum, shifted (no difference)
-    after = torch.nn.functional.pad(torch.cumsum(lg.flip(1), 1).flip(1)[:, 1:], (0, 1))
-    # [n, BH] log decay over each chunk
-    g_log = L[:, -1].view(n, BH)
-    kd = kg * torch.exp(after)[..., None]                            # keys decayed to the chunk end
-    return kg, lg, L, kd, g_log, torch.exp(g_log).view(n, BH, 1, 1), None, None
 
 
 def _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive):
@@ -638,49 +582,6 @@ def _additive_finish(outs, m_outs, S, ms, docs, shape, S0, o_dtype, probes):
     # (packed: the documents' tokens)
     o = (o if docs is None else docs.unlay(o)).to(o_dtype)
     return o, S_out
-
-
-def _additive_outputs(qg, kg, vg, S_starts, lg=None, L=None):
-    """The outputs of a group of chunks with one log decay per head (``chunk_additive``):
-    ``o_t = (q_t exp(Lq_t)) @ S_start + sum_{s <= t} exp(seg_ts) (q_t . k_s) v_s``.
-
-    Args:
-        qg, kg: ``[nBH, c, K]`` probes and keys; vg: ``[nBH, c, V]`` values; S_starts: ``[nBH, K,
-        V]``
-            the states at the chunks' starts.
-        lg, L: ``[nBH, c]`` the log decays and their cumulative sums in the chunk, or None (no
-        decay).
-
-    Returns:
-        ``(o [nBH, c, V], m)``: with ``li``, o scaled by ``exp(-m)``, m ``[nBH, c]`` each row's
-        stabiliser; else m is None.
-
-    Specialised for this module: inclusive=True, li=None, m0=None.
-    """
-    c = qg.shape[1]
-    d = 0                                       # pairs s <= t (s < t)
-    scores = torch.bmm(qg, kg.transpose(1, 2))                       # [nBH, c, c]
-    m_row = None
-    if lg is not None:
-        # segment sums seg[t, s] = sum of lg_u over s < u <= t (u < t if exclusive): the log
-        # decay of the pair, a masked cumulative sum (0 above the diagonal: exp(0) = 1, masked
-        # after)
-        later = torch.ones(c, c, dtype=torch.bool, device=lg.device).tril(-1)   # u > s
-        seg = torch.cumsum(lg[:, :, None].expand(-1, c, c).masked_fill(~later, 0.0), dim=1)
-        # [nBH, c] the log decay a probe sees
-        Lq = L
-        decay = torch.exp(seg)
-        qg = qg * torch.exp(Lq)[..., None]                       # [nBH, c, K] decayed probes
-        scores = (scores * decay).tril_(d)
-    else:
-        scores = scores.tril_(d)
-    # the triangular product with v: its non-finite entries go around it, from their row on
-    v_ok = torch.nan_to_num(vg, 0.0, 0.0, 0.0)                       # [nBH, c, V]
-    # [nBH, c, 1] non-finite iff the row is
-    v_sum = vg.sum(-1, keepdim=True)
-    # [nBH, c, 1] 0, or nan from s on
-    v_bad = torch.cumsum(v_sum - v_sum, dim=1)
-    return torch.baddbmm(torch.bmm(qg, S_starts), scores, v_ok).add_(v_bad), m_row   # [nBH, c, V]
 
 
 def _additive_halving(KE, QF, P, vg, og, probes, inclusive, inplace, h):

@@ -365,7 +365,7 @@ def chunk_additive(q, k, v, S0, chunk, *, documents=None):
         ``log_input``: (o, S_T, m), o scaled by ``exp(-m)``, m ``[B, T, H]`` each output's
         stabiliser (None without q), S_T at its true scale.
 
-    Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=None,
+    Specialised for this module: log_gamma=None, inclusive=True, group=None, per_channel=False,
     log_input=None.
     """
     (B, T, H, K), vs = k.shape, tuple(v) if isinstance(v, (tuple, list)) else (v,)
@@ -393,7 +393,6 @@ def chunk_additive(q, k, v, S0, chunk, *, documents=None):
         if q is None:
             continue
         og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg, _stacked(starts))
-        m_outs += []   # [B, n, m, H, 1]
         outs.append(_token_major(og, B, H, m))                       # [B, n, m, H, V] (a view)
     return _additive_finish(outs, m_outs, S, ms, docs, (B, H, K, V), S0, vs[0].dtype, q is not None)
 

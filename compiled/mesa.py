@@ -686,7 +686,6 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
         else:
             og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg,
                     _stacked(starts), lg if decayed else None, L if decayed else None)
-            m_outs += []   # [B, n, m, H, 1]
         outs.append(_token_major(og, B, H, m))                       # [B, n, m, H, V] (a view)
     return _additive_finish(outs, m_outs, S, ms, docs, (B, H, K, V), S0, vs[0].dtype, q is not None)
 

@@ -19,7 +19,13 @@ def emit(ctx, L) -> None:
 
 def per_channel(plan, emitter) -> bool:
     """Does some state of the plan decay per key channel (a vector gamma)?"""
-    return any(st.gamma is not None and emitter.shape(st.gamma) for st in plan.states)
+    return any(decays_per_channel(st, emitter) for st in plan.states)
+
+
+def decays_per_channel(st, emitter) -> bool:
+    """Does the state decay per key channel (its kernel call says so: the specialised kernel then
+    carries only the branch of its decay)?"""
+    return st.gamma is not None and bool(emitter.shape(st.gamma))
 
 
 def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -> None:
@@ -63,7 +69,8 @@ def body(w, spec, plan, state_in, state_out, chunk, probe_names, probe_shapes) -
                 m_name = (w.fresh(f"{S}_m") if pi == 0 and pc != "None" else "_") if li else None
                 w.lines.append(KernelCall.of(f"{o_name}, {s_name}{f', {m_name}' if li else ''}", chunk_additive,
                                              [pc, ac, bc, lg, init, chunk],
-                                             dict(inclusive=plan.inclusive, **({"log_input": Code(li)} if li else {}))))
+                                             dict(inclusive=plan.inclusive, per_channel=decays_per_channel(st, w.em),
+                                                  **({"log_input": Code(li)} if li else {}))))
                 if pc != "None":
                     outs[pi].append(o_name)
                 if li and pi == 0 and pc != "None":
@@ -175,7 +182,8 @@ def _emit_shared(w, spec, plan, group, state_in, state_out, chunk, probe_names, 
         m_name = (w.fresh(f"{names}_m") if pi == 0 and pc != "None" else "_") if li else None
         w.lines.append(KernelCall.of(f"{o_name}, {s_name}{f', {m_name}' if li else ''}", chunk_additive,
                                      [pc, ac, bname, lg, sname, chunk],
-                                     dict(inclusive=plan.inclusive, **({"log_input": Code(li)} if li else {}))))
+                                     dict(inclusive=plan.inclusive, per_channel=decays_per_channel(first, w.em),
+                                          **({"log_input": Code(li)} if li else {}))))
         if li and pi == 0 and pc != "None":
             stab = m_name
         if pc != "None":

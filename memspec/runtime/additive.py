@@ -126,7 +126,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None,
             og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg, _stacked(starts), inclusive,
                                           lg if decayed else None, L if decayed else None, li if stab else None,
                                           m_all[:-1].reshape(-1) if stab else None)
-            m_outs += [_token_major(m_row[..., None], B, H, m)] if stab else []   # [B, n, m, H, 1]
+            if stab:
+                m_outs.append(_token_major(m_row[..., None], B, H, m))   # [B, n, m, H, 1]
         outs.append(_token_major(og, B, H, m))                       # [B, n, m, H, V] (a view)
     return _additive_finish(outs, m_outs, S, ms, docs, (B, H, K, V), S0, vs[0].dtype, q is not None, stab)
 
