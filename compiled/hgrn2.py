@@ -386,8 +386,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
         j0 += n
         if q is None:
             continue
-        S_starts = _stacked(starts)
-        og = torch.baddbmm(og, QF, S_starts) if og is not None else torch.bmm(QF, S_starts)
+        og = (torch.baddbmm(og, QF, _stacked(starts)) if og is not None
+                else torch.bmm(QF, _stacked(starts)))
         outs.append(_token_major(og, B, H, m))                       # [B, n, m, H, V] (a view)
     return _additive_finish(outs, m_outs, S, ms, docs, (B, H, K, V), S0, vs[0].dtype, q is not None)
 

@@ -120,8 +120,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, inclusive=True, group=None,
         if q is None:
             continue
         if channel:                                                  # + (q F_c) @ S_start
-            S_starts = _stacked(starts)
-            og = torch.baddbmm(og, QF, S_starts) if og is not None else torch.bmm(QF, S_starts)
+            og = torch.baddbmm(og, QF, _stacked(starts)) if og is not None else torch.bmm(QF, _stacked(starts))
         else:
             og, m_row = _additive_outputs(_additive_block([qp], n, c, BH, dt), kg, vg, _stacked(starts), inclusive,
                                           lg if decayed else None, L if decayed else None, li if stab else None,
