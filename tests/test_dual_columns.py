@@ -188,7 +188,8 @@ def test_causal_and_streaming():
             for n, x in moved.items():
                 x[:, t:] = x[:, t:].flip(1) if n in m.VIEWS else x[:, t:] * 0.5
             o2, _ = call(m, moved, dict(st))
-            assert torch.equal(o2[:, :t], o[:, :t]), t   # the same operations on the same past
+            # the past of a changed future: float64's tolerance (a leak would be of order one)
+            assert_same_function(o2[:, :t], o[:, :t], msg=str(t))
             assert not torch.allclose(o2[:, t:], o[:, t:])
         outs, s, a = [], dict(st), 0
         for n in (9, 2 * BLOCK, 1, ins["q"].shape[1] - 9 - 2 * BLOCK - 1):
