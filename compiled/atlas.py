@@ -733,7 +733,7 @@ class AtlasMemory(nn.Module):
         # [B, H, d_k, hidden]: grad(loss, W1), summed over the rows
         grad_W1 = K.transpose(-2, -1) @ delta_W1
         # [B, H, hidden, d_v]: grad(loss, W2), summed over the rows
-        grad_W2 = xk_W2.transpose(-2, -1) @ d_err
+        grad_W2 = (d_err.transpose(-2, -1) @ xk_W2).transpose(-2, -1)
         S1 = mu[..., None, None] * S1 + grad_W1  # [B, H, d_k, hidden]
         S2 = mu[..., None, None] * S2 + grad_W2  # [B, H, hidden, d_v]
         # [B, H, d_k, hidden]

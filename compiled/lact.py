@@ -29,31 +29,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _head_major(x):
-    """x [B, T, H, ...] -> [B, H, T, ...]: a view for one sequence (its chunks' rows are strided
-    views
-    the products read as they are: measured 8% faster than a copy), contiguous for a batch (whose
-    chunk
-    slices every product would copy)."""
-    x = x.transpose(1, 2)
-    return x if x.shape[0] == 1 else x.contiguous()
-
-
-def _l2norm_columns(x):
-    """l2norm(x.T).T without the transposes: every column of x (over the second-last axis) scaled
-    to x / sqrt(sum(x^2) + 1e-6).  The factor as exp(-log(.) / 2): torch.compile computes a
-    broadcast factor with exp once per column, where it recomputes rsqrt (a division and a square
-    root) for every element (LaCT's chunk step at chunk 64: 8% of the forward)."""
-    return x * torch.exp(-0.5 * torch.log((x * x).sum(-2, keepdim=True) + 1e-6))
-
-
-def _norm_axis(x, dim):
-    """The 2-norm of x over a non-last axis `dim`, as sqrt(sum(x^2)) (a strided
-    torch.linalg.vector_norm is 2-3x slower); below sqrt(finfo.tiny) (1e-19 in float32) it reads
-    that floor, so that the gradient at a zero vector is 0, as vector_norm's.  As exp(log(.) / 2),
-    so that torch.compile computes it once per vector where it is broadcast (see
-    _l2norm_columns)."""
-    return torch.exp(0.5 * torch.log((x * x).sum(dim).clamp_min(torch.finfo(x.dtype).tiny)))
+def _renorm_columns(x, like):
+    """l2norm(x.T).T * norm(like, over the second-last axis) in one pass: every column of x scaled
+    to the 2-norm of like's column, x / sqrt(sum(x^2) + 1e-6) * sqrt(sum(like^2)), like's norm
+    floored as in _norm_axis (weight normalisation: a step's result kept at the columns' norms).
+    Eagerly the fewest kernels; under torch.compile the factor as exp((log(.) - log(.)) / 2), once
+    per column (see _l2norm_columns)."""
+    tiny = torch.finfo(like.dtype).tiny
+    if torch.compiler.is_compiling():
+        kept = torch.log((like * like).sum(-2, keepdim=True).clamp_min(tiny))
+        return x * torch.exp(0.5 * (kept - torch.log((x * x).sum(-2, keepdim=True) + 1e-6)))
+    kept = torch.linalg.vecdot(like, like, dim=-2).clamp_min(tiny)
+    return x * (kept / (torch.linalg.vecdot(x, x, dim=-2) + 1e-6)).sqrt().unsqueeze(-2)
 
 
 def _silu_grad(x):
@@ -278,8 +265,6 @@ class LactMemory(nn.Module):
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the apply_update chunk step, the groups of
         whole chunks, with static shapes.
-        It also compiles the inputs' preparation, specialised to the first sizes and symbolic once
-        they change.
         """
         super().__init__()
         self.d_model = d_model
@@ -298,8 +283,6 @@ class LactMemory(nn.Module):
         self.W2_init = nn.Parameter(torch.randn(self.heads, self.d_k, self.hidden) * 0.125)
         self._token_fn = _Compiled(self._token_step) if compile else self._token_step
         self._update_fn = _Compiled(self._update_step) if compile else self._update_step
-        self._prepare_fn = (_Compiled(self._prepare_apply_update, dynamic=None) if compile
-                else self._prepare_apply_update)
         self._chunks_fn = _Compiled(self._update_chunks) if compile else self._update_chunks
 
     def init_state(self, batch, device=None, dtype=None, generator=None):
@@ -523,12 +506,9 @@ class LactMemory(nn.Module):
         g0 = grad_W0  # [B, H, d_k, hidden]: a temporary of this token
         g1 = grad_W1  # [B, H, hidden, d_v]: a temporary of this token
         g2 = grad_W2  # [B, H, d_k, hidden]: a temporary of this token
-        # [B, H, d_k, hidden]
-        W0 = _l2norm_columns(W0 - eta0[..., None, None] * g0) * _norm_axis(W0, -2).unsqueeze(-2)
-        # [B, H, hidden, d_v]
-        W1 = _l2norm_columns(W1 - eta1[..., None, None] * g1) * _norm_axis(W1, -2).unsqueeze(-2)
-        # [B, H, d_k, hidden]
-        W2 = _l2norm_columns(W2 - eta2[..., None, None] * g2) * _norm_axis(W2, -2).unsqueeze(-2)
+        W0 = _renorm_columns(W0 - eta0[..., None, None] * g0, W0)  # [B, H, d_k, hidden]
+        W1 = _renorm_columns(W1 - eta1[..., None, None] * g1, W1)  # [B, H, hidden, d_v]
+        W2 = _renorm_columns(W2 - eta2[..., None, None] * g2, W2)  # [B, H, d_k, hidden]
         return o, (W0, W1, W2)
 
     def _forward_apply_update(self, q, k, v, eta0, eta1, eta2, state):
@@ -541,8 +521,6 @@ class LactMemory(nn.Module):
         state['every.<state>.<k>'], so that streaming in pieces gives the same numbers as one call.
         """
         C, T = self.chunk, q.shape[1]
-        # the chunk step's inputs, head-major
-        v, eta0, eta1, eta2, qn, kn = self._prepare_fn(q, k, v, eta0, eta1, eta2)
         W0, W1, W2 = state['W0'], state['W1'], state['W2']
         pos = state.get("every.pos", 0)  # a Python int: the position in the chunks
         acc_W0_0 = state.get('every.W0.0')  # the chunk's sum of eta0 * g0 so far, or None
@@ -555,18 +533,18 @@ class LactMemory(nn.Module):
             sizes.append(n)
             t, p = t + n, (p + n) % C
         outputs = []
-        for v_c, eta0_c, eta1_c, eta2_c, qn_c, kn_c in zip(*(x.split(sizes, dim=2)
-                for x in (v, eta0, eta1, eta2, qn, kn))):
-            n = v_c.shape[2]
+        for q_c, k_c, v_c, eta0_c, eta1_c, eta2_c in zip(*(x.split(sizes, dim=1)
+                for x in (q, k, v, eta0, eta1, eta2))):
+            n = q_c.shape[1]
             if n > C:  # a group of whole chunks (their sums start and end empty)
-                o_c, (W0, W1, W2) = self._chunks_fn(W0, W1, W2, v_c, eta0_c, eta1_c, eta2_c, qn_c,
-                        kn_c)
+                o_c, (W0, W1, W2) = self._chunks_fn(W0, W1, W2, q_c, k_c, v_c, eta0_c, eta1_c,
+                        eta2_c)
                 outputs += o_c  # each chunk's outputs: one concatenation at the end
             else:
                 # static shapes: one compiled chunk size
                 fn = self._update_fn if n == C else self._update_step
                 o_c, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0) = fn(W0, W1, W2, acc_W0_0, acc_W1_0,
-                        acc_W2_0, v_c, eta0_c, eta1_c, eta2_c, qn_c, kn_c, pos + n == C)
+                        acc_W2_0, q_c, k_c, v_c, eta0_c, eta1_c, eta2_c, pos + n == C)
                 outputs.append(o_c)
             pos = (pos + n) % C
         state = {'W0': W0, 'W1': W1, 'W2': W2}
@@ -575,26 +553,21 @@ class LactMemory(nn.Module):
             state['every.W0.0'] = acc_W0_0
             state['every.W1.0'] = acc_W1_0
             state['every.W2.0'] = acc_W2_0
-        return torch.cat(outputs, dim=2).transpose(1, 2), state
+        return torch.cat(outputs, dim=1), state
 
-    def _prepare_apply_update(self, q, k, v, eta0, eta1, eta2):
-        """The chunk step's inputs over the sequence, head-major [B, H, T, ...]: v, eta0, eta1,
-        eta2, qn, kn.
-        """
-        q, k, v, eta0, eta1, eta2 = (_head_major(x) for x in (q, k, v, eta0, eta1, eta2))
-        qn = l2norm(F.silu(q))  # [B, H, T, d_k]: token-local
-        kn = l2norm(F.silu(k))  # [B, H, T, d_k]: token-local
-        return v, eta0, eta1, eta2, qn, kn
-
-    def _update_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn, kn,
+    def _update_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, q, k, v, eta0, eta1, eta2,
             last):
-        """A chunk (or a piece of one) of C tokens, head-major: v [B, H, C, d_v], eta0 [B, H, C],
-        eta1 [B, H, C], eta2 [B, H, C], qn [B, H, C, d_k], kn [B, H, C, d_k];
+        """A chunk (or a piece of one) of C tokens, q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H,
+        d_v], eta0 [B, C, H], eta1 [B, C, H], eta2 [B, C, H];
         W0, W1, W2: the state every token of the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0,
         acc_W2_0: the chunk's gradient sums so far;
-        last: does this piece end the chunk.  Returns (o [B, H, C, d_v], the state and sums after
+        last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums after
         it).
         """
+        # head-major views [B, H, C, ...]
+        q, k, v, eta0, eta1, eta2 = (x.transpose(1, 2) for x in (q, k, v, eta0, eta1, eta2))
+        qn = l2norm(F.silu(q))  # [B, H, C, d_k]: token-local
+        kn = l2norm(F.silu(k))  # [B, H, C, d_k]: token-local
         # [B, H, C, d_v]: apply: every row reads the held state
         o = F.silu(qn @ W0) * (qn @ W2) @ W1
         y_W0 = kn @ W0  # [B, H, C, hidden]: the rows at the held state
@@ -610,7 +583,7 @@ class LactMemory(nn.Module):
         # [B, H, d_k, hidden]: sum_t eta0 grad(loss, W0)_t
         sum_W0 = kn.transpose(-2, -1) @ (eta0[..., None] * delta_W0)
         # [B, H, hidden, d_v]: sum_t eta1 grad(loss, W1)_t
-        sum_W1 = xk_W1.transpose(-2, -1) @ (eta1[..., None] * delta_W1)
+        sum_W1 = ((eta1[..., None] * delta_W1).transpose(-2, -1) @ xk_W1).transpose(-2, -1)
         # [B, H, d_k, hidden]: sum_t eta2 grad(loss, W2)_t
         sum_W2 = kn.transpose(-2, -1) @ (eta2[..., None] * delta_W2)
         # [B, H, d_k, hidden]: + sum_t eta0 * g0
@@ -621,27 +594,24 @@ class LactMemory(nn.Module):
         acc_W2_0 = sum_W2 if acc_W2_0 is None else acc_W2_0 + sum_W2
         # update: the statements once, with the chunk's sums (other values: the last token's)
         if last:
-            # [B, H, d_k, hidden]
-            W0 = _l2norm_columns(W0 - acc_W0_0) * _norm_axis(W0, -2).unsqueeze(-2)
-            # [B, H, hidden, d_v]
-            W1 = _l2norm_columns(W1 - acc_W1_0) * _norm_axis(W1, -2).unsqueeze(-2)
-            # [B, H, d_k, hidden]
-            W2 = _l2norm_columns(W2 - acc_W2_0) * _norm_axis(W2, -2).unsqueeze(-2)
+            W0 = _renorm_columns(W0 - acc_W0_0, W0)  # [B, H, d_k, hidden]
+            W1 = _renorm_columns(W1 - acc_W1_0, W1)  # [B, H, hidden, d_v]
+            W2 = _renorm_columns(W2 - acc_W2_0, W2)  # [B, H, d_k, hidden]
             acc_W0_0 = None
             acc_W1_0 = None
             acc_W2_0 = None
-        return o, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0)
+        return o.transpose(1, 2), (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0)  # token-major again
 
-    def _update_chunks(self, W0, W1, W2, v, eta0, eta1, eta2, qn, kn):
-        """Whole chunks from a chunk boundary, head-major as in _update_step (their sums start
-        empty and end with each chunk).  Returns (each chunk's o [B, H, C, d_v] in a list, the state
-        after them).
+    def _update_chunks(self, W0, W1, W2, q, k, v, eta0, eta1, eta2):
+        """Whole chunks from a chunk boundary, as in _update_step (their sums start empty and
+        end with each chunk).  Returns (each chunk's o [B, C, H, d_v] in a list, the state after
+        them).
         """
         outputs = []
-        for v_c, eta0_c, eta1_c, eta2_c, qn_c, kn_c in zip(*(x.split(self.chunk, dim=2)
-                for x in (v, eta0, eta1, eta2, qn, kn))):
-            o, (W0, W1, W2, _, _, _) = self._update_step(W0, W1, W2, None, None, None, v_c, eta0_c,
-                    eta1_c, eta2_c, qn_c, kn_c, True)
+        for q_c, k_c, v_c, eta0_c, eta1_c, eta2_c in zip(*(x.split(self.chunk, dim=1)
+                for x in (q, k, v, eta0, eta1, eta2))):
+            o, (W0, W1, W2, _, _, _) = self._update_step(W0, W1, W2, None, None, None, q_c, k_c,
+                    v_c, eta0_c, eta1_c, eta2_c, True)
             outputs.append(o)
         return outputs, (W0, W1, W2)
 

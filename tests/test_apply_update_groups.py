@@ -81,6 +81,5 @@ def test_compiled_groups_equal_eager():
         b, sb = call(comp, spec, ins, None, "apply_update")
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert comp._chunks_fn.compiled is not None and comp._chunks_fn.seconds is not None   # compiled, ran
-    assert comp._prepare_fn.compiled is not None
     for n in ("W0", "W1", "W2"):
         torch.testing.assert_close(sb[n], sa[n], rtol=1e-5, atol=1e-5)

@@ -20,7 +20,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from _compiled_harness import call, initial_state, inputs, load, make, reference_run, small_dims  # noqa: E402
 
-from memspec.runtime.helpers import _l2norm_columns, _norm_axis  # noqa: E402
+from close import assert_same_function  # noqa: E402
+
+from memspec.runtime.helpers import _l2norm_columns, _norm_axis, _renorm_columns  # noqa: E402
 
 STATES = ("W0", "W1", "W2")
 
@@ -115,3 +117,30 @@ def test_column_helpers_gradcheck():
                     requires_grad=True)
     assert torch.autograd.gradcheck(_l2norm_columns, (x,))
     assert torch.autograd.gradcheck(lambda t: _norm_axis(t, -2), (x,))
+
+
+def _renorm_inputs():
+    g = torch.Generator().manual_seed(2)
+    x, like = (torch.randn(2, 4, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    like[1, :, 0] = 0.0   # a zero column: its norm reads the floor, its gradient 0
+    return x.requires_grad_(), like.requires_grad_()
+
+
+def test_renorm_columns_is_the_spec_expression():
+    """_renorm_columns(x, like) = l2norm(x.T).T * norm(like, d) (the two helpers the expression
+    compiled to before), eagerly and in torch.compile's form, with gradients (float64)."""
+    x, like = _renorm_inputs()
+    want = _l2norm_columns(x) * _norm_axis(like, -2).unsqueeze(-2)
+    assert_same_function(_renorm_columns(x, like), want)
+    wg = torch.autograd.grad(want.square().sum(), (x, like))
+    for got, w in zip(torch.autograd.grad(_renorm_columns(x, like).square().sum(), (x, like)), wg):
+        assert_same_function(got, w)
+        assert torch.isfinite(got).all()
+    assert torch.autograd.gradcheck(_renorm_columns, _renorm_inputs())
+
+
+@pytest.mark.slow
+def test_renorm_columns_compiled_form():
+    x, like = _renorm_inputs()
+    compiled = torch.compile(_renorm_columns, dynamic=False)
+    assert_same_function(compiled(x, like), _l2norm_columns(x) * _norm_axis(like, -2).unsqueeze(-2))

@@ -1,7 +1,9 @@
 """Emitter of the ``apply_update`` family (:mod:`memspec.schedule.apply_update`): LaCT's chunks.
 
 ``_forward_apply_update`` cuts the stream into chunks of ``self.chunk`` tokens at positions
-0, C, 2C, ... (the compiled ``_update_step`` for a whole chunk, eagerly for a piece of one);
+0, C, 2C, ... (the compiled ``_update_step`` for a whole chunk, eagerly for a piece of one;
+the step computes the lets it reads from its own rows, so that a chunk's values stay in cache
+between the token-local pass and the products);
 a call that ends inside a chunk returns its position and the chunk's running gradient sums
 as ``state['every.pos']`` and ``state['every.<state>.<k>']``.  ``_update_step`` reads every
 token at the held state (apply), adds the chunk's weighted gradients, one
@@ -24,10 +26,9 @@ def emit(ctx, L) -> None:
     accs = ctx.block_accs(plan.blocks)
     cgs = rows_grads(ctx, plan)
     if cgs is not None:
-        inputs = step_inputs(ctx, plan, cgs)
+        inputs, lets = step_inputs(ctx, plan, cgs)
         forward(ctx, L, accs, rows=True, inputs=inputs)
-        prepare(ctx, L, inputs)
-        rows_chunk_step(ctx, L, plan, accs, cgs, inputs)
+        rows_chunk_step(ctx, L, plan, accs, cgs, inputs, lets)
         whole_chunks(ctx, L, accs, inputs)
         return
     forward(ctx, L, accs, rows=False)
@@ -53,8 +54,9 @@ def rows_grads(ctx, plan):
     return cgs
 
 
-def step_inputs(ctx, plan, cgs) -> list:
-    """The token-local values the rows chunk step reads (views, gates, lets), in that order."""
+def step_inputs(ctx, plan, cgs) -> tuple[list, list]:
+    """The views and gates the rows chunk step reads, in that order, and the lets it computes from
+    them (the ones it reads and theirs, in dependency order)."""
     spec = ctx.spec
     exprs = [spec.read] + [wg.weight for wg in plan.weights] + [spec.update[b.index].value for b in plan.blocks]
     names = set()
@@ -65,7 +67,10 @@ def step_inputs(ctx, plan, cgs) -> list:
     if spec.model is not None:
         exprs.append(spec.model.body)
     names |= {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
-    return [n for n in ctx.views + ctx.gates + ctx.let_order() if n in names]
+    for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
+        if name in names:
+            names |= {x.id for x in spec.let[name].walk() if isinstance(x, Name)}
+    return [n for n in ctx.views + ctx.gates if n in names], [n for n in ctx.let_order() if n in names]
 
 
 def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
@@ -82,9 +87,6 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
         L("state['every.<state>.<k>'], so that streaming in pieces gives the same numbers as one call.")
         L('"""')
         L(f"{c}, {T} = self.chunk, {ctx.first}.shape[1]")
-        if rows:
-            L(f"{', '.join(sv)}{',' if len(sv) == 1 else ''} = self._prepare_fn({', '.join(ctx.views + ctx.gates)})",
-              "the chunk step's inputs, head-major")
         L(f"{', '.join(ctx.states)} = {', '.join(f'state[{s!r}]' for s in ctx.states)}")
         if rows:   # a chunk's sums so far (None: no token of the chunk yet)
             L(f"{pos} = state.get(\"every.pos\", 0)", "a Python int: the position in the chunks")
@@ -96,8 +98,7 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
             outs = token_calls(ctx, L, accs, sv, taken, (c, T, pos))
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
         block_sums_out(ctx, L, pos, accs, c)
-        o = f"torch.cat({outs}, dim={2 if rows else 1})"
-        L(f"return {o}.transpose(1, 2), state" if rows else f"return {o}, state")
+        L(f"return torch.cat({outs}, dim=1), state")
     L()
 
 
@@ -119,10 +120,10 @@ def rows_calls(ctx, L, accs, sv, taken, names) -> str:
         L(f"{sizes}.append({n})")
         L(f"{t}, {p} = {t} + {n}, ({p} + {n}) % {c}")
     L(f"{outs} = []")
-    L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split({sizes}, dim=2) "
+    L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split({sizes}, dim=1) "
       f"for x in {tuple_text(sv)})):")
     with L.indent():
-        L(f"{n} = {pieces[0]}.shape[2]")
+        L(f"{n} = {pieces[0]}.shape[1]")
         L(f"if {n} > {c}:", "a group of whole chunks (their sums start and end empty)")
         with L.indent():
             L(f"{o_c}, {tuple_text(ctx.states)} = self._chunks_fn({', '.join(ctx.states + pieces)})")
@@ -156,31 +157,6 @@ def token_calls(ctx, L, accs, sv, taken, names) -> str:
     return outs
 
 
-def prepare(ctx, L, inputs) -> None:
-    """``_prepare_apply_update``: the chunk step's inputs head-major, the lets it reads computed
-    once over the sequence (under ``compile`` one fused pass, specialised to the first length and
-    with symbolic sizes once the length changes)."""
-    raw = ctx.views + ctx.gates
-    L(f"def _prepare_apply_update(self, {', '.join(raw)}):")
-    with L.indent():
-        L('"""' + "The chunk step's inputs over the sequence, head-major [B, H, T, ...]: "
-          + ", ".join(inputs) + ".")
-        L('"""')
-        ctx.helpers.add("_head_major")
-        L(f"{', '.join(raw)}{',' if len(raw) == 1 else ''} = (_head_major(x) for x in {tuple_text(raw)})")
-        em = ctx.emitter(rows=True)
-        needed = {x for x in inputs if x in ctx.spec.let}
-        for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
-            if name in needed:
-                needed |= {x.id for x in ctx.spec.let[name].walk() if isinstance(x, Name)}
-        for name in ctx.let_order():
-            if name in needed:
-                L(f"{name} = {em.emit(ctx.spec.let[name])}", shape_text("B, H, T", ctx.shape(Name(name)))
-                  + ": token-local")
-        L(f"return {', '.join(inputs)}")
-    L()
-
-
 def whole_chunks(ctx, L, accs, inputs) -> None:
     """``_update_chunks``: whole chunks from a chunk boundary, one ``_update_step`` each -- under
     ``compile`` one graph for the group (the loop unrolls over its few chunks), so that one
@@ -188,14 +164,14 @@ def whole_chunks(ctx, L, accs, inputs) -> None:
     rest = ", ".join(["_"] * len(accs))
     L(f"def _update_chunks(self, {', '.join(ctx.states + inputs)}):")
     with L.indent():
-        L('"""' + "Whole chunks from a chunk boundary, head-major as in _update_step (their sums start")
-        L("empty and end with each chunk).  Returns (each chunk's o " + shape_text("B, H, C", ctx.read_shape())
+        L('"""' + "Whole chunks from a chunk boundary, as in _update_step (their sums start empty and")
+        L("end with each chunk).  Returns (each chunk's o " + shape_text("B, C, H", ctx.read_shape())
           + " in a list, the state after them).")
         L('"""')
         taken = ctx.taken() | set(ctx.states)
         pieces = [fresh(f"{x}_c", taken) for x in inputs]
         L("outputs = []")
-        L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split(self.chunk, dim=2) "
+        L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split(self.chunk, dim=1) "
           f"for x in {tuple_text(inputs)})):")
         with L.indent():
             args = ctx.states + ["None"] * len(accs) + pieces + ["True"]
@@ -206,26 +182,31 @@ def whole_chunks(ctx, L, accs, inputs) -> None:
 
 
 def compiled_methods(ctx, plan) -> list:
-    """The rows chunk step's further compiled methods: the preparation (automatic dynamic shapes) and the
-    groups of whole chunks."""
+    """The rows chunk step's further compiled method: the groups of whole chunks."""
     if rows_grads(ctx, plan) is None:
         return []
-    return [("_prepare_fn", "_prepare_apply_update", None, "inputs' preparation"),
-            ("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
+    return [("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
 
 
-def rows_chunk_step(ctx, L, plan, accs, cgs, inputs) -> None:
-    """The chunk step as products of the chunk's rows (head-major): the read of every row at the
-    held state, the loss's closed-form gradient program over all rows at once, and each summed,
-    weighted gradient as one product ``x^T (weight * delta)``."""
+def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, lets) -> None:
+    """The chunk step as products of the chunk's rows: its inputs as head-major views (the rows of a
+    head one matrix), the lets of its rows, the read of every row at the held state, the loss's
+    closed-form gradient program over all rows at once, and each summed, weighted gradient as one
+    product ``x^T (weight * delta)``; the output token-major again (one concatenation of the
+    chunks' outputs is then the sequence's, and the gradients of the inputs' pieces concatenate
+    into the inputs' layout)."""
     spec = ctx.spec
     taken = ctx.taken()
     carried = ctx.states + [a.name for a in accs]
     last = fresh("last", taken)
-    shapes = ", ".join(f"{x} " + shape_text("B, H, C", ctx.shape(Name(x))) for x in inputs)
-    step_header(ctx, L, carried + inputs + [last], accs, last, f"head-major: {shapes}", "B, H, C")
+    shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
+    step_header(ctx, L, carried + inputs + [last], accs, last, shapes, "B, C, H")
     with L.indent():
         em = ctx.emitter(rows=True)
+        L(f"{', '.join(inputs)}{',' if len(inputs) == 1 else ''} = (x.transpose(1, 2) for x in {tuple_text(inputs)})",
+          "head-major views [B, H, C, ...]")
+        for name in lets:
+            L(f"{name} = {em.emit(spec.let[name])}", shape_text("B, H, C", ctx.shape(Name(name))) + ": token-local")
         L(f"o = {em.emit(spec.read)}", shape_text("B, H, C", ctx.read_shape()) + ": apply: every row reads the held state")
         # the loss's gradient program over the rows, once per distinct program
         done = []
@@ -246,7 +227,7 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs) -> None:
             L(f"{a.name} = {_sum_text(refs)} if {a.name} is None else {a.name} {_signed(refs)}",
               shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
         update_lines(ctx, L, plan, accs, last, rows=True)
-        L(f"return o, {tuple_text(carried)}")
+        L(f"return o.transpose(1, 2), {tuple_text(carried)}", "token-major again")
     L()
 
 

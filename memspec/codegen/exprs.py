@@ -205,6 +205,8 @@ class ExprEmitter:
             v, A, B = self._rowed([self._emit(e.left), self._emit(e.right.args[0]), self._emit(e.right.args[1])])
             return Code(f"(torch.linalg.solve({A.text}, {v.at(P_ATOM)}.unsqueeze(-2), left=False) @ {B.at(P_MUL + 1)})"
                         f".squeeze(-2)", P_ATOM, 1, row=v.row)
+        if e.op == "*" and (renorm := self._renorm_columns(e)) is not None:
+            return renorm
         a, b = self._emit(e.left), self._emit(e.right)
         if e.op == "@":
             return self._matmul(a, b, e)
@@ -220,6 +222,21 @@ class ExprEmitter:
             left = la if la is not None else a.at(prec)
             right = lb if lb is not None else b.at(prec + 1)
         return Code(f"{left} {op} {right}", prec, rank, number, a.row or b.row)
+
+    def _renorm_columns(self, e: BinOp) -> Optional[Code]:
+        """``l2norm(X.T).T * norm(Y, axis)`` (either order; Y shaped as the matrix X, the norm over
+        its first axis: weight normalisation) as one helper call, or None."""
+        for cols, norm in ((e.left, e.right), (e.right, e.left)):
+            if not (isinstance(cols, Transpose) and isinstance(cols.operand, Call) and cols.operand.fn == "l2norm"
+                    and isinstance(cols.operand.args[0], Transpose) and isinstance(norm, Call)
+                    and norm.fn == "norm" and len(norm.args) == 2):
+                continue
+            x = cols.operand.args[0].operand
+            if len(self.shape(x)) == 2 and self.shape(norm.args[0]) == self.shape(x) and self._axis(norm) == -2:
+                xc, yc = self._rowed([self._emit(x), self._emit(norm.args[0])])
+                self.helpers.add("_renorm_columns")
+                return Code(f"_renorm_columns({xc.text}, {yc.text})", P_ATOM, 2, row=xc.row)
+        return None
 
     def _diag_matmul(self, e: BinOp) -> Code:
         """``diag(d) @ X`` scales the rows of X, ``X @ diag(d)`` its columns (no diagonal matrix)."""

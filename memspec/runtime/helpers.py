@@ -50,12 +50,18 @@ def _norm_axis(x, dim):
     return torch.exp(0.5 * torch.log((x * x).sum(dim).clamp_min(torch.finfo(x.dtype).tiny)))
 
 
-def _head_major(x):
-    """x [B, T, H, ...] -> [B, H, T, ...]: a view for one sequence (its chunks' rows are strided views
-    the products read as they are: measured 8% faster than a copy), contiguous for a batch (whose chunk
-    slices every product would copy)."""
-    x = x.transpose(1, 2)
-    return x if x.shape[0] == 1 else x.contiguous()
+def _renorm_columns(x, like):
+    """l2norm(x.T).T * norm(like, over the second-last axis) in one pass: every column of x scaled
+    to the 2-norm of like's column, x / sqrt(sum(x^2) + 1e-6) * sqrt(sum(like^2)), like's norm
+    floored as in _norm_axis (weight normalisation: a step's result kept at the columns' norms).
+    Eagerly the fewest kernels; under torch.compile the factor as exp((log(.) - log(.)) / 2), once
+    per column (see _l2norm_columns)."""
+    tiny = torch.finfo(like.dtype).tiny
+    if torch.compiler.is_compiling():
+        kept = torch.log((like * like).sum(-2, keepdim=True).clamp_min(tiny))
+        return x * torch.exp(0.5 * (kept - torch.log((x * x).sum(-2, keepdim=True) + 1e-6)))
+    kept = torch.linalg.vecdot(like, like, dim=-2).clamp_min(tiny)
+    return x * (kept / (torch.linalg.vecdot(x, x, dim=-2) + 1e-6)).sqrt().unsqueeze(-2)
 
 
 def huber(x, delta):
