@@ -564,10 +564,22 @@ class LactMemory(nn.Module):
         last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums after
         it).
         """
+        qn = l2norm(F.silu(q))  # [B, C, H, d_k]: the piece's rows
+        kn = l2norm(F.silu(k))  # [B, C, H, d_k]: the piece's rows
+        return self._rows_step(W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn,
+                kn, last)
+
+    def _rows_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn, kn,
+            last):
+        """A chunk (or a piece of one) of C tokens, v [B, C, H, d_v], eta0 [B, C, H], eta1 [B, C,
+        H], eta2 [B, C, H], qn [B, C, H, d_k], kn [B, C, H, d_k];
+        W0, W1, W2: the state every token of the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0,
+        acc_W2_0: the chunk's gradient sums so far;
+        last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums after
+        it).
+        """
         # head-major views [B, H, C, ...]
-        q, k, v, eta0, eta1, eta2 = (x.transpose(1, 2) for x in (q, k, v, eta0, eta1, eta2))
-        qn = l2norm(F.silu(q))  # [B, H, C, d_k]: token-local
-        kn = l2norm(F.silu(k))  # [B, H, C, d_k]: token-local
+        v, eta0, eta1, eta2, qn, kn = (x.transpose(1, 2) for x in (v, eta0, eta1, eta2, qn, kn))
         # [B, H, C, d_v]: apply: every row reads the held state
         o = F.silu(qn @ W0) * (qn @ W2) @ W1
         y_W0 = kn @ W0  # [B, H, C, hidden]: the rows at the held state
@@ -607,11 +619,13 @@ class LactMemory(nn.Module):
         end with each chunk).  Returns (each chunk's o [B, C, H, d_v] in a list, the state after
         them).
         """
+        qn = l2norm(F.silu(q))  # [B, n, H, d_k]: the group's rows
+        kn = l2norm(F.silu(k))  # [B, n, H, d_k]: the group's rows
         outputs = []
-        for q_c, k_c, v_c, eta0_c, eta1_c, eta2_c in zip(*(x.split(self.chunk, dim=1)
-                for x in (q, k, v, eta0, eta1, eta2))):
-            o, (W0, W1, W2, _, _, _) = self._update_step(W0, W1, W2, None, None, None, q_c, k_c,
-                    v_c, eta0_c, eta1_c, eta2_c, True)
+        for v_c, eta0_c, eta1_c, eta2_c, qn_c, kn_c in zip(*(x.split(self.chunk, dim=1)
+                for x in (v, eta0, eta1, eta2, qn, kn))):
+            o, (W0, W1, W2, _, _, _) = self._rows_step(W0, W1, W2, None, None, None, v_c, eta0_c,
+                    eta1_c, eta2_c, qn_c, kn_c, True)
             outputs.append(o)
         return outputs, (W0, W1, W2)
 

@@ -1,14 +1,17 @@
 """Emitter of the ``apply_update`` family (:mod:`memspec.schedule.apply_update`): LaCT's chunks.
 
 ``_forward_apply_update`` cuts the stream into chunks of ``self.chunk`` tokens at positions
-0, C, 2C, ... (the compiled ``_update_step`` for a whole chunk, eagerly for a piece of one;
-the step computes the lets it reads from its own rows, so that a chunk's values stay in cache
-between the token-local pass and the products);
+0, C, 2C, ... (the compiled ``_update_step`` for a whole chunk, eagerly for a piece of one);
 a call that ends inside a chunk returns its position and the chunk's running gradient sums
-as ``state['every.pos']`` and ``state['every.<state>.<k>']``.  ``_update_step`` reads every
-token at the held state (apply), adds the chunk's weighted gradients, one
-``torch.func.grad`` of ``_update_loss`` per weight, to the sums, and at the chunk's last token
-runs the update statements once with the sums (update).
+as ``state['every.pos']`` and ``state['every.<state>.<k>']``.  Every token of a chunk reads the
+held state (apply); the chunk's weighted gradients add to the sums, and at the chunk's last
+token the update statements run once with the sums (update).
+
+With every summed gradient in closed form the step is products of the chunk's rows: the lets
+of its rows (``_update_step``), then ``_rows_step`` (the read, the gradient program and the
+weighted sums as ``[C, d] @ [d, h]`` products); ``_update_chunks`` runs a group of whole chunks
+in one compiled call, their lets at once.  Otherwise ``_update_step`` takes one
+``torch.func.grad`` of ``_update_loss`` per weight.
 """
 from __future__ import annotations
 
@@ -26,10 +29,13 @@ def emit(ctx, L) -> None:
     accs = ctx.block_accs(plan.blocks)
     cgs = rows_grads(ctx, plan)
     if cgs is not None:
-        inputs, lets = step_inputs(ctx, plan, cgs)
-        forward(ctx, L, accs, rows=True, inputs=inputs)
-        rows_chunk_step(ctx, L, plan, accs, cgs, inputs, lets)
-        whole_chunks(ctx, L, accs, inputs)
+        raw, lets, rows = step_inputs(ctx, plan, cgs)
+        step = "_rows_step" if lets else "_update_step"
+        forward(ctx, L, accs, rows=True, inputs=raw)
+        if lets:
+            lets_step(ctx, L, accs, raw, lets, rows)
+        rows_chunk_step(ctx, L, plan, accs, cgs, rows, step)
+        whole_chunks(ctx, L, accs, raw, lets, rows, step)
         return
     forward(ctx, L, accs, rows=False)
     chunk_loss(ctx, L)
@@ -54,9 +60,10 @@ def rows_grads(ctx, plan):
     return cgs
 
 
-def step_inputs(ctx, plan, cgs) -> tuple[list, list]:
-    """The views and gates the rows chunk step reads, in that order, and the lets it computes from
-    them (the ones it reads and theirs, in dependency order)."""
+def step_inputs(ctx, plan, cgs) -> tuple[list, list, list]:
+    """(the views and gates the rows chunk step reads, in that order; the lets it computes from
+    them, in dependency order; the inputs of its products: the views and gates they read
+    themselves, then those lets)."""
     spec = ctx.spec
     exprs = [spec.read] + [wg.weight for wg in plan.weights] + [spec.update[b.index].value for b in plan.blocks]
     names = set()
@@ -67,10 +74,13 @@ def step_inputs(ctx, plan, cgs) -> tuple[list, list]:
     if spec.model is not None:
         exprs.append(spec.model.body)
     names |= {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
+    direct = set(names)
     for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
         if name in names:
             names |= {x.id for x in spec.let[name].walk() if isinstance(x, Name)}
-    return [n for n in ctx.views + ctx.gates if n in names], [n for n in ctx.let_order() if n in names]
+    lets = [n for n in ctx.let_order() if n in names]
+    return ([n for n in ctx.views + ctx.gates if n in names], lets,
+            [n for n in ctx.views + ctx.gates if n in direct] + lets)
 
 
 def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
@@ -157,27 +167,48 @@ def token_calls(ctx, L, accs, sv, taken, names) -> str:
     return outs
 
 
-def whole_chunks(ctx, L, accs, inputs) -> None:
-    """``_update_chunks``: whole chunks from a chunk boundary, one ``_update_step`` each -- under
-    ``compile`` one graph for the group (the loop unrolls over its few chunks), so that one
-    call's overhead serves several chunks."""
+def whole_chunks(ctx, L, accs, raw, lets, rows, step) -> None:
+    """``_update_chunks``: whole chunks from a chunk boundary, the group's lets at once (fewer,
+    larger kernels than a chunk's), then one ``step`` each -- under ``compile`` one graph for the
+    group (the loop unrolls over its few chunks), so that one call's overhead serves several
+    chunks."""
     rest = ", ".join(["_"] * len(accs))
-    L(f"def _update_chunks(self, {', '.join(ctx.states + inputs)}):")
+    L(f"def _update_chunks(self, {', '.join(ctx.states + raw)}):")
     with L.indent():
         L('"""' + "Whole chunks from a chunk boundary, as in _update_step (their sums start empty and")
         L("end with each chunk).  Returns (each chunk's o " + shape_text("B, C, H", ctx.read_shape())
           + " in a list, the state after them).")
         L('"""')
+        let_lines(ctx, L, lets, "B, n, H", "the group's rows")
         taken = ctx.taken() | set(ctx.states)
-        pieces = [fresh(f"{x}_c", taken) for x in inputs]
+        pieces = [fresh(f"{x}_c", taken) for x in rows]
         L("outputs = []")
         L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split(self.chunk, dim=1) "
-          f"for x in {tuple_text(inputs)})):")
+          f"for x in {tuple_text(rows)})):")
         with L.indent():
             args = ctx.states + ["None"] * len(accs) + pieces + ["True"]
-            L(f"o, ({', '.join(ctx.states)}{', ' + rest if rest else ''}) = self._update_step({', '.join(args)})")
+            L(f"o, ({', '.join(ctx.states)}{', ' + rest if rest else ''}) = self.{step}({', '.join(args)})")
             L("outputs.append(o)")
         L(f"return outputs, {tuple_text(ctx.states)}")
+    L()
+
+
+def let_lines(ctx, L, lets, prefix: str, rows: str) -> None:
+    """The lets of token-major rows ``[B, n, H, ...]`` (token-local: any layout of rows)."""
+    em = ctx.emitter(rows=True)
+    for name in lets:
+        L(f"{name} = {em.emit(ctx.spec.let[name])}", shape_text(prefix, ctx.shape(Name(name))) + f": {rows}")
+
+
+def lets_step(ctx, L, accs, raw, lets, rows) -> None:
+    """``_update_step`` of a spec with lets: the lets of the piece's rows, then ``_rows_step``."""
+    carried = ctx.states + [a.name for a in accs]
+    last = fresh("last", ctx.taken())
+    shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in raw)
+    step_header(ctx, L, "_update_step", carried + raw + [last], accs, last, shapes, "B, C, H")
+    with L.indent():
+        let_lines(ctx, L, lets, "B, C, H", "the piece's rows")
+        L(f"return self._rows_step({', '.join(carried + rows + [last])})")
     L()
 
 
@@ -188,9 +219,9 @@ def compiled_methods(ctx, plan) -> list:
     return [("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
 
 
-def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, lets) -> None:
-    """The chunk step as products of the chunk's rows: its inputs as head-major views (the rows of a
-    head one matrix), the lets of its rows, the read of every row at the held state, the loss's
+def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, name) -> None:
+    """The chunk step as products of the chunk's rows: its inputs (lets included) as head-major
+    views (the rows of a head one matrix), the read of every row at the held state, the loss's
     closed-form gradient program over all rows at once, and each summed, weighted gradient as one
     product ``x^T (weight * delta)``; the output token-major again (one concatenation of the
     chunks' outputs is then the sequence's, and the gradients of the inputs' pieces concatenate
@@ -200,13 +231,11 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, lets) -> None:
     carried = ctx.states + [a.name for a in accs]
     last = fresh("last", taken)
     shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
-    step_header(ctx, L, carried + inputs + [last], accs, last, shapes, "B, C, H")
+    step_header(ctx, L, name, carried + inputs + [last], accs, last, shapes, "B, C, H")
     with L.indent():
         em = ctx.emitter(rows=True)
         L(f"{', '.join(inputs)}{',' if len(inputs) == 1 else ''} = (x.transpose(1, 2) for x in {tuple_text(inputs)})",
           "head-major views [B, H, C, ...]")
-        for name in lets:
-            L(f"{name} = {em.emit(spec.let[name])}", shape_text("B, H, C", ctx.shape(Name(name))) + ": token-local")
         L(f"o = {em.emit(spec.read)}", shape_text("B, H, C", ctx.read_shape()) + ": apply: every row reads the held state")
         # the loss's gradient program over the rows, once per distinct program
         done = []
@@ -231,9 +260,9 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, lets) -> None:
     L()
 
 
-def step_header(ctx, L, params: list, accs, last: str, inputs: str, prefix: str) -> None:
-    """``def _update_step(...)`` and its docstring (the body follows, indented)."""
-    L(f"def _update_step(self, {', '.join(params)}):")
+def step_header(ctx, L, name: str, params: list, accs, last: str, inputs: str, prefix: str) -> None:
+    """``def <name>(...)`` and its docstring (the body follows, indented)."""
+    L(f"def {name}(self, {', '.join(params)}):")
     with L.indent():
         L('"""' + f"A chunk (or a piece of one) of C tokens, {inputs};")
         L(", ".join(ctx.states) + ": the state every token of the chunk reads [B, H, ...]; "
@@ -292,7 +321,7 @@ def chunk_step(ctx, L, plan, accs) -> None:
     last = fresh("last", taken)
     shapes = ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views) \
         + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates)
-    step_header(ctx, L, carried + ctx.views + ctx.gates + [last], accs, last, shapes, "B, C, H")
+    step_header(ctx, L, "_update_step", carried + ctx.views + ctx.gates + [last], accs, last, shapes, "B, C, H")
     with L.indent():
         em = ctx.emitter()
         ctx.lets(L, em, "B, C, H")
