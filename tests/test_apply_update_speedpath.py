@@ -22,7 +22,7 @@ from _compiled_harness import call, initial_state, inputs, load, make, reference
 
 from close import assert_same_function  # noqa: E402
 
-from memspec.runtime.helpers import _l2norm_columns, _norm_axis, _renorm_columns  # noqa: E402
+from memspec.runtime.helpers import _l2norm_columns, _norm_axis, _outer_sum, _renorm_columns  # noqa: E402
 
 STATES = ("W0", "W1", "W2")
 
@@ -144,3 +144,22 @@ def test_renorm_columns_compiled_form():
     x, like = _renorm_inputs()
     compiled = torch.compile(_renorm_columns, dynamic=False)
     assert_same_function(compiled(x, like), _l2norm_columns(x) * _norm_axis(like, -2).unsqueeze(-2))
+
+
+def test_outer_sum_gradients_are_the_products_and_row_major():
+    """_outer_sum(x, d) = x^T d with the gradients of the plain product, both formed row-major
+    (the plain product's backward leaves the transposed operand's gradient transposed)."""
+    g = torch.Generator().manual_seed(3)
+    x, d = (torch.randn(2, 3, 7, n, generator=g, dtype=torch.float64) for n in (4, 5))
+    x.requires_grad_(), d.requires_grad_()
+    got = _outer_sum(x, d)
+    want = x.transpose(-2, -1) @ d
+    assert_same_function(got, want)
+    up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((got * up).sum(), (x, d)), torch.autograd.grad((want * up).sum(), (x, d))):
+        assert_same_function(a, b)
+        assert a.is_contiguous()
+    with torch.no_grad():
+        assert_same_function(_outer_sum(x, d), want)
+    assert torch.autograd.gradcheck(_outer_sum, (x, d))
+    assert torch.autograd.gradgradcheck(_outer_sum, (x, d))

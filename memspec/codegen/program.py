@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..lang.expr import BinOp, Call, Name, Transpose, rewrite, unparse
 from ..lang.names import fresh
 from ..schedule.algebra import ONE, is_num
-from .exprs import P_ATOM, P_MUL
+from .exprs import P_ATOM
 from .text import shape_text
 
 
@@ -133,11 +133,8 @@ def closed_grad_lines(ctx, L, em, cg, targets, taken: set, where: str, prefix: s
 def weighted_grad_sum(ctx, em, cg, target: str, weight) -> str:
     """Rows: ``sum_t weight_t grad(loss, target)_t`` over the chunk's rows, after
     :func:`closed_grad_lines` bound the steps: ``x^T (weight * delta)`` per site (a product
-    ``[B, H, d, C] @ [B, H, C, h]``), a bias site ``sum_t weight_t delta_t``.  Where x is wider
-    than delta (by the spec's sizes), ``((weight * delta)^T x)^T``: a product's backward forms
-    the gradient of its transposed operand transposed, and the rows' elementwise backward then
-    reads the narrower one across its rows (LaCT's chunk step at chunk 512: 2% of the forward
-    and backward)."""
+    ``[B, H, d, C] @ [B, H, C, h]``, ``_outer_sum``: its backward forms both gradients row-major),
+    a bias site ``sum_t weight_t delta_t``."""
     scope = {st.name: st.shape for st in cg.forward + cg.backward}
     sub = em.with_scope(**scope)
     terms = []
@@ -145,20 +142,11 @@ def weighted_grad_sum(ctx, em, cg, target: str, weight) -> str:
         d = sub._emit(Name(site.delta) if is_num(weight, 1) else BinOp("*", weight, Name(site.delta)))
         if site.input:
             x = sub._emit(Name(site.input))
-            if _width(ctx, sub.shape(Name(site.input))) > _width(ctx, sub.shape(Name(site.delta))):
-                terms.append(f"({d.at(P_ATOM)}.transpose(-2, -1) @ {x.at(P_MUL + 1)}).transpose(-2, -1)")
-            else:
-                terms.append(f"{x.at(P_ATOM)}.transpose(-2, -1) @ {d.at(P_MUL + 1)}")
+            em.helpers.update(("_outer_sum", "_OuterSum"))
+            terms.append(f"_outer_sum({x.text}, {d.text})")
         else:
             terms.append(f"{d.at(P_ATOM)}.sum(-2)")
     return " + ".join(terms)
-
-
-def _width(ctx, shape: tuple) -> int:
-    """The size of a row's last axis by the spec's dims (1 for a scalar)."""
-    if not shape:
-        return 1
-    return shape[-1] if isinstance(shape[-1], int) else ctx.spec.dims.get(shape[-1], 0)
 
 
 def emit_updates(ctx, L, em, taken, where, keep=None, stop=None, blocks=True) -> list:
