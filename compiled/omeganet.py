@@ -650,7 +650,7 @@ class OmeganetMemory(nn.Module):
         o = (P.unsqueeze(-1) * (q_h @ W) + ((q_h @ x_h.transpose(-2, -1)) * N) @ d_h).transpose(1,
                 2)
         # [B, H, d_k, d_v]: W after the chunk
-        W_after = P[..., -1, None, None] * W + x_h.transpose(-2, -1) @ (N[..., -1, :, None] * d_h)
+        W_after = P[..., -1, None, None] * W + _outer_sum(x_h, N[..., -1, :, None] * d_h)
         return o, (W_after, K_after, V_after)
 
 

@@ -489,6 +489,11 @@ class DualRead:
         lift = "[..., -1" + ", None" * (len(shape) - chan) + "]"
         return scaled(v, local(self.starts[r0]), lift)
 
+    def outer_sum(self, x: Term, w: Term) -> Term:
+        """``x^T w`` summed over the chunk's rows, by ``_outer_sum`` (both gradients row-major)."""
+        self.alg.w.helpers.update(("_outer_sum", "_OuterSum"))
+        return Call("_outer_sum", tuple(t.inner if isinstance(t, Group) else t for t in (x, w)))
+
     def gradient_terms(self, s: str) -> list:
         """The gradients' terms of ``s`` after the last token (row C of its weights)."""
         alg, xk, dd = self.alg, self.xk, self.dd
@@ -496,27 +501,27 @@ class DualRead:
         for g, m in alg.reps[s].mat.items():
             if alg.is_chan(m) and s in alg.form.cols:   # one weight per column: the deltas weighted per channel
                 w = Group(Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(dd[g])))
-                terms.append(matmul(Post(local(xk[g]), ".transpose(-2, -1)"), w))
+                terms.append(self.outer_sum(local(xk[g]), w))
                 continue
             if alg.is_chan(m):   # one weight per row: the layer's input weighted per channel
                 w = Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(xk[g]))
                 w = alg.bind(fresh(f"{xk[g]}_last_{m.code}", self.taken), w, shape_text(
                     "B, H, C", self.shape(xk[g])) + f": {xk[g]} weighted per channel for the state after the "
                     "chunk", plain=True) if xk[g] in self.inputs else Group(w)
-                terms.append(matmul(Post(w, ".transpose(-2, -1)"), local(dd[g])))
+                terms.append(self.outer_sum(w, local(dd[g])))
                 continue
             last = Post(m, "[..., -1, :, None]")
             if xk.get(g) in self.inputs:   # the layer's input weighted (no state: by _chunk_pre)
                 kw = alg.bind(fresh(f"{xk[g]}_last_{m.code}", self.taken), Op("*", last, local(xk[g])),
                               shape_text("B, H, C", self.shape(xk[g]))
                               + f": {xk[g]} weighted for the state after the chunk")
-                terms.append(matmul(Post(kw, ".transpose(-2, -1)"), local(dd[g])))
+                terms.append(self.outer_sum(kw, local(dd[g])))
                 continue
             key = (m, dd[g])
             if key not in self.last_rows:
                 self.last_rows[key] = self.last_row(key, g, Op("*", last, local(dd[g])))
             weights = self.last_rows[key]
-            terms.append(matmul(Post(local(xk[g]), ".transpose(-2, -1)"), weights) if g in xk
+            terms.append(self.outer_sum(local(xk[g]), weights) if g in xk
                          else Post(weights, ".sum(-2)"))
         return terms
 
