@@ -18,8 +18,7 @@ feature maps)
 
 AtlasMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 AtlasLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -142,8 +141,7 @@ def _ns_run(G, schedule, kept=None):
 
 def _ns_start(G):
     """The iteration's start: G [..., p, q] -> (X0 = Y / (r + 1e-7) as [N, m, n], r = |Y|_F as [N,
-    1, 1]),
-    the batch axes as one, with Y = G, or G^T when p > q (so that m <= n)."""
+    1, 1]), the batch axes as one, with Y = G, or G^T when p > q (so that m <= n)."""
     Y = G.transpose(-2, -1) if G.shape[-2] > G.shape[-1] else G
     r = torch.linalg.matrix_norm(Y, keepdim=True)
     X = Y / (r + 1e-7)
@@ -402,12 +400,11 @@ def _recomputing(option, T):
 
 def _recomputed(fn):
     """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
-    autograd keeps its
-    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
-    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
-    when an input requires grad -- its gradients then come through ``.backward()``, which
-    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
-    ready once per backward; a reentrant chunk would mark the ones it reads again),
+    autograd keeps its inputs, not the per-token states it materialises inside.  Reentrant (one
+    recomputation, no hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on
+    per-token loops) when an input requires grad -- its gradients then come through ``.backward()``,
+    which ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a
+    parameter ready once per backward; a reentrant chunk would mark the ones it reads again),
     non-reentrant."""
     # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
     def flat(*args):
@@ -454,14 +451,11 @@ def _linear_scan(a, x, s0):
     """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0.
 
     a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]
-    (token-major,
-    contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of
-    _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds) from 4,096
-    floats
-    per token (B H |shape|) on, where the closed form's work outgrows them (measured 1.2x faster at
-    1,024
-    floats per head, 5x at 8,192) -- but not under torch.compile, where the loop would unroll.
-    """
+    (token-major, contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the
+    weights of _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds)
+    from 4,096 floats per token (B H |shape|) on, where the closed form's work outgrows them
+    (measured 1.2x faster at 1,024 floats per head, 5x at 8,192) -- but not under torch.compile,
+    where the loop would unroll. """
     B, C, H = x.shape[:3]
     if not isinstance(a, torch.Tensor):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
@@ -741,8 +735,7 @@ class AtlasMemory(nn.Module):
 
     def _token_step(self, W1, W2, S1, S2, K, V, G, q, k, v, eta, mu, alpha, gamma):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], mu [B, H], alpha [B,
-        H], gamma [B, H];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
+        H], gamma [B, H]; the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
         """
         qn = l2norm(self.p1 * l2norm(q) + self.p2 * l2norm(q) ** 2)  # [B, H, d_k]
         kn = l2norm(self.p1 * l2norm(k) + self.p2 * l2norm(k) ** 2)  # [B, H, d_k]
@@ -778,8 +771,7 @@ class AtlasMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, mu, alpha, gamma)
@@ -830,10 +822,9 @@ class AtlasMemory(nn.Module):
         return _where_ok(ok, o, float("nan")), state
 
     def _row_grads(self, W1, W2, K_row, V_row, G_row):
-        """The closed-form gradients of one row's loss, 0.5 * sum(G_row * (f(K_row) - V_row)^2):
-        the states [B, H, ...] and one row of each cache (K_row [B, H, d_k], V_row [B, H, d_v],
-        G_row [B, H]) -> (grad(loss, W1) [B, H, d_k, hidden], grad(loss, W2) [B, H, hidden, d_v]).
-        """
+        """The closed-form gradients of one row's loss, 0.5 * sum(G_row * (f(K_row) - V_row)^2): the
+        states [B, H, ...] and one row of each cache (K_row [B, H, d_k], V_row [B, H, d_v], G_row
+        [B, H]) -> (grad(loss, W1) [B, H, d_k, hidden], grad(loss, W2) [B, H, hidden, d_v]). """
         # [B, H, hidden]: the row at the chunk-start state
         y_W1 = (K_row.unsqueeze(-2) @ W1).squeeze(-2)
         xk_W2 = F.gelu(y_W1)  # [B, H, hidden]
@@ -851,11 +842,9 @@ class AtlasMemory(nn.Module):
     def _chunk_step(self, W1_start, W2_start, W1, W2, S1, S2, K, V, G, q, k, v, eta, mu, alpha,
             gamma):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v],
-        eta [B, C, H], mu [B, C, H], alpha [B, C, H], gamma [B, C, H];
-        W1_start, W2_start: the chunk-start state the gradients are taken at;
-        W1, W2, S1, S2, K, V, G: the state before the chunk's first token [B, H, ...].
-        Returns (o [B, C, H, d_v], the state after the chunk).
-        """
+        eta [B, C, H], mu [B, C, H], alpha [B, C, H], gamma [B, C, H]; W1_start, W2_start: the
+        chunk-start state the gradients are taken at; W1, W2, S1, S2, K, V, G: the state before the
+        chunk's first token [B, H, ...]. Returns (o [B, C, H, d_v], the state after the chunk). """
         qn = l2norm(self.p1 * l2norm(q) + self.p2 * l2norm(q) ** 2)  # [B, C, H, d_k]
         kn = l2norm(self.p1 * l2norm(k) + self.p2 * l2norm(k) ** 2)  # [B, C, H, d_k]
         K_new = kn  # [B, C, H, d_k]: appended to K

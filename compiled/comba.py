@@ -15,8 +15,7 @@ Control, the Comba recurrence
 
 CombaMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 CombaLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -309,8 +308,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -323,8 +321,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -390,10 +387,10 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, documents=None):
     """Exact chunked diagonal-plus-low-rank recurrence (WY / UT representation, generalised).
 
     The recurrence is :func:`memspec.runtime.dplr.recurrent_dplr`'s; all arguments mean the same
-    (shapes there).
-    Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each chunk's pairs
-    of sub-steps, one triangular solve for all its reads (:func:`_dplr_solve`), the state passed
-    over the chunks by their maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
+    (shapes there). Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each
+    chunk's pairs of sub-steps, one triangular solve for all its reads (:func:`_dplr_solve`), the
+    state passed over the chunks by their maps (:func:`_dplr_maps`), and the outputs
+    (:func:`_dplr_outputs`).
 
     Non-finite inputs (k, v, a, b, log decay; the probes): as in every kernel that solves per
     chunk, a bad token runs as an identity token, and the outputs from it on and the final state
@@ -411,8 +408,7 @@ def chunk_dplr(q, k, v, a, b, log_decay, S0, chunk, *, documents=None):
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
     Specialised for this module: inclusive=True, group=None, simultaneous=False,
-    read_after_decay=True, a_form='scalar', b_form='vector', decay_form='scalar'.
-    """
+    read_after_decay=True, a_form='scalar', b_form='vector', decay_form='scalar'. """
     B, T, H = k.shape[:3]
     R, K, V = k.shape[3] if k.dim() == 5 else 1, k.shape[-1], v.shape[-1]
     s_dtype = S0.dtype if S0 is not None else v.dtype
@@ -487,11 +483,10 @@ def _dplr_layout(q, k, v, a, b, log_decay, S0, documents, chunk, w):
 
 
 def _dplr_solve(N, rk, vg):
-    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``,
-    ``X = [W | U]`` (N ``[nBH, n, w n]``, only its strict lower triangle read; rk ``[nBH, n, K]``
-    the decayed rows, vg ``[nBH, n, V]`` the values): vector a, ``N = [-A^{ba} | A^{bk}]`` and
-    ``rhs = [e^l b | A^{bk} V]``; scalar a, ``rhs = [-alpha e^l b | V]``.  Returns ``[nBH, n, K +
-    V]``.
+    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``, ``X
+    = [W | U]`` (N ``[nBH, n, w n]``, only its strict lower triangle read; rk ``[nBH, n, K]`` the
+    decayed rows, vg ``[nBH, n, V]`` the values): vector a, ``N = [-A^{ba} | A^{bk}]`` and ``rhs =
+    [e^l b | A^{bk} V]``; scalar a, ``rhs = [-alpha e^l b | V]``.  Returns ``[nBH, n, K + V]``.
 
     Specialised for this module: a_vec=False.
     """
@@ -521,8 +516,7 @@ def _dplr_tokens(tokens, ok, read_bad, groups, C, zero):
         dict).
 
     Specialised for this module: a_vec=False, b_kind='vec', decay='scalar', inclusive=True,
-    before='none'.
-    """
+    before='none'. """
     k, v, a, b_r, q, lg = tokens
     B, T, H, R = k.shape[:4]
     Np = -(-T // C)                                                  # chunks, the tail included
@@ -802,8 +796,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -869,8 +862,7 @@ class CombaMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -1059,9 +1051,7 @@ class CombaMemory(nn.Module):
 
     def _token_step(self, S, q, k, v, p, eta, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], p [B, H, d_k], eta [B, H], alpha
-        [B, H];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
-        """
+        [B, H]; the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors). """
         qn = l2norm(q)  # [B, H, d_k]
         kn = l2norm(k)  # [B, H, d_k]
         pn = l2norm(p)  # [B, H, d_k]

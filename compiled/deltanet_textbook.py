@@ -14,8 +14,7 @@ Linear Transformers Are Secretly Fast Weight Programmers, §4.2
 
 DeltanetTextbookMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 DeltanetTextbookLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -307,8 +306,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -321,8 +319,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -411,8 +408,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
     Specialised for this module: log_gamma=None, inclusive=True, group=None, log_rho=None,
-    per_channel=False.
-    """
+    per_channel=False. """
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt = torch.promote_types(k.dtype, torch.float32)
@@ -455,9 +451,8 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
 
 def _delta_factors(beta, ok, read_bad, docs, groups, C, dt):
     """The per-token factors of ``chunk_delta`` for every chunk at once (chunk-major ``[Np, BH,
-    C]``:
-    small), cut into one piece per group.  A bad token's factors are zeroed, and a padded tail token
-    has log decay 0, so L at the chunk's last slot is L at its last real token.
+    C]``: small), cut into one piece per group.  A bad token's factors are zeroed, and a padded tail
+    token has log decay 0, so L at the chunk's last slot is L at its last real token.
 
     Args:
         beta: ``chunk_delta``'s (not laid out; the decays None where absent).
@@ -468,13 +463,10 @@ def _delta_factors(beta, ok, read_bad, docs, groups, C, dt):
 
     Returns:
         per group ``(beta [n BH, c, 1] ([n BH, c, V] per channel), ok [n, BH, c], read_bad [n, BH,
-        c]
-        or None, the decays or None)``; the decays (``[n BH, c]``): the cumulative log decay
-        ``"L"``,
-        the log decay the error reads ``"R"``, ``"b_r"`` = beta e^R, ``"to_end"`` the decay from
-        each
-        token to the chunk end, ``"Lq"`` the log decay a probe sees and ``"q_fac"`` = e^Lq; and
-        ``"g_end"`` ``[n, BH]`` the decay over each chunk.
+        c] or None, the decays or None)``; the decays (``[n BH, c]``): the cumulative log decay
+        ``"L"``, the log decay the error reads ``"R"``, ``"b_r"`` = beta e^R, ``"to_end"`` the decay
+        from each token to the chunk end, ``"Lq"`` the log decay a probe sees and ``"q_fac"`` =
+        e^Lq; and ``"g_end"`` ``[n, BH]`` the decay over each chunk.
 
     Specialised for this module: log_gamma=None, log_rho=None, inclusive=True, per_channel=False.
     """
@@ -508,9 +500,8 @@ def _delta_maps(kv, b, K, n):
     ``S <- g S + Kd^T u``, from one triangular solve ``(I + A) [W | U] = [beta e^R k | beta v]``.
 
     Inside a chunk (cumulative log decays ``L_t``, ``R_t = L_{t-1} + log rho_t``) the corrections
-    solve the unit-lower-triangular system
-    ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @
-    S_start)``.
+    solve the unit-lower-triangular system ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s =
+    beta_t (v_t - exp(R_t) k_t @ S_start)``.
 
     Args:
         kv: ``[nBH, c, K + V]`` keys and values side by side (bad tokens zeroed); b: ``[nBH, c, 1]``
@@ -621,8 +612,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -686,8 +676,7 @@ class DeltanetTextbookMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads

@@ -14,10 +14,8 @@ Cite: Yang, Kautz & Hatamizadeh 2024, Gated Delta Networks: Improving Mamba2 wit
 (the gated delta rule; here with beta per value channel)
 
 GatedDeltanetChannelMemory: the memory (views [B, T, H, D], gates [B, T, H] or [B, T, H, d], state
-{name: [B, H, ...]}).
-GatedDeltanetChannelLayer: projections of x [B, T, d_model] into views and gates, the memory, the
-output projection.
-"""
+{name: [B, H, ...]}). GatedDeltanetChannelLayer: projections of x [B, T, d_model] into views and
+gates, the memory, the output projection. """
 import time
 import warnings
 
@@ -310,8 +308,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -324,8 +321,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -417,12 +413,11 @@ def _recomputing(option, T):
 
 def _recomputed(fn):
     """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
-    autograd keeps its
-    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
-    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
-    when an input requires grad -- its gradients then come through ``.backward()``, which
-    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
-    ready once per backward; a reentrant chunk would mark the ones it reads again),
+    autograd keeps its inputs, not the per-token states it materialises inside.  Reentrant (one
+    recomputation, no hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on
+    per-token loops) when an input requires grad -- its gradients then come through ``.backward()``,
+    which ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a
+    parameter ready once per backward; a reentrant chunk would mark the ones it reads again),
     non-reentrant."""
     # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
     def flat(*args):
@@ -454,14 +449,11 @@ def _linear_scan(a, x, s0):
     """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0.
 
     a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]
-    (token-major,
-    contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of
-    _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds) from 4,096
-    floats
-    per token (B H |shape|) on, where the closed form's work outgrows them (measured 1.2x faster at
-    1,024
-    floats per head, 5x at 8,192) -- but not under torch.compile, where the loop would unroll.
-    """
+    (token-major, contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the
+    weights of _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds)
+    from 4,096 floats per token (B H |shape|) on, where the closed form's work outgrows them
+    (measured 1.2x faster at 1,024 floats per head, 5x at 8,192) -- but not under torch.compile,
+    where the loop would unroll. """
     B, C, H = x.shape[:3]
     if not isinstance(a, torch.Tensor):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
@@ -577,9 +569,8 @@ def chunk_delta(q, k, v, beta, log_gamma, S0, chunk, *, documents=None):
 
 def _delta_factors(beta, log_gamma, ok, read_bad, docs, groups, C, dt):
     """The per-token factors of ``chunk_delta`` for every chunk at once (chunk-major ``[Np, BH,
-    C]``:
-    small), cut into one piece per group.  A bad token's factors are zeroed, and a padded tail token
-    has log decay 0, so L at the chunk's last slot is L at its last real token.
+    C]``: small), cut into one piece per group.  A bad token's factors are zeroed, and a padded tail
+    token has log decay 0, so L at the chunk's last slot is L at its last real token.
 
     Args:
         beta, log_gamma: ``chunk_delta``'s (not laid out; the decays None where absent).
@@ -590,13 +581,10 @@ def _delta_factors(beta, log_gamma, ok, read_bad, docs, groups, C, dt):
 
     Returns:
         per group ``(beta [n BH, c, 1] ([n BH, c, V] per channel), ok [n, BH, c], read_bad [n, BH,
-        c]
-        or None, the decays or None)``; the decays (``[n BH, c]``): the cumulative log decay
-        ``"L"``,
-        the log decay the error reads ``"R"``, ``"b_r"`` = beta e^R, ``"to_end"`` the decay from
-        each
-        token to the chunk end, ``"Lq"`` the log decay a probe sees and ``"q_fac"`` = e^Lq; and
-        ``"g_end"`` ``[n, BH]`` the decay over each chunk.
+        c] or None, the decays or None)``; the decays (``[n BH, c]``): the cumulative log decay
+        ``"L"``, the log decay the error reads ``"R"``, ``"b_r"`` = beta e^R, ``"to_end"`` the decay
+        from each token to the chunk end, ``"Lq"`` the log decay a probe sees and ``"q_fac"`` =
+        e^Lq; and ``"g_end"`` ``[n, BH]`` the decay over each chunk.
 
     Specialised for this module: log_rho=None, inclusive=True, per_channel=True.
     """
@@ -805,8 +793,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -872,12 +859,11 @@ class GatedDeltanetChannelMemory(nn.Module):
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the minibatch chunk step, the exact chunked
         forward (over slices of 8 chunks: one graph, compiled once), with static shapes.
-        `checkpoint`: the backward recomputes each chunk (torch.utils.checkpoint) instead of
-        keeping its per-token states for autograd: peak memory of one chunk's states, not the
-        sequence's; None: when training on more than 256 tokens; False: memory growing with T
-        times the state (and gradients through torch.autograd.grad, which a recomputed chunk
-        whose inputs require grad does not support: use .backward()).
-        """
+        `checkpoint`: the backward recomputes each chunk (torch.utils.checkpoint) instead of keeping
+        its per-token states for autograd: peak memory of one chunk's states, not the sequence's;
+        None: when training on more than 256 tokens; False: memory growing with T times the state
+        (and gradients through torch.autograd.grad, which a recomputed chunk whose inputs require
+        grad does not support: use .backward()). """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -1103,8 +1089,7 @@ class GatedDeltanetChannelMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, alpha)
@@ -1158,11 +1143,9 @@ class GatedDeltanetChannelMemory(nn.Module):
 
     def _chunk_step(self, W_start, W, q, k, v, eta, alpha):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v],
-        eta [B, C, H, d_v], alpha [B, C, H];
-        W_start: the chunk-start state the gradients are taken at;
-        W: the state before the chunk's first token [B, H, ...].
-        Returns (o [B, C, H, d_v], the state after the chunk).
-        """
+        eta [B, C, H, d_v], alpha [B, C, H]; W_start: the chunk-start state the gradients are taken
+        at; W: the state before the chunk's first token [B, H, ...]. Returns (o [B, C, H, d_v], the
+        state after the chunk). """
         qn = l2norm(q)  # [B, C, H, d_k]
         kn = l2norm(k)  # [B, C, H, d_k]
         # tokens per block: a block's per-token states stay in cache
@@ -1177,9 +1160,8 @@ class GatedDeltanetChannelMemory(nn.Module):
     def _chunk_block(self, W_start, W, v, eta, alpha, qn, kn):
         """One block of n tokens of a chunk: W_start [B, H, ...], the chunk-start state the
         gradients are taken at; W, the state before the block's first token; per token: v [B, n, H,
-        d_v], eta [B, n, H, d_v], alpha [B, n, H], qn, kn [B, n, H, ...].
-        Returns (o [B, n, H, d_v], the state after the block).
-        """
+        d_v], eta [B, n, H, d_v], alpha [B, n, H], qn, kn [B, n, H, ...]. Returns (o [B, n, H, d_v],
+        the state after the block). """
         # [B, n, H, ...]: every token's gradients
         grad_W, = torch.func.vmap(self._token_grads, in_dims=(None, 1, 1, 1, 1),
                 out_dims=1)(W_start, v, eta, alpha, kn)

@@ -15,10 +15,8 @@ Cite: Siems, Carstensen, Zela, Hutter, Pontil & Grazzi 2025, DeltaProduct: Impro
 in Linear RNNs via Householder Products, DeltaProduct and its gated variant
 
 GatedDeltaproductMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H,
-...]}).
-GatedDeltaproductLayer: projections of x [B, T, d_model] into views and gates, the memory, the
-output projection.
-"""
+...]}). GatedDeltaproductLayer: projections of x [B, T, d_model] into views and gates, the memory,
+the output projection. """
 import time
 import warnings
 
@@ -311,8 +309,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -325,8 +322,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -392,10 +388,10 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk, *, documents=None):
     """Exact chunked diagonal-plus-low-rank recurrence (WY / UT representation, generalised).
 
     The recurrence is :func:`memspec.runtime.dplr.recurrent_dplr`'s; all arguments mean the same
-    (shapes there).
-    Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each chunk's pairs
-    of sub-steps, one triangular solve for all its reads (:func:`_dplr_solve`), the state passed
-    over the chunks by their maps (:func:`_dplr_maps`), and the outputs (:func:`_dplr_outputs`).
+    (shapes there). Per group of chunks: the factors (:func:`_dplr_factors`) and the matrix of each
+    chunk's pairs of sub-steps, one triangular solve for all its reads (:func:`_dplr_solve`), the
+    state passed over the chunks by their maps (:func:`_dplr_maps`), and the outputs
+    (:func:`_dplr_outputs`).
 
     Non-finite inputs (k, v, a, b, log decay; the probes): as in every kernel that solves per
     chunk, a bad token runs as an identity token, and the outputs from it on and the final state
@@ -413,8 +409,7 @@ def chunk_dplr(q, k, v, a, log_decay, S0, chunk, *, documents=None):
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
     Specialised for this module: b=None, inclusive=True, group=None, simultaneous=False,
-    read_after_decay=True, a_form='scalar', b_form='key', decay_form='scalar'.
-    """
+    read_after_decay=True, a_form='scalar', b_form='key', decay_form='scalar'. """
     B, T, H = k.shape[:3]
     R, K, V = k.shape[3] if k.dim() == 5 else 1, k.shape[-1], v.shape[-1]
     s_dtype = S0.dtype if S0 is not None else v.dtype
@@ -487,11 +482,10 @@ def _dplr_layout(q, k, v, a, log_decay, S0, documents, chunk, w):
 
 
 def _dplr_solve(N, rk, vg):
-    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``,
-    ``X = [W | U]`` (N ``[nBH, n, w n]``, only its strict lower triangle read; rk ``[nBH, n, K]``
-    the decayed rows, vg ``[nBH, n, V]`` the values): vector a, ``N = [-A^{ba} | A^{bk}]`` and
-    ``rhs = [e^l b | A^{bk} V]``; scalar a, ``rhs = [-alpha e^l b | V]``.  Returns ``[nBH, n, K +
-    V]``.
+    """The one unit-lower-triangular solve of each chunk of ``chunk_dplr``: ``(I + N) X = rhs``, ``X
+    = [W | U]`` (N ``[nBH, n, w n]``, only its strict lower triangle read; rk ``[nBH, n, K]`` the
+    decayed rows, vg ``[nBH, n, V]`` the values): vector a, ``N = [-A^{ba} | A^{bk}]`` and ``rhs =
+    [e^l b | A^{bk} V]``; scalar a, ``rhs = [-alpha e^l b | V]``.  Returns ``[nBH, n, K + V]``.
 
     Specialised for this module: a_vec=False.
     """
@@ -521,8 +515,7 @@ def _dplr_tokens(tokens, ok, read_bad, groups, C, zero):
         dict).
 
     Specialised for this module: a_vec=False, b_kind='k', decay='scalar', inclusive=True,
-    before='none'.
-    """
+    before='none'. """
     k, v, a, b_r, q, lg = tokens
     B, T, H, R = k.shape[:4]
     Np = -(-T // C)                                                  # chunks, the tail included
@@ -801,8 +794,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -870,8 +862,7 @@ class GatedDeltaproductMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -1069,9 +1060,8 @@ class GatedDeltaproductMemory(nn.Module):
 
     def _token_step(self, S, q, k1, v1, k2, v2, eta1, eta2, alpha):
         """One token: q [B, H, d_k], k1 [B, H, d_k], v1 [B, H, d_v], k2 [B, H, d_k], v2 [B, H, d_v],
-        eta1 [B, H], eta2 [B, H], alpha [B, H];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
-        """
+        eta1 [B, H], eta2 [B, H], alpha [B, H]; the state tensors [B, H, ...] -> (o [B, H, d_v], the
+        new state tensors). """
         qn = l2norm(q)  # [B, H, d_k]
         k1n = l2norm(k1)  # [B, H, d_k]
         k2n = l2norm(k2)  # [B, H, d_k]

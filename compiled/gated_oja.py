@@ -16,10 +16,8 @@ h += beta (k - h v) vᵀ; o = q h); Oja 1982, A simplified neuron model as a pri
 analyzer
 
 GatedOjaMemory: the memory (views [B, T, H, D], gates [B, T, H] or [B, T, H, d], state {name: [B, H,
-...]}).
-GatedOjaLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+...]}). GatedOjaLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
+projection. """
 import time
 import warnings
 
@@ -315,8 +313,7 @@ def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
 
 def oja_chunks(x, NC, C, dt):
     """``[B, T, H, d]`` -> ``[NC B H, C, d]`` chunk-major in dtype ``dt``, the tail padded with
-    identity
-    tokens (zeros); None stays None."""
+    identity tokens (zeros); None stays None."""
     if x is None:
         return None
     B, T, H, d = x.shape
@@ -326,13 +323,10 @@ def oja_chunks(x, NC, C, dt):
 
 def oja_constants(C, sub, dtype, device):
     """The 0 / 1 matrices of :func:`oja_decays` for chunks of C tokens in sub-chunks of ``sub`` (n =
-    C / sub):
-    ``sums_in`` / ``sums_ex`` ``[s s, s]`` (pair (t, s) sums the tokens s < r <= t / s < r < t),
-    ``tail`` ``[s, s]`` (token s sums those after it in its sub-chunk), ``between`` ``[n n, n]``
-    (target I =
-    1..n, source J: the sub-chunks J < K < I), ``upto`` ``[n, n]`` (I = 1..n: the sub-chunks K < I)
-    and
-    ``blocks`` ``[1, n, 1, n, 1]`` (the pairs of one sub-chunk, True)."""
+    C / sub): ``sums_in`` / ``sums_ex`` ``[s s, s]`` (pair (t, s) sums the tokens s < r <= t / s < r
+    < t), ``tail`` ``[s, s]`` (token s sums those after it in its sub-chunk), ``between`` ``[n n,
+    n]`` (target I = 1..n, source J: the sub-chunks J < K < I), ``upto`` ``[n, n]`` (I = 1..n: the
+    sub-chunks K < I) and ``blocks`` ``[1, n, 1, n, 1]`` (the pairs of one sub-chunk, True)."""
     n = C // sub
     ti = torch.arange(sub, device=device)
     t_, s_, r_ = ti[:, None, None], ti[None, :, None], ti[None, None, :]
@@ -363,15 +357,12 @@ def oja_decays(lg, sub, consts, pairs=("in", "ex")):
     Returns:
         a dict of ``[X, C, V]`` row factors ``e^{L_t - L_b}`` (``row_in``: after the token's decay,
         ``row_ex``: before it; ``L_b`` the log decay at the start of t's sub-chunk), ``[X, n, s, s,
-        V]``
-        pair weights inside a sub-chunk (``pair_in``: ``e^{L_t - L_s}`` for s <= t, ``pair_ex``:
-        ``e^{L_{t-1} - L_s}`` for s < t; 1 for the pairs outside those masks, which the users mask),
-        ``[X, n, C, V]`` column factors ``e^{L_b(I) - L_s}`` for the tokens of the sub-chunks before
-        sub-chunk I (I = n: the chunk end, ``e^{L_C - L_s}``; for the other tokens a factor <= 1
-        that
-        the users mask), ``[X, n, 1, V]`` ``e^{L_b}`` (``start``: from the chunk start to each
-        sub-chunk)
-        and ``[X, V]`` ``e^{L_C}`` (``end``).
+        V]`` pair weights inside a sub-chunk (``pair_in``: ``e^{L_t - L_s}`` for s <= t,
+        ``pair_ex``: ``e^{L_{t-1} - L_s}`` for s < t; 1 for the pairs outside those masks, which the
+        users mask), ``[X, n, C, V]`` column factors ``e^{L_b(I) - L_s}`` for the tokens of the
+        sub-chunks before sub-chunk I (I = n: the chunk end, ``e^{L_C - L_s}``; for the other tokens
+        a factor <= 1 that the users mask), ``[X, n, 1, V]`` ``e^{L_b}`` (``start``: from the chunk
+        start to each sub-chunk) and ``[X, V]`` ``e^{L_C}`` (``end``).
     """
     X, C, V = lg.shape
     n = C // sub
@@ -414,11 +405,9 @@ def oja_prepare(w, u, c, a, lg, sub, consts, read_after_decay=True, inclusive=Tr
 
     Returns:
         a dict: ``ZA [X, C, K]``, ``ZP [X, C, V]``, ``M [X, V, V]``, ``D [X, K, V]``, the decay
-        factors
-        ``dec`` (None without decays), ``wcol [X, n - 1, C, V]`` (w times the column factors of
-        sub-chunks 1..n-1) and ``pw [X, n, s, s, V]`` (w times the pair weights the outputs take,
-        when
-        the correction takes the same ones; else None).
+        factors ``dec`` (None without decays), ``wcol [X, n - 1, C, V]`` (w times the column factors
+        of sub-chunks 1..n-1) and ``pw [X, n, s, s, V]`` (w times the pair weights the outputs take,
+        when the correction takes the same ones; else None).
     """
     X, C, V = w.shape
     n = C // sub
@@ -523,8 +512,8 @@ def oja_outputs(q, w, prep, S_start, sub, consts, inclusive=True):
 
 def chunk_oja(q, w, c, a, log_decay, S0, chunk, sub=8, documents=None):
     """Exact chunked value-side transition: :func:`memspec.runtime.oja.recurrent_oja`'s recurrence
-    (the same arguments) in
-    chunks -- :func:`oja_prepare` for every chunk, :func:`oja_pass` over them, :func:`oja_outputs`.
+    (the same arguments) in chunks -- :func:`oja_prepare` for every chunk, :func:`oja_pass` over
+    them, :func:`oja_outputs`.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
@@ -657,8 +646,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -723,8 +711,7 @@ class GatedOjaMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads

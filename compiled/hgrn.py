@@ -14,9 +14,8 @@ Cite: Qin, Yang & Zhong 2023, Hierarchically Gated Recurrent Neural Network for 
 (NeurIPS), the gated linear recurrence of the HGRU
 
 HgrnMemory: the memory (views [B, T, H, D], gates [B, T, H] or [B, T, H, d], state {name: [B, H,
-...]}).
-HgrnLayer: projections of x [B, T, d_model] into views and gates, the memory, the output projection.
-"""
+...]}). HgrnLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
+projection. """
 import time
 import warnings
 
@@ -237,11 +236,10 @@ def chunk_scan(a, b, h0, chunk):
       token loop's own step, C steps over every chunk; their states are the output.
 
     Work is O(T |S|) (three products per token and entry), memory the output and O(T |S| / C).  Only
-    products of decays enter (no division, no log), so a
-    decay of any sign, of exp(-40) per token or exactly 0 is exact (equal to the token loop up
-    to rounding), and nothing overflows that the loop does not.  A non-finite input at token t
-    reaches only the states from t on.  Gradients are plain autograd of the same steps (no
-    in-place writes: ``torch.func`` works).
+    products of decays enter (no division, no log), so a decay of any sign, of exp(-40) per token or
+    exactly 0 is exact (equal to the token loop up to rounding), and nothing overflows that the loop
+    does not.  A non-finite input at token t reaches only the states from t on.  Gradients are plain
+    autograd of the same steps (no in-place writes: ``torch.func`` works).
 
     Args:
         a: decays, broadcastable to b: ``[B, T, H, *S]`` or with size-1 axes (a scalar per
@@ -318,8 +316,7 @@ class HgrnMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads

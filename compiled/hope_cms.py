@@ -18,8 +18,7 @@ Architectures (arXiv 2512.24695), the continuum memory system (CMS) and HOPE
 
 HopeCmsMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 HopeCmsLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -225,12 +224,11 @@ def _recomputing(option, T):
 
 def _recomputed(fn):
     """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
-    autograd keeps its
-    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
-    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
-    when an input requires grad -- its gradients then come through ``.backward()``, which
-    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
-    ready once per backward; a reentrant chunk would mark the ones it reads again),
+    autograd keeps its inputs, not the per-token states it materialises inside.  Reentrant (one
+    recomputation, no hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on
+    per-token loops) when an input requires grad -- its gradients then come through ``.backward()``,
+    which ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a
+    parameter ready once per backward; a reentrant chunk would mark the ones it reads again),
     non-reentrant."""
     # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
     def flat(*args):
@@ -460,9 +458,8 @@ class HopeCmsMemory(nn.Module):
 
     def f(self, u, W1, W2, W3):
         """The inner model f(u) = l2norm(l2norm(u @ (eye(d_k) + W1)) @ (eye(d_k) + W2)) @ (eye(d_k)
-        + W3): u [..., H, d_k] -> [..., H, d_k]
-        with the state W1 [..., H, d_k, d_k], W2 [..., H, d_k, d_k], W3 [..., H, d_k, d_k].
-        """
+        + W3): u [..., H, d_k] -> [..., H, d_k] with the state W1 [..., H, d_k, d_k], W2 [..., H,
+        d_k, d_k], W3 [..., H, d_k, d_k]. """
         return (l2norm((l2norm((u.unsqueeze(-2)
                 @ (torch.eye(self.d_k, dtype=u.dtype, device=u.device)
                 + W1)).squeeze(-2)).unsqueeze(-2)
@@ -532,11 +529,9 @@ class HopeCmsMemory(nn.Module):
         return o, state
 
     def _online_tokens(self, W1, W2, W3, acc_W2_0, acc_W3_0, q, k, v, eta1, eta2, eta3, pos):
-        """A segment of S tokens of the loop (torch.utils.checkpoint recomputes it): the state
-        and the block sums [B, H, ...], the views and gates [B, S, H, ...], pos: the segment's
-        position in the blocks;
-        -> (o [B, S, H, d_k], the state after the segment).
-        """
+        """A segment of S tokens of the loop (torch.utils.checkpoint recomputes it): the state and
+        the block sums [B, H, ...], the views and gates [B, S, H, ...], pos: the segment's position
+        in the blocks; -> (o [B, S, H, d_k], the state after the segment). """
         outputs = []
         # views (one stack of their gradients when training)
         for t, (q_t, k_t, v_t, eta1_t, eta2_t, eta3_t) in enumerate(zip(q.unbind(1), k.unbind(1),
@@ -550,11 +545,9 @@ class HopeCmsMemory(nn.Module):
     def _token_step(self, W1, W2, W3, acc_W2_0, acc_W3_0, q, k, v, eta1, eta2, eta3, last_4,
             last_8):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_k], eta1 [B, H], eta2 [B, H], eta3
-        [B, H];
-        the block sums acc_W2_0, acc_W3_0; last_4: is this the last token of a block of 4, last_8:
-        is this the last token of a block of 8;
-        the state tensors [B, H, ...] -> (o [B, H, d_k], the new state tensors and block sums).
-        """
+        [B, H]; the block sums acc_W2_0, acc_W3_0; last_4: is this the last token of a block of 4,
+        last_8: is this the last token of a block of 8; the state tensors [B, H, ...] -> (o [B, H,
+        d_k], the new state tensors and block sums). """
         qn = l2norm(q)  # [B, H, d_k]
         kn = l2norm(k)  # [B, H, d_k]
         y_W1 = (kn.unsqueeze(-2) @ W1).squeeze(-2)  # [B, H, d_k]: at the current state
@@ -600,8 +593,7 @@ class HopeCmsMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta1, eta2, eta3)
@@ -693,13 +685,11 @@ class HopeCmsMemory(nn.Module):
     def _chunk_step(self, W1_start, W2_start, W3_start, W1, W2, W3, acc_W2_0, acc_W3_0, q, k, v,
             eta1, eta2, eta3, last_4, last_8):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_k],
-        eta1 [B, C, H], eta2 [B, C, H], eta3 [B, C, H];
-        W1_start, W2_start, W3_start: the chunk-start state the gradients are taken at;
-        W1, W2, W3: the state before the chunk's first token [B, H, ...].
-        acc_W2_0, acc_W3_0: the open blocks' sums; last_4: does this chunk end a block of 4, last_8:
-        does this chunk end a block of 8.
-        Returns (o [B, C, H, d_k], the state after the chunk and the block sums).
-        """
+        eta1 [B, C, H], eta2 [B, C, H], eta3 [B, C, H]; W1_start, W2_start, W3_start: the
+        chunk-start state the gradients are taken at; W1, W2, W3: the state before the chunk's first
+        token [B, H, ...]. acc_W2_0, acc_W3_0: the open blocks' sums; last_4: does this chunk end a
+        block of 4, last_8: does this chunk end a block of 8. Returns (o [B, C, H, d_k], the state
+        after the chunk and the block sums). """
         qn = l2norm(q)  # [B, C, H, d_k]
         kn = l2norm(k)  # [B, C, H, d_k]
         # [B, C, H, ...]: every token's gradients

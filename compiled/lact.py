@@ -292,8 +292,7 @@ class LactMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the apply_update chunk step, the groups of
-        whole chunks, with static shapes.
-        """
+        whole chunks, with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -511,9 +510,7 @@ class LactMemory(nn.Module):
 
     def _token_step(self, W0, W1, W2, q, k, v, eta0, eta1, eta2):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta0 [B, H], eta1 [B, H], eta2
-        [B, H];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
-        """
+        [B, H]; the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors). """
         qn = l2norm(F.silu(q))  # [B, H, d_k]
         kn = l2norm(F.silu(k))  # [B, H, d_k]
         o = self.f(qn, W0, W1, W2)  # [B, H, d_v] (read before the write)
@@ -586,12 +583,10 @@ class LactMemory(nn.Module):
     def _update_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, q, k, v, eta0, eta1, eta2,
             last):
         """A chunk (or a piece of one) of C tokens, q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H,
-        d_v], eta0 [B, C, H], eta1 [B, C, H], eta2 [B, C, H];
-        W0, W1, W2: the state every token of the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0,
-        acc_W2_0: the chunk's gradient sums so far;
+        d_v], eta0 [B, C, H], eta1 [B, C, H], eta2 [B, C, H]; W0, W1, W2: the state every token of
+        the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0, acc_W2_0: the chunk's gradient sums so far;
         last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums after
-        it).
-        """
+        it). """
         qn = l2norm(F.silu(q))  # [B, C, H, d_k]: the piece's rows
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]: the piece's rows
         return self._rows_step(W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn,
@@ -600,12 +595,10 @@ class LactMemory(nn.Module):
     def _rows_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn, kn,
             last):
         """A chunk (or a piece of one) of C tokens, v [B, C, H, d_v], eta0 [B, C, H], eta1 [B, C,
-        H], eta2 [B, C, H], qn [B, C, H, d_k], kn [B, C, H, d_k];
-        W0, W1, W2: the state every token of the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0,
-        acc_W2_0: the chunk's gradient sums so far;
-        last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums after
-        it).
-        """
+        H], eta2 [B, C, H], qn [B, C, H, d_k], kn [B, C, H, d_k]; W0, W1, W2: the state every token
+        of the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0, acc_W2_0: the chunk's gradient sums so
+        far; last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums
+        after it). """
         # head-major views [B, H, C, ...]
         v, eta0, eta1, eta2, qn, kn = (x.transpose(1, 2) for x in (v, eta0, eta1, eta2, qn, kn))
         # [B, H, C, d_v]: apply: every row reads the held state
@@ -643,9 +636,8 @@ class LactMemory(nn.Module):
         return o.transpose(1, 2), (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0)  # token-major again
 
     def _update_chunks(self, W0, W1, W2, q, k, v, eta0, eta1, eta2):
-        """Whole chunks from a chunk boundary, as in _update_step (their sums start empty and
-        end with each chunk).  Returns (each chunk's o [B, C, H, d_v] in a list, the state after
-        them).
+        """Whole chunks from a chunk boundary, as in _update_step (their sums start empty and end
+        with each chunk).  Returns (each chunk's o [B, C, H, d_v] in a list, the state after them).
         """
         qn = l2norm(F.silu(q))  # [B, n, H, d_k]: the group's rows
         kn = l2norm(F.silu(k))  # [B, n, H, d_k]: the group's rows

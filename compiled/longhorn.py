@@ -17,8 +17,7 @@ regression objective and its closed-form, implicit update); seed text (implicit 
 
 LonghornMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 LonghornLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -332,8 +331,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -346,8 +344,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -457,8 +454,7 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
         (o ``[B, T, H, V]`` or None, S_T ``[B, H, K, V]``).
 
     Specialised for this module: log_gamma=None, inclusive=True, group=None, log_rho=None,
-    per_channel=False.
-    """
+    per_channel=False. """
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt = torch.promote_types(k.dtype, torch.float32)
@@ -501,9 +497,8 @@ def chunk_delta(q, k, v, beta, S0, chunk, *, documents=None):
 
 def _delta_factors(beta, ok, read_bad, docs, groups, C, dt):
     """The per-token factors of ``chunk_delta`` for every chunk at once (chunk-major ``[Np, BH,
-    C]``:
-    small), cut into one piece per group.  A bad token's factors are zeroed, and a padded tail token
-    has log decay 0, so L at the chunk's last slot is L at its last real token.
+    C]``: small), cut into one piece per group.  A bad token's factors are zeroed, and a padded tail
+    token has log decay 0, so L at the chunk's last slot is L at its last real token.
 
     Args:
         beta: ``chunk_delta``'s (not laid out; the decays None where absent).
@@ -514,13 +509,10 @@ def _delta_factors(beta, ok, read_bad, docs, groups, C, dt):
 
     Returns:
         per group ``(beta [n BH, c, 1] ([n BH, c, V] per channel), ok [n, BH, c], read_bad [n, BH,
-        c]
-        or None, the decays or None)``; the decays (``[n BH, c]``): the cumulative log decay
-        ``"L"``,
-        the log decay the error reads ``"R"``, ``"b_r"`` = beta e^R, ``"to_end"`` the decay from
-        each
-        token to the chunk end, ``"Lq"`` the log decay a probe sees and ``"q_fac"`` = e^Lq; and
-        ``"g_end"`` ``[n, BH]`` the decay over each chunk.
+        c] or None, the decays or None)``; the decays (``[n BH, c]``): the cumulative log decay
+        ``"L"``, the log decay the error reads ``"R"``, ``"b_r"`` = beta e^R, ``"to_end"`` the decay
+        from each token to the chunk end, ``"Lq"`` the log decay a probe sees and ``"q_fac"`` =
+        e^Lq; and ``"g_end"`` ``[n, BH]`` the decay over each chunk.
 
     Specialised for this module: log_gamma=None, log_rho=None, inclusive=True, per_channel=False.
     """
@@ -554,9 +546,8 @@ def _delta_maps(kv, b, K, n):
     ``S <- g S + Kd^T u``, from one triangular solve ``(I + A) [W | U] = [beta e^R k | beta v]``.
 
     Inside a chunk (cumulative log decays ``L_t``, ``R_t = L_{t-1} + log rho_t``) the corrections
-    solve the unit-lower-triangular system
-    ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s = beta_t (v_t - exp(R_t) k_t @
-    S_start)``.
+    solve the unit-lower-triangular system ``u_t + beta_t sum_{s<t} exp(R_t - L_s) (k_t . k_s) u_s =
+    beta_t (v_t - exp(R_t) k_t @ S_start)``.
 
     Args:
         kv: ``[nBH, c, K + V]`` keys and values side by side (bad tokens zeroed); b: ``[nBH, c, 1]``
@@ -667,8 +658,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -732,8 +722,7 @@ class LonghornMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the minibatch chunk step, the exact chunked
-        forward (over slices of 8 chunks: one graph, compiled once), with static shapes.
-        """
+        forward (over slices of 8 chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -946,8 +935,7 @@ class LonghornMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta)
@@ -998,9 +986,7 @@ class LonghornMemory(nn.Module):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
         matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
         the batch axis (every line is local to a batch row): q [B, H, C, d_k], k [B, H, C, d_k], eps
-        [B, H, C].
-        Returns the locals `_chunk_step` takes after its inputs.
-        """
+        [B, H, C]. Returns the locals `_chunk_step` takes after its inputs. """
         C = q.shape[2]
         coef = -eps  # [B, H, C]: -eps
         # [C, C]: the weights of a decay of 1 (a running sum)
@@ -1015,14 +1001,11 @@ class LonghornMemory(nn.Module):
 
     def _chunk_step(self, W_start, W, q, k, v, scores, k_last_M_W_W):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
-        C, d_k], v [B, H, C, d_v];
-        scores, k_last_M_W_W: its state-independent part (`_chunk_pre`);
-        W_start: the chunk-start state the gradients are taken at;
-        W: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, H, C, d_v], the state after the chunk).
-        """
+        C, d_k], v [B, H, C, d_v]; scores, k_last_M_W_W: its state-independent part (`_chunk_pre`);
+        W_start: the chunk-start state the gradients are taken at; W: the state before the chunk's
+        first token [B, H, ...]. Each state after token i is a combination of the states before the
+        chunk and the tokens' gradients (outer products x_j^T delta_j): no per-token state is
+        formed. Returns (o [B, H, C, d_v], the state after the chunk). """
         # every token's gradient at the chunk-start state, in closed form
         # (memspec.schedule.backprop)
         y_W = k @ W_start  # [B, H, C, d_v]: the layer @ W

@@ -16,10 +16,8 @@ Cite: Gu & Dao 2023, Mamba: Linear-Time Sequence Modeling with Selective State S
 SSM (Algorithm 2) and its recurrent scan
 
 MambaMemory: the memory (views [B, T, H, D], gates [B, T, H] or [B, T, H, d], state {name: [B, H,
-...]}).
-MambaLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+...]}). MambaLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
+projection. """
 import time
 import warnings
 
@@ -241,11 +239,10 @@ def chunk_scan(a, b, h0, chunk):
       token loop's own step, C steps over every chunk; their states are the output.
 
     Work is O(T |S|) (three products per token and entry), memory the output and O(T |S| / C).  Only
-    products of decays enter (no division, no log), so a
-    decay of any sign, of exp(-40) per token or exactly 0 is exact (equal to the token loop up
-    to rounding), and nothing overflows that the loop does not.  A non-finite input at token t
-    reaches only the states from t on.  Gradients are plain autograd of the same steps (no
-    in-place writes: ``torch.func`` works).
+    products of decays enter (no division, no log), so a decay of any sign, of exp(-40) per token or
+    exactly 0 is exact (equal to the token loop up to rounding), and nothing overflows that the loop
+    does not.  A non-finite input at token t reaches only the states from t on.  Gradients are plain
+    autograd of the same steps (no in-place writes: ``torch.func`` works).
 
     Args:
         a: decays, broadcastable to b: ``[B, T, H, *S]`` or with size-1 axes (a scalar per
@@ -310,8 +307,8 @@ def chunk_scan_read(coefficients, read, xs, ys, h0, chunk):
     one.  Work is O(T |S|), memory (besides autograd's) the outputs and O(N |S|).  The same
     exactness and causality as :func:`chunk_scan`; plain autograd.
 
-    From 8,192 floats of state per token (B H |S|, all states) on, every token follows one by one:
-    a step of the chunked passes then covers N chunks' states, which leave the cache, while one
+    From 8,192 floats of state per token (B H |S|, all states) on, every token follows one by one: a
+    step of the chunked passes then covers N chunks' states, which leave the cache, while one
     token's state stays in it (1 thread, T = 2048, H = 4: Mamba-1's ``[16, 64]`` state per head ran
     1.8x faster chunked than token by token; a ``[64, 64]`` state 2x slower at chunk 64, 1.4x at
     256).
@@ -407,8 +404,7 @@ class MambaMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -559,11 +555,9 @@ class MambaMemory(nn.Module):
         return state
 
     def read(self, q, v, *, state=None):
-        """The read q @ h + D * v of a fixed state, with no write (e.g. Titans' retrieval
-        M*(q) in MAC): q [B, T, H, d_k], v [B, T, H, d_v]; state {name: [B, H, ...]} (default:
-        init_state).
-        Every token reads the same state.  Returns [B, T, H, d_v].
-        """
+        """The read q @ h + D * v of a fixed state, with no write (e.g. Titans' retrieval M*(q) in
+        MAC): q [B, T, H, d_k], v [B, T, H, d_v]; state {name: [B, H, ...]} (default: init_state).
+        Every token reads the same state.  Returns [B, T, H, d_v]. """
         work = self._work_dtype(q)
         if work is not None:  # states and sums in work, the output in the inputs' dtype
             like = q

@@ -15,8 +15,7 @@ Structured State Space Duality, the SSD layer and the Mamba-2 block
 
 Mamba2Memory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 Mamba2Layer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -255,8 +254,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -269,8 +267,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -337,15 +334,11 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
     @ S_t``.
 
     Inside a chunk with cumulative log decays ``L_t``: ``S_end = Diag(exp(L_C)) S_start + sum_s
-    outer(k_s *
-    exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t} (sum_i q_ti k_si
-    exp(L_ti -
-    L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a decay (<= 1).  Per group of
-    chunks: the
-    factors (per head :func:`_additive_factors`, per key channel
-    :func:`memspec.runtime.additive._additive_halving`), the maps
-    (:func:`_additive_maps`), the outputs; per key channel under autograd
-    :class:`memspec.runtime.additive._AdditiveChannel` (a
+    outer(k_s * exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t} (sum_i
+    q_ti k_si exp(L_ti - L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a decay (<=
+    1).  Per group of chunks: the factors (per head :func:`_additive_factors`, per key channel
+    :func:`memspec.runtime.additive._additive_halving`), the maps (:func:`_additive_maps`), the
+    outputs; per key channel under autograd :class:`memspec.runtime.additive._AdditiveChannel` (a
     closed-form backward).  A NaN or inf in token t's inputs changes no output before t.
 
     Args:
@@ -355,8 +348,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
         log_gamma: log decays (<= 0): ``[B, T, H]`` (per head, finite), ``[B, T, H, K]`` (per key
             channel: row i of S scales by ``exp(log_gamma[..., i])``), or None for no decay.
         S0: ``[B, H, K, V]`` initial state, or None for zeros; inclusive: o_t reads S_t (else
-        S_{t-1}).
-        chunk: chunk size C (per key channel: rounded down to a power of two); group: chunks per
+        S_{t-1}). chunk: chunk size C (per key channel: rounded down to a power of two); group:
+        chunks per
             batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
@@ -416,9 +409,8 @@ def _additive_empty(q, k, v0, V, S0):
 
 def _additive_block(xs, n, c, BH, dt, pad=0.0):
     """Pieces ``[B, n m, H, D_i]`` -> ``[n B H, c, sum D_i]`` in dtype ``dt``, one copy;
-    chunk-major:
-    chunk j of the group is the batch slice ``[j BH, (j + 1) BH)``; a tail of m < c tokens is padded
-    with c - m tokens of value ``pad``."""
+    chunk-major: chunk j of the group is the batch slice ``[j BH, (j + 1) BH)``; a tail of m < c
+    tokens is padded with c - m tokens of value ``pad``."""
     parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
     x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return x.reshape(n * BH, c, x.shape[-1]).contiguous()
@@ -444,9 +436,8 @@ def _additive_factors(kp, lp, ip, n, c, BH, dt, decayed):
         ``(kg, lg, L, kd, g_log, g_end, li, m_loc)``: the keys ``[nBH, c, K]``, the log decays and
         their cumulative sums ``[nBH, c]``, the keys decayed to the chunk end (stabilised: scaled by
         ``exp(-m_loc)``), the log decay over each chunk ``[n, BH]``, its decay ``[n, BH, 1, 1]``
-        (not
-        stabilised), the log input weights ``[nBH, c]`` and ``m_loc [n, BH]`` (the factors a form
-        lacks: None).
+        (not stabilised), the log input weights ``[nBH, c]`` and ``m_loc [n, BH]`` (the factors a
+        form lacks: None).
 
     Specialised for this module: stab=False.
     """
@@ -467,8 +458,7 @@ def _additive_factors(kp, lp, ip, n, c, BH, dt, decayed):
 
 def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed):
     """The chunk maps of a group of n chunks in ``chunk_additive``, ``S <- Diag(g_j) S + K_j^T
-    V_j``,
-    forward in the chunks (a non-finite increment reaches only later chunks).
+    V_j``, forward in the chunks (a non-finite increment reaches only later chunks).
 
     With exponential input weights (``stab``) the state between chunks is carried as ``exp(-m) S``
     (Beck et al. 2024, the mLSTM's m state), ``m <- max(L_C + m, m_loc)`` (a document's first chunk
@@ -504,10 +494,9 @@ def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed):
 
 def _additive_finish(outs, m_outs, S, ms, docs, shape, S0, o_dtype, probes):
     """``chunk_additive``'s returns: the outputs of the groups joined (packed: the documents'
-    tokens;
-    None without probes; in dtype ``o_dtype``), the final state at its true scale ``[B | N, H, K,
-    V]``
-    (in S0's dtype, or ``o_dtype``) and, stabilised, the outputs' stabilisers ``[B, T, H]``.
+    tokens; None without probes; in dtype ``o_dtype``), the final state at its true scale ``[B | N,
+    H, K, V]`` (in S0's dtype, or ``o_dtype``) and, stabilised, the outputs' stabilisers ``[B, T,
+    H]``.
 
     Specialised for this module: stab=False.
     """
@@ -623,8 +612,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -688,8 +676,7 @@ class Mamba2Memory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -839,11 +826,9 @@ class Mamba2Memory(nn.Module):
         return state
 
     def read(self, q, v, *, state=None):
-        """The read q @ S + D * v of a fixed state, with no write (e.g. Titans' retrieval
-        M*(q) in MAC): q [B, T, H, d_k], v [B, T, H, d_v]; state {name: [B, H, ...]} (default:
-        init_state).
-        Every token reads the same state.  Returns [B, T, H, d_v].
-        """
+        """The read q @ S + D * v of a fixed state, with no write (e.g. Titans' retrieval M*(q) in
+        MAC): q [B, T, H, d_k], v [B, T, H, d_v]; state {name: [B, H, ...]} (default: init_state).
+        Every token reads the same state.  Returns [B, T, H, d_v]. """
         work = self._work_dtype(q)
         if work is not None:  # states and sums in work, the output in the inputs' dtype
             like = q

@@ -15,8 +15,7 @@ Memora variant (KL retention)
 
 MemoraMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 MemoraLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -243,12 +242,11 @@ def _recomputing(option, T):
 
 def _recomputed(fn):
     """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
-    autograd keeps its
-    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
-    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
-    when an input requires grad -- its gradients then come through ``.backward()``, which
-    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
-    ready once per backward; a reentrant chunk would mark the ones it reads again),
+    autograd keeps its inputs, not the per-token states it materialises inside.  Reentrant (one
+    recomputation, no hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on
+    per-token loops) when an input requires grad -- its gradients then come through ``.backward()``,
+    which ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a
+    parameter ready once per backward; a reentrant chunk would mark the ones it reads again),
     non-reentrant."""
     # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
     def flat(*args):
@@ -280,14 +278,11 @@ def _linear_scan(a, x, s0):
     """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0.
 
     a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]
-    (token-major,
-    contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of
-    _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds) from 4,096
-    floats
-    per token (B H |shape|) on, where the closed form's work outgrows them (measured 1.2x faster at
-    1,024
-    floats per head, 5x at 8,192) -- but not under torch.compile, where the loop would unroll.
-    """
+    (token-major, contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the
+    weights of _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds)
+    from 4,096 floats per token (B H |shape|) on, where the closed form's work outgrows them
+    (measured 1.2x faster at 1,024 floats per head, 5x at 8,192) -- but not under torch.compile,
+    where the loop would unroll. """
     B, C, H = x.shape[:3]
     if not isinstance(a, torch.Tensor):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
@@ -603,8 +598,7 @@ class MemoraMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, alpha)
@@ -669,11 +663,9 @@ class MemoraMemory(nn.Module):
 
     def _chunk_step(self, W1_start, W2_start, W1, W2, Z1, Z2, q, k, v, eta, alpha):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v],
-        eta [B, C, H], alpha [B, C, H];
-        W1_start, W2_start: the chunk-start state the gradients are taken at;
-        W1, W2, Z1, Z2: the state before the chunk's first token [B, H, ...].
-        Returns (o [B, C, H, d_v], the state after the chunk).
-        """
+        eta [B, C, H], alpha [B, C, H]; W1_start, W2_start: the chunk-start state the gradients are
+        taken at; W1, W2, Z1, Z2: the state before the chunk's first token [B, H, ...]. Returns (o
+        [B, C, H, d_v], the state after the chunk). """
         qn = l2norm(q)  # [B, C, H, d_k]
         kn = l2norm(k)  # [B, C, H, d_k]
         # tokens per block: a block's per-token states stay in cache
@@ -689,9 +681,8 @@ class MemoraMemory(nn.Module):
     def _chunk_block(self, W1_start, W2_start, W1, W2, Z1, Z2, v, eta, alpha, qn, kn):
         """One block of n tokens of a chunk: W1_start, W2_start [B, H, ...], the chunk-start state
         the gradients are taken at; W1, W2, Z1, Z2, the state before the block's first token; per
-        token: v [B, n, H, d_v], eta [B, n, H], alpha [B, n, H], qn, kn [B, n, H, ...].
-        Returns (o [B, n, H, d_v], the state after the block).
-        """
+        token: v [B, n, H, d_v], eta [B, n, H], alpha [B, n, H], qn, kn [B, n, H, ...]. Returns (o
+        [B, n, H, d_v], the state after the block). """
         # [B, n, H, ...]: every token's gradients
         grad_W1, grad_W2 = torch.func.vmap(self._token_grads, in_dims=(None, None, 1, 1),
                 out_dims=1)(W1_start, W2_start, v, kn)

@@ -16,8 +16,7 @@ momentum and forgetting) with a linear memory; flash-linear-attention, fla/ops/m
 
 MomentumDeltanetMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 MomentumDeltanetLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -337,8 +336,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -351,8 +349,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -587,11 +584,9 @@ def _momentum_maps(kg, pg, vg, lgg, lmg, btg, etg, n, masks, ok):
 
     Args:
         kg, pg: the group's write keys and error reads ``[B, n c, H, K]``; vg: values ``[B, n c, H,
-        V]``.
-        lgg, lmg: ``[B, n c, H]`` log decays of S and M; btg, etg: ``[B, n c, H]`` beta and eta.
-        n: the group's chunks.
-        masks: ``(s <= t, s < t, I)``: ``[C, C]`` each.
-        ok: ``[n, B, H, C, 1]`` bool, contiguous: the tokens that run as written (the others, and a
+        V]``. lgg, lmg: ``[B, n c, H]`` log decays of S and M; btg, etg: ``[B, n c, H]`` beta and
+        eta. n: the group's chunks. masks: ``(s <= t, s < t, I)``: ``[C, C]`` each. ok: ``[n, B, H,
+        C, 1]`` bool, contiguous: the tokens that run as written (the others, and a
             tail's padding, are identity tokens: their inputs cleared by torch.where); None: all.
 
     Returns:
@@ -740,8 +735,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -808,8 +802,7 @@ class MomentumDeltanetMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the minibatch chunk step, the exact chunked
-        forward (over slices of 8 chunks: one graph, compiled once), with static shapes.
-        """
+        forward (over slices of 8 chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -1018,9 +1011,7 @@ class MomentumDeltanetMemory(nn.Module):
 
     def _token_step(self, W, U, q, k, v, eta, mu, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], mu [B, H], alpha [B,
-        H];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
-        """
+        H]; the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors). """
         qn = l2norm(q)  # [B, H, d_k]
         kn = l2norm(k)  # [B, H, d_k]
         y_W = (kn.unsqueeze(-2) @ W).squeeze(-2)  # [B, H, d_v]: at the current state
@@ -1038,8 +1029,7 @@ class MomentumDeltanetMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, mu, alpha)
@@ -1096,9 +1086,8 @@ class MomentumDeltanetMemory(nn.Module):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
         matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
         the batch axis (every line is local to a batch row): eta [B, H, C], mu [B, H, C], alpha [B,
-        H, C], qn [B, H, C, d_k], kn [B, H, C, d_k].
-        Returns the locals `_chunk_step` takes after its inputs.
-        """
+        H, C], qn [B, H, C, d_k], kn [B, H, C, d_k]. Returns the locals `_chunk_step` takes after
+        its inputs. """
         coef = -eta  # [B, H, C]: -eta
         L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu
         # [B, H, C, C]: weights of the gradients of W in U after each token
@@ -1123,15 +1112,12 @@ class MomentumDeltanetMemory(nn.Module):
     def _chunk_step(self, W_start, W, U, v, kn, P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores,
             kn_last_M_W_W, kn_last_M_U_W):
         """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], kn [B,
-        H, C, d_k];
-        P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores, kn_last_M_W_W, kn_last_M_U_W: its
-        state-independent part (`_chunk_pre`);
-        W_start: the chunk-start state the gradients are taken at;
-        W, U: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, H, C, d_v], the state after the chunk).
-        """
+        H, C, d_k]; P_mu, P_W_decay, a_W_U, qn_W, qn_U, scores, kn_last_M_W_W, kn_last_M_U_W: its
+        state-independent part (`_chunk_pre`); W_start: the chunk-start state the gradients are
+        taken at; W, U: the state before the chunk's first token [B, H, ...]. Each state after token
+        i is a combination of the states before the chunk and the tokens' gradients (outer products
+        x_j^T delta_j): no per-token state is formed. Returns (o [B, H, C, d_v], the state after the
+        chunk). """
         # every token's gradient at the chunk-start state, in closed form
         # (memspec.schedule.backprop)
         y_W = kn @ W_start  # [B, H, C, d_v]: the layer @ W

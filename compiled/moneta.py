@@ -17,8 +17,7 @@ attentional bias, l_q retention)
 
 MonetaMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 MonetaLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -550,8 +549,7 @@ class MonetaMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, alpha)
@@ -606,9 +604,7 @@ class MonetaMemory(nn.Module):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
         matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
         the batch axis (every line is local to a batch row): eta [B, H, C], alpha [B, H, C], qn [B,
-        H, C, d_k], kn [B, H, C, d_k].
-        Returns the locals `_chunk_step` takes after its inputs.
-        """
+        H, C, d_k], kn [B, H, C, d_k]. Returns the locals `_chunk_step` takes after its inputs. """
         coef = -eta  # [B, H, C]: -eta
         W1_decay = 1 - alpha  # [B, H, C]: 1 - alpha
         # [B, H, C, C], [B, H, C]: decay weights of 1 - alpha
@@ -626,15 +622,12 @@ class MonetaMemory(nn.Module):
     def _chunk_step(self, W1_start, W2_start, W1, W2, v, kn, P_W1_decay, M_W1_W1, qn_W1, scores,
             kn_last_M_W1_W1):
         """One mini-batch chunk of C tokens in the dual form, head-major: v [B, H, C, d_v], kn [B,
-        H, C, d_k];
-        P_W1_decay, M_W1_W1, qn_W1, scores, kn_last_M_W1_W1: its state-independent part
-        (`_chunk_pre`);
-        W1_start, W2_start: the chunk-start state the gradients are taken at;
-        W1, W2: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, H, C, d_v], the state after the chunk).
-        """
+        H, C, d_k]; P_W1_decay, M_W1_W1, qn_W1, scores, kn_last_M_W1_W1: its state-independent part
+        (`_chunk_pre`); W1_start, W2_start: the chunk-start state the gradients are taken at; W1,
+        W2: the state before the chunk's first token [B, H, ...]. Each state after token i is a
+        combination of the states before the chunk and the tokens' gradients (outer products x_j^T
+        delta_j): no per-token state is formed. Returns (o [B, H, C, d_v], the state after the
+        chunk). """
         # every token's gradient at the chunk-start state, in closed form
         # (memspec.schedule.backprop)
         y_W1 = kn @ W1_start  # [B, H, C, hidden]: the layer @ W1

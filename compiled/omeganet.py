@@ -15,8 +15,7 @@ Omega rule, OmegaNet)
 
 OmeganetMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 OmeganetLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -250,12 +249,11 @@ def _recomputing(option, T):
 
 def _recomputed(fn):
     """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
-    autograd keeps its
-    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
-    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
-    when an input requires grad -- its gradients then come through ``.backward()``, which
-    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
-    ready once per backward; a reentrant chunk would mark the ones it reads again),
+    autograd keeps its inputs, not the per-token states it materialises inside.  Reentrant (one
+    recomputation, no hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on
+    per-token loops) when an input requires grad -- its gradients then come through ``.backward()``,
+    which ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a
+    parameter ready once per backward; a reentrant chunk would mark the ones it reads again),
     non-reentrant."""
     # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
     def flat(*args):
@@ -565,8 +563,7 @@ class OmeganetMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta)
@@ -606,20 +603,16 @@ class OmeganetMemory(nn.Module):
 
     def _row_loss_tap(self, z, W, K_row, V_row):
         """One row's loss 0.5 * sum((f(K_row) - V_row)^2) / 8 with the layer's output shifted by the
-        tap z
-        [B, H, d_v] (zeros): its gradient with respect to z is the row's delta, summed over batch
-        and heads.
-        """
+        tap z [B, H, d_v] (zeros): its gradient with respect to z is the row's delta, summed over
+        batch and heads. """
         return (0.5 * (((self.f(K_row, W) + z) - V_row) ** 2).sum(-1) / 8).sum()
 
     def _chunk_step(self, W_start, W, K, V, q, k, v, eta):
         """One mini-batch chunk in the banded dual form: q [B, C, H, d_k], k [B, C, H, d_k], v [B,
-        C, H, d_v], eta [B, C, H];
-        W_start: the chunk-start W the gradients are taken at; W, K, V: the state before the chunk.
-        Every W_i is P_i W + sum_r N[i, r] x_r^T delta_r over the rows r of the windows: no
-        per-token
-        state is formed.  Returns (o [B, C, H, d_v], the state after the chunk).
-        """
+        C, H, d_v], eta [B, C, H]; W_start: the chunk-start W the gradients are taken at; W, K, V:
+        the state before the chunk. Every W_i is P_i W + sum_r N[i, r] x_r^T delta_r over the rows r
+        of the windows: no per-token state is formed.  Returns (o [B, C, H, d_v], the state after
+        the chunk). """
         qn = l2norm(q)  # [B, C, H, d_k]
         kn = l2norm(k)  # [B, C, H, d_k]
         K_new = kn  # [B, C, H, d_k]: appended to K

@@ -16,10 +16,8 @@ Desjardins, Doucet, Budden, Teh, Pascanu, De Freitas & Gulcehre 2024, Griffin: M
 Recurrences with Local Attention for Efficient Language Models, the RG-LRU (section 2.4)
 
 RglruMemory: the memory (views [B, T, H, D], gates [B, T, H] or [B, T, H, d], state {name: [B, H,
-...]}).
-RglruLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+...]}). RglruLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
+projection. """
 import time
 import warnings
 
@@ -241,11 +239,10 @@ def chunk_scan(a, b, h0, chunk):
       token loop's own step, C steps over every chunk; their states are the output.
 
     Work is O(T |S|) (three products per token and entry), memory the output and O(T |S| / C).  Only
-    products of decays enter (no division, no log), so a
-    decay of any sign, of exp(-40) per token or exactly 0 is exact (equal to the token loop up
-    to rounding), and nothing overflows that the loop does not.  A non-finite input at token t
-    reaches only the states from t on.  Gradients are plain autograd of the same steps (no
-    in-place writes: ``torch.func`` works).
+    products of decays enter (no division, no log), so a decay of any sign, of exp(-40) per token or
+    exactly 0 is exact (equal to the token loop up to rounding), and nothing overflows that the loop
+    does not.  A non-finite input at token t reaches only the states from t on.  Gradients are plain
+    autograd of the same steps (no in-place writes: ``torch.func`` works).
 
     Args:
         a: decays, broadcastable to b: ``[B, T, H, *S]`` or with size-1 axes (a scalar per
@@ -323,8 +320,7 @@ class RglruMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the exact chunked forward (over slices of 8
-        chunks: one graph, compiled once), with static shapes.
-        """
+        chunks: one graph, compiled once), with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads

@@ -14,10 +14,8 @@ Cite: Peng et al. 2024, Eagle and Finch: RWKV with Matrix-Valued States and Dyna
 Finch time-mixing block
 
 Rwkv6Memory: the memory (views [B, T, H, D], gates [B, T, H] or [B, T, H, d], state {name: [B, H,
-...]}).
-Rwkv6Layer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+...]}). Rwkv6Layer: projections of x [B, T, d_model] into views and gates, the memory, the output
+projection. """
 import time
 import warnings
 
@@ -236,8 +234,7 @@ def _group_size(chunks, width, group, device):
 def _chunk_groups(T, C, G, tail=None):
     """The groups of a sequence of T tokens in chunks of C, G chunks per group: ``(n, c, cp)`` per
     group, n chunks of c tokens laid out in cp slots; a tail chunk of ``r = T % C`` tokens is a
-    group
-    of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
+    group of its own, in r slots (``tail=None``), the next power of two (``"power of two"``) or C
     (``"chunk"``): the slots after its tokens are padding."""
     N, r = divmod(T, C)
     groups = [(min(G, N - j), C, C) for j in range(0, N, G)]
@@ -250,8 +247,7 @@ def _chunk_groups(T, C, G, tail=None):
 
 def _split_groups(x, groups):
     """``[B, T, ...]`` -> one ``[B, n c, ...]`` piece per group (None -> Nones); a split, not
-    slices:
-    the backward of a slice fills a zero tensor of the whole input, once per group."""
+    slices: the backward of a slice fills a zero tensor of the whole input, once per group."""
     if x is None:
         return [None] * len(groups)
     return x.split([n * c for n, c, _ in groups], dim=1)
@@ -318,16 +314,13 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
     @ S_t``.
 
     Inside a chunk with cumulative log decays ``L_t``: ``S_end = Diag(exp(L_C)) S_start + sum_s
-    outer(k_s *
-    exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t} (sum_i q_ti k_si
-    exp(L_ti -
-    L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a decay (<= 1).  Per group of
-    chunks: the
-    factors (per head :func:`memspec.runtime.additive._additive_factors`, per key channel
-    :func:`_additive_halving`), the maps
-    (:func:`_additive_maps`), the outputs; per key channel under autograd :class:`_AdditiveChannel`
-    (a
-    closed-form backward).  A NaN or inf in token t's inputs changes no output before t.
+    outer(k_s * exp(L_C - L_s), v_s)``, ``o_t = (q_t * exp(L_t)) @ S_start + sum_{s <= t} (sum_i
+    q_ti k_si exp(L_ti - L_si)) v_s`` (exclusive: ``L_{t-1}``, s < t); every weight is a decay (<=
+    1).  Per group of chunks: the factors (per head
+    :func:`memspec.runtime.additive._additive_factors`, per key channel :func:`_additive_halving`),
+    the maps (:func:`_additive_maps`), the outputs; per key channel under autograd
+    :class:`_AdditiveChannel` (a closed-form backward).  A NaN or inf in token t's inputs changes no
+    output before t.
 
     Args:
         q: ``[B, T, H, K]`` probes, or None (state only).
@@ -336,8 +329,8 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
         log_gamma: log decays (<= 0): ``[B, T, H]`` (per head, finite), ``[B, T, H, K]`` (per key
             channel: row i of S scales by ``exp(log_gamma[..., i])``), or None for no decay.
         S0: ``[B, H, K, V]`` initial state, or None for zeros; inclusive: o_t reads S_t (else
-        S_{t-1}).
-        chunk: chunk size C (per key channel: rounded down to a power of two); group: chunks per
+        S_{t-1}). chunk: chunk size C (per key channel: rounded down to a power of two); group:
+        chunks per
             batched group G (default: temporaries near 512 KB on CPU, 64 elsewhere).
         documents: packed documents (``_Documents(cu_seqlens)``: B = 1, offsets ``[N + 1]``;
             S0 and S_T ``[N, H, K, V]``): each starts at a chunk, from its own state; or None.
@@ -396,8 +389,7 @@ def chunk_additive(q, k, v, log_gamma, S0, chunk, *, documents=None):
 def _channel_finish(o, S_T, docs, shape, S0, o_dtype):
     """``chunk_additive``'s returns with one log decay per key channel: the outputs (None without
     probes; packed: the documents' tokens) in dtype ``o_dtype``, the final state ``[B | N, H, K,
-    V]`` in
-    S0's dtype (or ``o_dtype``)."""
+    V]`` in S0's dtype (or ``o_dtype``)."""
     S_T = (S_T if docs is not None else S_T.view(shape)).to(S0.dtype if S0 is not None else o_dtype)
     if o is None:
         return None, S_T
@@ -411,17 +403,15 @@ def _channel_groups(q, k, lg, vs, S, docs, groups, inclusive, inplace, keep):
     Args:
         q: ``[B, T', H, K]`` probes, or None; k, lg: keys and log decays ``[B, T', H, K]``; vs: the
             value pieces ``[B, T', H, V_i]`` (the laid-out rows, packed); S: ``[B H, K, V]`` the
-            state
-            before the first chunk; docs: the packed documents' chunks, or None; groups: ``(n, m,
-            c)``
-            per group; inclusive: o_t reads S_t.
+            state before the first chunk; docs: the packed documents' chunks, or None; groups: ``(n,
+            m, c)`` per group; inclusive: o_t reads S_t.
         inplace: update the factors in place (no autograd); keep: return the states at the chunks'
             starts.
 
     Returns:
         ``(o [B, T', H, V] or None, S_T [B H | N, ...], starts)``: the outputs in dtype of S, the
-        final
-        state (packed: the documents'), and per group ``[n B H, K, V]`` (empty unless ``keep``).
+        final state (packed: the documents'), and per group ``[n B H, K, V]`` (empty unless
+        ``keep``).
     """
     B, _, H, K = k.shape
     BH, dt = B * H, S.dtype
@@ -457,9 +447,8 @@ def _additive_empty(q, k, v0, V, S0):
 
 def _additive_block(xs, n, c, BH, dt, pad=0.0):
     """Pieces ``[B, n m, H, D_i]`` -> ``[n B H, c, sum D_i]`` in dtype ``dt``, one copy;
-    chunk-major:
-    chunk j of the group is the batch slice ``[j BH, (j + 1) BH)``; a tail of m < c tokens is padded
-    with c - m tokens of value ``pad``."""
+    chunk-major: chunk j of the group is the batch slice ``[j BH, (j + 1) BH)``; a tail of m < c
+    tokens is padded with c - m tokens of value ``pad``."""
     parts = [_chunk_major(x.to(dt), n, c, pad) for x in xs]
     x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return x.reshape(n * BH, c, x.shape[-1]).contiguous()
@@ -467,13 +456,12 @@ def _additive_block(xs, n, c, BH, dt, pad=0.0):
 
 def _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive):
     """A group's factors in ``chunk_additive`` with one log decay per key channel, and the first
-    level
-    of :func:`_additive_halving` (blocks of 2 tokens), read from the inputs' chunk-major views: the
-    keys ``KE = k E_2`` and probes ``QF = q F_2`` (``E_2``: the decay of the token after it in its
-    pair, else 1; ``F_2``: its pair's decays up to it, the token's own one when its probe reads the
-    state after it), each pair's decay ``P`` (a padded tail token: 1) and the outputs of the pairs
-    s = t (inclusive: they weigh 1) and (s, t) = (2i, 2i + 1).  A chunk of one token (c = 1) has no
-    pairs: level 1's factors (``E_1 = 1``, ``F_1``), each token's decay.
+    level of :func:`_additive_halving` (blocks of 2 tokens), read from the inputs' chunk-major
+    views: the keys ``KE = k E_2`` and probes ``QF = q F_2`` (``E_2``: the decay of the token after
+    it in its pair, else 1; ``F_2``: its pair's decays up to it, the token's own one when its probe
+    reads the state after it), each pair's decay ``P`` (a padded tail token: 1) and the outputs of
+    the pairs s = t (inclusive: they weigh 1) and (s, t) = (2i, 2i + 1).  A chunk of one token (c =
+    1) has no pairs: level 1's factors (``E_1 = 1``, ``F_1``), each token's decay.
 
     Args:
         qp: the group's probes ``[B, n m, H, K]``, or None; kp: its keys; lp: its log decays
@@ -527,8 +515,7 @@ def _additive_channel_factors(qp, kp, lp, vg, n, c, BH, inclusive):
 
 def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed):
     """The chunk maps of a group of n chunks in ``chunk_additive``, ``S <- Diag(g_j) S + K_j^T
-    V_j``,
-    forward in the chunks (a non-finite increment reaches only later chunks).
+    V_j``, forward in the chunks (a non-finite increment reaches only later chunks).
 
     With exponential input weights (``stab``) the state between chunks is carried as ``exp(-m) S``
     (Beck et al. 2024, the mLSTM's m state), ``m <- max(L_C + m, m_loc)`` (a document's first chunk
@@ -564,10 +551,9 @@ def _additive_maps(kd, vg, g_end, g_log, m_loc, ms, docs, j0, n, decayed):
 
 def _additive_finish(outs, m_outs, S, ms, docs, shape, S0, o_dtype, probes):
     """``chunk_additive``'s returns: the outputs of the groups joined (packed: the documents'
-    tokens;
-    None without probes; in dtype ``o_dtype``), the final state at its true scale ``[B | N, H, K,
-    V]``
-    (in S0's dtype, or ``o_dtype``) and, stabilised, the outputs' stabilisers ``[B, T, H]``.
+    tokens; None without probes; in dtype ``o_dtype``), the final state at its true scale ``[B | N,
+    H, K, V]`` (in S0's dtype, or ``o_dtype``) and, stabilised, the outputs' stabilisers ``[B, T,
+    H]``.
 
     Specialised for this module: stab=False.
     """
@@ -587,26 +573,23 @@ def _additive_finish(outs, m_outs, S, ms, docs, shape, S0, o_dtype, probes):
 
 def _additive_halving(KE, QF, P, vg, og, probes, inclusive, inplace, h):
     """The pairs of per-channel chunks of ``chunk_additive``, halved level by level: in a block of
-    2h
-    tokens a pair (t in the second half, s in the first) weighs ``E_h(s) F_h(t)``; all pairs of a
-    level are one batched ``(q F) (k E)^T`` product applied to the first halves' values, and
-    ``KE = k E``, ``QF = q F`` pass to the next level by one product with the halves' decays.
+    2h tokens a pair (t in the second half, s in the first) weighs ``E_h(s) F_h(t)``; all pairs of a
+    level are one batched ``(q F) (k E)^T`` product applied to the first halves' values, and ``KE =
+    k E``, ``QF = q F`` pass to the next level by one product with the halves' decays.
 
     Args:
         KE, QF: ``[nBH, c, K]`` ``k E_h`` and ``q F_h`` (QF None without probes); P: ``[nBH c / h,
         1,
             K]`` the decay of each h-block; vg: ``[nBH, c, V]`` values; og: ``[nBH, c, V]`` the
-            outputs
-            of the pairs inside the h-blocks, or None.
+            outputs of the pairs inside the h-blocks, or None.
         probes: whether there are probes (their outputs are computed); inclusive: o_t reads S_t.
         inplace: update the factors in place (no autograd).
         h: the level to start from (:func:`_additive_channel_factors` did the levels below).
 
     Returns:
         ``(KE, QF, P, og)``: the keys decayed to the chunk end and the probes' decays from its
-        start, the
-        decay over each chunk ``[nBH, 1, K]``, the outputs of the chunk's pairs (None without
-        probes).
+        start, the decay over each chunk ``[nBH, 1, K]``, the outputs of the chunk's pairs (None
+        without probes).
     """
     nBH, c, K = KE.shape
     V = vg.shape[-1]
@@ -652,57 +635,44 @@ class _AdditiveChannel(torch.autograd.Function):
 
     Inside a chunk, with ``L_t`` the cumulative log decays from its start (per key channel), the
     kernel computes ``o_t = (q_t F_t) @ S_0 + sum_{s <= t} (sum_i q_ti k_si exp(L_ti - L_si)) v_s``
-    and
-    ``S_c = Diag(P) S_0 + sum_s (k_s E_s)^T v_s`` with ``F_t = exp(L_t)`` (exclusive:
-    ``exp(L_{t-1})``,
-    s < t), ``E_s = exp(L_c - L_s)``, ``P = exp(L_c)``.  Given ``dO`` and ``dS_c`` (the gradient of
-    the
-    chunk's end state, carried back from the chunks after it):
+    and ``S_c = Diag(P) S_0 + sum_s (k_s E_s)^T v_s`` with ``F_t = exp(L_t)`` (exclusive:
+    ``exp(L_{t-1})``, s < t), ``E_s = exp(L_c - L_s)``, ``P = exp(L_c)``.  Given ``dO`` and ``dS_c``
+    (the gradient of the chunk's end state, carried back from the chunks after it):
 
     * ``dS_0 = Diag(P) dS_c + (q F)^T dO`` carries the gradient to the chunk before (packed: a
       document's first chunk gives it to that document's initial state, its last one takes its final
       state's gradient instead);
     * ``dq_t = (dO_t S_0^T) F_t + sum_s (dO_t . v_s) k_s exp(L_t - L_s)``, ``dk_s = (v_s dS_c^T) E_s
-    +
-      sum_t (dO_t . v_s) q_t exp(L_t - L_s)``, ``dv_s = (k_s E_s) dS_c + sum_t A_ts dO_t``: the
-      pairs
-      are halved level by level as the forward halves them (:func:`_channel_levels`): in a block of
-      2h tokens, the pairs (t in the second half, s in the first) weigh ``(q_t F_h(t)) . (k_s
-      E_h(s))`` with ``F_h``, ``E_h`` products of decays inside the halves, so each level is four
-      products (the scores, ``dO v^T``, and their products with the factors; batched matrix
-      products,
-      or column by column in blocks of 2 and 4 tokens), every weight a product of decays <= 1
-      (finite
-      for any log decay);
+      + sum_t (dO_t . v_s) q_t exp(L_t - L_s)``, ``dv_s = (k_s E_s) dS_c + sum_t A_ts dO_t``: the
+      pairs are halved level by level as the forward halves them (:func:`_channel_levels`): in a
+      block of 2h tokens, the pairs (t in the second half, s in the first) weigh ``(q_t F_h(t)) .
+      (k_s E_h(s))`` with ``F_h``, ``E_h`` products of decays inside the halves, so each level is
+      four products (the scores, ``dO v^T``, and their products with the factors; batched matrix
+      products, or column by column in blocks of 2 and 4 tokens), every weight a product of decays
+      <= 1 (finite for any log decay);
     * the log decays: a weight that holds the decay of token u (``d/d log g_u`` of a product that
-    holds
-      ``g_u`` is the product's own term) is a level's pair that spans u inside its halves (t >= u,
-      or
-      t > u exclusive, in the second half; s < u in the first: ``(q_t F_h(t)) dq_h(t)``, ``(k_s
-      E_h(s)) dk_h(s)``, the pair's terms of ``dq``, ``dk`` before they are scaled by the factors),
-      a
-      read of the chunk's start state by a probe t >= u (``(q_t F_t) (dO_t S_0^T)``), a key s < u of
-      the end state (``(k_s E_s) (v_s dS_c^T)``) and ``P`` (``sum_v (Diag(P) S_0 dS_c)_{iv}``): the
-      gradient sums these terms (by positions or triangular products), never a difference.  (The
-      shorter ``q dq - k dk`` summed from u to the chunk's end, flash-linear-attention's chunked GLA
-      backward, subtracts the terms of the pairs that do not span u: their rounding swamps a
-      gradient
-      of 1e-9 next to terms of 1 after a log decay of -20.)  A decay of 0 (log decay -inf) gets a
-      gradient of exactly 0: every term that holds it is a product with 0.
+      holds ``g_u`` is the product's own term) is a level's pair that spans u inside its halves (t
+      >= u, or t > u exclusive, in the second half; s < u in the first: ``(q_t F_h(t)) dq_h(t)``,
+      ``(k_s E_h(s)) dk_h(s)``, the pair's terms of ``dq``, ``dk`` before they are scaled by the
+      factors), a read of the chunk's start state by a probe t >= u (``(q_t F_t) (dO_t S_0^T)``), a
+      key s < u of the end state (``(k_s E_s) (v_s dS_c^T)``) and ``P`` (``sum_v (Diag(P) S_0
+      dS_c)_{iv}``): the gradient sums these terms (by positions or triangular products), never a
+      difference.  (The shorter ``q dq - k dk`` summed from u to the chunk's end,
+      flash-linear-attention's chunked GLA backward, subtracts the terms of the pairs that do not
+      span u: their rounding swamps a gradient of 1e-9 next to terms of 1 after a log decay of -20.)
+      A decay of 0 (log decay -inf) gets a gradient of exactly 0: every term that holds it is a
+      product with 0.
 
     Saved: the inputs and the states at the chunks' starts (what autograd would keep of the
-    forward);
-    recomputed: the factors of every level (elementwise products of decays, cheaper than keeping
-    ``log2 C`` copies of them).  A differentiable backward (create_graph: second derivatives) runs
-    the forward again with autograd through the groups (:func:`_channel_groups`) and differentiates
-    that, so second derivatives are those of the plain path.
-    """
+    forward); recomputed: the factors of every level (elementwise products of decays, cheaper than
+    keeping ``log2 C`` copies of them).  A differentiable backward (create_graph: second
+    derivatives) runs the forward again with autograd through the groups (:func:`_channel_groups`)
+    and differentiates that, so second derivatives are those of the plain path. """
 
     @staticmethod
     def forward(ctx, q, k, lg, S, docs, groups, inclusive, *vs):
         """-> (o ``[B, T', H, V]``, S_T ``[B H | N, ...]``) in the dtype of S (S: the state before
-        the first
-        chunk ``[B H, K, V]``, or packed the documents' initial states ``docs.S0``)."""
+        the first chunk ``[B H, K, V]``, or packed the documents' initial states ``docs.S0``)."""
         S_run = S if docs is None else S.new_zeros(k.shape[0] * k.shape[2], *S.shape[-2:])
         o, S_T, starts = _channel_groups(q, k, lg, vs, S_run, docs, groups, inclusive, True, True)
         ctx.save_for_backward(q, k, lg, S, *vs)
@@ -730,8 +700,7 @@ class _AdditiveChannel(torch.autograd.Function):
 
 def _channel_backward(q, k, lg, vs, S, starts, docs, groups, inclusive, do, dS_T):
     """The gradients of :class:`_AdditiveChannel` (its docstring derives them): the groups in
-    reverse,
-    each chunk's end-state gradient carried back over the chunks.
+    reverse, each chunk's end-state gradient carried back over the chunks.
 
     Returns the gradients of ``(q, k, lg, S, *vs)``, each in its input's dtype and layout.
     """
@@ -790,8 +759,7 @@ def _channel_backward(q, k, lg, vs, S, starts, docs, groups, inclusive, do, dS_T
 def _channel_levels(qg, kg, gam, vg, dog, inclusive):
     """The gradients of a group's pairs inside each chunk (``o_t = sum_{s <= t} A_ts v_s``, see
     :class:`_AdditiveChannel`), halved level by level as :func:`_additive_halving` computes them,
-    and
-    the chunks' factors.
+    and the chunks' factors.
 
     Args:
         qg, kg: ``[nBH, c, K]`` probes and keys; gam: ``[nBH, c, K]`` the decays (a padded tail: 1);
@@ -800,16 +768,11 @@ def _channel_levels(qg, kg, gam, vg, dog, inclusive):
 
     Returns:
         ``(dq, dk, dv, dlg, F, E, P)``: the pairs' gradients ``[nBH, c, K | V]`` (``dlg`` the log
-        decays':
-        a pair (t, s) of a level weighs the decays of the tokens between them in its halves, so
-        token u
-        of the second half gets the pairs of t >= u (exclusive t > u), of the first half those of s
-        <
-        u: sums of the pairs' own terms, by triangular products), each token's decay from the
-        chunk's
-        start ``F`` (inclusive: its own one too) and to its end ``E`` ``[nBH, c, K]``, the decay
-        over
-        each chunk ``P`` ``[nBH, 1, K]``.
+        decays': a pair (t, s) of a level weighs the decays of the tokens between them in its
+        halves, so token u of the second half gets the pairs of t >= u (exclusive t > u), of the
+        first half those of s < u: sums of the pairs' own terms, by triangular products), each
+        token's decay from the chunk's start ``F`` (inclusive: its own one too) and to its end ``E``
+        ``[nBH, c, K]``, the decay over each chunk ``P`` ``[nBH, 1, K]``.
     """
     nBH, c, K = kg.shape
     V = vg.shape[-1]
@@ -930,8 +893,7 @@ class _DocumentChunks:
 
     def lay(self, x):
         """``[1, T, ...]`` -> ``[1, T', ...]``: the laid-out row, zeros after each document (None
-        stays
-        None)."""
+        stays None)."""
         if x is None:
             return None
         out = x.new_empty(1, self.T, *x.shape[2:]).index_copy_(1, self.give, x)
@@ -1147,9 +1109,7 @@ class Rwkv6Memory(nn.Module):
     def read(self, q, k, v, *, state=None):
         """The read q @ S + q @ (u * k) * v of a fixed state, with no write (e.g. Titans' retrieval
         M*(q) in MAC): q [B, T, H, d_k], k [B, T, H, d_k], v [B, T, H, d_v]; state {name: [B, H,
-        ...]} (default: init_state).
-        Every token reads the same state.  Returns [B, T, H, d_v].
-        """
+        ...]} (default: init_state). Every token reads the same state.  Returns [B, T, H, d_v]. """
         work = self._work_dtype(q)
         if work is not None:  # states and sums in work, the output in the inputs' dtype
             like = q

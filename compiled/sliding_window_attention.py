@@ -15,10 +15,8 @@ Cite: Beltagy, Peters & Cohan 2020, Longformer: The Long-Document Transformer, ย
 attention); Vaswani et al. 2017, ยง3.2.1
 
 SlidingWindowAttentionMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H,
-...]}).
-SlidingWindowAttentionLayer: projections of x [B, T, d_model] into views and gates, the memory, the
-output projection.
-"""
+...]}). SlidingWindowAttentionLayer: projections of x [B, T, d_model] into views and gates, the
+memory, the output projection. """
 import time
 import warnings
 
@@ -286,8 +284,7 @@ class SlidingWindowAttentionMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: no effect (the state holds a cache that grows by a token per step: no static
-        shapes).
-        """
+        shapes). """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -448,8 +445,8 @@ class SlidingWindowAttentionMemory(nn.Module):
 
     def _forward_cache(self, q, k, v, state):
         """Softmax attention over [cached | new] keys and values at once:
-        scaled_dot_product_attention
-        with a causal (windowed) mask; the new state is the cache trimmed to its window."""
+        scaled_dot_product_attention with a causal (windowed) mask; the new state is the cache
+        trimmed to its window."""
         T = q.shape[1]
         K_all = torch.cat([state['K'], k.transpose(1, 2)], dim=2)  # [B, H, n + T, d_k]
         V_all = torch.cat([state['V'], v.transpose(1, 2)], dim=2)  # [B, H, n + T, d_v]

@@ -15,10 +15,8 @@ Cite: Beltagy, Peters & Cohan 2020, Longformer, §3.1 (sliding window attention)
 Pawar & Chen 2020, Query-Key Normalization for Transformers
 
 SlidingWindowAttentionQknormMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name:
-[B, H, ...]}).
-SlidingWindowAttentionQknormLayer: projections of x [B, T, d_model] into views and gates, the
-memory, the output projection.
-"""
+[B, H, ...]}). SlidingWindowAttentionQknormLayer: projections of x [B, T, d_model] into views and
+gates, the memory, the output projection. """
 import time
 import warnings
 
@@ -292,8 +290,7 @@ class SlidingWindowAttentionQknormMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: no effect (the state holds a cache that grows by a token per step: no static
-        shapes).
-        """
+        shapes). """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -457,8 +454,8 @@ class SlidingWindowAttentionQknormMemory(nn.Module):
 
     def _forward_cache(self, q, k, v, state):
         """Softmax attention over [cached | new] keys and values at once:
-        scaled_dot_product_attention
-        with a causal (windowed) mask; the new state is the cache trimmed to its window."""
+        scaled_dot_product_attention with a causal (windowed) mask; the new state is the cache
+        trimmed to its window."""
         qn = l2norm(q)  # [B, T, H, d_k]
         kn = l2norm(k)  # [B, T, H, d_k]
         T = q.shape[1]

@@ -15,8 +15,7 @@ al. 2019, Transformer Dissection (attention as a kernel smoother); seed text §2
 
 SoftmaxAttentionMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 SoftmaxAttentionLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -284,8 +283,7 @@ class SoftmaxAttentionMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: no effect (the state holds a cache that grows by a token per step: no static
-        shapes).
-        """
+        shapes). """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -446,8 +444,8 @@ class SoftmaxAttentionMemory(nn.Module):
 
     def _forward_cache(self, q, k, v, state):
         """Softmax attention over [cached | new] keys and values at once:
-        scaled_dot_product_attention
-        with a causal (windowed) mask; the new state is the cache trimmed to its window."""
+        scaled_dot_product_attention with a causal (windowed) mask; the new state is the cache
+        trimmed to its window."""
         T = q.shape[1]
         K_all = torch.cat([state['K'], k.transpose(1, 2)], dim=2)  # [B, H, n + T, d_k]
         V_all = torch.cat([state['V'], v.transpose(1, 2)], dim=2)  # [B, H, n + T, d_v]

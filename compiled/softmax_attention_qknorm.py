@@ -16,10 +16,8 @@ Cite: Henry, Dachapally, Pawar & Chen 2020, Query-Key Normalization for Transfor
 q and k, a learned scale); Vaswani et al. 2017, §3.2.1
 
 SoftmaxAttentionQknormMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H,
-...]}).
-SoftmaxAttentionQknormLayer: projections of x [B, T, d_model] into views and gates, the memory, the
-output projection.
-"""
+...]}). SoftmaxAttentionQknormLayer: projections of x [B, T, d_model] into views and gates, the
+memory, the output projection. """
 import time
 import warnings
 
@@ -293,8 +291,7 @@ class SoftmaxAttentionQknormMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: no effect (the state holds a cache that grows by a token per step: no static
-        shapes).
-        """
+        shapes). """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -458,8 +455,8 @@ class SoftmaxAttentionQknormMemory(nn.Module):
 
     def _forward_cache(self, q, k, v, state):
         """Softmax attention over [cached | new] keys and values at once:
-        scaled_dot_product_attention
-        with a causal (windowed) mask; the new state is the cache trimmed to its window."""
+        scaled_dot_product_attention with a causal (windowed) mask; the new state is the cache
+        trimmed to its window."""
         qn = l2norm(q)  # [B, T, H, d_k]
         kn = l2norm(k)  # [B, T, H, d_k]
         T = q.shape[1]

@@ -18,10 +18,8 @@ Kim 2024, Gated Linear Attention Transformers with Hardware-Efficient Training (
 2025, Kimi Linear (Kimi Delta Attention)
 
 TitansChannelForgetMemory: the memory (views [B, T, H, D], gates [B, T, H] or [B, T, H, d], state
-{name: [B, H, ...]}).
-TitansChannelForgetLayer: projections of x [B, T, d_model] into views and gates, the memory, the
-output projection.
-"""
+{name: [B, H, ...]}). TitansChannelForgetLayer: projections of x [B, T, d_model] into views and
+gates, the memory, the output projection. """
 import time
 import warnings
 
@@ -582,9 +580,8 @@ class TitansChannelForgetMemory(nn.Module):
 
     def _token_step(self, W1, W2, U1, U2, q, k, v, eta, mu, alpha_k, alpha_h):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], mu [B, H], alpha_k
-        [B, H, d_k], alpha_h [B, H, hidden];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
-        """
+        [B, H, d_k], alpha_h [B, H, hidden]; the state tensors [B, H, ...] -> (o [B, H, d_v], the
+        new state tensors). """
         qn = l2norm(F.silu(q))  # [B, H, d_k]
         kn = l2norm(F.silu(k))  # [B, H, d_k]
         vs = F.silu(v)  # [B, H, d_v]
@@ -613,8 +610,7 @@ class TitansChannelForgetMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, mu, alpha_k, alpha_h)
@@ -680,9 +676,8 @@ class TitansChannelForgetMemory(nn.Module):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
         matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
         the batch axis (every line is local to a batch row): eta [B, H, C], mu [B, H, C], alpha_k
-        [B, H, C, d_k], alpha_h [B, H, C, hidden], qn [B, H, C, d_k], kn [B, H, C, d_k].
-        Returns the locals `_chunk_step` takes after its inputs.
-        """
+        [B, H, C, d_k], alpha_h [B, H, C, hidden], qn [B, H, C, d_k], kn [B, H, C, d_k]. Returns the
+        locals `_chunk_step` takes after its inputs. """
         # tokens per block (the decays of W1, W2 are per channel)
         block = 8 if eta.shape[2] % 8 == 0 else eta.shape[2]
         # [B, H * nb, block, ...]: eta in blocks
@@ -748,20 +743,17 @@ class TitansChannelForgetMemory(nn.Module):
             a_W1_U1_block, kn_blocks_last_M_W1_W1, a_U2_U2_block, a_W2_W2_block, a_W2_U2_block,
             qn_blocks_W1, qn_blocks_U1, scores):
         """One mini-batch chunk of C tokens in the dual form, head-major: eta [B, H, C], kn [B, H,
-        C, d_k], vs [B, H, C, d_v];
-        eta_blocks, M_U1_W1, P_W2_decay, a_W2_U2, M_W2_W2, a_U1_U1_block, kn_blocks_last_M_U1_W1,
-        a_W1_W1_block, a_W1_U1_block, kn_blocks_last_M_W1_W1, a_U2_U2_block, a_W2_W2_block,
-        a_W2_U2_block, qn_blocks_W1, qn_blocks_U1, scores: its state-independent part
-        (`_chunk_pre`);
-        W1_start, W2_start: the chunk-start state the gradients are taken at;
-        W1, W2, U1, U2: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        The decays of W1, W2 are per channel: the chunk runs in blocks of 8
-        tokens, folded [B, H * nb, block, ...] (in the blocks' shape comments H is H * nb and C
-        the block); each block from the states at its start, carried from block to block.
-        Returns (o [B, H, C, d_v], the state after the chunk).
-        """
+        C, d_k], vs [B, H, C, d_v]; eta_blocks, M_U1_W1, P_W2_decay, a_W2_U2, M_W2_W2,
+        a_U1_U1_block, kn_blocks_last_M_U1_W1, a_W1_W1_block, a_W1_U1_block, kn_blocks_last_M_W1_W1,
+        a_U2_U2_block, a_W2_W2_block, a_W2_U2_block, qn_blocks_W1, qn_blocks_U1, scores: its
+        state-independent part (`_chunk_pre`); W1_start, W2_start: the chunk-start state the
+        gradients are taken at; W1, W2, U1, U2: the state before the chunk's first token [B, H,
+        ...]. Each state after token i is a combination of the states before the chunk and the
+        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed. The decays
+        of W1, W2 are per channel: the chunk runs in blocks of 8 tokens, folded [B, H * nb, block,
+        ...] (in the blocks' shape comments H is H * nb and C the block); each block from the states
+        at its start, carried from block to block. Returns (o [B, H, C, d_v], the state after the
+        chunk). """
         # every token's gradient at the chunk-start state, in closed form
         # (memspec.schedule.backprop)
         y_W1 = kn @ W1_start  # [B, H, C, hidden]: the layer @ W1

@@ -20,9 +20,8 @@ context)
 
 TitansMacMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TitansMacMemoryLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-TitansMacLayer: the spec's wiring, MAC, memory as context: per segment, retrieve, attend over
-[persistent | retrieved | segment],
+projection. TitansMacLayer: the spec's wiring, MAC, memory as context: per segment, retrieve, attend
+over [persistent | retrieved | segment],
     write the attention output y into the memory, output y * sigmoid(memory(y));
     attention on l2-normalised queries and keys with a learned temperature.
 """
@@ -751,9 +750,7 @@ class TitansMacMemory(nn.Module):
 
     def _token_step(self, W1, W2, U1, U2, q, k, v, eta, mu, alpha):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], eta [B, H], mu [B, H], alpha [B,
-        H];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
-        """
+        H]; the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors). """
         qn = l2norm(F.silu(q))  # [B, H, d_k]
         kn = l2norm(F.silu(k))  # [B, H, d_k]
         vs = F.silu(v)  # [B, H, d_v]
@@ -782,8 +779,7 @@ class TitansMacMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta, mu, alpha)
@@ -845,9 +841,8 @@ class TitansMacMemory(nn.Module):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
         matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
         the batch axis (every line is local to a batch row): eta [B, H, C], mu [B, H, C], alpha [B,
-        H, C], qn [B, H, C, d_k], kn [B, H, C, d_k].
-        Returns the locals `_chunk_step` takes after its inputs.
-        """
+        H, C], qn [B, H, C, d_k], kn [B, H, C, d_k]. Returns the locals `_chunk_step` takes after
+        its inputs. """
         coef = -eta  # [B, H, C]: -eta
         L_mu, P_mu = _decay_matrix(mu)  # [B, H, C, C], [B, H, C]: decay weights of mu
         # [B, H, C, C]: weights of the gradients of W1 in U1 after each token
@@ -874,15 +869,12 @@ class TitansMacMemory(nn.Module):
     def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, kn, vs, P_mu, M_U1_W1, P_W1_decay,
             a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1, kn_last_M_U1_W1):
         """One mini-batch chunk of C tokens in the dual form, head-major: kn [B, H, C, d_k], vs [B,
-        H, C, d_v];
-        P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores, kn_last_M_W1_W1,
-        kn_last_M_U1_W1: its state-independent part (`_chunk_pre`);
-        W1_start, W2_start: the chunk-start state the gradients are taken at;
-        W1, W2, U1, U2: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, H, C, d_v], the state after the chunk).
-        """
+        H, C, d_v]; P_mu, M_U1_W1, P_W1_decay, a_W1_U1, M_W1_W1, qn_W1, qn_U1, scores,
+        kn_last_M_W1_W1, kn_last_M_U1_W1: its state-independent part (`_chunk_pre`); W1_start,
+        W2_start: the chunk-start state the gradients are taken at; W1, W2, U1, U2: the state before
+        the chunk's first token [B, H, ...]. Each state after token i is a combination of the states
+        before the chunk and the tokens' gradients (outer products x_j^T delta_j): no per-token
+        state is formed. Returns (o [B, H, C, d_v], the state after the chunk). """
         # every token's gradient at the chunk-start state, in closed form
         # (memspec.schedule.backprop)
         y_W1 = kn @ W1_start  # [B, H, C, hidden]: the layer @ W1

@@ -17,8 +17,7 @@ Newton-Schulz coefficients)
 
 TitansMuonMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TitansMuonLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -127,8 +126,7 @@ def _ns_run(G, schedule, kept=None):
 
 def _ns_start(G):
     """The iteration's start: G [..., p, q] -> (X0 = Y / (r + 1e-7) as [N, m, n], r = |Y|_F as [N,
-    1, 1]),
-    the batch axes as one, with Y = G, or G^T when p > q (so that m <= n)."""
+    1, 1]), the batch axes as one, with Y = G, or G^T when p > q (so that m <= n)."""
     Y = G.transpose(-2, -1) if G.shape[-2] > G.shape[-1] else G
     r = torch.linalg.matrix_norm(Y, keepdim=True)
     X = Y / (r + 1e-7)
@@ -373,12 +371,11 @@ def _recomputing(option, T):
 
 def _recomputed(fn):
     """``fn`` (-> (o, states)) whose backward recomputes its forward (``torch.utils.checkpoint``):
-    autograd keeps its
-    inputs, not the per-token states it materialises inside.  Reentrant (one recomputation, no
-    hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on per-token loops)
-    when an input requires grad -- its gradients then come through ``.backward()``, which
-    ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a parameter
-    ready once per backward; a reentrant chunk would mark the ones it reads again),
+    autograd keeps its inputs, not the per-token states it materialises inside.  Reentrant (one
+    recomputation, no hook per saved tensor: measured 1.4-2x faster than the non-reentrant form on
+    per-token loops) when an input requires grad -- its gradients then come through ``.backward()``,
+    which ``torch.autograd.grad`` cannot drive -- else, and under torch.distributed (DDP marks a
+    parameter ready once per backward; a reentrant chunk would mark the ones it reads again),
     non-reentrant."""
     # (o, (states...)) -> (o, *states): a reentrant checkpoint tracks flat outputs only
     def flat(*args):
@@ -410,14 +407,11 @@ def _linear_scan(a, x, s0):
     """s_i = a_i * s_{i-1} + x_i for the tokens i of a chunk, from s0.
 
     a [B, C, H] (or a number), x [B, C, H, *shape], s0 [B, H, *shape] -> [B, C, H, *shape]
-    (token-major,
-    contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the weights of
-    _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds) from 4,096
-    floats
-    per token (B H |shape|) on, where the closed form's work outgrows them (measured 1.2x faster at
-    1,024
-    floats per head, 5x at 8,192) -- but not under torch.compile, where the loop would unroll.
-    """
+    (token-major, contiguous).  In closed form, s_i = P[i] s0 + sum_{j <= i} L[i, j] x_j with the
+    weights of _decay_matrix (one product of C^2 |shape| work); step by step (C fused multiply-adds)
+    from 4,096 floats per token (B H |shape|) on, where the closed form's work outgrows them
+    (measured 1.2x faster at 1,024 floats per head, 5x at 8,192) -- but not under torch.compile,
+    where the loop would unroll. """
     B, C, H = x.shape[:3]
     if not isinstance(a, torch.Tensor):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
@@ -711,8 +705,7 @@ class TitansMuonMemory(nn.Module):
 
     def _token_step(self, W1, W2, U1, U2, q, k, v, mu, alpha, eta1, eta2):
         """One token: q [B, H, d_k], k [B, H, d_k], v [B, H, d_v], mu [B, H], alpha [B, H], eta1 [B,
-        H], eta2 [B, H];
-        the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
+        H], eta2 [B, H]; the state tensors [B, H, ...] -> (o [B, H, d_v], the new state tensors).
         """
         qn = l2norm(F.silu(q))  # [B, H, d_k]
         kn = l2norm(F.silu(k))  # [B, H, d_k]
@@ -744,8 +737,7 @@ class TitansMuonMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, mu, alpha, eta1, eta2)
@@ -813,11 +805,9 @@ class TitansMuonMemory(nn.Module):
 
     def _chunk_step(self, W1_start, W2_start, W1, W2, U1, U2, q, k, v, mu, alpha, eta1, eta2):
         """One mini-batch chunk of C tokens: q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H, d_v],
-        mu [B, C, H], alpha [B, C, H], eta1 [B, C, H], eta2 [B, C, H];
-        W1_start, W2_start: the chunk-start state the gradients are taken at;
-        W1, W2, U1, U2: the state before the chunk's first token [B, H, ...].
-        Returns (o [B, C, H, d_v], the state after the chunk).
-        """
+        mu [B, C, H], alpha [B, C, H], eta1 [B, C, H], eta2 [B, C, H]; W1_start, W2_start: the
+        chunk-start state the gradients are taken at; W1, W2, U1, U2: the state before the chunk's
+        first token [B, H, ...]. Returns (o [B, C, H, d_v], the state after the chunk). """
         qn = l2norm(F.silu(q))  # [B, C, H, d_k]
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]
         vs = F.silu(v)  # [B, C, H, d_v]
@@ -835,9 +825,7 @@ class TitansMuonMemory(nn.Module):
         """One block of n tokens of a chunk: W1_start, W2_start [B, H, ...], the chunk-start state
         the gradients are taken at; W1, W2, U1, U2, the state before the block's first token; per
         token: mu [B, n, H], alpha [B, n, H], eta1 [B, n, H], eta2 [B, n, H], qn, kn, vs [B, n, H,
-        ...].
-        Returns (o [B, n, H, d_v], the state after the block).
-        """
+        ...]. Returns (o [B, n, H, d_v], the state after the block). """
         # [B, n, H, ...]: every token's gradients
         grad_W1, grad_W2 = torch.func.vmap(self._token_grads, in_dims=(None, None, 1, 1, 1),
                 out_dims=1)(W1_start, W2_start, mu, kn, vs)

@@ -16,8 +16,7 @@ text §4.7
 
 TttLinearMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TttLinearLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -450,9 +449,7 @@ class TttLinearMemory(nn.Module):
 
     def f(self, u, W, b):
         """The inner model f(u) = u + layernorm(u @ W + b, ln_w, ln_b): u [..., H, d_k] -> [..., H,
-        d_k]
-        with the state W [..., H, d_k, d_k], b [..., H, d_k].
-        """
+        d_k] with the state W [..., H, d_k, d_k], b [..., H, d_k]. """
         return u + layernorm((u.unsqueeze(-2) @ W).squeeze(-2) + b, self.ln_w, self.ln_b)
 
     def inner_loss(self, W, b, k, v):
@@ -519,8 +516,7 @@ class TttLinearMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta)
@@ -572,9 +568,7 @@ class TttLinearMemory(nn.Module):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
         matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
         the batch axis (every line is local to a batch row): q [B, H, C, d_k], k [B, H, C, d_k], eta
-        [B, H, C].
-        Returns the locals `_chunk_step` takes after its inputs.
-        """
+        [B, H, C]. Returns the locals `_chunk_step` takes after its inputs. """
         C = q.shape[2]
         coef = -eta  # [B, H, C]: -eta
         # [C, C]: the weights of a decay of 1 (a running sum)
@@ -589,14 +583,12 @@ class TttLinearMemory(nn.Module):
 
     def _chunk_step(self, W_start, b_start, W, b, q, k, v, M_W_W, scores, k_last_M_W_W):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
-        C, d_k], v [B, H, C, d_k];
-        M_W_W, scores, k_last_M_W_W: its state-independent part (`_chunk_pre`);
-        W_start, b_start: the chunk-start state the gradients are taken at;
-        W, b: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, H, C, d_k], the state after the chunk).
-        """
+        C, d_k], v [B, H, C, d_k]; M_W_W, scores, k_last_M_W_W: its state-independent part
+        (`_chunk_pre`); W_start, b_start: the chunk-start state the gradients are taken at; W, b:
+        the state before the chunk's first token [B, H, ...]. Each state after token i is a
+        combination of the states before the chunk and the tokens' gradients (outer products x_j^T
+        delta_j): no per-token state is formed. Returns (o [B, H, C, d_k], the state after the
+        chunk). """
         ln_w = self.ln_w.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
         ln_b = self.ln_b.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
         # every token's gradient at the chunk-start state, in closed form

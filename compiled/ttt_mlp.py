@@ -15,8 +15,7 @@ Cite: Sun et al. 2024, Learning to (Learn at Test Time): RNNs with Expressive Hi
 
 TttMlpMemory: the memory (views [B, T, H, D], gates [B, T, H], state {name: [B, H, ...]}).
 TttMlpLayer: projections of x [B, T, d_model] into views and gates, the memory, the output
-projection.
-"""
+projection. """
 import time
 import warnings
 
@@ -472,10 +471,8 @@ class TttMlpMemory(nn.Module):
 
     def f(self, u, W1, b1, W2, b2):
         """The inner model f(u) = u + layernorm(gelu(u @ W1 + b1) @ W2 + b2, ln_w, ln_b): u [..., H,
-        d_k] -> [..., H, d_k]
-        with the state W1 [..., H, d_k, hidden], b1 [..., H, hidden], W2 [..., H, hidden, d_k], b2
-        [..., H, d_k].
-        """
+        d_k] -> [..., H, d_k] with the state W1 [..., H, d_k, hidden], b1 [..., H, hidden], W2 [...,
+        H, hidden, d_k], b2 [..., H, d_k]. """
         return (u
                 + layernorm((F.gelu((u.unsqueeze(-2) @ W1).squeeze(-2) + b1).unsqueeze(-2)
                 @ W2).squeeze(-2) + b2, self.ln_w, self.ln_b))
@@ -559,8 +556,7 @@ class TttMlpMemory(nn.Module):
         begun by an earlier call, or at the end) runs it eagerly.  A call that ends inside a chunk
         returns the chunk-start state and position as state['minibatch.<name>'] and
         state['minibatch.pos'] (an int), so that streaming in pieces gives the same numbers as one
-        call.
-        """
+        call. """
         C, T = self.chunk, q.shape[1]
         # [B, T, H]: the tokens before the first non-finite input (of each batch row and head)
         ok = _finite_prefix(q, k, v, eta)
@@ -620,9 +616,7 @@ class TttMlpMemory(nn.Module):
         """What the dual-form chunk step reads that depends on no state (gate weights, decay
         matrices, products of the inputs alone), for one chunk or any number of chunks stacked on
         the batch axis (every line is local to a batch row): q [B, H, C, d_k], k [B, H, C, d_k], eta
-        [B, H, C].
-        Returns the locals `_chunk_step` takes after its inputs.
-        """
+        [B, H, C]. Returns the locals `_chunk_step` takes after its inputs. """
         C = q.shape[2]
         coef = -eta  # [B, H, C]: -eta
         # [C, C]: the weights of a decay of 1 (a running sum)
@@ -638,14 +632,12 @@ class TttMlpMemory(nn.Module):
     def _chunk_step(self, W1_start, b1_start, W2_start, b2_start, W1, b1, W2, b2, q, k, v, M_W1_W1,
             scores, k_last_M_W1_W1):
         """One mini-batch chunk of C tokens in the dual form, head-major: q [B, H, C, d_k], k [B, H,
-        C, d_k], v [B, H, C, d_k];
-        M_W1_W1, scores, k_last_M_W1_W1: its state-independent part (`_chunk_pre`);
-        W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients are taken at;
-        W1, b1, W2, b2: the state before the chunk's first token [B, H, ...].
-        Each state after token i is a combination of the states before the chunk and the
-        tokens' gradients (outer products x_j^T delta_j): no per-token state is formed.
-        Returns (o [B, H, C, d_k], the state after the chunk).
-        """
+        C, d_k], v [B, H, C, d_k]; M_W1_W1, scores, k_last_M_W1_W1: its state-independent part
+        (`_chunk_pre`); W1_start, b1_start, W2_start, b2_start: the chunk-start state the gradients
+        are taken at; W1, b1, W2, b2: the state before the chunk's first token [B, H, ...]. Each
+        state after token i is a combination of the states before the chunk and the tokens'
+        gradients (outer products x_j^T delta_j): no per-token state is formed. Returns (o [B, H, C,
+        d_k], the state after the chunk). """
         ln_w = self.ln_w.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
         ln_b = self.ln_b.unsqueeze(-2)  # [H, 1, d_k]: per head, head-major
         # every token's gradient at the chunk-start state, in closed form

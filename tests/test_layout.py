@@ -101,3 +101,28 @@ def test_a_statement_on_several_lines_is_broken_afresh_when_one_is_too_long():
             "upper=True,\n            left=False, unitriangular=True).transpose(1, 2)\n") in out, out
     assert "    y = f(nba,  # a comment inside: left as it is\n" in out
     assert lay.layout(out) == out
+
+
+PARAGRAPHS = '''
+def f(x):
+    """First line of a docstring that is just a little longer than one hundred characters wide, so it is.
+    The second line of the same paragraph, short.
+
+    * an item whose first line runs on past the one hundred column limit by a handful of words here too
+      and its hanging line, which continues the item.
+    >>> x = 1
+    """
+    return x
+'''
+
+
+def test_a_docstring_paragraph_with_a_long_line_is_reflowed_as_a_whole():
+    out = lay.layout(PARAGRAPHS)
+    lines = out.split("\n")
+    assert ast.get_docstring(ast.parse(out).body[0]).split() == ast.get_docstring(ast.parse(PARAGRAPHS).body[0]).split()
+    first = lines[2:4]   # the paragraph: two lines again, the overflow carried into the second
+    assert all(len(ln) <= lay.WIDTH for ln in first) and first[1].startswith("    ") and "short." in first[1]
+    item = [ln for ln in lines if "item" in ln or "hanging" in ln]
+    assert item[0].startswith("    * an item") and all(ln.startswith("      ") for ln in item[1:])
+    assert len(item) == 2 and all(len(ln) <= lay.WIDTH for ln in item)
+    assert "    >>> x = 1" in lines   # an example: its own line

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import textwrap
 import tokenize
 
@@ -55,8 +56,14 @@ def _layout(text: str, width: int) -> str:
     comment_of, breaks, rhs_of, text_lines, logical_start, single = _scan(text)
     above: dict[int, list[str]] = {}
     new: dict[int, list[str]] = {}
+    for a, b, cont in _doc_paragraphs(lines, text_lines):   # a paragraph with a long line: reflowed
+        if any(len(ln) > width for ln in lines[a - 1:b]):
+            words = " ".join(ln.strip() for ln in lines[a - 1:b])
+            new[a] = textwrap.wrap(words, width, initial_indent=_indent(lines[a - 1]), subsequent_indent=cont,
+                                   break_long_words=False, break_on_hyphens=False)
+            new.update((i, []) for i in range(a + 1, b + 1))
     for i, line in enumerate(lines, 1):
-        if len(line) <= width:
+        if len(line) <= width or i in new:
             continue
         body = line
         c = comment_of.get(i)
@@ -185,6 +192,38 @@ def _rejoin(text: str, width: int) -> str:
             joined += glue + part
         lines[a - 1:b] = [joined]
     return "\n".join(lines)
+
+
+_ITEM = re.compile(r"\s*([*+-]\s|\d+[.)]\s)")     # a list item: its lines hang below its text
+_FIXED = re.compile(r"\s*(>>>|\.\.\.|[|])")         # an example or a table row: kept as written
+
+
+def _doc_paragraphs(lines: list[str], text_lines: dict) -> list[tuple[int, int, str]]:
+    """(first, last, continuation indent) of each docstring paragraph of several lines: the lines
+    of one docstring at one indentation (the docstring's own after its first line; a list item's
+    hanging one after the item's first line), up to a blank line, the next list item, an example
+    or a table row."""
+    out, i, n = [], 1, len(lines)
+    while i <= n:
+        line = lines[i - 1]
+        if i not in text_lines or not line.strip() or _FIXED.match(line.lstrip('"')):
+            i += 1
+            continue
+        if text_lines[i] is None and text_lines.get(i + 1) is not None:   # the docstring's first line
+            cont = " " * text_lines[i + 1]
+        elif _ITEM.match(line) and i < n and len(_indent(lines[i])) > len(_indent(line)):
+            cont = _indent(lines[i])
+        else:
+            cont = _indent(line)
+        j = i
+        while j < n and text_lines.get(j + 1) is not None and lines[j].strip() and _indent(lines[j]) == cont \
+                and not _ITEM.match(lines[j]) and not _FIXED.match(lines[j]) \
+                and not lines[j - 1].rstrip().endswith(('"""', "'''")):
+            j += 1
+        if j > i:
+            out.append((i, j, cont))
+        i = j + 1
+    return out
 
 
 def _after_operand(prev, line: int) -> bool:
