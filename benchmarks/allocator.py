@@ -32,19 +32,16 @@ TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(
 CHILD = """
 import json, statistics, time, torch, memspec
 from memspec.pipeline.build import build_memory
+from memspec.tools.bench import make_inputs
 torch.set_num_threads({threads})
 spec = memspec.load({path!r})
-kw = {{k: v for k, v in {{"d_k": 64, "d_v": 64, "hidden": 128}}.items() if k in spec.dims}}
-if {chunk}:
-    kw["chunk"] = {chunk}
-m = build_memory(spec, compile={compile}, heads=4, **kw)
-g = torch.Generator().manual_seed(0)
-views = {{n: torch.randn(1, {T}, 4, spec.views[n].dim if isinstance(spec.views[n].dim, int)
-          else kw.get(spec.views[n].dim, 64), generator=g) for n in spec.views}}
-gates = {{n: torch.rand(1, {T}, 4, generator=g) * 0.1 for n in spec.gates}}
+dims = {{k: v for k, v in {{"d_k": 64, "d_v": 64, "hidden": 128}}.items() if k in spec.dims}}
+m = build_memory(spec, compile={compile}, heads=4, **dims, **({{"chunk": {chunk}}} if {chunk} else {{}}))
+views, gates = make_inputs(spec, 1, {T}, 4, dims, "cpu", torch.float32)
 def call():
-    xs = {{n: t.requires_grad_({grad}) for n, t in {{**views, **gates}}.items()}}
-    o, _ = m(*(xs[n] for n in spec.views), **{{n: xs[n] for n in spec.gates}}, schedule={schedule!r})
+    vs = [x.detach().requires_grad_({grad}) for x in views.values()]
+    gs = {{n: x.detach().requires_grad_({grad}) for n, x in gates.items()}}
+    o, _ = m(*vs, **gs, schedule={schedule!r})
     if {grad}:
         o.square().sum().backward()
 times = []
