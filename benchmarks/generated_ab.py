@@ -12,23 +12,12 @@ Printed: each one's median and NEW / OLD (below 1, NEW is faster).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load(path: str, name: str):
-    """The module at ``path`` as ``name`` (registered: torch.compile reads its globals by name)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main(argv=None) -> None:
@@ -46,13 +35,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     import memspec
     from memspec.codegen import class_name
+    from memspec.pipeline.build import load_module
     from memspec.tools.bench import alternate, make_inputs
 
     spec = memspec.load(ROOT / a.spec if not Path(a.spec).is_absolute() else a.spec)
     dims = {k: v for k, v in {"d_k": 64, "d_v": 64, "hidden": 128}.items() if k in spec.dims}
     kw = {**dims, **({"chunk": a.chunk} if a.chunk else {})}
-    old, new = (getattr(load(p, f"_generated_ab_{i}"), f"{class_name(spec.name)}Memory")(compile=a.compile, heads=4, **kw)
-                for i, p in enumerate((a.old, a.new)))
+    old, new = (getattr(load_module(Path(p).read_text(encoding="utf-8"), spec.name, spec),
+                        f"{class_name(spec.name)}Memory")(compile=a.compile, heads=4, **kw) for p in (a.old, a.new))
     new.load_state_dict(old.state_dict())
     views, gates = make_inputs(spec, 1, a.T, 4, dims, "cpu", torch.float32)
 

@@ -220,11 +220,19 @@ class Context:
             self.parts.append(fn)
 
     def helper_sources(self) -> list:
-        """Sources of the language helpers the emitted code called, sorted by name (Newton-Schulz's
-        in :mod:`memspec.runtime.muon`, ``cg`` in :mod:`memspec.runtime.solve`, the others in
-        :mod:`memspec.runtime.helpers`)."""
-        return [runtime_source(getattr(runtime_helpers, h, None) or getattr(runtime_muon, h, None)
-                               or getattr(runtime_solve, h)) for h in sorted(self.helpers)]
+        """Sources of the language helpers the emitted code called and of the private functions and
+        classes of their modules that they call in turn (an autograd function, a step of an
+        iteration), sorted by name (Newton-Schulz's in :mod:`memspec.runtime.muon`, ``cg`` in
+        :mod:`memspec.runtime.solve`, the others in :mod:`memspec.runtime.helpers`)."""
+        objs: dict = {}
+        pending = [getattr(runtime_helpers, h, None) or getattr(runtime_muon, h, None) or getattr(runtime_solve, h)
+                   for h in self.helpers]
+        while pending:
+            obj = pending.pop()
+            if obj.__name__ not in objs:
+                objs[obj.__name__] = obj
+                pending += kernel_functions(obj, runtime_source(obj))
+        return [runtime_source(objs[name]) for name in sorted(objs)]
 
     # ------------------------------------------------------------ names and shapes
     def emitter(self, **kw) -> ExprEmitter:

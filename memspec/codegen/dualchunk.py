@@ -491,8 +491,8 @@ class DualRead:
 
     def outer_sum(self, x: Term, w: Term) -> Term:
         """``x^T w`` summed over the chunk's rows, by ``_outer_sum`` (both gradients row-major)."""
-        self.alg.w.helpers.update(("_outer_sum", "_OuterSum"))
-        return Call("_outer_sum", tuple(t.inner if isinstance(t, Group) else t for t in (x, w)))
+        self.alg.w.helpers.add("_outer_sum")
+        return Call("_outer_sum", (x, w))
 
     def gradient_terms(self, s: str) -> list:
         """The gradients' terms of ``s`` after the last token (row C of its weights)."""
@@ -500,14 +500,14 @@ class DualRead:
         terms = []
         for g, m in alg.reps[s].mat.items():
             if alg.is_chan(m) and s in alg.form.cols:   # one weight per column: the deltas weighted per channel
-                w = Group(Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(dd[g])))
+                w = Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(dd[g]))
                 terms.append(self.outer_sum(local(xk[g]), w))
                 continue
             if alg.is_chan(m):   # one weight per row: the layer's input weighted per channel
                 w = Op("*", Post(m, "[..., -1, :].transpose(-2, -1)"), local(xk[g]))
                 w = alg.bind(fresh(f"{xk[g]}_last_{m.code}", self.taken), w, shape_text(
                     "B, H, C", self.shape(xk[g])) + f": {xk[g]} weighted per channel for the state after the "
-                    "chunk", plain=True) if xk[g] in self.inputs else Group(w)
+                    "chunk", plain=True) if xk[g] in self.inputs else w
                 terms.append(self.outer_sum(w, local(dd[g])))
                 continue
             last = Post(m, "[..., -1, :, None]")
@@ -592,7 +592,7 @@ class DualRead:
         alg = self.alg
         uses = sum(1 for r in alg.w.states for g2, m2 in alg.reps[r].mat.items() if (m2, self.dd[g2]) == key)
         if uses < 2:
-            return Group(weighted)
+            return weighted
         name = fresh(f"last_{g}", self.taken)
         self.L(f"{name} = {weighted.render()}", f"[B, H, C, {alg.spec.state[g].shape[-1]}]: the gradients of {g} "
                "weighted for the state after the chunk", targets=(name,), reads=weighted.names)

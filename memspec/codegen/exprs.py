@@ -318,7 +318,7 @@ class ExprEmitter:
         """``newton_schulz(X, steps)``: the helper, with a step count or a coefficient schedule (with
         the autograd function of its closed-form backward, :mod:`memspec.runtime.muon`)."""
         x = self._emit(e.args[0])
-        self.helpers.update((e.fn, "_NewtonSchulz", "_ns_run", "_ns_start", "_ns_steps"))
+        self.helpers.add(e.fn)
         steps = steps_value(e.args[1], self.spec.constants)
         if isinstance(steps, tuple):   # a coefficient schedule: one (a, b, c) per step
             steps = inert(tuple(tuple(float(v) for v in row) for row in steps))

@@ -142,7 +142,7 @@ def weighted_grad_sum(ctx, em, cg, target: str, weight) -> str:
         d = sub._emit(Name(site.delta) if is_num(weight, 1) else BinOp("*", weight, Name(site.delta)))
         if site.input:
             x = sub._emit(Name(site.input))
-            em.helpers.update(("_outer_sum", "_OuterSum"))
+            em.helpers.add("_outer_sum")
             terms.append(f"_outer_sum({x.text}, {d.text})")
         else:
             terms.append(f"{d.at(P_ATOM)}.sum(-2)")

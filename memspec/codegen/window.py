@@ -115,7 +115,7 @@ def emit_dual(ctx, L, plan) -> None:
         L(f"o = ({Pn}.unsqueeze(-1) * ({qh} @ {W}) + (({qh} @ {xh}.transpose(-2, -1)) * {N}) @ {dh}).transpose(1, 2)",
           shape_text("B, C, H", ctx.read_shape()) + f": q_i @ {W}_i, a masked [C, R] product")
         new_w = fresh(f"{W}_after", taken)
-        ctx.helpers.update(("_outer_sum", "_OuterSum"))
+        ctx.helpers.add("_outer_sum")
         L(f"{new_w} = {Pn}[..., -1, None, None] * {W} + _outer_sum({xh}, {N}[..., -1, :, None] * {dh})",
           shape_text("B, H", spec.state[W].shape) + f": {W} after the chunk")
         outs = [new_w if s == W else after[s] for s in ctx.states]
