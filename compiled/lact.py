@@ -49,6 +49,25 @@ class _OuterSum(torch.autograd.Function):
         return gx, gd
 
 
+class _SiluBackward(torch.autograd.Function):
+    """g * silu'(x) by aten's fused kernel (one pass where the expression takes six); its backward
+    in differentiable operations (aten's kernel has no derivative of its own)."""
+
+    @staticmethod
+    def forward(ctx, g, x):
+        ctx.save_for_backward(g, x)
+        return torch.ops.aten.silu_backward(g, x)
+
+    @staticmethod
+    def backward(ctx, gout):
+        g, x = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        gg = gout * (s * (1 + x * (1 - s))) if ctx.needs_input_grad[0] else None
+        # silu''(x) = s (1 - s) (2 + x (1 - 2 s))
+        gx = gout * g * (s * (1 - s) * (2 + x * (1 - 2 * s))) if ctx.needs_input_grad[1] else None
+        return gg, gx
+
+
 def _outer_sum(x, d):
     """x^T d, the sum over the rows t of outer(x_t, d_t) (x [..., C, m], d [..., C, n] -> [..., m,
     n]); under autograd through _OuterSum."""
@@ -71,10 +90,15 @@ def _renorm_columns(x, like):
     return x * (kept / (torch.linalg.vecdot(x, x, dim=-2) + 1e-6)).sqrt().unsqueeze(-2)
 
 
-def _silu_grad(x):
-    """d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
+def _silu_backward(g, x):
+    """g * silu'(x) = g sigmoid(x) (1 + x (1 - sigmoid(x))): eagerly one fused kernel (under
+    autograd through _SiluBackward); under torch.compile the expression, which inductor fuses."""
+    if torch.compiler.is_compiling():
+        s = torch.sigmoid(x)
+        return g * (s * (1 + x * (1 - s)))
+    if torch.is_grad_enabled() and (g.requires_grad or x.requires_grad):
+        return _SiluBackward.apply(g, x)
+    return torch.ops.aten.silu_backward(g, x)
 
 
 def l2norm(x):
@@ -523,7 +547,7 @@ class LactMemory(nn.Module):
         d_xk_W1 = (delta_W1.unsqueeze(-2) @ W1.transpose(-2, -1)).squeeze(-2)
         d_u_2 = d_xk_W1 * y_W2  # [B, H, hidden]: the loss's gradient w.r.t. u_2
         delta_W2 = d_xk_W1 * u_2  # [B, H, hidden]: the loss's gradient w.r.t. y_W2
-        delta_W0 = d_u_2 * _silu_grad(y_W0)  # [B, H, hidden]: the loss's gradient w.r.t. y_W0
+        delta_W0 = _silu_backward(d_u_2, y_W0)  # [B, H, hidden]: the loss's gradient w.r.t. y_W0
         grad_W0 = kn.unsqueeze(-1) * delta_W0.unsqueeze(-2)  # [B, H, d_k, hidden]: grad(loss, W0)
         # [B, H, hidden, d_v]: grad(loss, W1)
         grad_W1 = xk_W1.unsqueeze(-1) * delta_W1.unsqueeze(-2)
@@ -612,7 +636,7 @@ class LactMemory(nn.Module):
         d_xk_W1 = delta_W1 @ W1.transpose(-2, -1)
         d_u_2 = d_xk_W1 * y_W2  # [B, H, C, hidden]: the loss's gradient w.r.t. u_2
         delta_W2 = d_xk_W1 * u_2  # [B, H, C, hidden]: the loss's gradient w.r.t. y_W2
-        delta_W0 = d_u_2 * _silu_grad(y_W0)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_W0
+        delta_W0 = _silu_backward(d_u_2, y_W0)  # [B, H, C, hidden]: the loss's gradient w.r.t. y_W0
         # [B, H, d_k, hidden]: sum_t eta0 grad(loss, W0)_t
         sum_W0 = _outer_sum(kn, eta0[..., None] * delta_W0)
         # [B, H, hidden, d_v]: sum_t eta1 grad(loss, W1)_t

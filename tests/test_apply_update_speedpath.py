@@ -22,7 +22,9 @@ from _compiled_harness import call, initial_state, inputs, load, make, reference
 
 from close import assert_same_function  # noqa: E402
 
-from memspec.runtime.helpers import _l2norm_columns, _norm_axis, _outer_sum, _renorm_columns  # noqa: E402
+from memspec.runtime.helpers import (  # noqa: E402
+    _l2norm_columns, _norm_axis, _outer_sum, _renorm_columns, _silu_backward,
+)
 
 STATES = ("W0", "W1", "W2")
 
@@ -163,3 +165,38 @@ def test_outer_sum_gradients_are_the_products_and_row_major():
         assert_same_function(_outer_sum(x, d), want)
     assert torch.autograd.gradcheck(_outer_sum, (x, d))
     assert torch.autograd.gradgradcheck(_outer_sum, (x, d))
+
+
+def _silu_expression(g, x):
+    s = torch.sigmoid(x)
+    return g * (s * (1 + x * (1 - s)))
+
+
+def test_silu_backward_is_silus_derivative_with_two_orders_of_gradients():
+    """_silu_backward(g, x) = g * silu'(x): the value autograd gives for silu's vector-Jacobian
+    product, with the expression's first and second gradients (float64; aten's fused kernel has
+    no derivative, the helper's backward supplies them)."""
+    gen = torch.Generator().manual_seed(4)
+    g, x = (torch.randn(2, 5, 6, generator=gen, dtype=torch.float64) * 3 for _ in range(2))
+    g.requires_grad_(), x.requires_grad_()
+    xs = x.detach().requires_grad_()
+    (autograd_vjp,) = torch.autograd.grad(torch.nn.functional.silu(xs), xs, g.detach())
+    with torch.no_grad():
+        assert_same_function(_silu_backward(g, x), autograd_vjp)
+    got = _silu_backward(g, x)
+    assert_same_function(got, _silu_expression(g, x))
+    up = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    pairs = zip(torch.autograd.grad((got * up).sum(), (g, x)),
+                torch.autograd.grad((_silu_expression(g, x) * up).sum(), (g, x)))
+    for a, b in pairs:
+        assert_same_function(a, b)
+    small = (g[0, :2, :3].detach().requires_grad_(), x[0, :2, :3].detach().requires_grad_())
+    assert torch.autograd.gradcheck(_silu_backward, small)
+    assert torch.autograd.gradgradcheck(_silu_backward, small)
+
+
+@pytest.mark.slow
+def test_silu_backward_compiled_form():
+    gen = torch.Generator().manual_seed(5)
+    g, x = (torch.randn(3, 7, generator=gen, dtype=torch.float64) for _ in range(2))
+    assert_same_function(torch.compile(_silu_backward, dynamic=False)(g, x), _silu_expression(g, x))

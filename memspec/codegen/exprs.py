@@ -50,7 +50,7 @@ _TORCH_ELEMENTWISE = {
     "sign": "torch.sign", "sigmoid": "torch.sigmoid", "softplus": "F.softplus",
     "tanh": "torch.tanh", "relu": "torch.relu", "gelu": "F.gelu", "silu": "F.silu", "elu": "F.elu",
 }
-DERIVATIVE_HELPERS = ("_layernorm_grad", "_rmsnorm_grad", "_l2norm_grad", "_gelu_backward", "_silu_grad")
+DERIVATIVE_HELPERS = ("_layernorm_grad", "_rmsnorm_grad", "_l2norm_grad", "_gelu_backward", "_silu_backward")
 _MATH_ELEMENTWISE = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log", "abs": "abs", "tanh": "math.tanh"}
 
 

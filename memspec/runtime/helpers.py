@@ -126,10 +126,34 @@ def _gelu_backward(g, x):
     return torch.ops.aten.gelu_backward(g, x)
 
 
-def _silu_grad(x):
-    """d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
-    s = torch.sigmoid(x)
-    return s * (1 + x * (1 - s))
+class _SiluBackward(torch.autograd.Function):
+    """g * silu'(x) by aten's fused kernel (one pass where the expression takes six); its backward
+    in differentiable operations (aten's kernel has no derivative of its own)."""
+
+    @staticmethod
+    def forward(ctx, g, x):
+        ctx.save_for_backward(g, x)
+        return torch.ops.aten.silu_backward(g, x)
+
+    @staticmethod
+    def backward(ctx, gout):
+        g, x = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        gg = gout * (s * (1 + x * (1 - s))) if ctx.needs_input_grad[0] else None
+        # silu''(x) = s (1 - s) (2 + x (1 - 2 s))
+        gx = gout * g * (s * (1 - s) * (2 + x * (1 - 2 * s))) if ctx.needs_input_grad[1] else None
+        return gg, gx
+
+
+def _silu_backward(g, x):
+    """g * silu'(x) = g sigmoid(x) (1 + x (1 - sigmoid(x))): eagerly one fused kernel (under
+    autograd through _SiluBackward); under torch.compile the expression, which inductor fuses."""
+    if torch.compiler.is_compiling():
+        s = torch.sigmoid(x)
+        return g * (s * (1 + x * (1 - s)))
+    if torch.is_grad_enabled() and (g.requires_grad or x.requires_grad):
+        return _SiluBackward.apply(g, x)
+    return torch.ops.aten.silu_backward(g, x)
 
 
 def attend(q, K, V, scale):

@@ -18,8 +18,8 @@ other than through a site, ...) raises :class:`NoClosedForm`, and the generated 
 ``torch.func.grad``.
 
 Derivatives with no expression in the language (``gelu``, ``silu``, the norms) are calls
-of runtime helpers named ``_<fn>_grad`` / ``_gelu_backward`` (:mod:`memspec.runtime.helpers`),
-which a spec cannot name.
+of runtime helpers named ``_<fn>_grad``, ``_gelu_backward`` and ``_silu_backward``
+(:mod:`memspec.runtime.helpers`), which a spec cannot name.
 """
 from __future__ import annotations
 
@@ -112,10 +112,12 @@ def _elementwise_derivative(fn: str, x: Expr) -> Expr | None:
         "tanh": lambda: BinOp("-", ONE, BinOp("^", f, Num(2))),
         "softplus": lambda: Call("sigmoid", (x,)),
         "relu": lambda: Call("sign", (Call("relu", (x,)),)),
-        "silu": lambda: Call("_silu_grad", (x,)),
     }
     return table[fn]() if fn in table else None
 
+
+# g * f'(x) as one runtime helper (aten's fused backward kernels)
+_FUSED_BACKWARD = {"gelu": "_gelu_backward", "silu": "_silu_backward"}
 
 # the functions whose derivative needs the value of their argument (bound as a step)
 _NEEDS_ARG = {"exp", "log", "sqrt", "abs", "sigmoid", "tanh", "softplus", "relu", "gelu", "silu",
@@ -444,8 +446,8 @@ class _Builder:
                 return
             if fn == "sign":
                 return
-            if fn == "gelu":   # g * gelu'(x) in one fused, differentiable op
-                self.back(x, Call("_gelu_backward", (g, x)))
+            if fn in _FUSED_BACKWARD:   # g * f'(x) in one fused op
+                self.back(x, Call(_FUSED_BACKWARD[fn], (g, x)))
                 return
             d = _elementwise_derivative(fn, x)
             if d is not None:
