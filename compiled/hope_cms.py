@@ -58,18 +58,28 @@ def _check(name, t, axes, sizes, ref=None):
 
 class _Compiled:
     """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
-    dynamic shapes), compiled at the first call.
+    dynamic shapes), compiled at the first call.  On CPU the compiled graph runs through
+    inductor's C++ wrapper (`options={"cpp_wrapper": True}`): its kernel calls, allocations and
+    frees from C++, not Python (LaCT at chunk 512: the forward 15% faster, forward + backward 5%).
 
-    If compilation fails, warns once and runs `fn` eagerly from then on.
-    `seconds` is the wall time of the first (compiling) call."""
+    If compilation fails, warns and falls back: the C++ wrapper to the Python one, that to running
+    `fn` eagerly from then on.  `seconds` is the wall time of the first (compiling) call."""
 
     def __init__(self, fn, dynamic=False):
         self.fn = fn
+        self.dynamic = dynamic
         self.compiled = torch.compile(fn, dynamic=dynamic)
+        self.wrapper = None  # "cpp" or "python", chosen at the first call by its tensors' device
         self.seconds = None
 
     def __call__(self, *args):
-        if self.compiled is not None:
+        if self.wrapper is None:
+            self.wrapper = "python"
+            if next((a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)), False):
+                self.wrapper = "cpp"
+                self.compiled = torch.compile(self.fn, dynamic=self.dynamic,
+                                              options={"cpp_wrapper": True})
+        while self.compiled is not None:
             try:
                 start = time.perf_counter()
                 out = self.compiled(*args)
@@ -78,9 +88,14 @@ class _Compiled:
                 return out
             except Exception as err:  # a construct torch.compile cannot handle on this machine
                 first = str(err).splitlines()[0] if str(err) else ""
-                warnings.warn(f"torch.compile failed for {self.fn.__name__} "
-                              f"({type(err).__name__}: {first}); running it eagerly")
-                self.compiled = None
+                failed = f"torch.compile failed for {self.fn.__name__} ({type(err).__name__}: {first})"
+                if self.wrapper == "cpp":
+                    warnings.warn(f"{failed} with the C++ wrapper; using the Python wrapper")
+                    self.wrapper = "python"
+                    self.compiled = torch.compile(self.fn, dynamic=self.dynamic)
+                else:
+                    warnings.warn(f"{failed}; running it eagerly")
+                    self.compiled = None
         return self.fn(*args)
 
 

@@ -8,6 +8,8 @@ shipped spec with a chunked schedule, eagerly (float64), and under torch.compile
 the default run and one per kernel family in the slow run (forward and gradients)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _compiled_harness import SPEC_FILES, inputs, make, small_dims
@@ -94,6 +96,7 @@ def test_compile_true_compiles_the_chunked_forward():
         a, sa = eager(**ins, schedule="additive")
         b, sb = comp(**ins, schedule="additive")
     assert comp._chunked_fn.seconds is not None and comp._chunked_fn.compiled is not None
+    assert comp._chunked_fn.wrapper == "cpp"   # on CPU: inductor's C++ wrapper, which compiled
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for n in sa:
         torch.testing.assert_close(sb[n], sa[n], rtol=1e-5, atol=1e-5)
@@ -134,3 +137,36 @@ def test_compiled_chunked_forward_and_gradients_equal_eager(path):
         assert (x is None) == (y is None)
         if x is not None:
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_falls_back_from_the_cpp_wrapper_to_the_python_one_then_to_eager(monkeypatch):
+    """A graph the C++ wrapper cannot compile runs through the Python wrapper, with a warning; one
+    neither can compile runs eagerly, with a warning; each outcome the function's own value."""
+    def fake_compile(fails_for):
+        def compile(fn, dynamic=False, options=None):
+            wrapper = "cpp" if (options or {}).get("cpp_wrapper") else "python"
+
+            def run(*args):
+                if wrapper in fails_for:
+                    raise RuntimeError(f"no {wrapper} wrapper here\nsecond line")
+                return fn(*args) + 0   # compiled: the function's value
+            return run
+        return compile
+
+    x = torch.arange(3.0)
+    for fails_for, wrapper, warned in ((set(), "cpp", 0), ({"cpp"}, "python", 1),
+                                       ({"cpp", "python"}, "python", 2)):
+        monkeypatch.setattr(helpers.torch, "compile", fake_compile(fails_for))
+        step = helpers._Compiled(lambda t: t * 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.testing.assert_close(step(x), x * 2, rtol=0, atol=0)
+            torch.testing.assert_close(step(x), x * 2, rtol=0, atol=0)   # no second warning
+        assert step.wrapper == wrapper and len(caught) == warned, (fails_for, caught)
+        assert (step.compiled is None) == (warned == 2)
+        assert all("no cpp wrapper here" in str(w.message) or "no python wrapper here" in str(w.message)
+                   for w in caught)
+    monkeypatch.setattr(helpers.torch, "compile", fake_compile(set()))
+    step = helpers._Compiled(lambda t: t * 2)
+    step(torch.ones(2, device="meta"))
+    assert step.wrapper == "python"   # not on CPU: the Python wrapper
