@@ -83,41 +83,39 @@ def _check(name, t, axes, sizes, ref=None):
 
 class _Compiled:
     """`torch.compile(fn, dynamic=dynamic)` (static shapes; None: torch.compile's automatic
-    dynamic shapes), compiled at the first call.  On CPU the compiled graph runs through
-    inductor's C++ wrapper (`options={"cpp_wrapper": True}`): its kernel calls, allocations and
-    frees from C++, not Python (LaCT at chunk 512: the forward 15% faster, forward + backward 5%).
+    dynamic shapes), compiled at the first call.  A call on CPU without autograd (inference,
+    evaluation) runs through inductor's C++ wrapper (`options={"cpp_wrapper": True}`): the graph's
+    kernel calls, allocations and frees from C++, not Python (LaCT's forward at chunk 512: 7-15%
+    faster).  A call under autograd keeps the Python wrapper: there the C++ one measured no faster
+    and its backward graphs took 40% longer to compile.
 
     If compilation fails, warns and falls back: the C++ wrapper to the Python one, that to running
     `fn` eagerly from then on.  `seconds` is the wall time of the first (compiling) call."""
 
     def __init__(self, fn, dynamic=False):
         self.fn = fn
-        self.dynamic = dynamic
         self.compiled = torch.compile(fn, dynamic=dynamic)
-        self.wrapper = None  # "cpp" or "python", chosen at the first call by its tensors' device
+        self.inference = torch.compile(fn, dynamic=dynamic, options={"cpp_wrapper": True})
         self.seconds = None
 
     def __call__(self, *args):
-        if self.wrapper is None:
-            self.wrapper = "python"
-            if next((a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)), False):
-                self.wrapper = "cpp"
-                self.compiled = torch.compile(self.fn, dynamic=self.dynamic,
-                                              options={"cpp_wrapper": True})
         while self.compiled is not None:
+            cpp = (self.inference is not None and not torch.is_grad_enabled()
+                    and next((a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor)),
+                    False))
             try:
                 start = time.perf_counter()
-                out = self.compiled(*args)
+                out = (self.inference if cpp else self.compiled)(*args)
                 if self.seconds is None:
                     self.seconds = time.perf_counter() - start
                 return out
             except Exception as err:  # a construct torch.compile cannot handle on this machine
                 first = str(err).splitlines()[0] if str(err) else ""
-                failed = f"torch.compile failed for {self.fn.__name__} ({type(err).__name__}: {first})"
-                if self.wrapper == "cpp":
+                failed = (f"torch.compile failed for {self.fn.__name__} "
+                          f"({type(err).__name__}: {first})")
+                if cpp:
                     warnings.warn(f"{failed} with the C++ wrapper; using the Python wrapper")
-                    self.wrapper = "python"
-                    self.compiled = torch.compile(self.fn, dynamic=self.dynamic)
+                    self.inference = None
                 else:
                     warnings.warn(f"{failed}; running it eagerly")
                     self.compiled = None

@@ -96,7 +96,7 @@ def test_compile_true_compiles_the_chunked_forward():
         a, sa = eager(**ins, schedule="additive")
         b, sb = comp(**ins, schedule="additive")
     assert comp._chunked_fn.seconds is not None and comp._chunked_fn.compiled is not None
-    assert comp._chunked_fn.wrapper == "cpp"   # on CPU: inductor's C++ wrapper, which compiled
+    assert comp._chunked_fn.inference is not None   # no autograd on CPU: the C++ wrapper compiled
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for n in sa:
         torch.testing.assert_close(sb[n], sa[n], rtol=1e-5, atol=1e-5)
@@ -140,8 +140,12 @@ def test_compiled_chunked_forward_and_gradients_equal_eager(path):
 
 
 def test_compiled_falls_back_from_the_cpp_wrapper_to_the_python_one_then_to_eager(monkeypatch):
-    """A graph the C++ wrapper cannot compile runs through the Python wrapper, with a warning; one
-    neither can compile runs eagerly, with a warning; each outcome the function's own value."""
+    """Calls without autograd on CPU go through the C++ wrapper, calls under autograd (or not on
+    CPU) through the Python one.  A graph the C++ wrapper cannot compile runs through the Python
+    wrapper, with a warning; one neither can compile runs eagerly, with a warning; each outcome
+    the function's own value."""
+    ran = []
+
     def fake_compile(fails_for):
         def compile(fn, dynamic=False, options=None):
             wrapper = "cpp" if (options or {}).get("cpp_wrapper") else "python"
@@ -149,24 +153,30 @@ def test_compiled_falls_back_from_the_cpp_wrapper_to_the_python_one_then_to_eage
             def run(*args):
                 if wrapper in fails_for:
                     raise RuntimeError(f"no {wrapper} wrapper here\nsecond line")
-                return fn(*args) + 0   # compiled: the function's value
+                ran.append(wrapper)
+                return fn(*args) + 0
             return run
         return compile
 
     x = torch.arange(3.0)
-    for fails_for, wrapper, warned in ((set(), "cpp", 0), ({"cpp"}, "python", 1),
-                                       ({"cpp", "python"}, "python", 2)):
+    for fails_for, ran_no_grad, warned in ((set(), "cpp", 0), ({"cpp"}, "python", 1),
+                                           ({"cpp", "python"}, None, 2)):
         monkeypatch.setattr(helpers.torch, "compile", fake_compile(fails_for))
         step = helpers._Compiled(lambda t: t * 2)
+        ran.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.testing.assert_close(step(x), x * 2, rtol=0, atol=0)
-            torch.testing.assert_close(step(x), x * 2, rtol=0, atol=0)   # no second warning
-        assert step.wrapper == wrapper and len(caught) == warned, (fails_for, caught)
+            with torch.no_grad():
+                torch.testing.assert_close(step(x), x * 2, rtol=0, atol=0)
+                torch.testing.assert_close(step(x), x * 2, rtol=0, atol=0)   # no second warning
+            torch.testing.assert_close(step(x), x * 2, rtol=0, atol=0)       # under autograd
+        want = [] if ran_no_grad is None else [ran_no_grad] * 2 + ["python"]
+        assert ran == want and len(caught) == warned, (fails_for, ran, caught)
         assert (step.compiled is None) == (warned == 2)
         assert all("no cpp wrapper here" in str(w.message) or "no python wrapper here" in str(w.message)
                    for w in caught)
     monkeypatch.setattr(helpers.torch, "compile", fake_compile(set()))
-    step = helpers._Compiled(lambda t: t * 2)
-    step(torch.ones(2, device="meta"))
-    assert step.wrapper == "python"   # not on CPU: the Python wrapper
+    step, ran[:] = helpers._Compiled(lambda t: t * 2), []
+    with torch.no_grad():
+        step(torch.ones(2, device="meta"))
+    assert ran == ["python"]   # not on CPU: the Python wrapper
