@@ -68,6 +68,12 @@ class _SiluBackward(torch.autograd.Function):
         return gg, gx
 
 
+def _column_norms2(w):
+    """The squared 2-norms of w's columns (over the second-last axis) [..., n], floored at
+    finfo.tiny as _norm_axis floors them: the norms _renorm_kept carries."""
+    return torch.linalg.vecdot(w, w, dim=-2).clamp_min(torch.finfo(w.dtype).tiny)
+
+
 def _outer_sum(x, d):
     """x^T d, the sum over the rows t of outer(x_t, d_t) (x [..., C, m], d [..., C, n] -> [..., m,
     n]); under autograd through _OuterSum."""
@@ -88,6 +94,22 @@ def _renorm_columns(x, like):
         return x * torch.exp(0.5 * (kept - torch.log((x * x).sum(-2, keepdim=True) + 1e-6)))
     kept = torch.linalg.vecdot(like, like, dim=-2).clamp_min(tiny)
     return x * (kept / (torch.linalg.vecdot(x, x, dim=-2) + 1e-6)).sqrt().unsqueeze(-2)
+
+
+def _renorm_kept(x, kept):
+    """_renorm_columns(x, like) given like's squared column norms `kept` [..., n] (_column_norms2):
+    returns (x's columns scaled to like's norms, the result's squared column norms).  Those follow
+    without a pass over the result, kept |x|^2 / (|x|^2 + 1e-6) (floored): a state renormalised to
+    its own norms (weight normalisation) carries them from chunk to chunk.  Under torch.compile the
+    factor as exp((log(.) - log(.)) / 2), once per column (see _l2norm_columns)."""
+    tiny = torch.finfo(kept.dtype).tiny
+    if torch.compiler.is_compiling():
+        nx = (x * x).sum(-2)
+        ratio = torch.log(kept) - torch.log(nx + 1e-6)
+        return x * torch.exp(0.5 * ratio).unsqueeze(-2), (torch.exp(ratio) * nx).clamp_min(tiny)
+    nx = torch.linalg.vecdot(x, x, dim=-2)
+    factor = kept / (nx + 1e-6)
+    return x * factor.sqrt().unsqueeze(-2), (factor * nx).clamp_min(tiny)
 
 
 def _silu_backward(g, x):
@@ -588,6 +610,9 @@ class LactMemory(nn.Module):
         acc_W0_0 = state.get('every.W0.0')  # the chunk's sum of eta0 * g0 so far, or None
         acc_W1_0 = state.get('every.W1.0')  # the chunk's sum of eta1 * g1 so far, or None
         acc_W2_0 = state.get('every.W2.0')  # the chunk's sum of eta2 * g2 so far, or None
+        norm2_W0 = _column_norms2(W0)  # W0's squared column norms, carried from chunk to chunk
+        norm2_W1 = _column_norms2(W1)  # W1's squared column norms, carried from chunk to chunk
+        norm2_W2 = _column_norms2(W2)  # W2's squared column norms, carried from chunk to chunk
         group = min(8, 256 // C) * C  # whole chunks, this many tokens per call of _chunks_fn
         sizes, t, p = [], 0, pos  # the calls' token counts
         while t < T:
@@ -599,14 +624,15 @@ class LactMemory(nn.Module):
                 for x in (q, k, v, eta0, eta1, eta2))):
             n = q_c.shape[1]
             if n > C:  # a group of whole chunks (their sums start and end empty)
-                o_c, (W0, W1, W2) = self._chunks_fn(W0, W1, W2, q_c, k_c, v_c, eta0_c, eta1_c,
-                        eta2_c)
+                o_c, (W0, W1, W2, norm2_W0, norm2_W1, norm2_W2) = self._chunks_fn(W0, W1, W2,
+                        norm2_W0, norm2_W1, norm2_W2, q_c, k_c, v_c, eta0_c, eta1_c, eta2_c)
                 outputs += o_c  # each chunk's outputs: one concatenation at the end
             else:
                 # static shapes: one compiled chunk size
                 fn = self._update_fn if n == C else self._update_step
-                o_c, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0) = fn(W0, W1, W2, acc_W0_0, acc_W1_0,
-                        acc_W2_0, q_c, k_c, v_c, eta0_c, eta1_c, eta2_c, pos + n == C)
+                o_c, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1,
+                        norm2_W2) = fn(W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1,
+                        norm2_W2, q_c, k_c, v_c, eta0_c, eta1_c, eta2_c, pos + n == C)
                 outputs.append(o_c)
             pos = (pos + n) % C
         state = {'W0': W0, 'W1': W1, 'W2': W2}
@@ -617,25 +643,25 @@ class LactMemory(nn.Module):
             state['every.W2.0'] = acc_W2_0
         return torch.cat(outputs, dim=1), state
 
-    def _update_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, q, k, v, eta0, eta1, eta2,
-            last):
+    def _update_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2,
+            q, k, v, eta0, eta1, eta2, last):
         """A chunk (or a piece of one) of C tokens, q [B, C, H, d_k], k [B, C, H, d_k], v [B, C, H,
         d_v], eta0 [B, C, H], eta1 [B, C, H], eta2 [B, C, H]; W0, W1, W2: the state every token of
         the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0, acc_W2_0: the chunk's gradient sums so far;
-        last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums after
-        it). """
+        norm2_W0, norm2_W1, norm2_W2: the squared column norms of W0, W1, W2; last: does this piece
+        end the chunk.  Returns (o [B, C, H, d_v], the state, sums and norms after it). """
         qn = l2norm(F.silu(q))  # [B, C, H, d_k]: the piece's rows
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]: the piece's rows
-        return self._rows_step(W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn,
-                kn, last)
+        return self._rows_step(W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1,
+                norm2_W2, v, eta0, eta1, eta2, qn, kn, last)
 
-    def _rows_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, v, eta0, eta1, eta2, qn, kn,
-            last):
+    def _rows_step(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2, v,
+            eta0, eta1, eta2, qn, kn, last):
         """A chunk (or a piece of one) of C tokens, v [B, C, H, d_v], eta0 [B, C, H], eta1 [B, C,
         H], eta2 [B, C, H], qn [B, C, H, d_k], kn [B, C, H, d_k]; W0, W1, W2: the state every token
         of the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0, acc_W2_0: the chunk's gradient sums so
-        far; last: does this piece end the chunk.  Returns (o [B, C, H, d_v], the state and sums
-        after it). """
+        far; norm2_W0, norm2_W1, norm2_W2: the squared column norms of W0, W1, W2; last: does this
+        piece end the chunk.  Returns (o [B, C, H, d_v], the state, sums and norms after it). """
         # head-major views [B, H, C, ...]
         v, eta0, eta1, eta2, qn, kn = (x.transpose(1, 2) for x in (v, eta0, eta1, eta2, qn, kn))
         # [B, H, C, d_v]: apply: every row reads the held state
@@ -664,27 +690,33 @@ class LactMemory(nn.Module):
         acc_W2_0 = sum_W2 if acc_W2_0 is None else acc_W2_0 + sum_W2
         # update: the statements once, with the chunk's sums (other values: the last token's)
         if last:
-            W0 = _renorm_columns(W0 - acc_W0_0, W0)  # [B, H, d_k, hidden]
-            W1 = _renorm_columns(W1 - acc_W1_0, W1)  # [B, H, hidden, d_v]
-            W2 = _renorm_columns(W2 - acc_W2_0, W2)  # [B, H, d_k, hidden]
+            # [B, H, d_k, hidden], its squared column norms
+            W0, norm2_W0 = _renorm_kept(W0 - acc_W0_0, norm2_W0)
+            # [B, H, hidden, d_v], its squared column norms
+            W1, norm2_W1 = _renorm_kept(W1 - acc_W1_0, norm2_W1)
+            # [B, H, d_k, hidden], its squared column norms
+            W2, norm2_W2 = _renorm_kept(W2 - acc_W2_0, norm2_W2)
             acc_W0_0 = None
             acc_W1_0 = None
             acc_W2_0 = None
-        return o.transpose(1, 2), (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0)  # token-major again
+        # token-major again
+        return o.transpose(1, 2), (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1,
+                norm2_W2)
 
-    def _update_chunks(self, W0, W1, W2, q, k, v, eta0, eta1, eta2):
+    def _update_chunks(self, W0, W1, W2, norm2_W0, norm2_W1, norm2_W2, q, k, v, eta0, eta1, eta2):
         """Whole chunks from a chunk boundary, as in _update_step (their sums start empty and end
-        with each chunk).  Returns (each chunk's o [B, C, H, d_v] in a list, the state after them).
-        """
+        with each chunk).  Returns (each chunk's o [B, C, H, d_v] in a list, the state and its norms
+        after them). """
         qn = l2norm(F.silu(q))  # [B, n, H, d_k]: the group's rows
         kn = l2norm(F.silu(k))  # [B, n, H, d_k]: the group's rows
         outputs = []
         for v_c, eta0_c, eta1_c, eta2_c, qn_c, kn_c in zip(*(x.split(self.chunk, dim=1)
                 for x in (v, eta0, eta1, eta2, qn, kn))):
-            o, (W0, W1, W2, _, _, _) = self._rows_step(W0, W1, W2, None, None, None, v_c, eta0_c,
-                    eta1_c, eta2_c, qn_c, kn_c, True)
+            o, (W0, W1, W2, _, _, _, norm2_W0, norm2_W1, norm2_W2) = self._rows_step(W0, W1, W2,
+                    None, None, None, norm2_W0, norm2_W1, norm2_W2, v_c, eta0_c, eta1_c, eta2_c,
+                    qn_c, kn_c, True)
             outputs.append(o)
-        return outputs, (W0, W1, W2)
+        return outputs, (W0, W1, W2, norm2_W0, norm2_W1, norm2_W2)
 
 
 class LactLayer(nn.Module):

@@ -22,8 +22,10 @@ from _compiled_harness import call, initial_state, inputs, load, make, reference
 
 from close import assert_same_function  # noqa: E402
 
+from memspec.pipeline.build import source as generated_source  # noqa: E402
+
 from memspec.runtime.helpers import (  # noqa: E402
-    _l2norm_columns, _norm_axis, _outer_sum, _renorm_columns, _silu_backward,
+    _column_norms2, _l2norm_columns, _norm_axis, _outer_sum, _renorm_columns, _renorm_kept, _silu_backward,
 )
 
 STATES = ("W0", "W1", "W2")
@@ -200,3 +202,60 @@ def test_silu_backward_compiled_form():
     gen = torch.Generator().manual_seed(5)
     g, x = (torch.randn(3, 7, generator=gen, dtype=torch.float64) for _ in range(2))
     assert_same_function(torch.compile(_silu_backward, dynamic=False)(g, x), _silu_expression(g, x))
+
+
+def _carried(x, like):
+    """_renorm_kept from like's measured norms: (the result, its carried squared norms)."""
+    return _renorm_kept(x, _column_norms2(like))
+
+
+def test_renorm_kept_is_renorm_columns_and_carries_the_results_norms():
+    """_renorm_kept(x, norms of like) = _renorm_columns(x, like), and the norms it returns are the
+    result's, measured (a zero column of like included: the floor, a zero gradient), with the
+    gradients of measuring them (float64)."""
+    x, like = _renorm_inputs()
+    got, norms = _carried(x, like)
+    want = _renorm_columns(x, like)
+    assert_same_function(got, want)
+    assert_same_function(norms, _column_norms2(want))
+    up = torch.randn(norms.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    measured = (want.square().sum() + (_column_norms2(want) * up).sum(), (x, like))
+    carried = (got.square().sum() + (norms * up).sum(), (x, like))
+    for a, b in zip(torch.autograd.grad(*carried), torch.autograd.grad(*measured)):
+        assert_same_function(a, b)
+        assert torch.isfinite(a).all()
+    assert torch.autograd.gradcheck(_carried, _renorm_inputs())
+
+
+@pytest.mark.slow
+def test_renorm_kept_compiled_form():
+    x, like = _renorm_inputs()
+    got, norms = torch.compile(_carried, dynamic=False)(x, like)
+    assert_same_function(got, _renorm_columns(x, like))
+    assert_same_function(norms, _column_norms2(got))
+
+
+def test_only_a_state_renormalised_to_its_own_norms_carries_them(tmp_path):
+    """W0 and W1 are renormalised to their own column norms: the chunks carry those; W2 to W0's
+    (a state it does not own), measured at every chunk.  The module is the reference's, from
+    inside a chunk and over groups of whole chunks."""
+    path = tmp_path / "lact_borrowed.yaml"
+    path.write_text("extends: memspec:lact\nname: lact_borrowed\nupdate:\n"
+                    "  - g0 = grad(loss, W0)\n  - g1 = grad(loss, W1)\n  - g2 = grad(loss, W2)\n"
+                    "  - W0 = l2norm((W0 - eta0 * g0).T).T * norm(W0, d_k)\n"
+                    "  - W1 = l2norm((W1 - eta1 * g1).T).T * norm(W1, hidden)\n"
+                    "  - W2 = l2norm((W2 - eta2 * g2).T).T * norm(W0, d_k)\n", encoding="utf-8")
+    spec = load(path)
+    dims = small_dims(spec)
+    m = make(spec, dims, chunk=4)
+    source = generated_source(spec)
+    assert "W0, norm2_W0 = _renorm_kept(W0 - acc_W0_0, norm2_W0)" in source
+    assert "W1, norm2_W1 = _renorm_kept(W1 - acc_W1_0, norm2_W1)" in source
+    assert "norm2_W2" not in source and "W2 = _renorm_columns(W2 - acc_W2_0, W0)" in source
+    ins, st = inputs(spec, m, T=75), initial_state(spec, m)
+    with torch.no_grad():
+        o, state = _run(m, spec, ins, st, [(0, 5), (5, 75)])
+        ro, rs = reference_run(spec, m, dims, "apply_update", st, ins)
+    torch.testing.assert_close(o, ro, rtol=1e-10, atol=1e-12)
+    for n in STATES:
+        torch.testing.assert_close(state[n], rs[n], rtol=1e-10, atol=1e-12)

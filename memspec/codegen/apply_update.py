@@ -31,11 +31,12 @@ def emit(ctx, L) -> None:
     if cgs is not None:
         raw, lets, rows = step_inputs(ctx, plan, cgs)
         step = "_rows_step" if lets else "_update_step"
-        forward(ctx, L, accs, rows=True, inputs=raw)
+        kept = kept_norms(ctx, plan, accs)
+        forward(ctx, L, accs, rows=True, inputs=raw, kept=kept)
         if lets:
-            lets_step(ctx, L, accs, raw, lets, rows)
-        rows_chunk_step(ctx, L, plan, accs, cgs, rows, step)
-        whole_chunks(ctx, L, accs, raw, lets, rows, step)
+            lets_step(ctx, L, accs, kept, raw, lets, rows)
+        rows_chunk_step(ctx, L, plan, accs, kept, cgs, rows, step)
+        whole_chunks(ctx, L, accs, kept, raw, lets, rows, step)
         return
     forward(ctx, L, accs, rows=False)
     chunk_loss(ctx, L)
@@ -58,6 +59,23 @@ def rows_grads(ctx, plan):
     except CodegenError:
         return None
     return cgs
+
+
+def kept_norms(ctx, plan, accs) -> dict:
+    """state -> the local of its squared column norms, for each state that its update statement
+    (the only one assigning it) renormalises to its own column norms (weight normalisation,
+    ``S = l2norm(X.T).T * norm(S, d)``): the result's norms follow from the step's
+    (``_renorm_kept``), so a call carries them from chunk to chunk instead of measuring the state
+    again at every chunk."""
+    spec, taken = ctx.spec, ctx.taken()
+    kept = {}
+    for b in plan.blocks:
+        value, scope = summed(spec.update[b.index].value, [a for a in accs if a.index == b.index])
+        operands = ctx.emitter().with_scope(**scope).renorm_operands(value)
+        if operands is not None and operands[1] == Name(b.target) \
+                and sum(st.target == b.target for st in spec.update) == 1:
+            kept[b.target] = fresh(f"norm2_{b.target}", taken)
+    return kept
 
 
 def step_inputs(ctx, plan, cgs) -> tuple[list, list, list]:
@@ -83,7 +101,7 @@ def step_inputs(ctx, plan, cgs) -> tuple[list, list, list]:
             [n for n in ctx.views + ctx.gates if n in direct] + lets)
 
 
-def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
+def forward(ctx, L, accs, rows: bool, inputs=None, kept=None) -> None:
     taken = ctx.taken()
     sv = inputs if rows else ctx.views + ctx.gates
     c, T, pos = (fresh(x, taken) for x in ("C", "T", "pos"))
@@ -102,7 +120,10 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
             L(f"{pos} = state.get(\"every.pos\", 0)", "a Python int: the position in the chunks")
             for a in accs:
                 L(f"{a.name} = state.get({a.key!r})", f"the chunk's sum of {unparse(a.term)} so far, or None")
-            outs = rows_calls(ctx, L, accs, sv, taken, (c, T, pos))
+            for s, n in kept.items():
+                ctx.helpers.add("_column_norms2")
+                L(f"{n} = _column_norms2({s})", f"{s}'s squared column norms, carried from chunk to chunk")
+            outs = rows_calls(ctx, L, accs, kept, sv, taken, (c, T, pos))
         else:
             block_sums_in(ctx, L, pos, accs)
             outs = token_calls(ctx, L, accs, sv, taken, (c, T, pos))
@@ -112,13 +133,14 @@ def forward(ctx, L, accs, rows: bool, inputs=None) -> None:
     L()
 
 
-def rows_calls(ctx, L, accs, sv, taken, names) -> str:
+def rows_calls(ctx, L, accs, kept, sv, taken, names) -> str:
     """The rows chunk step's calls over the stream: the calls' token counts first (groups of whole
     chunks from a chunk boundary, one compiled call each; else to the next chunk boundary), then every
     input split once at those bounds (one backward node per input, where a slice per call costs a
     full-length gradient each), the calls in order.  Returns the list of outputs' name."""
     c, T, pos = names
-    carried = ctx.states + [a.name for a in accs]
+    carried = ctx.states + [a.name for a in accs] + list(kept.values())
+    held = ctx.states + list(kept.values())   # what a group of whole chunks carries
     t, n, p, group, sizes = (fresh(x, taken) for x in ("t", "n", "p", "group", "sizes"))
     outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
     pieces = [fresh(f"{x}_c", taken) for x in sv]
@@ -136,7 +158,7 @@ def rows_calls(ctx, L, accs, sv, taken, names) -> str:
         L(f"{n} = {pieces[0]}.shape[1]")
         L(f"if {n} > {c}:", "a group of whole chunks (their sums start and end empty)")
         with L.indent():
-            L(f"{o_c}, {tuple_text(ctx.states)} = self._chunks_fn({', '.join(ctx.states + pieces)})")
+            L(f"{o_c}, {tuple_text(held)} = self._chunks_fn({', '.join(held + pieces)})")
             L(f"{outs} += {o_c}", "each chunk's outputs: one concatenation at the end")
         L("else:")
         with L.indent():
@@ -167,17 +189,17 @@ def token_calls(ctx, L, accs, sv, taken, names) -> str:
     return outs
 
 
-def whole_chunks(ctx, L, accs, raw, lets, rows, step) -> None:
+def whole_chunks(ctx, L, accs, kept, raw, lets, rows, step) -> None:
     """``_update_chunks``: whole chunks from a chunk boundary, the group's lets at once (fewer,
     larger kernels than a chunk's), then one ``step`` each -- under ``compile`` one graph for the
     group (the loop unrolls over its few chunks), so that one call's overhead serves several
     chunks."""
-    rest = ", ".join(["_"] * len(accs))
-    L(f"def _update_chunks(self, {', '.join(ctx.states + raw)}):")
+    held = ctx.states + list(kept.values())
+    L(f"def _update_chunks(self, {', '.join(held + raw)}):")
     with L.indent():
         L('"""' + "Whole chunks from a chunk boundary, as in _update_step (their sums start empty and")
         L("end with each chunk).  Returns (each chunk's o " + shape_text("B, C, H", ctx.read_shape())
-          + " in a list, the state after them).")
+          + f" in a list, the state{' and its norms' if kept else ''} after them).")
         L('"""')
         let_lines(ctx, L, lets, "B, n, H", "the group's rows")
         taken = ctx.taken() | set(ctx.states)
@@ -186,10 +208,11 @@ def whole_chunks(ctx, L, accs, raw, lets, rows, step) -> None:
         L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split(self.chunk, dim=1) "
           f"for x in {tuple_text(rows)})):")
         with L.indent():
-            args = ctx.states + ["None"] * len(accs) + pieces + ["True"]
-            L(f"o, ({', '.join(ctx.states)}{', ' + rest if rest else ''}) = self.{step}({', '.join(args)})")
+            args = ctx.states + ["None"] * len(accs) + list(kept.values()) + pieces + ["True"]
+            outs = ctx.states + ["_"] * len(accs) + list(kept.values())
+            L(f"o, ({', '.join(outs)}) = self.{step}({', '.join(args)})")
             L("outputs.append(o)")
-        L(f"return outputs, {tuple_text(ctx.states)}")
+        L(f"return outputs, {tuple_text(held)}")
     L()
 
 
@@ -200,12 +223,12 @@ def let_lines(ctx, L, lets, prefix: str, rows: str) -> None:
         L(f"{name} = {em.emit(ctx.spec.let[name])}", shape_text(prefix, ctx.shape(Name(name))) + f": {rows}")
 
 
-def lets_step(ctx, L, accs, raw, lets, rows) -> None:
+def lets_step(ctx, L, accs, kept, raw, lets, rows) -> None:
     """``_update_step`` of a spec with lets: the lets of the piece's rows, then ``_rows_step``."""
-    carried = ctx.states + [a.name for a in accs]
+    carried = ctx.states + [a.name for a in accs] + list(kept.values())
     last = fresh("last", ctx.taken())
     shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in raw)
-    step_header(ctx, L, "_update_step", carried + raw + [last], accs, last, shapes, "B, C, H")
+    step_header(ctx, L, "_update_step", carried + raw + [last], accs, last, shapes, "B, C, H", kept)
     with L.indent():
         let_lines(ctx, L, lets, "B, C, H", "the piece's rows")
         L(f"return self._rows_step({', '.join(carried + rows + [last])})")
@@ -219,7 +242,7 @@ def compiled_methods(ctx, plan) -> list:
     return [("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
 
 
-def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, name) -> None:
+def rows_chunk_step(ctx, L, plan, accs, kept, cgs, inputs, name) -> None:
     """The chunk step as products of the chunk's rows: its inputs (lets included) as head-major
     views (the rows of a head one matrix), the read of every row at the held state, the loss's
     closed-form gradient program over all rows at once, and each summed, weighted gradient as one
@@ -228,10 +251,10 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, name) -> None:
     into the inputs' layout)."""
     spec = ctx.spec
     taken = ctx.taken()
-    carried = ctx.states + [a.name for a in accs]
+    carried = ctx.states + [a.name for a in accs] + list(kept.values())
     last = fresh("last", taken)
     shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
-    step_header(ctx, L, name, carried + inputs + [last], accs, last, shapes, "B, C, H")
+    step_header(ctx, L, name, carried + inputs + [last], accs, last, shapes, "B, C, H", kept)
     with L.indent():
         em = ctx.emitter(rows=True)
         L(f"{', '.join(inputs)}{',' if len(inputs) == 1 else ''} = (x.transpose(1, 2) for x in {tuple_text(inputs)})",
@@ -255,26 +278,30 @@ def rows_chunk_step(ctx, L, plan, accs, cgs, inputs, name) -> None:
             refs = [(sign, sums[(i, s)]) for sign, i, s in plan.terms[(a.index, k)]]
             L(f"{a.name} = {_sum_text(refs)} if {a.name} is None else {a.name} {_signed(refs)}",
               shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
-        update_lines(ctx, L, plan, accs, last, rows=True)
+        update_lines(ctx, L, plan, accs, last, rows=True, kept=kept)
         L(f"return o.transpose(1, 2), {tuple_text(carried)}", "token-major again")
     L()
 
 
-def step_header(ctx, L, name: str, params: list, accs, last: str, inputs: str, prefix: str) -> None:
+def step_header(ctx, L, name: str, params: list, accs, last: str, inputs: str, prefix: str,
+                kept=None) -> None:
     """``def <name>(...)`` and its docstring (the body follows, indented)."""
     L(f"def {name}(self, {', '.join(params)}):")
     with L.indent():
         L('"""' + f"A chunk (or a piece of one) of C tokens, {inputs};")
         L(", ".join(ctx.states) + ": the state every token of the chunk reads [B, H, ...]; "
           + ", ".join(a.name for a in accs) + ": the chunk's gradient sums so far;")
+        if kept:
+            L(", ".join(kept.values()) + ": the squared column norms of " + ", ".join(kept) + ";")
         L(f"{last}: does this piece end the chunk.  Returns (o " + shape_text(prefix, ctx.read_shape())
-          + ", the state and sums after it).")
+          + f", the state, sums{' and norms' if kept else ''} after it).")
         L('"""')
 
 
-def update_lines(ctx, L, plan, accs, last: str, rows: bool) -> None:
+def update_lines(ctx, L, plan, accs, last: str, rows: bool, kept=None) -> None:
     """At the chunk's last token: the update statements once, with the chunk's sums (other
-    per-token values: the last token's), the sums reset; write_read: the last token reads anew."""
+    per-token values: the last token's), the sums reset; write_read: the last token reads anew.
+    A state with carried column norms (``kept``) renormalises by them and carries the result's."""
     spec = ctx.spec
     cut = "[:, :, -1]" if rows else "[:, -1]"
     L(f"if {last}:", "update: the statements once, with the chunk's sums (other values: the last token's)")
@@ -283,8 +310,14 @@ def update_lines(ctx, L, plan, accs, last: str, rows: bool) -> None:
         for b in plan.blocks:
             mine = [a for a in accs if a.index == b.index]
             value, scope = summed(spec.update[b.index].value, mine)
-            assign_line(L, ctx.emitter(names=dict(lastnames)).with_scope(**scope), b.target,
-                        spec.state[b.target], value)
+            em = ctx.emitter(names=dict(lastnames)).with_scope(**scope)
+            if kept and b.target in kept:
+                ctx.helpers.add("_renorm_kept")
+                x = em.emit(em.renorm_operands(value)[0])
+                L(f"{b.target}, {kept[b.target]} = _renorm_kept({x}, {kept[b.target]})",
+                  shape_text("B, H", spec.state[b.target].shape) + ", its squared column norms")
+            else:
+                assign_line(L, em, b.target, spec.state[b.target], value)
         for a in accs:
             L(f"{a.name} = None" if rows else f"{a.name} = torch.zeros_like({a.name})")
         if spec.order == "write_read":   # the chunk's last token reads after the update

@@ -223,9 +223,11 @@ class ExprEmitter:
             right = lb if lb is not None else b.at(prec + 1)
         return Code(f"{left} {op} {right}", prec, rank, number, a.row or b.row)
 
-    def _renorm_columns(self, e: BinOp) -> Optional[Code]:
-        """``l2norm(X.T).T * norm(Y, axis)`` (either order; Y shaped as the matrix X, the norm over
-        its first axis: weight normalisation) as one helper call, or None."""
+    def renorm_operands(self, e: Expr) -> Optional[tuple]:
+        """(X, Y) when ``e`` is ``l2norm(X.T).T * norm(Y, axis)`` (either order; Y shaped as the
+        matrix X, the norm over its first axis: weight normalisation), else None."""
+        if not (isinstance(e, BinOp) and e.op == "*"):
+            return None
         for cols, norm in ((e.left, e.right), (e.right, e.left)):
             if not (isinstance(cols, Transpose) and isinstance(cols.operand, Call) and cols.operand.fn == "l2norm"
                     and isinstance(cols.operand.args[0], Transpose) and isinstance(norm, Call)
@@ -233,10 +235,16 @@ class ExprEmitter:
                 continue
             x = cols.operand.args[0].operand
             if len(self.shape(x)) == 2 and self.shape(norm.args[0]) == self.shape(x) and self._axis(norm) == -2:
-                xc, yc = self._rowed([self._emit(x), self._emit(norm.args[0])])
-                self.helpers.add("_renorm_columns")
-                return Code(f"_renorm_columns({xc.text}, {yc.text})", P_ATOM, 2, row=xc.row)
+                return x, norm.args[0]
         return None
+
+    def _renorm_columns(self, e: BinOp) -> Optional[Code]:
+        """Weight normalisation (:meth:`renorm_operands`) as one helper call, or None."""
+        if (operands := self.renorm_operands(e)) is None:
+            return None
+        xc, yc = self._rowed([self._emit(x) for x in operands])
+        self.helpers.add("_renorm_columns")
+        return Code(f"_renorm_columns({xc.text}, {yc.text})", P_ATOM, 2, row=xc.row)
 
     def _diag_matmul(self, e: BinOp) -> Code:
         """``diag(d) @ X`` scales the rows of X, ``X @ diag(d)`` its columns (no diagonal matrix)."""

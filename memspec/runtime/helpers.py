@@ -126,6 +126,28 @@ def _gelu_backward(g, x):
     return torch.ops.aten.gelu_backward(g, x)
 
 
+def _column_norms2(w):
+    """The squared 2-norms of w's columns (over the second-last axis) [..., n], floored at
+    finfo.tiny as _norm_axis floors them: the norms _renorm_kept carries."""
+    return torch.linalg.vecdot(w, w, dim=-2).clamp_min(torch.finfo(w.dtype).tiny)
+
+
+def _renorm_kept(x, kept):
+    """_renorm_columns(x, like) given like's squared column norms `kept` [..., n] (_column_norms2):
+    returns (x's columns scaled to like's norms, the result's squared column norms).  Those follow
+    without a pass over the result, kept |x|^2 / (|x|^2 + 1e-6) (floored): a state renormalised to
+    its own norms (weight normalisation) carries them from chunk to chunk.  Under torch.compile the
+    factor as exp((log(.) - log(.)) / 2), once per column (see _l2norm_columns)."""
+    tiny = torch.finfo(kept.dtype).tiny
+    if torch.compiler.is_compiling():
+        nx = (x * x).sum(-2)
+        ratio = torch.log(kept) - torch.log(nx + 1e-6)
+        return x * torch.exp(0.5 * ratio).unsqueeze(-2), (torch.exp(ratio) * nx).clamp_min(tiny)
+    nx = torch.linalg.vecdot(x, x, dim=-2)
+    factor = kept / (nx + 1e-6)
+    return x * factor.sqrt().unsqueeze(-2), (factor * nx).clamp_min(tiny)
+
+
 class _SiluBackward(torch.autograd.Function):
     """g * silu'(x) by aten's fused kernel (one pass where the expression takes six); its backward
     in differentiable operations (aten's kernel has no derivative of its own)."""
