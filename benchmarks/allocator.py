@@ -32,10 +32,10 @@ TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(
 CHILD = """
 import json, statistics, time, torch, memspec
 from memspec.pipeline.build import build_memory
-from memspec.tools.bench import make_inputs
+from memspec.tools.bench import bench_dims, make_inputs
 torch.set_num_threads({threads})
 spec = memspec.load({path!r})
-dims = {{k: v for k, v in {{"d_k": 64, "d_v": 64, "hidden": 128}}.items() if k in spec.dims}}
+dims = bench_dims(spec)
 m = build_memory(spec, compile={compile}, heads=4, **dims, **({{"chunk": {chunk}}} if {chunk} else {{}}))
 views, gates = make_inputs(spec, 1, {T}, 4, dims, "cpu", torch.float32)
 def call():

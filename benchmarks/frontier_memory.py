@@ -38,10 +38,11 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_m
 
 def run(name: str, a) -> tuple[str, float | None, float | None]:
     import memspec
+    from memspec.tools.bench import bench_dims
 
     path = ROOT / "specs" / f"{name}.yaml"
     spec = memspec.load(path)
-    dims = {k: v for k, v in {"d_k": 64, "d_v": 64, "hidden": 128}.items() if k in spec.dims}
+    dims = bench_dims(spec)
     code = CHILD.format(threads=a.threads, path=str(path), dims=dims, T=a.T)
     limit = int(a.limit_gb * 2**30)
 

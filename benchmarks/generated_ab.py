@@ -36,10 +36,10 @@ def main(argv=None) -> None:
     import memspec
     from memspec.codegen import class_name
     from memspec.pipeline.build import load_module
-    from memspec.tools.bench import alternate, make_inputs
+    from memspec.tools.bench import alternate, bench_dims, make_inputs
 
     spec = memspec.load(ROOT / a.spec if not Path(a.spec).is_absolute() else a.spec)
-    dims = {k: v for k, v in {"d_k": 64, "d_v": 64, "hidden": 128}.items() if k in spec.dims}
+    dims = bench_dims(spec)
     kw = {**dims, **({"chunk": a.chunk} if a.chunk else {})}
     old, new = (getattr(load_module(Path(p).read_text(encoding="utf-8"), spec.name, spec),
                         f"{class_name(spec.name)}Memory")(compile=a.compile, heads=4, **kw) for p in (a.old, a.new))

@@ -65,6 +65,12 @@ def _peak_rss_mb() -> float | None:
     return kb / 1024.0 if platform.system() != "Darwin" else kb / 2**20
 
 
+def bench_dims(spec, D: int = 64, hidden: int = 128) -> dict:
+    """The sizes the frontier benchmarks build a memory at, those the spec declares: d_k = d_v = D
+    and hidden (the MLP memories' width)."""
+    return {k: v for k, v in {"d_k": D, "d_v": D, "hidden": hidden}.items() if k in spec.dims}
+
+
 def make_inputs(spec, B: int, T: int, H: int, dims: dict, device: str, dtype, seed: int = 0):
     """Views ``[B, T, H, D]`` (unit-scale rows), gates ``[B, T, H]`` (``[B, T, H, d]`` per channel) in (0, 1)."""
     g = torch.Generator().manual_seed(seed)
