@@ -70,7 +70,7 @@ class _SiluBackward(torch.autograd.Function):
 
 def _column_norms2(w):
     """The squared 2-norms of w's columns (over the second-last axis) [..., n], floored at
-    finfo.tiny as _norm_axis floors them: the norms _renorm_kept carries."""
+    finfo.tiny as _norm_axis floors them."""
     return torch.linalg.vecdot(w, w, dim=-2).clamp_min(torch.finfo(w.dtype).tiny)
 
 
@@ -83,33 +83,33 @@ def _outer_sum(x, d):
 
 
 def _renorm_columns(x, like):
-    """l2norm(x.T).T * norm(like, over the second-last axis) in one pass: every column of x scaled
-    to the 2-norm of like's column, x / sqrt(sum(x^2) + 1e-6) * sqrt(sum(like^2)), like's norm
-    floored as in _norm_axis (weight normalisation: a step's result kept at the columns' norms).
-    Eagerly the fewest kernels; under torch.compile the factor as exp((log(.) - log(.)) / 2), once
-    per column (see _l2norm_columns)."""
-    tiny = torch.finfo(like.dtype).tiny
-    if torch.compiler.is_compiling():
-        kept = torch.log((like * like).sum(-2, keepdim=True).clamp_min(tiny))
-        return x * torch.exp(0.5 * (kept - torch.log((x * x).sum(-2, keepdim=True) + 1e-6)))
-    kept = torch.linalg.vecdot(like, like, dim=-2).clamp_min(tiny)
-    return x * (kept / (torch.linalg.vecdot(x, x, dim=-2) + 1e-6)).sqrt().unsqueeze(-2)
+    """l2norm(x.T).T * norm(like, over the second-last axis): every column of x scaled to the 2-norm
+    of like's column, x / sqrt(sum(x^2) + 1e-6) * sqrt(sum(like^2)), like's norm floored as in
+    _norm_axis (weight normalisation: a step's result kept at the columns' norms)."""
+    return _scaled_columns(x, _column_norms2(like))[0]
 
 
 def _renorm_kept(x, kept):
     """_renorm_columns(x, like) given like's squared column norms `kept` [..., n] (_column_norms2):
     returns (x's columns scaled to like's norms, the result's squared column norms).  Those follow
     without a pass over the result, kept |x|^2 / (|x|^2 + 1e-6) (floored): a state renormalised to
-    its own norms (weight normalisation) carries them from chunk to chunk.  Under torch.compile the
-    factor as exp((log(.) - log(.)) / 2), once per column (see _l2norm_columns)."""
-    tiny = torch.finfo(kept.dtype).tiny
+    its own norms (weight normalisation) carries them from chunk to chunk."""
+    out, nx, factor = _scaled_columns(x, kept)
+    return out, (factor * nx).clamp_min(torch.finfo(kept.dtype).tiny)
+
+
+def _scaled_columns(x, kept):
+    """(x with every column scaled to the squared norm `kept` [..., n], as x / sqrt(sum(x^2) + 1e-6)
+    * sqrt(kept); x's squared column norms; the squared factor).  Eagerly the fewest kernels; under
+    torch.compile the factor as exp((log(.) - log(.)) / 2), once per column (see
+    _l2norm_columns)."""
     if torch.compiler.is_compiling():
         nx = (x * x).sum(-2)
         ratio = torch.log(kept) - torch.log(nx + 1e-6)
-        return x * torch.exp(0.5 * ratio).unsqueeze(-2), (torch.exp(ratio) * nx).clamp_min(tiny)
+        return x * torch.exp(0.5 * ratio).unsqueeze(-2), nx, torch.exp(ratio)
     nx = torch.linalg.vecdot(x, x, dim=-2)
     factor = kept / (nx + 1e-6)
-    return x * factor.sqrt().unsqueeze(-2), (factor * nx).clamp_min(tiny)
+    return x * factor.sqrt().unsqueeze(-2), nx, factor
 
 
 def _silu_backward(g, x):

@@ -139,7 +139,7 @@ def rows_calls(ctx, L, accs, kept, sv, taken, names) -> str:
     input split once at those bounds (one backward node per input, where a slice per call costs a
     full-length gradient each), the calls in order.  Returns the list of outputs' name."""
     c, T, pos = names
-    carried = ctx.states + [a.name for a in accs] + list(kept.values())
+    carried = _carried(ctx, accs, kept)
     held = ctx.states + list(kept.values())   # what a group of whole chunks carries
     t, n, p, group, sizes = (fresh(x, taken) for x in ("t", "n", "p", "group", "sizes"))
     outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
@@ -173,7 +173,7 @@ def token_calls(ctx, L, accs, sv, taken, names) -> str:
     """The chunk step's calls over the stream (tokens [B, T, H, ...]): to the next chunk boundary
     each.  Returns the list of outputs' name."""
     c, T, pos = names
-    carried = ctx.states + [a.name for a in accs]
+    carried = _carried(ctx, accs, {})
     t, n = fresh("t", taken), fresh("n", taken)
     outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
     L(f"{outs} = []")
@@ -225,7 +225,7 @@ def let_lines(ctx, L, lets, prefix: str, rows: str) -> None:
 
 def lets_step(ctx, L, accs, kept, raw, lets, rows) -> None:
     """``_update_step`` of a spec with lets: the lets of the piece's rows, then ``_rows_step``."""
-    carried = ctx.states + [a.name for a in accs] + list(kept.values())
+    carried = _carried(ctx, accs, kept)
     last = fresh("last", ctx.taken())
     shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in raw)
     step_header(ctx, L, "_update_step", carried + raw + [last], accs, last, shapes, "B, C, H", kept)
@@ -251,7 +251,7 @@ def rows_chunk_step(ctx, L, plan, accs, kept, cgs, inputs, name) -> None:
     into the inputs' layout)."""
     spec = ctx.spec
     taken = ctx.taken()
-    carried = ctx.states + [a.name for a in accs] + list(kept.values())
+    carried = _carried(ctx, accs, kept)
     last = fresh("last", taken)
     shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
     step_header(ctx, L, name, carried + inputs + [last], accs, last, shapes, "B, C, H", kept)
@@ -350,7 +350,7 @@ def chunk_loss(ctx, L) -> None:
 def chunk_step(ctx, L, plan, accs) -> None:
     spec = ctx.spec
     taken = ctx.taken()
-    carried = ctx.states + [a.name for a in accs]
+    carried = _carried(ctx, accs, {})
     last = fresh("last", taken)
     shapes = ", ".join(f"{v} [B, C, H, {spec.views[v].dim}]" for v in ctx.views) \
         + "".join(f", {g} {ctx.gate_text(g, 'B, C, H')}" for g in ctx.gates)
@@ -383,6 +383,12 @@ def chunk_step(ctx, L, plan, accs) -> None:
         update_lines(ctx, L, plan, accs, last, rows=False)
         L(f"return o, {tuple_text(carried)}")
     L()
+
+
+def _carried(ctx, accs, kept: dict) -> list:
+    """What the rows chunk step takes and returns besides its rows: the states, the chunk's
+    gradient sums so far, the carried column norms."""
+    return ctx.states + [a.name for a in accs] + list(kept.values())
 
 
 def _sum_text(refs: list) -> str:
