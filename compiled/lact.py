@@ -351,7 +351,7 @@ class LactMemory(nn.Module):
         `state_dtype`: the dtype of the states and their sums (None: float32 for float16 / bfloat16
         inputs or under autocast, else the inputs' dtype; the output is in the inputs' dtype);
         `compile`: torch.compile the per-token step, the apply_update chunk step, the groups of
-        whole chunks, with static shapes. """
+        whole chunks, the last chunk's read, the last chunk's update, with static shapes. """
         super().__init__()
         self.d_model = d_model
         self.heads = heads
@@ -370,6 +370,8 @@ class LactMemory(nn.Module):
         self._token_fn = _Compiled(self._token_step) if compile else self._token_step
         self._update_fn = _Compiled(self._update_step) if compile else self._update_step
         self._chunks_fn = _Compiled(self._update_chunks) if compile else self._update_chunks
+        self._read_fn = _Compiled(self._read_chunk) if compile else self._read_chunk
+        self._learn_fn = _Compiled(self._learn_chunk) if compile else self._learn_chunk
 
     def init_state(self, batch, device=None, dtype=None, generator=None):
         """The initial state {name: [batch, H, ...]} (learned initial values are parameters;
@@ -620,13 +622,19 @@ class LactMemory(nn.Module):
             sizes.append(n)
             t, p = t + n, (p + n) % C
         outputs = []
-        for q_c, k_c, v_c, eta0_c, eta1_c, eta2_c in zip(*(x.split(sizes, dim=1)
-                for x in (q, k, v, eta0, eta1, eta2))):
+        for i, (q_c, k_c, v_c, eta0_c, eta1_c, eta2_c) in enumerate(zip(*(x.split(sizes, dim=1)
+                for x in (q, k, v, eta0, eta1, eta2)))):
             n = q_c.shape[1]
             if n > C:  # a group of whole chunks (their sums start and end empty)
                 o_c, (W0, W1, W2, norm2_W0, norm2_W1, norm2_W2) = self._chunks_fn(W0, W1, W2,
                         norm2_W0, norm2_W1, norm2_W2, q_c, k_c, v_c, eta0_c, eta1_c, eta2_c)
                 outputs += o_c  # each chunk's outputs: one concatenation at the end
+            elif n == C and pos == 0 and i == len(sizes) - 1 and torch.is_grad_enabled():
+                # the last chunk under autograd, its update a graph of its own: a caller that drops
+                # the final state never runs that graph's backward
+                outputs.append(self._read_fn(W0, W1, W2, q_c))
+                W0, W1, W2, norm2_W0, norm2_W1, norm2_W2 = self._learn_fn(W0, W1, W2, norm2_W0,
+                        norm2_W1, norm2_W2, k_c, v_c, eta0_c, eta1_c, eta2_c)
             else:
                 # static shapes: one compiled chunk size
                 fn = self._update_fn if n == C else self._update_step
@@ -662,10 +670,27 @@ class LactMemory(nn.Module):
         of the chunk reads [B, H, ...]; acc_W0_0, acc_W1_0, acc_W2_0: the chunk's gradient sums so
         far; norm2_W0, norm2_W1, norm2_W2: the squared column norms of W0, W1, W2; last: does this
         piece end the chunk.  Returns (o [B, C, H, d_v], the state, sums and norms after it). """
+        o = self._rows_read(W0, W1, W2, qn)  # [B, C, H, d_v]: apply
+        W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2 = self._rows_learn(W0,
+                W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2, v, eta0, eta1,
+                eta2, kn, last)
+        return o, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2)
+
+    def _rows_read(self, W0, W1, W2, qn):
+        """The outputs of a chunk's rows qn [B, C, H, d_k], each read at the held state W0, W1, W2
+        [B, H, ...]: o [B, C, H, d_v]."""
+        qn = qn.transpose(1, 2)  # a head-major view [B, H, C, ...]
+        o = F.silu(qn @ W0) * (qn @ W2) @ W1  # [B, H, C, d_v]
+        return o.transpose(1, 2)  # token-major again
+
+    def _rows_learn(self, W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2, v,
+            eta0, eta1, eta2, kn, last):
+        """A chunk's (or a piece's) rows v [B, C, H, d_v], eta0 [B, C, H], eta1 [B, C, H], eta2 [B,
+        C, H], kn [B, C, H, d_k] learnt from at the held state: their weighted gradient sums added
+        to the chunk's; last: does the piece end the chunk (then the update runs).  Returns the
+        state, sums and norms after it (as taken). """
         # head-major views [B, H, C, ...]
-        v, eta0, eta1, eta2, qn, kn = (x.transpose(1, 2) for x in (v, eta0, eta1, eta2, qn, kn))
-        # [B, H, C, d_v]: apply: every row reads the held state
-        o = F.silu(qn @ W0) * (qn @ W2) @ W1
+        v, eta0, eta1, eta2, kn = (x.transpose(1, 2) for x in (v, eta0, eta1, eta2, kn))
         y_W0 = kn @ W0  # [B, H, C, hidden]: the rows at the held state
         y_W2 = kn @ W2  # [B, H, C, hidden]
         u_2 = F.silu(y_W0)  # [B, H, C, hidden]
@@ -699,9 +724,7 @@ class LactMemory(nn.Module):
             acc_W0_0 = None
             acc_W1_0 = None
             acc_W2_0 = None
-        # token-major again
-        return o.transpose(1, 2), (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1,
-                norm2_W2)
+        return W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2
 
     def _update_chunks(self, W0, W1, W2, norm2_W0, norm2_W1, norm2_W2, q, k, v, eta0, eta1, eta2):
         """Whole chunks from a chunk boundary, as in _update_step (their sums start empty and end
@@ -717,6 +740,20 @@ class LactMemory(nn.Module):
                     qn_c, kn_c, True)
             outputs.append(o)
         return outputs, (W0, W1, W2, norm2_W0, norm2_W1, norm2_W2)
+
+    def _read_chunk(self, W0, W1, W2, q):
+        """A call's last whole chunk, its read alone: its lets, then _rows_read."""
+        qn = l2norm(F.silu(q))  # [B, C, H, d_k]: the chunk's rows
+        return self._rows_read(W0, W1, W2, qn)
+
+    def _learn_chunk(self, W0, W1, W2, norm2_W0, norm2_W1, norm2_W2, k, v, eta0, eta1, eta2):
+        """A call's last whole chunk, its update alone (its sums start empty): its lets, then
+        _rows_learn.  Returns the state and its norms after it.
+        """
+        kn = l2norm(F.silu(k))  # [B, C, H, d_k]: the chunk's rows
+        W0, W1, W2, _, _, _, norm2_W0, norm2_W1, norm2_W2 = self._rows_learn(W0, W1, W2, None, None,
+                None, norm2_W0, norm2_W1, norm2_W2, v, eta0, eta1, eta2, kn, True)
+        return W0, W1, W2, norm2_W0, norm2_W1, norm2_W2
 
 
 class LactLayer(nn.Module):

@@ -8,9 +8,11 @@ held state (apply); the chunk's weighted gradients add to the sums, and at the c
 token the update statements run once with the sums (update).
 
 With every summed gradient in closed form the step is products of the chunk's rows: the lets
-of its rows (``_update_step``), then ``_rows_step`` (the read, the gradient program and the
-weighted sums as ``[C, d] @ [d, h]`` products); ``_update_chunks`` runs a group of whole chunks
-in one compiled call, their lets at once.  Otherwise ``_update_step`` takes one
+of its rows (``_update_step``), then ``_rows_step``: ``_rows_read`` (the read) and
+``_rows_learn`` (the gradient program and the weighted sums as ``[C, d] @ [d, h]`` products,
+the update); ``_update_chunks`` runs a group of whole chunks in one compiled call, their lets at
+once.  Under autograd a call's last whole chunk runs its read and its update as two calls
+(``_read_fn``, ``_learn_fn``; :func:`splits_last`).  Otherwise ``_update_step`` takes one
 ``torch.func.grad`` of ``_update_loss`` per weight.
 """
 from __future__ import annotations
@@ -29,14 +31,19 @@ def emit(ctx, L) -> None:
     accs = ctx.block_accs(plan.blocks)
     cgs = rows_grads(ctx, plan)
     if cgs is not None:
-        raw, lets, rows = step_inputs(ctx, plan, cgs)
+        parts = step_parts(ctx, plan, cgs)
+        raw, lets, rows = parts["step"]
         step = "_rows_step" if lets else "_update_step"
         kept = kept_norms(ctx, plan, accs)
-        forward(ctx, L, accs, rows=True, inputs=raw, kept=kept)
+        forward(ctx, L, accs, rows=True, inputs=raw, kept=kept, parts=parts)
         if lets:
             lets_step(ctx, L, accs, kept, raw, lets, rows)
-        rows_chunk_step(ctx, L, plan, accs, kept, cgs, rows, step)
+        rows_chunk_step(ctx, L, accs, kept, parts, step)
+        rows_read(ctx, L, parts["read"][2])
+        rows_learn(ctx, L, plan, accs, kept, cgs, parts["learn"][2])
         whole_chunks(ctx, L, accs, kept, raw, lets, rows, step)
+        if splits_last(ctx):
+            last_chunk(ctx, L, accs, kept, parts)
         return
     forward(ctx, L, accs, rows=False)
     chunk_loss(ctx, L)
@@ -78,20 +85,30 @@ def kept_norms(ctx, plan, accs) -> dict:
     return kept
 
 
-def step_inputs(ctx, plan, cgs) -> tuple[list, list, list]:
-    """(the views and gates the rows chunk step reads, in that order; the lets it computes from
-    them, in dependency order; the inputs of its products: the views and gates they read
-    themselves, then those lets)."""
+def step_parts(ctx, plan, cgs) -> dict:
+    """The rows chunk step's inputs, whole (``"step"``) and for its two halves (``"read"``: the
+    read of the held state; ``"learn"``: the gradient sums and the update): for each (the views and
+    gates it reads, in that order; the lets it computes from them, in dependency order; the inputs
+    of its products: the views and gates they read themselves, then those lets)."""
     spec = ctx.spec
-    exprs = [spec.read] + [wg.weight for wg in plan.weights] + [spec.update[b.index].value for b in plan.blocks]
+    learn = [wg.weight for wg in plan.weights] + [spec.update[b.index].value for b in plan.blocks]
     names = set()
     for cg in dict.fromkeys(cgs.values()):
         steps = live_steps(cg, [t for t, g in cgs.items() if g is cg])
-        exprs += [st.value for st in steps]
+        learn += [st.value for st in steps]
         names |= {x for site in cg.sites for x in (site.input, site.delta) if x}
+    parts = {"read": _inputs_of(ctx, [spec.read], set()), "learn": _inputs_of(ctx, learn, names)}
+    parts["step"] = _inputs_of(ctx, [spec.read] + learn, names)
+    return parts
+
+
+def _inputs_of(ctx, exprs, names: set) -> tuple[list, list, list]:
+    """(views and gates, lets, product inputs) of the expressions ``exprs`` (the model's body with
+    them) and the further ``names`` they read: as :func:`step_parts`."""
+    spec = ctx.spec
     if spec.model is not None:
-        exprs.append(spec.model.body)
-    names |= {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
+        exprs = exprs + [spec.model.body]
+    names = names | {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
     direct = set(names)
     for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
         if name in names:
@@ -101,7 +118,15 @@ def step_inputs(ctx, plan, cgs) -> tuple[list, list, list]:
             [n for n in ctx.views + ctx.gates if n in direct] + lets)
 
 
-def forward(ctx, L, accs, rows: bool, inputs=None, kept=None) -> None:
+def splits_last(ctx) -> bool:
+    """Does a call under autograd run its last whole chunk as two graphs (read, then update)?
+    With ``order: read_write`` (no row reads the updated state) the call's final state then has
+    its own backward node: a caller that drops it (a training step's output) never runs the
+    update's backward, where one graph's backward would run it on zero gradients."""
+    return ctx.spec.order == "read_write"
+
+
+def forward(ctx, L, accs, rows: bool, inputs=None, kept=None, parts=None) -> None:
     taken = ctx.taken()
     sv = inputs if rows else ctx.views + ctx.gates
     c, T, pos = (fresh(x, taken) for x in ("C", "T", "pos"))
@@ -123,7 +148,7 @@ def forward(ctx, L, accs, rows: bool, inputs=None, kept=None) -> None:
             for s, n in kept.items():
                 ctx.helpers.add("_column_norms2")
                 L(f"{n} = _column_norms2({s})", f"{s}'s squared column norms, carried from chunk to chunk")
-            outs = rows_calls(ctx, L, accs, kept, sv, taken, (c, T, pos))
+            outs = rows_calls(ctx, L, accs, kept, parts, taken, (c, T, pos))
         else:
             block_sums_in(ctx, L, pos, accs)
             outs = token_calls(ctx, L, accs, sv, taken, (c, T, pos))
@@ -133,17 +158,20 @@ def forward(ctx, L, accs, rows: bool, inputs=None, kept=None) -> None:
     L()
 
 
-def rows_calls(ctx, L, accs, kept, sv, taken, names) -> str:
+def rows_calls(ctx, L, accs, kept, parts, taken, names) -> str:
     """The rows chunk step's calls over the stream: the calls' token counts first (groups of whole
     chunks from a chunk boundary, one compiled call each; else to the next chunk boundary), then every
     input split once at those bounds (one backward node per input, where a slice per call costs a
-    full-length gradient each), the calls in order.  Returns the list of outputs' name."""
+    full-length gradient each), the calls in order; under autograd the last whole chunk's read and
+    update as two calls (:func:`splits_last`).  Returns the list of outputs' name."""
     c, T, pos = names
+    sv = parts["step"][0]
     carried = _carried(ctx, accs, kept)
     held = ctx.states + list(kept.values())   # what a group of whole chunks carries
-    t, n, p, group, sizes = (fresh(x, taken) for x in ("t", "n", "p", "group", "sizes"))
+    t, n, p, group, sizes, i = (fresh(x, taken) for x in ("t", "n", "p", "group", "sizes", "i"))
     outs, o_c = fresh("outputs", taken), fresh("o_c", taken)
-    pieces = [fresh(f"{x}_c", taken) for x in sv]
+    piece = {x: fresh(f"{x}_c", taken) for x in sv}
+    pieces = list(piece.values())
     L(f"{group} = min(8, 256 // {c}) * {c}", "whole chunks, this many tokens per call of _chunks_fn")
     L(f"{sizes}, {t}, {p} = [], 0, {pos}", "the calls' token counts")
     L(f"while {t} < {T}:")
@@ -152,14 +180,25 @@ def rows_calls(ctx, L, accs, kept, sv, taken, names) -> str:
         L(f"{sizes}.append({n})")
         L(f"{t}, {p} = {t} + {n}, ({p} + {n}) % {c}")
     L(f"{outs} = []")
-    L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split({sizes}, dim=1) "
-      f"for x in {tuple_text(sv)})):")
+    split = splits_last(ctx)
+    each = f"{', '.join(pieces)}{',' if len(pieces) == 1 else ''}"
+    head = f"{i}, ({each})" if split else each
+    L(f"for {head} in {'enumerate(' if split else ''}zip(*(x.split({sizes}, dim=1) "
+      f"for x in {tuple_text(sv)})){')' if split else ''}:")
     with L.indent():
         L(f"{n} = {pieces[0]}.shape[1]")
         L(f"if {n} > {c}:", "a group of whole chunks (their sums start and end empty)")
         with L.indent():
             L(f"{o_c}, {tuple_text(held)} = self._chunks_fn({', '.join(held + pieces)})")
             L(f"{outs} += {o_c}", "each chunk's outputs: one concatenation at the end")
+        if split:
+            L(f"elif {n} == {c} and {pos} == 0 and {i} == len({sizes}) - 1 and torch.is_grad_enabled():")
+            with L.indent():
+                L("# the last chunk under autograd, its update a graph of its own: a caller that drops")
+                L("# the final state never runs that graph's backward")
+                read = _read_states(ctx) + [piece[x] for x in parts["read"][0]]
+                L(f"{outs}.append(self._read_fn({', '.join(read)}))")
+                L(f"{', '.join(held)} = self._learn_fn({', '.join(held + [piece[x] for x in parts['learn'][0]])})")
         L("else:")
         with L.indent():
             L(f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size")
@@ -236,33 +275,76 @@ def lets_step(ctx, L, accs, kept, raw, lets, rows) -> None:
 
 
 def compiled_methods(ctx, plan) -> list:
-    """The rows chunk step's further compiled method: the groups of whole chunks."""
+    """The rows chunk step's further compiled methods: the groups of whole chunks; with
+    :func:`splits_last`, the last chunk's read and its update."""
     if rows_grads(ctx, plan) is None:
         return []
-    return [("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
+    more = [("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
+    if splits_last(ctx):
+        read = "_read_chunk" if step_parts(ctx, plan, rows_grads(ctx, plan))["read"][1] else "_rows_read"
+        more += [("_read_fn", read, False, "last chunk's read"),
+                 ("_learn_fn", "_learn_chunk", False, "last chunk's update")]
+    return more
 
 
-def rows_chunk_step(ctx, L, plan, accs, kept, cgs, inputs, name) -> None:
-    """The chunk step as products of the chunk's rows: its inputs (lets included) as head-major
-    views (the rows of a head one matrix), the read of every row at the held state, the loss's
-    closed-form gradient program over all rows at once, and each summed, weighted gradient as one
-    product ``x^T (weight * delta)``; the output token-major again (one concatenation of the
-    chunks' outputs is then the sequence's, and the gradients of the inputs' pieces concatenate
-    into the inputs' layout)."""
+def rows_chunk_step(ctx, L, accs, kept, parts, name) -> None:
+    """The chunk step as products of the chunk's rows: the read of every row at the held state
+    (:func:`rows_read`), then the rows' learning (:func:`rows_learn`); ``write_read``: the last
+    row reads the updated state anew."""
+    taken = ctx.taken()
+    carried = _carried(ctx, accs, kept)
+    last = fresh("last", taken)
+    inputs = parts["step"][2]
+    shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
+    step_header(ctx, L, name, carried + inputs + [last], accs, last, shapes, "B, C, H", kept)
+    with L.indent():
+        read = _read_states(ctx) + parts["read"][2]
+        L(f"o = self._rows_read({', '.join(read)})", shape_text("B, C, H", ctx.read_shape()) + ": apply")
+        L(f"{', '.join(carried)} = self._rows_learn({', '.join(carried + parts['learn'][2] + [last])})")
+        if ctx.spec.order == "write_read":   # the chunk's last token reads after the update
+            L(f"if {last}:", "the last row reads the new state")
+            with L.indent():
+                one = _read_states(ctx) + [f"{x}[:, -1:]" for x in parts["read"][2]]
+                L(f"o = torch.cat([o[:, :-1], self._rows_read({', '.join(one)})], dim=1)")
+        L(f"return o, {tuple_text(carried)}")
+    L()
+
+
+def rows_read(ctx, L, inputs) -> None:
+    """``_rows_read``: every row of a chunk reads the held state, as products of the rows
+    (head-major views: the rows of a head one matrix); the output token-major again (one
+    concatenation of the chunks' outputs is then the sequence's)."""
+    states = _read_states(ctx)
+    L(f"def _rows_read(self, {', '.join(states + inputs)}):")
+    with L.indent():
+        shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
+        L('"""' + f"The outputs of a chunk's rows {shapes}, each read at the held state "
+          + ", ".join(states) + " [B, H, ...]: o " + shape_text("B, C, H", ctx.read_shape()) + '."""')
+        _head_major(L, inputs)
+        L(f"o = {ctx.emitter(rows=True).emit(ctx.spec.read)}", shape_text("B, H, C", ctx.read_shape()))
+        L("return o.transpose(1, 2)", "token-major again")
+    L()
+
+
+def rows_learn(ctx, L, plan, accs, kept, cgs, inputs) -> None:
+    """``_rows_learn``: the loss's closed-form gradient program over the rows at the held state
+    (head-major views), each summed, weighted gradient as one product ``x^T (weight * delta)``
+    added to the chunk's sums, and at the chunk's last row the update statements."""
     spec = ctx.spec
     taken = ctx.taken()
     carried = _carried(ctx, accs, kept)
     last = fresh("last", taken)
-    shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
-    step_header(ctx, L, name, carried + inputs + [last], accs, last, shapes, "B, C, H", kept)
+    L(f"def _rows_learn(self, {', '.join(carried + inputs + [last])}):")
     with L.indent():
+        shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
+        L('"""' + f"A chunk's (or a piece's) rows {shapes} learnt from at the held state: their "
+          f"weighted gradient sums added to the chunk's; {last}: does the piece end the chunk (then the "
+          "update runs).  Returns the state, sums" + (" and norms" if kept else "") + " after it (as taken).")
+        L('"""')
         em = ctx.emitter(rows=True)
-        L(f"{', '.join(inputs)}{',' if len(inputs) == 1 else ''} = (x.transpose(1, 2) for x in {tuple_text(inputs)})",
-          "head-major views [B, H, C, ...]")
-        L(f"o = {em.emit(spec.read)}", shape_text("B, H, C", ctx.read_shape()) + ": apply: every row reads the held state")
-        # the loss's gradient program over the rows, once per distinct program
-        done = []
-        for t, cg in cgs.items():
+        _head_major(L, inputs)
+        done = []   # the loss's gradient program over the rows, once per distinct program
+        for cg in cgs.values():
             if cg not in done:
                 done.append(cg)
                 mine = [x for x, g in cgs.items() if g is cg]
@@ -279,7 +361,34 @@ def rows_chunk_step(ctx, L, plan, accs, kept, cgs, inputs, name) -> None:
             L(f"{a.name} = {_sum_text(refs)} if {a.name} is None else {a.name} {_signed(refs)}",
               shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
         update_lines(ctx, L, plan, accs, last, rows=True, kept=kept)
-        L(f"return o.transpose(1, 2), {tuple_text(carried)}", "token-major again")
+        L(f"return {', '.join(carried)}")
+    L()
+
+
+def last_chunk(ctx, L, accs, kept, parts) -> None:
+    """With :func:`splits_last`: the last whole chunk's read (``_read_chunk``, when the read
+    needs lets; else ``_rows_read`` itself is compiled) and its update (``_learn_chunk``), each
+    one compiled graph."""
+    held = ctx.states + list(kept.values())
+    raw, lets, rows = parts["read"]
+    if lets:
+        L(f"def _read_chunk(self, {', '.join(_read_states(ctx) + raw)}):")
+        with L.indent():
+            L('"""' + "A call's last whole chunk, its read alone: its lets, then _rows_read." + '"""')
+            let_lines(ctx, L, lets, "B, C, H", "the chunk's rows")
+            L(f"return self._rows_read({', '.join(_read_states(ctx) + rows)})")
+        L()
+    raw, lets, rows = parts["learn"]
+    L(f"def _learn_chunk(self, {', '.join(held + raw)}):")
+    with L.indent():
+        L('"""' + "A call's last whole chunk, its update alone (its sums start empty): its lets, then")
+        L("_rows_learn.  Returns the state" + (" and its norms" if kept else "") + " after it.")
+        L('"""')
+        let_lines(ctx, L, lets, "B, C, H", "the chunk's rows")
+        outs = ctx.states + ["_"] * len(accs) + list(kept.values())
+        args = ctx.states + ["None"] * len(accs) + list(kept.values()) + rows + ["True"]
+        L(f"{', '.join(outs)} = self._rows_learn({', '.join(args)})")
+        L(f"return {', '.join(held)}")
     L()
 
 
@@ -300,7 +409,8 @@ def step_header(ctx, L, name: str, params: list, accs, last: str, inputs: str, p
 
 def update_lines(ctx, L, plan, accs, last: str, rows: bool, kept=None) -> None:
     """At the chunk's last token: the update statements once, with the chunk's sums (other
-    per-token values: the last token's), the sums reset; write_read: the last token reads anew.
+    per-token values: the last token's), the sums reset; write_read (token by token; the rows step
+    does it itself): the last token reads anew.
     A state with carried column norms (``kept``) renormalises by them and carries the result's."""
     spec = ctx.spec
     cut = "[:, :, -1]" if rows else "[:, -1]"
@@ -320,16 +430,11 @@ def update_lines(ctx, L, plan, accs, last: str, rows: bool, kept=None) -> None:
                 assign_line(L, em, b.target, spec.state[b.target], value)
         for a in accs:
             L(f"{a.name} = None" if rows else f"{a.name} = torch.zeros_like({a.name})")
-        if spec.order == "write_read":   # the chunk's last token reads after the update
-            tail = "[:, :, -1:]" if rows else "[:, -1:]"
-            lastin = {n: f"{n}{tail}" for n in ctx.views + ctx.gates + ctx.let_order()}
-            if rows:
-                ol = ctx.emitter(names=lastin, rows=True)
-                L(f"o = torch.cat([o[:, :, :-1], {ol.emit(spec.read)}], dim=2)", "the last token reads the new state")
-            else:
-                new = {s: f"{s}.unsqueeze(1)" for s in ctx.states}
-                ol = ctx.emitter(names={**lastin, **new})
-                L(f"o = torch.cat([o[:, :-1], {ol.emit(spec.read)}], dim=1)", "the last token reads the new state")
+        if spec.order == "write_read" and not rows:   # the last token reads after the update
+            lastin = {n: f"{n}[:, -1:]" for n in ctx.views + ctx.gates + ctx.let_order()}
+            new = {s: f"{s}.unsqueeze(1)" for s in ctx.states}
+            ol = ctx.emitter(names={**lastin, **new})
+            L(f"o = torch.cat([o[:, :-1], {ol.emit(spec.read)}], dim=1)", "the last token reads the new state")
 
 
 def chunk_loss(ctx, L) -> None:
@@ -383,6 +488,22 @@ def chunk_step(ctx, L, plan, accs) -> None:
         update_lines(ctx, L, plan, accs, last, rows=False)
         L(f"return o, {tuple_text(carried)}")
     L()
+
+
+def _read_states(ctx) -> list:
+    """The states the read (through the model) reads."""
+    spec = ctx.spec
+    exprs = [spec.read] + ([spec.model.body] if spec.model is not None else [])
+    names = {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
+    return [s for s in ctx.states if s in names]
+
+
+def _head_major(L, inputs) -> None:
+    """Token-major rows [B, C, H, ...] as head-major views [B, H, C, ...]."""
+    if len(inputs) == 1:
+        L(f"{inputs[0]} = {inputs[0]}.transpose(1, 2)", "a head-major view [B, H, C, ...]")
+    else:
+        L(f"{', '.join(inputs)} = (x.transpose(1, 2) for x in {tuple_text(inputs)})", "head-major views [B, H, C, ...]")
 
 
 def _carried(ctx, accs, kept: dict) -> list:

@@ -113,7 +113,8 @@ def alternate(fns: dict, rounds: int, sync=lambda: None) -> dict:
 
 
 # the compiled step functions a generated module may carry (compile=True)
-COMPILED_STEPS = ("_token_fn", "_chunk_fn", "_update_fn", "_chunks_fn", "_chunked_fn")
+COMPILED_STEPS = ("_token_fn", "_chunk_fn", "_update_fn", "_chunks_fn", "_chunked_fn", "_read_fn",
+                  "_learn_fn")
 
 
 def _first_calls(run, schedules, device: str, failed) -> dict:
