@@ -35,7 +35,7 @@ def emit(ctx, L) -> None:
         raw, lets, rows = parts["step"]
         step = "_rows_step" if lets else "_update_step"
         kept = kept_norms(ctx, plan, accs)
-        forward(ctx, L, accs, rows=True, inputs=raw, kept=kept, parts=parts)
+        forward(ctx, L, accs, rows=True, kept=kept, parts=parts)
         if lets:
             lets_step(ctx, L, accs, kept, raw, lets, rows)
         rows_chunk_step(ctx, L, accs, kept, parts, step)
@@ -126,9 +126,10 @@ def splits_last(ctx) -> bool:
     return ctx.spec.order == "read_write"
 
 
-def forward(ctx, L, accs, rows: bool, inputs=None, kept=None, parts=None) -> None:
+def forward(ctx, L, accs, rows: bool, kept=None, parts=None) -> None:
+    """``_forward_apply_update``: the rows chunk step's calls (``rows``: with the carried norms
+    ``kept`` and the step's inputs ``parts``, :func:`step_parts`), else the token chunk step's."""
     taken = ctx.taken()
-    sv = inputs if rows else ctx.views + ctx.gates
     c, T, pos = (fresh(x, taken) for x in ("C", "T", "pos"))
     L(f"def _forward_apply_update(self, {', '.join(ctx.views + ctx.gates + ['state'])}):")
     with L.indent():
@@ -151,7 +152,7 @@ def forward(ctx, L, accs, rows: bool, inputs=None, kept=None, parts=None) -> Non
             outs = rows_calls(ctx, L, accs, kept, parts, taken, (c, T, pos))
         else:
             block_sums_in(ctx, L, pos, accs)
-            outs = token_calls(ctx, L, accs, sv, taken, (c, T, pos))
+            outs = token_calls(ctx, L, accs, ctx.views + ctx.gates, taken, (c, T, pos))
         L(f"state = {{{', '.join(f'{s!r}: {s}' for s in ctx.states)}}}")
         block_sums_out(ctx, L, pos, accs, c)
         L(f"return torch.cat({outs}, dim=1), state")
@@ -500,6 +501,8 @@ def _read_states(ctx) -> list:
 
 def _head_major(L, inputs) -> None:
     """Token-major rows [B, C, H, ...] as head-major views [B, H, C, ...]."""
+    if not inputs:
+        return
     if len(inputs) == 1:
         L(f"{inputs[0]} = {inputs[0]}.transpose(1, 2)", "a head-major view [B, H, C, ...]")
     else:
