@@ -633,7 +633,7 @@ class LactMemory(nn.Module):
                 # the last chunk under autograd, its update a graph of its own: a caller that drops
                 # the final state never runs that graph's backward
                 outputs.append(self._read_fn(W0, W1, W2, q_c))
-                W0, W1, W2, norm2_W0, norm2_W1, norm2_W2 = self._learn_fn(W0, W1, W2, norm2_W0,
+                (W0, W1, W2, norm2_W0, norm2_W1, norm2_W2) = self._learn_fn(W0, W1, W2, norm2_W0,
                         norm2_W1, norm2_W2, k_c, v_c, eta0_c, eta1_c, eta2_c)
             else:
                 # static shapes: one compiled chunk size
@@ -671,9 +671,9 @@ class LactMemory(nn.Module):
         far; norm2_W0, norm2_W1, norm2_W2: the squared column norms of W0, W1, W2; last: does this
         piece end the chunk.  Returns (o [B, C, H, d_v], the state, sums and norms after it). """
         o = self._rows_read(W0, W1, W2, qn)  # [B, C, H, d_v]: apply
-        W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2 = self._rows_learn(W0,
-                W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2, v, eta0, eta1,
-                eta2, kn, last)
+        (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1,
+                norm2_W2) = self._rows_learn(W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0,
+                norm2_W1, norm2_W2, v, eta0, eta1, eta2, kn, last)
         return o, (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2)
 
     def _rows_read(self, W0, W1, W2, qn):
@@ -724,7 +724,7 @@ class LactMemory(nn.Module):
             acc_W0_0 = None
             acc_W1_0 = None
             acc_W2_0 = None
-        return W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2
+        return (W0, W1, W2, acc_W0_0, acc_W1_0, acc_W2_0, norm2_W0, norm2_W1, norm2_W2)
 
     def _update_chunks(self, W0, W1, W2, norm2_W0, norm2_W1, norm2_W2, q, k, v, eta0, eta1, eta2):
         """Whole chunks from a chunk boundary, as in _update_step (their sums start empty and end
@@ -751,9 +751,9 @@ class LactMemory(nn.Module):
         _rows_learn.  Returns the state and its norms after it.
         """
         kn = l2norm(F.silu(k))  # [B, C, H, d_k]: the chunk's rows
-        W0, W1, W2, _, _, _, norm2_W0, norm2_W1, norm2_W2 = self._rows_learn(W0, W1, W2, None, None,
-                None, norm2_W0, norm2_W1, norm2_W2, v, eta0, eta1, eta2, kn, True)
-        return W0, W1, W2, norm2_W0, norm2_W1, norm2_W2
+        (W0, W1, W2, _, _, _, norm2_W0, norm2_W1, norm2_W2) = self._rows_learn(W0, W1, W2, None,
+                None, None, norm2_W0, norm2_W1, norm2_W2, v, eta0, eta1, eta2, kn, True)
+        return (W0, W1, W2, norm2_W0, norm2_W1, norm2_W2)
 
 
 class LactLayer(nn.Module):

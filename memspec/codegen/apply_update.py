@@ -199,7 +199,7 @@ def rows_calls(ctx, L, accs, kept, parts, taken, names) -> str:
                 L("# the final state never runs that graph's backward")
                 read = _read_states(ctx) + [piece[x] for x in parts["read"][0]]
                 L(f"{outs}.append(self._read_fn({', '.join(read)}))")
-                L(f"{', '.join(held)} = self._learn_fn({', '.join(held + [piece[x] for x in parts['learn'][0]])})")
+                L(f"{tuple_text(held)} = self._learn_fn({', '.join(held + [piece[x] for x in parts['learn'][0]])})")
         L("else:")
         with L.indent():
             L(f"fn = self._update_fn if {n} == {c} else self._update_step", "static shapes: one compiled chunk size")
@@ -301,7 +301,7 @@ def rows_chunk_step(ctx, L, accs, kept, parts, name) -> None:
     with L.indent():
         read = _read_states(ctx) + parts["read"][2]
         L(f"o = self._rows_read({', '.join(read)})", shape_text("B, C, H", ctx.read_shape()) + ": apply")
-        L(f"{', '.join(carried)} = self._rows_learn({', '.join(carried + parts['learn'][2] + [last])})")
+        L(f"{tuple_text(carried)} = self._rows_learn({', '.join(carried + parts['learn'][2] + [last])})")
         if ctx.spec.order == "write_read":   # the chunk's last token reads after the update
             L(f"if {last}:", "the last row reads the new state")
             with L.indent():
@@ -362,7 +362,7 @@ def rows_learn(ctx, L, plan, accs, kept, cgs, inputs) -> None:
             L(f"{a.name} = {_sum_text(refs)} if {a.name} is None else {a.name} {_signed(refs)}",
               shape_text("B, H", a.shape) + f": + sum_t {unparse(a.term)}")
         update_lines(ctx, L, plan, accs, last, rows=True, kept=kept)
-        L(f"return {', '.join(carried)}")
+        L(f"return {tuple_text(carried)}")
     L()
 
 
@@ -388,8 +388,8 @@ def last_chunk(ctx, L, accs, kept, parts) -> None:
         let_lines(ctx, L, lets, "B, C, H", "the chunk's rows")
         outs = ctx.states + ["_"] * len(accs) + list(kept.values())
         args = ctx.states + ["None"] * len(accs) + list(kept.values()) + rows + ["True"]
-        L(f"{', '.join(outs)} = self._rows_learn({', '.join(args)})")
-        L(f"return {', '.join(held)}")
+        L(f"{tuple_text(outs)} = self._rows_learn({', '.join(args)})")
+        L(f"return {tuple_text(held)}")
     L()
 
 
