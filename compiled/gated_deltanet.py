@@ -390,6 +390,18 @@ def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
     return S, starts, xs
 
 
+def _affine_steps(x, a, s):
+    """The states of the recurrence ``s_i = a_i * s_(i-1) + x_i`` over the pairs of ``x`` and ``a``
+    (tensors in token or block order, each ``a_i`` broadcasting to ``x_i``), from ``s`` (None:
+    ``s_0 = x_0``): a list, one state per pair.  One fused multiply-add a step (``addcmul``), each
+    state a new tensor (a write into one stacked tensor would copy it whole in the backward)."""
+    out = []
+    for x_i, a_i in zip(x, a):
+        s = x_i if s is None else torch.addcmul(x_i, a_i, s)
+        out.append(s)
+    return out
+
+
 def _stacked(xs):
     """n tensors ``[BH, ...]`` -> ``[n BH, ...]`` (the one tensor itself when n = 1)."""
     return torch.stack(xs).flatten(0, 1) if len(xs) > 1 else xs[0]
@@ -471,12 +483,8 @@ def _linear_scan(a, x, s0):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
     a = a.expand(B, C, H)
     if B * x[0, 0].numel() >= 4096 and not torch.compiler.is_compiling():
-        lift = (1,) * (x.dim() - 3)
-        out, s = [], s0
-        for x_i, a_i in zip(x.unbind(1), a.unbind(1)):
-            s = torch.addcmul(x_i, a_i.reshape(a_i.shape + lift), s)
-            out.append(s)
-        return torch.stack(out, 1)
+        a = a.reshape(a.shape + (1,) * (x.dim() - 3))
+        return torch.stack(_affine_steps(x.unbind(1), a.unbind(1), s0), 1)
     L, P = _decay_matrix(a.transpose(1, 2))                                # [B, H, C, C], [B, H, C]
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]

@@ -263,6 +263,18 @@ def _stack_finals(finals, back):
     return {k: v for k, v in out.items() if k not in ragged and k.split(".")[0] not in prefixes}
 
 
+def _affine_steps(x, a, s):
+    """The states of the recurrence ``s_i = a_i * s_(i-1) + x_i`` over the pairs of ``x`` and ``a``
+    (tensors in token or block order, each ``a_i`` broadcasting to ``x_i``), from ``s`` (None:
+    ``s_0 = x_0``): a list, one state per pair.  One fused multiply-add a step (``addcmul``), each
+    state a new tensor (a write into one stacked tensor would copy it whole in the backward)."""
+    out = []
+    for x_i, a_i in zip(x, a):
+        s = x_i if s is None else torch.addcmul(x_i, a_i, s)
+        out.append(s)
+    return out
+
+
 def _decay_matrix(a):
     """The weights of s_i = a_i s_(i-1) + x_i over the C tokens of a chunk: a [B, H, C] ->
     (L [B, H, C, C] with L[i, j] = a_(j+1) ... a_i on and below the diagonal and 0 above it,
@@ -288,12 +300,7 @@ def _row_scan(a, x, dim):
         x = torch.full_like(a, float(x))
     shape = torch.broadcast_shapes(x.shape, a.shape)
     x = x.expand(shape)
-    out, s = [], None
-    # unbind and one stack (a select or a write per step would copy the whole tensor in the
-    # backward)
-    for xi, ai in zip(x.unbind(dim), a.unbind(dim)):
-        s = xi if s is None else torch.addcmul(xi, ai, s)
-        out.append(s)
+    out = _affine_steps(x.unbind(dim), a.unbind(dim), None)   # unbind and one stack
     return torch.stack(out, -3).transpose(-3, -2) if dim == -2 else torch.stack(out, -1)
 
 
@@ -304,11 +311,8 @@ def _block_scan(a, x, s0):
     if not isinstance(a, torch.Tensor):
         a = torch.full(x.shape[:3], float(a), dtype=x.dtype, device=x.device)
     a = a.reshape(a.shape + (1,) * (x.dim() - a.dim()))
-    starts, s = [], s0
-    for xb, ab in zip(x.unbind(2), a.unbind(2)):
-        starts.append(s)
-        s = torch.addcmul(xb, ab, s)
-    return torch.stack(starts, 2), s
+    ends = _affine_steps(x.unbind(2), a.unbind(2), s0)
+    return torch.stack([s0] + ends[:-1], 2), ends[-1]
 
 
 def _finite_prefix(*xs):

@@ -2,7 +2,8 @@
 wrapper, and the scans of the mini-batch and cache schedules.
 
 Each is copied into a generated module with ``inspect.getsource`` (only those its code
-calls), so each uses only ``torch``, ``time`` and ``warnings`` and nothing of memspec.
+calls), so each uses only ``torch``, ``time`` and ``warnings`` and, of memspec, only the kernels'
+shared phases (:mod:`.phases`), which a module carries with the functions that call them.
 The language's functions are named after the functions of the spec language
 (``layernorm(x)`` in a spec is ``layernorm(x)`` in the generated code), which a spec can
 never use as identifiers; the others start with ``_``, which spec names cannot.
@@ -11,6 +12,8 @@ import time
 import warnings
 
 import torch
+
+from .phases import _affine_steps
 
 
 def layernorm(x, weight=None, bias=None):
@@ -295,12 +298,8 @@ def _linear_scan(a, x, s0):
         a = torch.full((B, C, H), float(a), dtype=x.dtype, device=x.device)
     a = a.expand(B, C, H)
     if B * x[0, 0].numel() >= 4096 and not torch.compiler.is_compiling():
-        lift = (1,) * (x.dim() - 3)
-        out, s = [], s0
-        for x_i, a_i in zip(x.unbind(1), a.unbind(1)):
-            s = torch.addcmul(x_i, a_i.reshape(a_i.shape + lift), s)
-            out.append(s)
-        return torch.stack(out, 1)
+        a = a.reshape(a.shape + (1,) * (x.dim() - 3))
+        return torch.stack(_affine_steps(x.unbind(1), a.unbind(1), s0), 1)
     L, P = _decay_matrix(a.transpose(1, 2))                                # [B, H, C, C], [B, H, C]
     xf = x.transpose(1, 2).reshape(B, H, C, -1)                            # [B, H, C, N]
     s = L @ xf + P.unsqueeze(-1) * s0.reshape(B, H, 1, -1)                 # [B, H, C, N]

@@ -13,7 +13,9 @@ that solve a system per chunk (delta, dplr, momentum, oja, solve) screen non-fin
 rule (:func:`_screen`), where a solve would otherwise carry a NaN to earlier tokens (the additive
 kernel has no solve: its masks keep a NaN causal, entry by entry as the token loop does).  The oja
 and chained kernels keep layouts of their own and pass their states with :func:`_pass_states`; the
-scan carries its chunks' end states by a scan of the same kind one level up.
+scan carries its chunks' end states by a scan of the same kind one level up.  The step
+recurrences along a chunk's tokens or blocks (the mini-batch's decayed sums, the per-channel dual
+form's rows and blocks) take one step each with :func:`_affine_steps`.
 
 Generated modules carry the functions their kernels call (copied by source: torch only).
 """
@@ -164,6 +166,18 @@ def _pass_states(step, n, S, docs=None, j0=0, true_state=None):
             docs.leave(j0 + j, S if true_state is None else true_state(j, S))
         xs.append(x)
     return S, starts, xs
+
+
+def _affine_steps(x, a, s):
+    """The states of the recurrence ``s_i = a_i * s_(i-1) + x_i`` over the pairs of ``x`` and ``a``
+    (tensors in token or block order, each ``a_i`` broadcasting to ``x_i``), from ``s`` (None:
+    ``s_0 = x_0``): a list, one state per pair.  One fused multiply-add a step (``addcmul``), each
+    state a new tensor (a write into one stacked tensor would copy it whole in the backward)."""
+    out = []
+    for x_i, a_i in zip(x, a):
+        s = x_i if s is None else torch.addcmul(x_i, a_i, s)
+        out.append(s)
+    return out
 
 
 def _stacked(xs):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .phases import _affine_steps
+
 
 def _row_scan(a, x, dim):
     """s_i = a_i * s_(i-1) + x_i along the token axis, from s_(-1) = 0: a [..., d, C] one decay
@@ -18,11 +20,7 @@ def _row_scan(a, x, dim):
         x = torch.full_like(a, float(x))
     shape = torch.broadcast_shapes(x.shape, a.shape)
     x = x.expand(shape)
-    out, s = [], None
-    # unbind and one stack (a select or a write per step would copy the whole tensor in the backward)
-    for xi, ai in zip(x.unbind(dim), a.unbind(dim)):
-        s = xi if s is None else torch.addcmul(xi, ai, s)
-        out.append(s)
+    out = _affine_steps(x.unbind(dim), a.unbind(dim), None)   # unbind and one stack
     return torch.stack(out, -3).transpose(-3, -2) if dim == -2 else torch.stack(out, -1)
 
 
@@ -33,8 +31,5 @@ def _block_scan(a, x, s0):
     if not isinstance(a, torch.Tensor):
         a = torch.full(x.shape[:3], float(a), dtype=x.dtype, device=x.device)
     a = a.reshape(a.shape + (1,) * (x.dim() - a.dim()))
-    starts, s = [], s0
-    for xb, ab in zip(x.unbind(2), a.unbind(2)):
-        starts.append(s)
-        s = torch.addcmul(xb, ab, s)
-    return torch.stack(starts, 2), s
+    ends = _affine_steps(x.unbind(2), a.unbind(2), s0)
+    return torch.stack([s0] + ends[:-1], 2), ends[-1]
