@@ -92,11 +92,14 @@ def test_compile_true_compiles_the_chunked_forward():
     comp.load_state_dict(eager.state_dict())
     T = 5 * 4 * SLICE_CHUNKS // 2
     ins = inputs(spec, eager, T=T, dtype=torch.float32)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         a, sa = eager(**ins, schedule="additive")
         b, sb = comp(**ins, schedule="additive")
     assert comp._chunked_fn.seconds is not None and comp._chunked_fn.compiled is not None
-    assert comp._chunked_fn.inference is not None   # no autograd on CPU: the C++ wrapper compiled
+    # no autograd on CPU: the C++ wrapper compiled (a failure warns and drops it)
+    assert comp._chunked_fn.inference is not None
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     for n in sa:
         torch.testing.assert_close(sb[n], sa[n], rtol=1e-5, atol=1e-5)

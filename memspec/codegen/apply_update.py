@@ -103,12 +103,10 @@ def step_parts(ctx, plan, cgs) -> dict:
 
 
 def _inputs_of(ctx, exprs, names: set) -> tuple[list, list, list]:
-    """(views and gates, lets, product inputs) of the expressions ``exprs`` (the model's body with
-    them) and the further ``names`` they read: as :func:`step_parts`."""
+    """(views and gates, lets, product inputs) of the expressions ``exprs`` and the further
+    ``names`` they read: as :func:`step_parts`."""
     spec = ctx.spec
-    if spec.model is not None:
-        exprs = exprs + [spec.model.body]
-    names = names | {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
+    names = names | _names(ctx, exprs)
     direct = set(names)
     for name in reversed(ctx.let_order()):   # the lets the step reads, and theirs
         if name in names:
@@ -248,9 +246,8 @@ def whole_chunks(ctx, L, accs, kept, raw, lets, rows, step) -> None:
         L(f"for {', '.join(pieces)}{',' if len(pieces) == 1 else ''} in zip(*(x.split(self.chunk, dim=1) "
           f"for x in {tuple_text(rows)})):")
         with L.indent():
-            args = ctx.states + ["None"] * len(accs) + list(kept.values()) + pieces + ["True"]
-            outs = ctx.states + ["_"] * len(accs) + list(kept.values())
-            L(f"o, ({', '.join(outs)}) = self.{step}({', '.join(args)})")
+            args, outs = _whole_chunk(ctx, accs, kept)
+            L(f"o, {tuple_text(outs)} = self.{step}({', '.join(args + pieces + ['True'])})")
             L("outputs.append(o)")
         L(f"return outputs, {tuple_text(held)}")
     L()
@@ -267,7 +264,7 @@ def lets_step(ctx, L, accs, kept, raw, lets, rows) -> None:
     """``_update_step`` of a spec with lets: the lets of the piece's rows, then ``_rows_step``."""
     carried = _carried(ctx, accs, kept)
     last = fresh("last", ctx.taken())
-    shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in raw)
+    shapes = _rows_text(ctx, raw)
     step_header(ctx, L, "_update_step", carried + raw + [last], accs, last, shapes, "B, C, H", kept)
     with L.indent():
         let_lines(ctx, L, lets, "B, C, H", "the piece's rows")
@@ -278,11 +275,12 @@ def lets_step(ctx, L, accs, kept, raw, lets, rows) -> None:
 def compiled_methods(ctx, plan) -> list:
     """The rows chunk step's further compiled methods: the groups of whole chunks; with
     :func:`splits_last`, the last chunk's read and its update."""
-    if rows_grads(ctx, plan) is None:
+    cgs = rows_grads(ctx, plan)
+    if cgs is None:
         return []
     more = [("_chunks_fn", "_update_chunks", False, "groups of whole chunks")]
     if splits_last(ctx):
-        read = "_read_chunk" if step_parts(ctx, plan, rows_grads(ctx, plan))["read"][1] else "_rows_read"
+        read = "_read_chunk" if step_parts(ctx, plan, cgs)["read"][1] else "_rows_read"
         more += [("_read_fn", read, False, "last chunk's read"),
                  ("_learn_fn", "_learn_chunk", False, "last chunk's update")]
     return more
@@ -296,7 +294,7 @@ def rows_chunk_step(ctx, L, accs, kept, parts, name) -> None:
     carried = _carried(ctx, accs, kept)
     last = fresh("last", taken)
     inputs = parts["step"][2]
-    shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
+    shapes = _rows_text(ctx, inputs)
     step_header(ctx, L, name, carried + inputs + [last], accs, last, shapes, "B, C, H", kept)
     with L.indent():
         read = _read_states(ctx) + parts["read"][2]
@@ -318,7 +316,7 @@ def rows_read(ctx, L, inputs) -> None:
     states = _read_states(ctx)
     L(f"def _rows_read(self, {', '.join(states + inputs)}):")
     with L.indent():
-        shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
+        shapes = _rows_text(ctx, inputs)
         L('"""' + f"The outputs of a chunk's rows {shapes}, each read at the held state "
           + ", ".join(states) + " [B, H, ...]: o " + shape_text("B, C, H", ctx.read_shape()) + '."""')
         _head_major(L, inputs)
@@ -337,7 +335,7 @@ def rows_learn(ctx, L, plan, accs, kept, cgs, inputs) -> None:
     last = fresh("last", taken)
     L(f"def _rows_learn(self, {', '.join(carried + inputs + [last])}):")
     with L.indent():
-        shapes = ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in inputs)
+        shapes = _rows_text(ctx, inputs)
         L('"""' + f"A chunk's (or a piece's) rows {shapes} learnt from at the held state: their "
           f"weighted gradient sums added to the chunk's; {last}: does the piece end the chunk (then the "
           "update runs).  Returns the state, sums" + (" and norms" if kept else "") + " after it (as taken).")
@@ -386,9 +384,8 @@ def last_chunk(ctx, L, accs, kept, parts) -> None:
         L("_rows_learn.  Returns the state" + (" and its norms" if kept else "") + " after it.")
         L('"""')
         let_lines(ctx, L, lets, "B, C, H", "the chunk's rows")
-        outs = ctx.states + ["_"] * len(accs) + list(kept.values())
-        args = ctx.states + ["None"] * len(accs) + list(kept.values()) + rows + ["True"]
-        L(f"{tuple_text(outs)} = self._rows_learn({', '.join(args)})")
+        args, outs = _whole_chunk(ctx, accs, kept)
+        L(f"{tuple_text(outs)} = self._rows_learn({', '.join(args + rows + ['True'])})")
         L(f"return {tuple_text(held)}")
     L()
 
@@ -491,12 +488,28 @@ def chunk_step(ctx, L, plan, accs) -> None:
     L()
 
 
+def _names(ctx, exprs) -> set:
+    """The names the expressions ``exprs`` read, the model's body (which they may call) with them."""
+    body = [ctx.spec.model.body] if ctx.spec.model is not None else []
+    return {n.id for e in exprs + body for n in e.walk() if isinstance(n, Name)}
+
+
 def _read_states(ctx) -> list:
     """The states the read (through the model) reads."""
-    spec = ctx.spec
-    exprs = [spec.read] + ([spec.model.body] if spec.model is not None else [])
-    names = {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
+    names = _names(ctx, [ctx.spec.read])
     return [s for s in ctx.states if s in names]
+
+
+def _rows_text(ctx, names) -> str:
+    """``x [B, C, H, d], ...``: the chunk's rows ``names`` with their shapes, for a docstring."""
+    return ", ".join(f"{x} " + shape_text("B, C, H", ctx.shape(Name(x))) for x in names)
+
+
+def _whole_chunk(ctx, accs, kept) -> tuple[list, list]:
+    """A whole chunk's call of the rows step from a chunk boundary: (its carried arguments, the
+    sums empty; the names its carried results bind, the sums, empty again, dropped)."""
+    return (ctx.states + ["None"] * len(accs) + list(kept.values()),
+            ctx.states + ["_"] * len(accs) + list(kept.values()))
 
 
 def _head_major(L, inputs) -> None:

@@ -112,11 +112,6 @@ def alternate(fns: dict, rounds: int, sync=lambda: None) -> dict:
     return times
 
 
-# the compiled step functions a generated module may carry (compile=True)
-COMPILED_STEPS = ("_token_fn", "_chunk_fn", "_update_fn", "_chunks_fn", "_chunked_fn", "_read_fn",
-                  "_learn_fn")
-
-
 def _first_calls(run, schedules, device: str, failed) -> dict:
     """The first (building / compiling) and second (warm-up) call of every schedule:
     {schedule: {first, second, mem}} (seconds, peak MB); a schedule that raises goes to
@@ -202,8 +197,8 @@ def bench_spec(spec, *, T: int = 2048, B: int = 1, H: int = 4, D: int = 64, devi
             "build_s": build_s,
             "first_call_s": x["first"],
             # with compile: the first (compiling) call of each compiled step function
-            "compile_s": {name: getattr(memory, name).seconds for name in COMPILED_STEPS
-                          if getattr(getattr(memory, name, None), "seconds", None) is not None} or None,
+            "compile_s": {name: fn.seconds for name, fn in vars(memory).items()
+                          if getattr(fn, "seconds", None) is not None} or None,
         }
         records.append(rec)
     online = next((r for r in records if r["schedule"] == "online" and "error" not in r), None)
